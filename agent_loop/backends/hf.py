@@ -1,0 +1,139 @@
+"""transformers backend: batches concurrent requests from many trajectories into one decode loop.
+
+Requests that arrive while a batch is running wait for the next batch. Sampling is done here (not by
+``model.generate``) so that each request has its own seeded generator, its own stop tokens and
+``max_tokens``, and its sampled tokens' logprobs come back without a second forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from agent_loop.types import GenerationResult, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k / top-p (nucleus) filtering of one row of logits (v,), as in HF's warpers."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class TransformersBackend:
+    """``Backend`` over a local causal LM (CPU by default).
+
+    Logprobs are those of the model's own distribution (temperature 1, before top-k/top-p), which is
+    what vLLM returns by default (``raw_logprobs``) and what the trainer recomputes.
+    """
+
+    def __init__(self, model, device: str = "cpu", max_batch_size: int = 64, pad_token_id: int = 0):
+        if isinstance(model, str) or hasattr(model, "__fspath__"):
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.model = model.to(device).eval()
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self._pending: list[_Request] = []
+        self._worker: asyncio.Task | None = None
+        self.weights_lock = threading.Lock()  # held while a batch decodes; a trainer takes it to swap weights
+        self.batch_sizes: list[int] = []  # size of every batch run, for metrics and tests
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new policy weights (the trainer's push after each step); waits for a running batch."""
+        with self.weights_lock, torch.no_grad():
+            self.model.load_state_dict(state_dict)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future())
+        self._pending.append(request)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._run_batches())
+        return await request.future
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0)  # let requests issued in the same tick join this batch
+            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            try:
+                await asyncio.to_thread(self._decode, batch)
+            except Exception as error:  # surface to every waiting caller; the loop maps it to finish "error"
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(error)
+                continue
+            for request in batch:
+                request.future.set_result(
+                    GenerationResult(request.token_ids, request.logprobs, request.finish_reason)
+                )
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[_Request]) -> None:
+        with self.weights_lock:
+            self.batch_sizes.append(len(batch))
+            longest = max(len(r.prompt_ids) for r in batch)
+            input_ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(batch), longest), dtype=torch.long)
+            for row, request in enumerate(batch):  # left padding: every prompt ends at the same column
+                input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+                attention[row, longest - len(request.prompt_ids) :] = 1
+            generators = []
+            for request in batch:
+                generator = torch.Generator()
+                generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else torch.seed())
+                generators.append(generator)
+
+            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+            cache = DynamicCache()
+            step_ids = input_ids
+            for _ in range(max(r.sampling.max_tokens for r in batch)):
+                position_ids = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+                out = self.model(
+                    input_ids=step_ids, attention_mask=attention, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True,
+                )
+                logits = out.logits[:, -1, :].float().cpu()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                next_ids = torch.full((len(batch),), self.pad_token_id, dtype=torch.long)
+                for row, request in enumerate(batch):
+                    if request.finish_reason is not None:
+                        continue
+                    token = self._sample(logits[row], request.sampling, generators[row])
+                    next_ids[row] = token
+                    request.token_ids.append(token)
+                    request.logprobs.append(float(logprobs[row, token]))
+                    if token in request.sampling.stop_token_ids:
+                        request.finish_reason = "stop"
+                    elif len(request.token_ids) >= request.sampling.max_tokens:
+                        request.finish_reason = "length"
+                if all(r.finish_reason is not None for r in batch):
+                    break
+                step_ids = next_ids.unsqueeze(1).to(self.device)
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+        if sampling.temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))

@@ -1,0 +1,27 @@
+"""Trajectories -> batch tensors (the bridge from the rollout side to ``masking``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from agent_loop.types import Trajectory
+from masking import collate
+
+
+def trajectories_to_batch(
+    trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Collate trajectories into the batch tensors of DESIGN.md section 2 (see ``masking.collate``)."""
+    return collate(
+        prompt_ids=[t.prompt_ids for t in trajectories],
+        response_ids=[t.response_ids for t in trajectories],
+        spans=[t.spans for t in trajectories],
+        turn_ids=[t.turn_ids for t in trajectories],
+        logprobs=[t.logprobs for t in trajectories],
+        rewards=[t.reward for t in trajectories],
+        turn_rewards=[t.turn_rewards for t in trajectories],
+        pad_token_id=pad_token_id,
+        dtype=dtype,
+    )

@@ -1,0 +1,122 @@
+"""The records and protocols every part of the rollout side shares (DESIGN.md sections 2, 5, 6).
+
+Kept in one small file so that backends, tools, tasks, the loop, the runners and the inspector
+agree on one shape of data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+
+# finish_reason values of a Trajectory (DESIGN.md section 5)
+FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error")
+
+# error kinds of a tool call, each counted in Trajectory.metrics["tool_errors"]
+TOOL_ERROR_KINDS = ("malformed_json", "unknown_tool", "invalid_arguments", "exception", "timeout")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings shared by every backend."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerationResult(NamedTuple):
+    """What a backend returns for one request: the sampled ids, their sampling logprobs, and why it stopped.
+
+    finish_reason is "stop" (a stop token was sampled; it is the last id) or "length" (max_tokens reached).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Token-in, token-out generation. Implementations must be safe to call concurrently from many tasks."""
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult: ...
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call the model made, and what came of it."""
+
+    name: str
+    arguments: Any  # dict when the call parsed; the raw text otherwise
+    turn: int
+    result: str | None = None
+    error_kind: str | None = None  # one of TOOL_ERROR_KINDS, None on success
+    error: str | None = None  # human-readable message (also what the model reads)
+    latency_s: float = 0.0
+
+
+@dataclass
+class Trajectory:
+    """One episode, unpadded. Lists are per response token unless said otherwise."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    spans: list[int]  # masking.SpanKind values
+    turn_ids: list[int]  # index of the assistant turn a token belongs to
+    logprobs: list[float]  # sampling logprob on ASSISTANT tokens, 0.0 elsewhere
+    messages: list[dict]  # the chat as messages, tool calls and tool results included
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    reward: float = 0.0  # outcome reward
+    turn_rewards: list[float] | None = None  # optional reward per assistant turn
+    finish_reason: str = "stop"
+    truncated: bool = False
+    metrics: dict = field(default_factory=dict)  # timings, token counts, tool error counts
+    info: dict = field(default_factory=dict)  # task name, episode index, seed, answer, success, model path
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trajectory":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        missing = {"prompt_ids", "response_ids", "spans", "turn_ids", "logprobs", "messages"} - set(data)
+        if unknown or missing:
+            raise ValueError(f"not a Trajectory: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        data = dict(data)
+        data["tool_calls"] = [ToolCallRecord(**c) for c in data.get("tool_calls", [])]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Trajectory":
+        return cls.from_dict(json.loads(line))
+
+
+@dataclass
+class Episode:
+    """One instance of a task: the opening chat, the tools it may use, and what is needed to score it."""
+
+    messages: list[dict]
+    tools: list[Callable]  # plain Python functions (sync or async) with type hints and a docstring
+    answer: Any = None
+    info: dict = field(default_factory=dict)
+
+
+class Task(Protocol):
+    """An environment: makes episodes and scores them."""
+
+    name: str
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        """Deterministic in (index, seed)."""
+        ...
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        """Outcome reward of a finished episode (1.0 success, 0.0 failure for the built-in tasks)."""
+        ...

@@ -1,0 +1,100 @@
+"""Unpadded per-trajectory lists <-> the padded batch tensors of DESIGN.md section 2 (verl DataProto layout).
+
+Prompts are left-padded and responses right-padded, so ``input_ids = cat(prompts, responses)`` has
+every sequence's prompt end at the same column, as verl's actor expects.
+"""
+
+from typing import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from masking.rewards import place_rewards
+from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
+from masking.validate import validate_spans
+
+
+def _pad(rows: Sequence[Sequence], dtype: torch.dtype, value, side: str = "right") -> torch.Tensor:
+    tensors = [torch.as_tensor(list(row), dtype=dtype) for row in rows]
+    return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
+
+
+def collate(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    spans: Sequence[Sequence[int]],
+    turn_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    turn_rewards: Sequence[Sequence[float] | None] | None = None,
+    pad_token_id: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Pad b trajectories into batch tensors.
+
+    Returns a dict with ``responses`` (b, t) long, ``spans`` (b, t) int8, ``response_mask`` (b, t),
+    ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t), ``token_level_rewards`` (b, t)
+    (outcome reward on the last ASSISTANT token, per-turn rewards on each turn's last ASSISTANT
+    token), ``prompts`` (b, p) left-padded, ``input_ids`` (b, p + t), ``attention_mask`` (b, p + t)
+    and ``position_ids`` (b, p + t).
+
+    Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid.
+    """
+    b = len(response_ids)
+    for name, rows in (("prompt_ids", prompt_ids), ("spans", spans), ("turn_ids", turn_ids),
+                       ("logprobs", logprobs), ("rewards", rewards)):
+        if len(rows) != b:
+            raise ValueError(f"{name} has {len(rows)} rows, response_ids has {b}")
+    for row in range(b):
+        n = len(response_ids[row])
+        for name, rows in (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs)):
+            if len(rows[row]) != n:
+                raise ValueError(f"row {row}: {name} has {len(rows[row])} entries, response_ids has {n}")
+        if n and SpanKind.PAD in spans[row]:
+            raise ValueError(f"row {row}: position {list(spans[row]).index(SpanKind.PAD)} is PAD inside an unpadded response")
+
+    span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
+    validate_spans(span_tensor)
+    responses = _pad(response_ids, torch.long, pad_token_id)
+    turn_tensor = _pad(turn_ids, torch.int16, -1)
+    prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
+    prompt_attention = _pad([[1] * len(p) for p in prompt_ids], torch.long, 0, side="left")
+
+    per_turn = None
+    if turn_rewards is not None and any(r is not None for r in turn_rewards):
+        per_turn = _pad([r or [] for r in turn_rewards], dtype, 0.0)
+    token_level_rewards = place_rewards(
+        span_tensor, torch.as_tensor(list(rewards), dtype=dtype), turn_tensor, per_turn, dtype=dtype
+    )
+
+    attention_mask = torch.cat([prompt_attention, (span_tensor != SpanKind.PAD).long()], dim=1)
+    return {
+        "responses": responses,
+        "spans": span_tensor,
+        "response_mask": response_mask_from_spans(span_tensor, dtype),
+        "turn_ids": turn_tensor,
+        "old_logprobs": _pad(logprobs, dtype, 0.0),
+        "token_level_rewards": token_level_rewards,
+        "prompts": prompts,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
+    }
+
+
+def uncollate(batch: dict[str, torch.Tensor]) -> list[dict[str, list]]:
+    """Inverse of :func:`collate` for the per-token lists: one dict per row with ``prompt_ids``,
+    ``response_ids``, ``spans``, ``turn_ids`` and ``logprobs``, padding removed."""
+    prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(1).tolist()
+    response_lengths = (batch["spans"] != SpanKind.PAD).sum(1).tolist()
+    rows = []
+    for row, (p, n) in enumerate(zip(prompt_lengths, response_lengths)):
+        p_start = batch["prompts"].shape[1] - p
+        rows.append({
+            "prompt_ids": batch["prompts"][row, p_start:].tolist(),
+            "response_ids": batch["responses"][row, :n].tolist(),
+            "spans": batch["spans"][row, :n].tolist(),
+            "turn_ids": batch["turn_ids"][row, :n].tolist(),
+            "logprobs": batch["old_logprobs"][row, :n].tolist(),
+        })
+    return rows

