@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from agent_loop.chat import ChatFormatter
 from agent_loop.parsers import parser_for_template
-from agent_loop.tools import Toolbox, tool_messages
+from agent_loop.tools import ToolExecutor, tool_messages
 from agent_loop.types import Backend, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory
 from masking.spans import SpanKind
 
@@ -88,9 +88,9 @@ async def run_episode(
     config = config or LoopConfig()
     started = time.perf_counter()
     episode = task.make_episode(index, seed)
-    toolbox = Toolbox(episode.tools)
+    toolbox = ToolExecutor(episode.tools)
     formatter = ChatFormatter(tokenizer, tools=toolbox.schemas)
-    parser = parser_for_template(formatter.chat_template)
+    parser = parser_for_template(formatter.chat_template or tokenizer.chat_template)
     messages = [dict(m) for m in episode.messages]
     prompt_ids = formatter.prompt_ids(messages)
 
@@ -122,27 +122,30 @@ async def run_episode(
         logprobs += result.logprobs
         turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
 
-        text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
-        parsed = parser.parse(text, stop_strings=tokenizer.convert_ids_to_tokens(formatter.end_of_turn_ids))
-        messages.append(parsed.assistant_message())
+        stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
+        text = tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
+        parsed = parser(text)
+        if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
+            messages.append(formatter.assistant_message(text))
+        else:
+            messages.append(formatter.assistant_message(
+                parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls] or None))
         if result.finish_reason == "length":
             finish_reason, truncated = "length", True
             break
-        if not parsed.calls:
+        if not parsed.calls and not parsed.errors:
             finish_reason = "stop"
             break
         if turn == config.max_turns - 1:
             break  # no turn left to read the results: finish "max_turns"
 
         t0 = time.perf_counter()
-        outcomes = await toolbox.execute(parsed.calls, config.tool_timeout_s, config.max_parallel_tool_calls)
+        outcomes = await toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
+                                         max_parallel=config.max_parallel_tool_calls)
         timings["tools_s"] += time.perf_counter() - t0
-        for outcome in outcomes:
-            outcome.turn = turn
         records += outcomes
         new_messages = tool_messages(outcomes)
-        limit = min(config.max_observation_tokens, config.max_response_tokens - len(response_ids) - 1)
-        observation, new_messages, cut = _fit_observation(formatter, new_messages, max(limit, 0))
+        observation, new_messages, cut = _fit_observation(formatter, new_messages, config.max_observation_tokens)
         observation_truncations += cut
         messages += new_messages
         if len(response_ids) + len(observation) >= config.max_response_tokens:

@@ -1,0 +1,87 @@
+"""Tool-call parsers on text rendered by the real chat templates, and on malformed calls."""
+
+from pathlib import Path
+
+import pytest
+
+from agent_loop.parsers import ParsedCall, parse_hermes, parse_llama3_json, parser_for_template
+
+TEMPLATES = Path(__file__).parents[2] / "shared" / "chat_templates"
+needs_shared = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"real templates not present under {TEMPLATES}")
+
+CALLS = [ParsedCall("calculator", {"expression": "2+3"}), ParsedCall("lookup", {"key": "née", "n": [1, 2.5]})]
+
+
+def rendered_assistant_text(template_name: str, calls: list[ParsedCall], content: str) -> str:
+    """The assistant turn's text as the real template renders it (between the generation prompt and the end-of-turn)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = _compile_jinja_template((TEMPLATES / template_name).read_text())
+    user = [{"role": "user", "content": "hi"}]
+    assistant = {"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    prompt = template.render(messages=user, add_generation_prompt=True, bos_token="")
+    full = template.render(messages=user + [assistant], add_generation_prompt=False, bos_token="")
+    assert full.startswith(prompt)
+    return full[len(prompt):]
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["qwen2.5-7b-instruct.jinja", "qwen3-0.6b.jinja", "vllm_tool_chat_template_hermes.jinja"])
+def test_hermes_parses_real_rendered_calls(name):
+    text = rendered_assistant_text(name, CALLS, "Let me compute.").split("<|im_end|>")[0]
+    turn = parser_for_template((TEMPLATES / name).read_text())(text)
+    assert turn.calls == CALLS and turn.errors == []
+    assert "<tool_call>" not in turn.content and "calculator" not in turn.content
+    assert turn.content.endswith("Let me compute.") == ("Let me compute." in text)  # vLLM's hermes drops content next to calls
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["llama-3.1-8b-instruct.jinja", "vllm_tool_chat_template_llama3.1_json.jinja"])
+def test_llama3_json_parses_real_rendered_call(name):
+    text = rendered_assistant_text(name, CALLS[:1], "").split("<|eot_id|>")[0].split("<|end_header_id|>")[-1]
+    assert parser_for_template((TEMPLATES / name).read_text()) is parse_llama3_json
+    turn = parse_llama3_json(text)
+    assert turn.calls == CALLS[:1] and turn.errors == [] and turn.content == ""
+
+
+def test_llama3_json_python_tag_and_several_calls():
+    turn = parse_llama3_json('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2+3"}}; '
+                             '{"name": "lookup", "parameters": {"key": "née", "n": [1, 2.5]}}')
+    assert turn.calls == CALLS and turn.errors == []
+
+
+def test_llama3_json_plain_answer_is_content():
+    turn = parse_llama3_json(" The answer is 5. ")
+    assert turn.calls == [] and turn.errors == [] and turn.content == "The answer is 5."
+
+
+@pytest.mark.parametrize("text, message", [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}</tool_call>', "malformed JSON"),
+    ('<tool_call>{"name": "calculator", "arguments": "{bad"}</tool_call>', "malformed JSON in tool call arguments"),
+    ('<tool_call>["calculator"]</tool_call>', 'string "name"'),
+    ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "must be a JSON object"),
+])
+def test_hermes_malformed_calls_are_error_items(text, message):
+    turn = parse_hermes("Thinking. " + text + ' <tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>')
+    assert turn.calls == [ParsedCall("lookup", {"key": "a"})]
+    assert len(turn.errors) == 1 and message in turn.errors[0].error
+    assert turn.errors[0].raw == text.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    assert turn.content == "Thinking."
+
+
+def test_hermes_unclosed_call_and_string_arguments():
+    turn = parse_hermes('<tool_call>\n{"name": "calculator", "arguments": "{\\"expression\\": \\"2+3\\"}"}\n')
+    assert turn.calls == CALLS[:1] and turn.errors == [] and turn.content == ""
+
+
+def test_llama3_json_malformed_is_error_item():
+    turn = parse_llama3_json('{"name": "calculator", "parameters": {"expression": ')
+    assert turn.calls == [] and len(turn.errors) == 1 and "malformed JSON" in turn.errors[0].error
+
+
+@needs_shared
+def test_parser_for_template_rejects_unknown_format():
+    with pytest.raises(ValueError, match="no tool-call parser"):
+        parser_for_template((TEMPLATES / "gemma-2-2b-it.jinja").read_text())
