@@ -138,7 +138,24 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(argv: list[str]) -> int:
+    from agent_loop.inspect import main as inspect_main
+
+    return inspect_main(argv)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from trainer.cli import main as train_main
+
+    return train_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # inspect and train own their options; hand them the rest of the command line unchanged
+    delegated = {"inspect": cmd_inspect, "train": cmd_train}
+    if argv and argv[0] in delegated:
+        return delegated[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="agent-loop", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -148,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--out", default="runs/rollouts.jsonl")
     rollout.add_argument("--gamma", type=float, default=1.0)
     rollout.set_defaults(run=cmd_rollout)
+    commands.add_parser("inspect", help="see spans, rewards, returns and advantages token by token (--help)")
+    commands.add_parser("train", help="train the policy with RL on a task (--help)")
 
-    args, rest = parser.parse_known_args(argv)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     return args.run(args)
 
 

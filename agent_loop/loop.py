@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -43,6 +45,18 @@ def request_seed(seed: int, index: int, turn: int) -> int:
     """A stable per-request sampling seed, so an episode replays the same whatever runs beside it."""
     digest = hashlib.blake2b(f"{seed}:{index}:{turn}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+# One formatter per (tokenizer, tool schemas): it caches its template probes across episodes.
+_FORMATTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _formatter(tokenizer, schemas: list[dict]) -> ChatFormatter:
+    by_schemas = _FORMATTERS.setdefault(tokenizer, {})
+    key = json.dumps(schemas, sort_keys=True)
+    if key not in by_schemas:
+        by_schemas[key] = ChatFormatter(tokenizer, tools=schemas)
+    return by_schemas[key]
 
 
 async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams,
@@ -89,7 +103,7 @@ async def run_episode(
     started = time.perf_counter()
     episode = task.make_episode(index, seed)
     toolbox = ToolExecutor(episode.tools)
-    formatter = ChatFormatter(tokenizer, tools=toolbox.schemas)
+    formatter = _formatter(tokenizer, toolbox.schemas)
     parser = parser_for_template(formatter.chat_template or tokenizer.chat_template)
     messages = [dict(m) for m in episode.messages]
     prompt_ids = formatter.prompt_ids(messages)

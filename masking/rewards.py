@@ -8,7 +8,9 @@ from masking.spans import SpanKind
 def last_assistant_index(spans: torch.Tensor) -> torch.Tensor:
     """``(b, t)`` spans -> ``(b,)`` long index of each row's last ASSISTANT token, -1 where there is none."""
     positions = torch.arange(spans.shape[1], device=spans.device).expand_as(spans)
-    return torch.where(spans == SpanKind.ASSISTANT, positions, -1).amax(dim=1)
+    # the -1 column keeps amax defined for t == 0 (a batch where no episode produced a token)
+    marked = torch.where(spans == SpanKind.ASSISTANT, positions, -1)
+    return torch.cat([marked, marked.new_full((marked.shape[0], 1), -1)], dim=1).amax(dim=1)
 
 
 def last_assistant_index_per_turn(spans: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:

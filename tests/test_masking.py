@@ -67,6 +67,13 @@ def test_last_assistant_indices():
     assert last_assistant_index_per_turn(spans, turns, 3).tolist() == [[1, 3, -1], [-1, -1, -1], [1, 3, 5]]
 
 
+def test_batch_without_any_response_token():
+    batch = collate([[1], [2, 3]], [[], []], [[], []], [[], []], [[], []], [0.0, 0.0])
+    assert batch["responses"].shape == (2, 0) and last_assistant_index(batch["spans"]).tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="row 0"):
+        collate([[1]], [[]], [[]], [[]], [[]], [1.0])
+
+
 def test_place_rewards_outcome_and_turns():
     spans = torch.tensor([[A, A, O, A, P]], dtype=torch.int8)
     turns = torch.tensor([[0, 0, 0, 1, -1]])

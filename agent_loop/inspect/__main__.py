@@ -1,0 +1,5 @@
+import sys
+
+from agent_loop.inspect import main
+
+sys.exit(main())

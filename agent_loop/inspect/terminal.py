@@ -1,0 +1,189 @@
+"""Terminal view (rich): each episode as its turns, tokens coloured by span, tool calls, optional
+per-token value tables and the estimator comparison."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from agent_loop.inspect.tokens import Segment, is_success, show_whitespace, turns
+from agent_loop.inspect.values import ESTIMATORS, compare_summary
+from agent_loop.inspect.view import InspectView
+from masking.spans import SpanKind
+
+# two shades per span so that neighbouring tokens stay distinguishable
+TOKEN_STYLES = {
+    SpanKind.ASSISTANT: ("black on #9be59b", "black on #c9f2c9"),
+    SpanKind.OBSERVATION: ("#303030 on #d0d0d0", "#303030 on #e6e6e6"),
+}
+PROMPT_CHARS = 160  # the end of the prompt: the question and the generation prompt
+
+
+def _fmt(x: float) -> str:
+    return f"{x:+.3f}" if x else "0"
+
+
+def legend() -> Text:
+    text = Text("tokens: ")
+    text.append(" assistant ", style=TOKEN_STYLES[SpanKind.ASSISTANT][0])
+    text.append(" ")
+    text.append(" observation ", style=TOKEN_STYLES[SpanKind.OBSERVATION][0])
+    text.append("  (↵ newline; shades alternate per token)", style="dim")
+    return text
+
+
+def episode_header(view: InspectView, row: int) -> Text:
+    traj = view.trajectories[row]
+    n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
+    status = Text("success", style="bold green") if is_success(traj) else Text("failed", style="bold red")
+    header = Text.assemble(
+        (f"episode {row}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
+        f" · finish {traj.finish_reason}{' (truncated)' if traj.truncated else ''}",
+        f" · {len(set(traj.turn_ids))} turns · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation tokens",
+    )
+    if traj.info.get("task"):
+        header.append(f" · task {traj.info['task']}")
+    return header
+
+
+def segment_text(view: InspectView, row: int, segment: Segment) -> Text:
+    """The tokens of one segment, each with its span colour."""
+    pieces = view.pieces[row]
+    text = Text()
+    for k, pos in enumerate(range(segment.start, segment.end)):
+        text.append(show_whitespace(pieces[pos]), style=TOKEN_STYLES[SpanKind(segment.span)][k % 2])
+    return text
+
+
+def tool_table(view: InspectView, row: int, turn: int) -> Table | None:
+    calls = [c for c in view.trajectories[row].tool_calls if c.turn == turn]
+    if not calls:
+        return None
+    table = Table(title=f"tool calls of turn {turn}", title_justify="left", expand=True, show_lines=False)
+    for name, ratio in (("tool", 1), ("arguments", 3), ("result / error", 4), ("latency", 1)):
+        table.add_column(name, ratio=ratio, overflow="fold")
+    for call in calls:
+        outcome = (Text(f"{call.error_kind}: {call.error}", style="bold red") if call.error_kind
+                   else Text(str(call.result)))
+        table.add_row(call.name, str(call.arguments), outcome, f"{call.latency_s * 1000:.1f} ms")
+    return table
+
+
+def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> Table:
+    """One row per assistant token; each observation run collapsed into one row (its returns are 0
+    and the running return is carried through it unchanged)."""
+    v = view.values
+    table = Table(title=f"values of turn {turn} (gamma {v.gamma:g})", title_justify="left", expand=True)
+    for name in ("pos", "token", "id", "logprob", "reward", "return", "advantage"):
+        table.add_column(name, justify="left" if name == "token" else "right", overflow="fold")
+    ids = view.trajectories[row].response_ids
+    for seg in segs:
+        if seg.span != SpanKind.ASSISTANT:
+            table.add_row(f"{seg.start}-{seg.end - 1}", f"observation × {seg.end - seg.start}", "", "", "", "0", "0",
+                          style="dim")
+            continue
+        for pos in range(seg.start, seg.end):
+            table.add_row(
+                str(pos), repr(view.pieces[row][pos]), str(ids[pos]),
+                f"{float(v.batch['old_logprobs'][row, pos]):.3f}",
+                _fmt(float(v.token_level_rewards[row, pos])),
+                _fmt(float(v.returns[row, pos])), _fmt(float(v.advantages[row, pos])),
+            )
+    return table
+
+
+def episode(view: InspectView, row: int, values: bool = False) -> Group:
+    """Header, prompt, then each turn: its tokens, its tool calls and (``values``) its value table."""
+    traj = view.trajectories[row]
+    prompt = view.prompts[row].replace("\n", "↵")
+    if len(prompt) > PROMPT_CHARS:
+        prompt = "…" + prompt[-PROMPT_CHARS:]
+    parts: list = [Rule(style="bold"), episode_header(view, row),
+                   Text(f"prompt ({len(traj.prompt_ids)} tokens): ", style="bold").append(prompt, style="dim")]
+    for turn, segs in turns(traj):
+        parts.append(Rule(f"turn {turn}", style="cyan", align="left"))
+        body = Text()
+        for seg in segs:
+            body.append_text(segment_text(view, row, seg))
+        parts.append(body)
+        table = tool_table(view, row, turn)
+        if table is not None:
+            parts.append(table)
+        if values:
+            parts.append(value_table(view, row, turn, segs))
+    if traj.turn_rewards is not None:
+        parts.append(Text(f"turn rewards: {traj.turn_rewards}"))
+    return Group(*parts)
+
+
+def batch_summary(view: InspectView) -> Table:
+    trajs = view.trajectories
+    table = Table(title=f"{view.source}: {len(trajs)} episodes", title_justify="left")
+    table.add_column("success rate", justify="right")
+    table.add_column("mean reward", justify="right")
+    table.add_column("finish reasons")
+    table.add_column("tool errors", justify="right")
+    table.add_column("assistant / observation tokens", justify="right")
+    spans = view.values.batch["spans"]
+    finish = Counter(t.finish_reason for t in trajs)
+    errors = sum(1 for t in trajs for c in t.tool_calls if c.error_kind)
+    table.add_row(
+        f"{sum(map(is_success, trajs)) / len(trajs):.0%}",
+        f"{sum(t.reward for t in trajs) / len(trajs):.3f}",
+        ", ".join(f"{k} {n}" for k, n in finish.most_common()),
+        str(errors),
+        f"{int((spans == SpanKind.ASSISTANT).sum())} / {int((spans == SpanKind.OBSERVATION).sum())}",
+    )
+    return table
+
+
+def estimator_table(view: InspectView) -> Table:
+    """One row per estimator: how far its returns on the batch's assistant tokens are from carry-through."""
+    table = Table(title=f"return estimators on this batch (gamma {view.values.gamma:g}, assistant tokens)",
+                  title_justify="left")
+    for name in ("estimator", "what it does", "mean return", "tokens that differ", "mean |diff| vs carry-through"):
+        table.add_column(name, justify="left" if name in ("estimator", "what it does") else "right")
+    for e in compare_summary(view.values):
+        table.add_row(e.name, e.description, f"{e.mean_return:.4f}",
+                      Text(f"{e.differing_tokens} / {e.assistant_tokens}", style="bold red" if e.differing_tokens else "green"),
+                      f"{e.mean_abs_diff:.4f}")
+    return table
+
+
+def compare_table(view: InspectView, row: int) -> Table:
+    """Per segment of the episode: the return at its first and last token under each estimator."""
+    v = view.values
+    table = Table(title=f"episode {row}: returns per segment (first → last token)", title_justify="left", expand=True)
+    for name in ("turn", "span", "positions"):
+        table.add_column(name)
+    for name in ESTIMATORS:
+        table.add_column(name, justify="right")
+    for _, segs in turns(view.trajectories[row]):
+        for seg in segs:
+            cells = []
+            for name in ESTIMATORS:
+                first, last = (float(v.compare[name][row, p]) for p in (seg.start, seg.end - 1))
+                differs = bool(v.differs(name)[row, seg.start:seg.end].any())
+                cells.append(Text(f"{first:.3f} → {last:.3f}".replace("-0.000", "0.000"),
+                                  style="bold red" if differs else ""))
+            table.add_row(str(seg.turn), seg.span_name, f"{seg.start}-{seg.end - 1}", *cells)
+    return table
+
+
+def render(view: InspectView, console: Console, values: bool = False, compare: bool = False) -> None:
+    """Print the batch summary (load problems are the caller's to report), then each selected episode (and the comparison when ``compare``)."""
+    console.print(batch_summary(view))
+    if compare:
+        console.print(estimator_table(view))
+    console.print(legend())
+    for row in view.selected:
+        console.print(episode(view, row, values=values))
+        if compare:
+            console.print(compare_table(view, row))
+    if not view.selected:
+        console.print(Panel("no episode matches the selection", style="yellow"))
