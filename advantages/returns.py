@@ -1,0 +1,216 @@
+"""Carry-through discounted returns and GAE for multi-turn trajectories (DESIGN.md section 3).
+
+Scanning right to left with a running return ``R`` (0 at the right end):
+
+=============  ========================  ===========
+span at t      R becomes                 returns[t]
+=============  ========================  ===========
+ASSISTANT      ``r_t + gamma * R``       the new R
+OBSERVATION    unchanged (carried)       0
+PAD            0 (episode boundary)      0
+=============  ========================  ===========
+
+Mask-only input (``spans=None``) treats every 0 of ``response_mask`` as OBSERVATION: exactly verl
+after PR #7300 (REINFORCE++) and PR #2337 (GAE). PAD only trails a row (``validate=True`` checks
+it), so ``R`` is already 0 there and the torch scans need only the mask; with ``validate=False`` an
+interior PAD (invalid input) is treated like an OBSERVATION by the torch scans and as a reset by
+the Triton kernels. The two historical bugs are kept for ablations and inspection:
+:func:`returns_reset_at_observation` (verl before PR #7300) and :func:`returns_ignore_mask`.
+
+On CUDA, :mod:`advantages.triton_kernels` runs the same scans as one fused kernel when Triton is
+importable; everywhere else the torch scans of :mod:`advantages.scan` run.
+"""
+
+import functools
+
+import torch
+
+from advantages.scan import by_row_blocks, carry_scan, fill_from_right
+from advantages.stats import masked_whiten
+from masking.spans import SPAN_DTYPE, SpanKind, spans_from_response_mask
+from masking.validate import check_same_shape, validate_response_mask, validate_spans, validate_token_level_rewards
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_discount(name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` is a Python number in ``[0, 1]`` (a tensor would need a host sync)."""
+    if isinstance(value, torch.Tensor) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def check_batch(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    spans: torch.Tensor | None,
+    validate: bool,
+) -> None:
+    """Check a batch before a scan; shapes always (free), values only with ``validate``.
+
+    ``validate`` (one host sync per check) raises ValueError naming row and position for unknown
+    span values, PAD before a non-PAD token, a mask that is not 0/1 or disagrees with the spans,
+    NaN/inf rewards, and a nonzero reward on a non-ASSISTANT token (it would be lost).
+    """
+    check_same_shape("response_mask", response_mask, "token_level_rewards", token_level_rewards)
+    if spans is not None:
+        check_same_shape("spans", spans, "token_level_rewards", token_level_rewards)
+    if not validate:
+        return
+    validate_response_mask(response_mask)
+    if spans is None:
+        spans = spans_from_response_mask(response_mask)
+    else:
+        validate_spans(spans)
+        disagree = response_mask.bool() != (spans == SpanKind.ASSISTANT)
+        if bool(disagree.any()):
+            row, pos = torch.nonzero(disagree)[0].tolist()
+            raise ValueError(
+                f"response_mask is {float(response_mask[row, pos])} at row {row}, position {pos} but the span there "
+                f"is {SpanKind(int(spans[row, pos])).name}; the mask must equal (spans == ASSISTANT)"
+            )
+    validate_token_level_rewards(token_level_rewards, spans)
+
+
+def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """The ASSISTANT mask as 0/1 floats of the scan dtype: float64 stays float64, float32, float16
+    and bfloat16 scan in float32. The mask equals ``spans == ASSISTANT`` (validated), so the torch
+    scans need only the mask."""
+    if not rewards.dtype.is_floating_point:
+        raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
+    return response_mask.to(torch.promote_types(rewards.dtype, torch.float32))
+
+
+def _spans(response_mask: torch.Tensor, spans: torch.Tensor | None) -> torch.Tensor:
+    """int8 spans for the Triton kernels; mask-only input makes every 0 an OBSERVATION."""
+    return spans_from_response_mask(response_mask) if spans is None else spans.to(SPAN_DTYPE)
+
+
+def _triton(x: torch.Tensor):
+    """The Triton kernels module when ``x`` is a CUDA tensor it can take, else None (imported lazily)."""
+    if not x.is_cuda or x.dtype not in _TRITON_DTYPES:
+        return None
+    from advantages import triton_kernels
+
+    return triton_kernels if triton_kernels.triton_available(x) else None
+
+
+def discounted_returns(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    spans: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Carry-through discounted return of every ASSISTANT token (REINFORCE++, arXiv:2501.03262).
+
+    Args:
+        rewards: ``(b, t)`` float token-level rewards, nonzero only on ASSISTANT tokens.
+        response_mask: ``(b, t)`` 1 on ASSISTANT tokens, 0 elsewhere.
+        gamma: discount in ``[0, 1]``, applied once per ASSISTANT token (observations cost no step).
+        spans: optional ``(b, t)`` SpanKind; without it every 0 of the mask is an OBSERVATION
+            (verl after PR #7300).
+        validate: check spans, mask and rewards first (ValueError naming row and position; one host
+            sync per check). Pass False in the hot path.
+
+    Returns:
+        ``(b, t)`` returns in the rewards' dtype and device: the running return ``R`` on ASSISTANT
+        tokens, exactly 0 on OBSERVATION and PAD tokens (module docstring table).
+    """
+    check_discount("gamma", gamma)
+    check_batch(rewards, response_mask, spans, validate)
+    kernels = _triton(rewards)
+    if kernels is not None:
+        return kernels.triton_discounted_returns(rewards, _spans(response_mask, spans), gamma)
+    steps = assistant_steps(response_mask, rewards)
+    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma), rewards, steps)
+
+
+def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask."""
+    return carry_scan(rewards.to(steps.dtype) * steps, steps, gamma).mul_(steps).to(rewards.dtype)
+
+
+def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """verl's REINFORCE++ returns before PR #7300 (the bug it fixed), for ablations and inspection.
+
+    The reverse loop ``R = r_t + gamma * R; returns[t] = R; R = R * mask_t`` resets ``R`` at every
+    0 of the mask, so a reward never reaches an earlier assistant turn. Reproduced value for value,
+    including the nonzero returns verl left on a masked token just before an assistant span.
+
+    ``(b, t)`` rewards and mask -> ``(b, t)`` returns in the rewards' dtype. Not validated and
+    computed in float64 (it subtracts two unmasked returns: see the code).
+    """
+    check_discount("gamma", gamma)
+    check_same_shape("response_mask", response_mask, "rewards", rewards)
+    t = rewards.shape[-1]
+    unmasked = returns_ignore_mask(rewards.double(), gamma)
+    # The loop restarts from 0 right after each masked token q, so returns[t] is the unmasked return at
+    # t minus gamma**(q - t) times the unmasked return at q, where q is the first masked token after t
+    # (q = t_max, the row end, if none).
+    positions = torch.arange(t, dtype=torch.float64, device=rewards.device).expand(rewards.shape)
+    masked = (~response_mask.bool()).double()
+    first_masked_plus_one = fill_from_right((positions + 1) * masked, masked)  # 0 where no masked token follows
+    after = torch.nn.functional.pad(first_masked_plus_one[:, 1:], (0, 1))
+    next_masked = torch.where(after > 0, after - 1, t)
+    cut = torch.nn.functional.pad(unmasked, (0, 1)).gather(-1, next_masked.long())
+    return (unmasked - torch.pow(gamma, next_masked - positions) * cut).to(rewards.dtype)
+
+
+def returns_ignore_mask(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The plain discounted cumulative sum ``R = r_t + gamma * R`` over every position, ignoring spans.
+
+    Wrong for multi-turn agents (observation tokens cost discount steps); kept for ablations and
+    inspection. ``(b, t)`` -> ``(b, t)`` in the rewards' dtype.
+    """
+    check_discount("gamma", gamma)
+    every = assistant_steps(torch.ones_like(rewards), rewards)
+    return carry_scan(rewards.to(every.dtype), every, gamma).to(rewards.dtype)
+
+
+def gae(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    spans: torch.Tensor | None = None,
+    whiten: bool = True,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carry-through GAE (Schulman et al. 2015, arXiv:1506.02438; verl PR #2337).
+
+    Right to left over ASSISTANT tokens: ``delta_t = r_t + gamma * V_next - V_t`` where ``V_next`` is
+    the value of the next ASSISTANT token (OBSERVATION tokens are skipped, PAD and the row end give
+    0), and ``A_t = delta_t + gamma * lam * A_next``, carried unchanged through OBSERVATION tokens.
+
+    ``token_level_rewards``, ``values``, ``response_mask``, optional ``spans``: ``(b, t)``.
+    Returns ``(advantages, returns)`` ``(b, t)`` in the rewards' dtype, ``returns = A + V`` on
+    ASSISTANT tokens and exactly 0 elsewhere (verl leaves carried values there; its loss masks them).
+    With ``whiten`` (verl's default) the advantages are whitened over the batch's ASSISTANT tokens
+    after ``returns`` is formed. Validation as in :func:`discounted_returns`.
+    """
+    check_discount("gamma", gamma)
+    check_discount("lam", lam)
+    check_same_shape("values", values, "token_level_rewards", token_level_rewards)
+    check_batch(token_level_rewards, response_mask, spans, validate)
+    steps = assistant_steps(response_mask, token_level_rewards)
+    kernels = _triton(token_level_rewards)
+    if kernels is not None:
+        values = values.to(token_level_rewards.dtype)
+        advantages, returns = kernels.triton_gae(token_level_rewards, values, _spans(response_mask, spans), gamma, lam)
+    else:
+        scan = functools.partial(_gae_scan, gamma=gamma, lam=lam)
+        advantages, returns = by_row_blocks(scan, token_level_rewards, values, steps)
+    if whiten:
+        advantages = masked_whiten(advantages, steps, check=validate)
+    return advantages, returns
+
+
+def _gae_scan(rewards, values, steps, gamma, lam):
+    """Unwhitened carry-through GAE with the torch scans: a fill for ``V_next``, one carry scan."""
+    rewards_, values_ = rewards.to(steps.dtype), values.to(steps.dtype)
+    next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
+    delta = (rewards_ + gamma * next_value - values_).mul_(steps)
+    advantages = carry_scan(delta, steps, gamma * lam).mul_(steps)
+    returns = (advantages + values_).mul_(steps)
+    return advantages.to(rewards.dtype), returns.to(rewards.dtype)

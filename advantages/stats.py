@@ -1,0 +1,56 @@
+"""Masked statistics over ASSISTANT tokens (verl's ``masked_mean``/``masked_var``/``masked_whiten``).
+
+``mask`` is ``(b, t)`` bool or 0/1 float; only True/1 positions count. Positions off the mask never
+leak into a result (``torch.where``, so even a NaN there is ignored).
+"""
+
+import torch
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set: a scalar, or reduced over ``dim``."""
+    kept = torch.where(mask.bool(), values, 0.0)
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is set: a scalar, or reduced over ``dim``. NaN if nothing is set."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(values, mask, dim) / count
+
+
+def check_enough_tokens(mask: torch.Tensor, needed: int = 2) -> None:
+    """Raise ValueError if fewer than ``needed`` positions are set (costs one host sync)."""
+    count = int(mask.bool().sum())
+    if count < needed:
+        raise ValueError(
+            f"need at least {needed} unmasked tokens for a Bessel-corrected variance, got {count} "
+            "(a batch without enough ASSISTANT tokens cannot be whitened)"
+        )
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, check: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the set positions (a scalar), Bessel-corrected when ``unbiased``.
+
+    ``check`` raises ValueError when fewer than 2 positions (1 if not ``unbiased``) are set; that
+    check syncs with the host. With ``check=False`` such input gives NaN instead.
+    """
+    if check:
+        check_enough_tokens(mask, 2 if unbiased else 1)
+    count = mask.bool().sum()
+    centered = values - masked_mean(values, mask)
+    return masked_sum(centered.square(), mask) / (count - 1 if unbiased else count).clamp(min=0)  # 0/0: NaN
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, check: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + eps)`` over the set positions, 0 elsewhere (same shape and dtype).
+
+    ``shift_mean=False`` adds the mean back (only rescales). ``check`` as in :func:`masked_var`.
+    """
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask, check=check) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0.0)

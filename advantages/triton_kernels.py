@@ -1,0 +1,285 @@
+"""Fused Triton kernels for the carry-through scans (DESIGN.md section 3, issue 7).
+
+Both scans are linear recurrences run right to left, ``x_t = a_t * x_{t+1} + b_t``, with
+``a_t`` in ``{decay, 1, 0}`` picked by the span kind: ASSISTANT steps, OBSERVATION carries the
+state through unchanged, PAD resets it. One program owns one row and walks it in chunks of
+``block`` tokens from the right; inside a chunk ``tl.associative_scan`` composes the affine maps
+``(a, b)`` in reverse, and one scalar carries the state into the next chunk to the left. GAE
+scans the pair ``(next_value, gae)`` the same way with 2x2 lower-triangular maps, so it needs no
+shifted loads. Every token is read once and written once, so the kernels are bound by memory
+bandwidth; accumulation is float32 for bfloat16/float16 inputs. The returns kernel can also
+reduce each row's moments of the returns in the same pass (for REINFORCE++ whitening).
+
+CUDA callers dispatch here through :func:`triton_available`; the torch scan in
+``advantages.returns`` stays the reference path (and the only one on CPU). Under
+``TRITON_INTERPRET=1`` (set before ``triton`` is imported) the kernels also run on CPU tensors,
+which is how the tests check them.
+"""
+
+import os
+
+import torch
+
+from masking.spans import SpanKind
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: without it CUDA tensors use the torch scan
+    triton = None
+
+DISABLE_ENV = "AGENT_LOOP_DISABLE_TRITON"
+MAX_BLOCK = 2048
+DEFAULT_NUM_STAGES = 2
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_available(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on a CUDA device, Triton imports, and ``AGENT_LOOP_DISABLE_TRITON`` is unset."""
+    return t.is_cuda and triton is not None and not os.environ.get(DISABLE_ENV)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _affine_combine(a_right, b_right, a_left, b_left):
+        """Compose two maps ``x -> a*x + b`` in a reverse scan: the suffix to the right first, then the left one."""
+        return a_right * a_left, a_left * b_right + b_left
+
+    @triton.jit
+    def _reverse_affine_scan(a, b, carry):
+        """Apply the reverse inclusive scan of ``(a, b)`` to ``carry`` (the state right of the chunk).
+
+        Returns the state at every position and the state at the chunk's first position, which is
+        the carry for the chunk to its left.
+        """
+        a_scan, b_scan = tl.associative_scan((a, b), 0, _affine_combine, reverse=True)
+        state = a_scan * carry + b_scan
+        first = tl.sum(tl.where(tl.arange(0, a.shape[0]) == 0, state, 0.0), 0)
+        return state, first
+
+    @triton.jit
+    def _discounted_returns_kernel(
+        rewards_ptr, spans_ptr, out_ptr, moments_ptr, t, gamma,
+        BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+        MOMENTS: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid * t
+        n_chunks = tl.cdiv(t, BLOCK)
+        carry = 0.0
+        count = 0.0  # with MOMENTS: count, mean and M2 of the row's ASSISTANT returns so far
+        mean = 0.0
+        m2 = 0.0
+        for i in tl.range(n_chunks, num_stages=NUM_STAGES):  # stages > 1 prefetch the next chunks
+            offs = (n_chunks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+            in_row = offs < t
+            span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
+            reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+            assistant = span == ASSISTANT
+            a = tl.where(assistant, gamma, tl.where(span == OBSERVATION, 1.0, 0.0))
+            b = tl.where(assistant, reward, 0.0)
+            running, carry = _reverse_affine_scan(a, b, carry)
+            out = tl.where(assistant, running, 0.0)
+            tl.store(out_ptr + row + offs, out.to(out_ptr.dtype.element_ty), mask=in_row)
+            if MOMENTS:
+                # the chunk's moments about its own mean, merged into the row's (Chan et al.):
+                # no large sums of squares, so no cancellation in float32
+                chunk_count = tl.sum(assistant.to(tl.float32), 0)
+                chunk_mean = tl.sum(out, 0) / tl.maximum(chunk_count, 1.0)
+                chunk_m2 = tl.sum(tl.where(assistant, (running - chunk_mean) * (running - chunk_mean), 0.0), 0)
+                total = count + chunk_count
+                shift = chunk_mean - mean
+                weight = chunk_count / tl.maximum(total, 1.0)
+                m2 = m2 + chunk_m2 + shift * shift * count * weight
+                mean = mean + shift * weight
+                count = total
+        if MOMENTS:
+            tl.store(moments_ptr + pid * 3, count)
+            tl.store(moments_ptr + pid * 3 + 1, mean)
+            tl.store(moments_ptr + pid * 3 + 2, m2)
+
+    @triton.jit
+    def _gae_combine(p_r, q_r, s_r, u_r, w_r, p_l, q_l, s_l, u_l, w_l):
+        """Compose two maps of the GAE state ``(next_value, gae)`` in a reverse scan, right one first.
+
+        A map is ``next_value' = p*next_value + u``, ``gae' = q*next_value + s*gae + w``: a lower
+        triangular 2x2 matrix ``[[p, 0], [q, s]]`` plus an offset ``(u, w)``, closed under composition.
+        """
+        return (
+            p_l * p_r,
+            q_l * p_r + s_l * q_r,
+            s_l * s_r,
+            p_l * u_r + u_l,
+            q_l * u_r + s_l * w_r + w_l,
+        )
+
+    @triton.jit
+    def _gae_kernel(
+        rewards_ptr, values_ptr, spans_ptr, adv_ptr, ret_ptr, t, gamma, lam,
+        BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64) * t
+        n_chunks = tl.cdiv(t, BLOCK)
+        first = tl.arange(0, BLOCK) == 0
+        next_value_carry = 0.0
+        gae_carry = 0.0
+        for i in tl.range(n_chunks, num_stages=NUM_STAGES):
+            offs = (n_chunks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+            in_row = offs < t
+            span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
+            reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+            value = tl.load(values_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+            assistant = span == ASSISTANT
+            carried = tl.where(span == OBSERVATION, 1.0, 0.0)
+            # ASSISTANT: next_value' = v, gae' = (r - v) + gamma*next_value + gamma*lam*gae;
+            # OBSERVATION: the identity map; PAD: the zero map (both reset).
+            p = carried
+            q = tl.where(assistant, gamma, 0.0)
+            s = tl.where(assistant, gamma * lam, carried)
+            u = tl.where(assistant, value, 0.0)
+            w = tl.where(assistant, reward - value, 0.0)
+            p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
+            next_value = p * next_value_carry + u
+            gae = q * next_value_carry + s * gae_carry + w
+            next_value_carry = tl.sum(tl.where(first, next_value, 0.0), 0)
+            gae_carry = tl.sum(tl.where(first, gae, 0.0), 0)
+            advantage = tl.where(assistant, gae, 0.0)
+            ret = tl.where(assistant, gae + value, 0.0)
+            tl.store(adv_ptr + row + offs, advantage.to(adv_ptr.dtype.element_ty), mask=in_row)
+            tl.store(ret_ptr + row + offs, ret.to(ret_ptr.dtype.element_ty), mask=in_row)
+
+
+def launch_config(t: int, block: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """Chunk length, warps and pipeline depth for rows of length ``t``; ``None`` picks the default.
+
+    Longer chunks keep more bytes in flight per program (one program per row leaves most of the
+    GPU's latency hiding to each program); ``num_stages > 1`` prefetches later chunks with
+    asynchronous copies while the current one is scanned. Tuned by ``benchmarks/gpu_returns.py --sweep``.
+    """
+    block = block or min(MAX_BLOCK, max(16, triton.next_power_of_2(t)))
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    num_warps = num_warps or (4 if block <= 1024 else 8)
+    num_stages = num_stages or DEFAULT_NUM_STAGES
+    return block, num_warps, num_stages
+
+
+def _check_inputs(spans: torch.Tensor, **floats: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the torch scan in advantages.returns")
+    if spans.dim() != 2 or spans.dtype != torch.int8:
+        raise ValueError(f"spans must be a (b, t) int8 tensor, got {spans.dtype} of shape {tuple(spans.shape)}")
+    for name, x in floats.items():
+        if x.shape != spans.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, spans has {tuple(spans.shape)}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.device != spans.device:
+            raise ValueError(f"{name} is on {x.device}, spans on {spans.device}")
+    if not spans.is_cuda and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 before importing triton), got {spans.device}")
+
+
+def triton_discounted_returns(
+    rewards: torch.Tensor,
+    spans: torch.Tensor,
+    gamma: float,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Carry-through discounted returns (REINFORCE++), one fused pass.
+
+    ``rewards`` ``(b, t)`` float32/bfloat16/float16 and ``spans`` ``(b, t)`` int8 SpanKind ->
+    returns ``(b, t)`` in the rewards' dtype (float32 accumulation). Right to left with ``R = 0``:
+    ASSISTANT ``R = r_t + gamma * R`` and returns ``R``; OBSERVATION keeps ``R`` and returns 0;
+    PAD sets ``R = 0`` and returns 0. Span values other than the three kinds act as PAD; the
+    caller validates them. ``block``, ``num_warps``, ``num_stages``: see :func:`launch_config`.
+    """
+    return _launch_returns(rewards, spans, gamma, False, block, num_warps, num_stages)[0]
+
+
+def triton_discounted_returns_with_moments(
+    rewards: torch.Tensor,
+    spans: torch.Tensor,
+    gamma: float,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`triton_discounted_returns` plus, in the same pass, each row's moments for whitening.
+
+    Returns ``(returns, moments)``: ``moments`` is ``(b, 3)`` float32, per row the count, mean and
+    sum of squared deviations (M2) of the float32 returns on ASSISTANT tokens. Whitening over the
+    batch (REINFORCE++) is then :func:`merge_moments` plus one elementwise pass, instead of two
+    more reductions over ``(b, t)``.
+    """
+    return _launch_returns(rewards, spans, gamma, True, block, num_warps, num_stages)
+
+
+def merge_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``(count, mean, M2)`` ``(b, 3)`` -> the batch's count, mean and Bessel-corrected
+    variance (0-d float64 tensors; no host sync). The variance is NaN when count < 2."""
+    count, mean, m2 = moments.double().unbind(-1)
+    total = count.sum()
+    batch_mean = (count * mean).sum() / total
+    batch_m2 = m2.sum() + (count * (mean - batch_mean) ** 2).sum()
+    return total, batch_mean, batch_m2 / (total - 1)
+
+
+def _launch_returns(rewards, spans, gamma, moments, block, num_warps, num_stages):
+    _check_inputs(spans, rewards=rewards)
+    b, t = spans.shape
+    block, num_warps, num_stages = launch_config(t, block, num_warps, num_stages)
+    rewards, spans = rewards.contiguous(), spans.contiguous()
+    returns = torch.empty_like(rewards)
+    row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+    if b and t:
+        _discounted_returns_kernel[(b,)](
+            rewards, spans, returns, row_moments, t, float(gamma),
+            BLOCK=block, NUM_STAGES=num_stages,
+            ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION), MOMENTS=moments,
+            num_warps=num_warps,
+        )
+    return returns, row_moments
+
+
+def triton_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    spans: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carry-through GAE (verl PR #2337), one fused pass; advantages are not whitened.
+
+    ``rewards``, ``values`` ``(b, t)`` float and ``spans`` ``(b, t)`` int8 SpanKind ->
+    ``(advantages, returns)`` ``(b, t)`` in the rewards' dtype (float32 accumulation). Right to
+    left with ``next_value = gae = 0``: ASSISTANT ``delta = r_t + gamma * next_value - v_t``,
+    ``gae = delta + gamma * lam * gae``, ``next_value = v_t``; OBSERVATION carries both; PAD
+    resets both to 0. Advantages are ``gae`` and returns ``gae + v_t`` on ASSISTANT tokens, the
+    same values as verl's loop there; every other position gets exactly 0 (verl leaves the carried
+    values there, which its loss masks out).
+    """
+    _check_inputs(spans, rewards=rewards, values=values)
+    b, t = spans.shape
+    block, num_warps, num_stages = launch_config(t, block, num_warps, num_stages)
+    rewards, values, spans = rewards.contiguous(), values.contiguous(), spans.contiguous()
+    advantages = torch.empty_like(rewards)
+    returns = torch.empty_like(rewards)
+    if b and t:
+        _gae_kernel[(b,)](
+            rewards, values, spans, advantages, returns, t, float(gamma), float(lam),
+            BLOCK=block, NUM_STAGES=num_stages,
+            ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION),
+            num_warps=num_warps,
+        )
+    return advantages, returns

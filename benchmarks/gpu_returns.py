@@ -1,0 +1,374 @@
+"""GPU check and benchmark of the fused Triton return scans (issue 7), one prepared script.
+
+    python benchmarks/gpu_returns.py --out gpu_returns.md      # H100/H200: a few minutes
+    python benchmarks/gpu_returns.py --quick                   # fewer repetitions, gamma 0.99 only
+    python benchmarks/gpu_returns.py --sweep                   # also tune block/warps/stages at the largest shape
+    python benchmarks/gpu_returns.py --interpret-smoke         # no GPU: the same logic on CPU, tiny shapes
+
+1. Correctness: the Triton kernels and the torch scan (``advantages.discounted_returns`` and
+   ``advantages.gae`` with the Triton dispatch off) against a float64 per-token loop on random
+   multi-turn batches of every benchmark shape (observation spans, trailing padding, an
+   all-ASSISTANT row, an all-PAD row), float32 and bfloat16. Exits 1 when an error exceeds the
+   tolerance, after printing everything.
+   The fused moments (``triton_discounted_returns_with_moments``) are checked against the mean and
+   variance of the reference returns over ASSISTANT tokens.
+2. Speed at (1, 1024), (8, 4096), (64, 8192), (256, 16384), gamma 0.99 (lambda 0.95): the Triton
+   kernel vs the torch scan vs a per-token loop written like verl's (small shapes only), median of
+   CUDA-event timings with the L2 cache flushed before each run, and the fraction of the HBM floor:
+   (bytes read + written) / (bandwidth of a large device-to-device copy measured in the same run).
+   ``returns+moments`` is what REINFORCE++ whitening needs before its last elementwise pass: the
+   returns plus their mean and variance over ASSISTANT tokens (torch: returns, masked mean, var).
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from masking.spans import SpanKind
+
+SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384))
+SMOKE_SHAPES = ((1, 40), (3, 150))
+LOOP_MAX_TOKENS = 8 * 4096  # the per-token loop is timed on the small shapes only
+GAMMA, LAM = 0.99, 0.95
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |error| / max(1, max |reference|)
+A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
+DISABLE_ENV = "AGENT_LOOP_DISABLE_TRITON"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the results as a markdown table to this file")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions; check gamma 0.99 only")
+    parser.add_argument("--sweep", action="store_true", help="time launch configs (block, warps, stages) at the largest shape")
+    parser.add_argument("--interpret-smoke", action="store_true", help="no GPU: run the logic on CPU under TRITON_INTERPRET=1, tiny shapes")
+    parser.add_argument("--reps", type=int, help="timed repetitions per measurement (default 100, --quick 20)")
+    return parser.parse_args()
+
+
+# --- inputs and the per-token loops ---
+
+def make_batch(b, t, dtype, device, generator):
+    """A multi-turn batch: alternating ASSISTANT/OBSERVATION spans (mean length 48), trailing PAD
+    (row lengths uniform in [t/2, t]), row 0 all ASSISTANT and the last row all PAD (when b > 2)."""
+    turn_starts = torch.rand(b, t, generator=generator) < 1 / 48
+    kinds = torch.where(turn_starts.cumsum(1) % 2 == 0, A, O)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=generator)
+    if b > 2:
+        kinds[0] = A
+        lengths[0], lengths[-1] = t, 0
+    spans = torch.where(torch.arange(t) < lengths[:, None], kinds, P).to(torch.int8)
+    rewards = torch.randn(b, t, generator=generator) * (spans == A)
+    values = torch.randn(b, t, generator=generator)
+    return rewards.to(device, dtype), values.to(device, dtype), spans.to(device)
+
+
+def loop_returns(rewards, spans, gamma):
+    """Reverse loop over tokens like verl's REINFORCE++ (carry-through), vectorised over rows only."""
+    assistant, observation = spans == A, spans == O
+    running = torch.zeros_like(rewards[:, 0])
+    out = torch.zeros_like(rewards)
+    for s in reversed(range(rewards.shape[1])):
+        running = torch.where(assistant[:, s], rewards[:, s] + gamma * running, running * observation[:, s])
+        out[:, s] = running * assistant[:, s]
+    return out
+
+
+def loop_gae(rewards, values, spans, gamma, lam):
+    """Reverse loop over tokens like verl's GAE after PR #2337, vectorised over rows only."""
+    assistant, observation = spans == A, spans == O
+    next_value = torch.zeros_like(rewards[:, 0])
+    gae = torch.zeros_like(rewards[:, 0])
+    advantages = torch.zeros_like(rewards)
+    for s in reversed(range(rewards.shape[1])):
+        delta = rewards[:, s] + gamma * next_value - values[:, s]
+        gae = torch.where(assistant[:, s], delta + gamma * lam * gae, gae * observation[:, s])
+        next_value = torch.where(assistant[:, s], values[:, s], next_value * observation[:, s])
+        advantages[:, s] = gae * assistant[:, s]
+    return advantages, (advantages + values) * assistant
+
+
+# --- the implementations under test ---
+
+@contextmanager
+def triton_dispatch_off():
+    old = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[DISABLE_ENV]
+        else:
+            os.environ[DISABLE_ENV] = old
+
+
+def implementations(kernels, config):
+    """name -> kind -> callable(rewards, values, spans, gamma, lam) returning a tuple of outputs."""
+    import advantages
+
+    def torch_returns(r, v, s, gamma, lam):
+        with triton_dispatch_off():
+            return (advantages.discounted_returns(r, s == A, gamma, spans=s, validate=False),)
+
+    def torch_gae(r, v, s, gamma, lam):
+        with triton_dispatch_off():
+            return advantages.gae(r, v, s == A, gamma, lam, spans=s, whiten=False, validate=False)
+
+    def torch_moments(r, v, s, gamma, lam):
+        """What REINFORCE++ whitening needs: the returns and their mean and variance over ASSISTANT tokens."""
+        (returns,) = torch_returns(r, v, s, gamma, lam)
+        return returns, advantages.masked_mean(returns, s == A), advantages.masked_var(returns, s == A, check=False)
+
+    def triton_moments(r, v, s, gamma, lam):
+        returns, moments = kernels.triton_discounted_returns_with_moments(r, s, gamma, **config)
+        return returns, *kernels.merge_moments(moments)[1:]
+
+    return {
+        "triton": {
+            "returns": lambda r, v, s, gamma, lam: (kernels.triton_discounted_returns(r, s, gamma, **config),),
+            "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, **config),
+            "returns+moments": triton_moments,
+        },
+        "torch scan": {"returns": torch_returns, "gae": torch_gae, "returns+moments": torch_moments},
+        "per-token loop": {
+            "returns": lambda r, v, s, gamma, lam: (loop_returns(r, s, gamma),),
+            "gae": lambda r, v, s, gamma, lam: loop_gae(r, v, s, gamma, lam),
+        },
+    }
+
+
+def bytes_moved(kind, b, t, dtype):
+    """The minimum traffic: rewards (+ values) and spans in, returns (+ advantages) out."""
+    floats = 4 if kind == "gae" else 2
+    return b * t * (floats * dtype.itemsize + 1)
+
+
+# --- timing ---
+
+class Timer:
+    """Median time of ``fn()`` in seconds: CUDA events with L2 flushed before each run, or perf_counter on CPU."""
+
+    def __init__(self, device, reps):
+        self.device, self.reps = device, reps
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn, reps=None):
+        reps = reps or self.reps
+        fn()  # compile / warm up
+        times = []
+        for _ in range(reps):
+            if self.flush is None:
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+                continue
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer, device, nbytes):
+    """Bytes per second of a device-to-device copy (read + write) of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timer(lambda: dst.copy_(src), reps=max(5, timer.reps // 5))
+
+
+# --- the two parts ---
+
+def check_correctness(impls, shapes, dtypes, gammas, device, generator):
+    """Rows of (impl, kind, shape, dtype, gamma, relative error, ok) against the float64 loop."""
+    rows = []
+    for b, t in shapes:
+        for dtype in dtypes:
+            r, v, s = make_batch(b, t, dtype, device, generator)
+            for gamma in gammas:
+                returns = loop_returns(r.double(), s, gamma)
+                assistant_returns = returns[s == A]
+                expected = {
+                    "returns": (returns,),
+                    "gae": loop_gae(r.double(), v.double(), s, gamma, LAM),
+                    "returns+moments": (returns, assistant_returns.mean(), assistant_returns.var()),
+                }
+                for name in ("triton", "torch scan"):
+                    for kind, want in expected.items():
+                        got = impls[name][kind](r, v, s, gamma, LAM)
+                        error = max(
+                            float((g.double() - w).abs().max() / w.abs().max().clamp(min=1.0)) for g, w in zip(got, want, strict=True)
+                        )
+                        per_token = [g for g in got if g.dim() == 2]
+                        exact_zeros = all(bool((g[s != A] == 0).all()) for g in per_token)
+                        ok = error <= TOLERANCE[dtype] and exact_zeros and all(g.dtype == dtype for g in per_token)
+                        rows.append((name, kind, (b, t), dtype, gamma, error, ok))
+    return rows
+
+
+def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
+    """Rows of (kind, shape, dtype, {impl: seconds}, floor seconds)."""
+    rows = []
+    for kind in ("returns", "gae", "returns+moments"):
+        for b, t in shapes:
+            for dtype in dtypes:
+                r, v, s = make_batch(b, t, dtype, device, generator)
+                seconds = {}
+                for name, fns in impls.items():
+                    if kind not in fns or (name == "per-token loop" and b * t > LOOP_MAX_TOKENS):
+                        continue
+                    fn = fns[kind]
+                    seconds[name] = timer(lambda fn=fn: fn(r, v, s, GAMMA, LAM), reps=5 if name == "per-token loop" else None)
+                rows.append((kind, (b, t), dtype, seconds, bytes_moved(kind, b, t, dtype) / bandwidth))
+    return rows
+
+
+def sweep(kernels, shape, dtypes, device, generator, timer, bandwidth, blocks_and_warps):
+    """Rows of (kind, dtype, (block, warps, stages), seconds, floor fraction) at one shape."""
+    configs = [(block, warps, stages) for block, warps in blocks_and_warps for stages in (1, 2, 3)]
+    rows = []
+    for kind in ("returns", "gae"):
+        for dtype in dtypes:
+            r, v, s = make_batch(*shape, dtype, device, generator)
+            for block, warps, stages in configs:
+                config = dict(block=block, num_warps=warps, num_stages=stages)
+                if kind == "returns":
+                    fn = lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, **config)  # noqa: E731
+                else:
+                    fn = lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+                seconds = timer(fn)
+                rows.append((kind, dtype, (block, warps, stages), seconds, bytes_moved(kind, *shape, dtype) / bandwidth / seconds))
+    return rows
+
+
+# --- output ---
+
+def fmt_time(seconds):
+    return f"{seconds * 1e6:,.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:,.2f} ms"
+
+
+def dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def speed_table(rows):
+    header = ["kind", "(b, t)", "dtype", "triton", "torch scan", "per-token loop", "triton vs torch scan", "triton vs loop", "HBM floor", "triton % of floor"]
+    body = []
+    for kind, shape, dtype, seconds, floor in rows:
+        tri = seconds["triton"]
+        loop = seconds.get("per-token loop")
+        body.append([
+            kind, str(shape), dtype_name(dtype), fmt_time(tri), fmt_time(seconds["torch scan"]),
+            fmt_time(loop) if loop else "not timed",
+            f"{seconds['torch scan'] / tri:,.1f}x", f"{loop / tri:,.0f}x" if loop else "-",
+            fmt_time(floor), f"{100 * floor / tri:.0f}%",
+        ])
+    return header, body
+
+
+def correctness_table(rows):
+    """One line per (impl, kind, dtype): the worst case over shapes and gammas."""
+    groups = {}
+    for name, kind, shape, dtype, gamma, error, ok in rows:
+        groups.setdefault((name, kind, dtype), []).append((error, shape, gamma, ok))
+    header = ["impl", "kind", "dtype", "cases", "max rel. error", "worst at (b, t), gamma", "all ok"]
+    body = []
+    for (name, kind, dtype), cases in groups.items():
+        error, shape, gamma, _ = max(cases, key=lambda case: case[0])
+        ok = all(case[3] for case in cases)
+        body.append([name, kind, dtype_name(dtype), str(len(cases)), f"{error:.1e}", f"{shape}, {gamma}", "yes" if ok else "NO"])
+    return header, body
+
+
+def sweep_table(rows):
+    header = ["kind", "dtype", "block, warps, stages", "time", "% of floor"]
+    body = [[kind, dtype_name(dtype), str(config), fmt_time(seconds), f"{100 * fraction:.0f}%"] for kind, dtype, config, seconds, fraction in rows]
+    return header, body
+
+
+def print_table(console, title, header, body):
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column)
+    for row in body:
+        table.add_row(*row)
+    console.print(table)
+
+
+def markdown(title, header, body):
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    args = parse_args()
+    if args.interpret_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+    elif not torch.cuda.is_available():
+        sys.exit(
+            "gpu_returns.py needs an NVIDIA GPU (H100/H200 class) with a CUDA build of torch; "
+            "torch.cuda.is_available() is False here. For a CPU dry run of the script's logic use --interpret-smoke."
+        )
+    try:
+        import triton
+    except ImportError:
+        sys.exit("gpu_returns.py needs triton (pip install triton)")
+    from advantages import triton_kernels
+
+    device = torch.device("cpu" if args.interpret_smoke else "cuda")
+    shapes = SMOKE_SHAPES if args.interpret_smoke else SHAPES
+    config = dict(block=32) if args.interpret_smoke else {}  # several chunks per row in the smoke run
+    dtypes = (torch.float32, torch.bfloat16)
+    gammas = (GAMMA,) if args.quick else (0.5, GAMMA, 1.0)
+    reps = args.reps or (3 if args.interpret_smoke else 20 if args.quick else 100)
+    device_name = "CPU (Triton interpreter smoke run)" if args.interpret_smoke else torch.cuda.get_device_name()
+    generator = torch.Generator().manual_seed(0)
+    console = Console(width=200)  # the speed table is wide
+    impls = implementations(triton_kernels, config)
+    timer = Timer(device, reps)
+
+    started = time.perf_counter()
+    console.print(f"[bold]{device_name}[/bold], torch {torch.__version__}, triton {triton.__version__}")
+    bandwidth = copy_bandwidth(timer, device, 2**20 if args.interpret_smoke else 2**30)
+    console.print(f"device-to-device copy: {bandwidth / 1e9:,.0f} GB/s (read + write)")
+
+    checks = check_correctness(impls, shapes, dtypes, gammas, device, generator)
+    title = f"Correctness against a float64 per-token loop (tolerance {', '.join(f'{dtype_name(d)} {t:g}' for d, t in TOLERANCE.items())})"
+    sections = [(title, *correctness_table(checks))]
+    speed = benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth)
+    sections.append((f"Speed, gamma {GAMMA} (GAE lambda {LAM}), median of {reps} runs", *speed_table(speed)))
+    if args.sweep:
+        blocks_and_warps = ((32, 1), (64, 2)) if args.interpret_smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
+        rows = sweep(triton_kernels, shapes[-1], dtypes, device, generator, timer, bandwidth, blocks_and_warps)
+        sections.append((f"Launch configs at {shapes[-1]}", *sweep_table(rows)))
+    for title, header, body in sections:
+        print_table(console, title, header, body)
+    console.print(f"done in {time.perf_counter() - started:.0f} s")
+
+    if args.out:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        head = (
+            f"## Fused Triton returns on {device_name} ({stamp})\n\n"
+            f"`python benchmarks/gpu_returns.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}, triton {triton.__version__}; "
+            f"device-to-device copy {bandwidth / 1e9:,.0f} GB/s; the floor is bytes in + out at that bandwidth.\n\n"
+        )
+        args.out.write_text(head + "\n".join(markdown(*section) for section in sections))
+        console.print(f"wrote {args.out}")
+    if not all(ok for *_, ok in checks):
+        sys.exit("correctness check FAILED (see the table)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Speed of the carry-through scans (advantages.discounted_returns, advantages.gae) on the CPU.
+
+For each shape ``(b, t)``, float32, gamma 0.99 and 1.0, it times REINFORCE++ returns and GAE
+(lambda 0.95, unwhitened, ``validate=False`` as in a hot path) and, in the same run:
+
+* a per-token reverse loop written like verl's (after PR #7300 / PR #2337): the speedup column;
+* a large tensor copy, whose bandwidth gives the memory floor of a single pass over the inputs and
+  outputs (bytes in + out / copy bandwidth): the "% of floor" column (100% = bandwidth bound).
+
+The outputs of both are compared (max |difference|). Medians of ``--repeats`` runs; the slow loop
+runs fewer times on the big shapes. Times are the process's CPU time by default (robust on a
+shared machine, where wall time also counts the time other processes hold the core); ``--wall``
+measures wall-clock time instead. Usage::
+
+    python benchmarks/returns.py            # the four shapes of issue 2, one thread
+    python benchmarks/returns.py --quick    # two small shapes, a few seconds
+    python benchmarks/returns.py --threads 2
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from advantages import discounted_returns, gae
+from masking.spans import SpanKind
+
+SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384))
+QUICK_SHAPES = ((1, 1024), (8, 4096))
+GAMMAS = (0.99, 1.0)
+LAM = 0.95
+
+
+def multi_turn_batch(b: int, t: int, seed: int = 0):
+    """Rows of 2-6 assistant turns separated by observation spans, then trailing padding; an outcome
+    reward on each row's last assistant token; random values."""
+    generator = torch.Generator().manual_seed(seed)
+    spans = torch.full((b, t), int(SpanKind.PAD), dtype=torch.int8)
+    rewards = torch.zeros(b, t)
+    for row in range(b):
+        used = int(t * (0.6 + 0.4 * torch.rand(1, generator=generator)))
+        turns = int(torch.randint(2, 7, (1,), generator=generator))
+        bounds = torch.linspace(0, used, 2 * turns + 1).long().tolist()
+        for k in range(2 * turns):
+            kind = SpanKind.ASSISTANT if k % 2 == 0 else SpanKind.OBSERVATION
+            spans[row, bounds[k] : bounds[k + 1]] = int(kind)
+        last_assistant = bounds[2 * turns - 1] - 1
+        rewards[row, last_assistant] = float(torch.randn(1, generator=generator))
+    values = torch.randn(b, t, generator=generator)
+    return rewards, values, (spans == SpanKind.ASSISTANT).float(), spans
+
+
+def verl_returns_loop(token_level_rewards, response_mask, gamma):
+    """REINFORCE++ returns the way verl writes them (a reverse loop over tokens), carrying the
+    running return through masked tokens as after PR #7300."""
+    returns = torch.zeros_like(token_level_rewards)
+    running_return = torch.zeros(token_level_rewards.shape[0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        mask_t = response_mask[:, t]
+        running_return = mask_t * (token_level_rewards[:, t] + gamma * running_return) + (1 - mask_t) * running_return
+        returns[:, t] = running_return * mask_t
+    return returns
+
+
+def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
+    """verl's compute_gae_advantage_return loop after PR #2337 (unwhitened), zeroed off the mask."""
+    nextvalues, lastgaelam = 0.0, 0.0
+    advantages_reversed = []
+    for t in reversed(range(token_level_rewards.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = values[:, t] * response_mask[:, t] + (1 - response_mask[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * response_mask[:, t] + (1 - response_mask[:, t]) * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages * response_mask, (advantages + values) * response_mask
+
+
+def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
+    result = fn()  # warm-up, and the output to compare
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times), result
+
+
+def copy_bandwidth(repeats: int, clock) -> float:
+    """Bytes per second of a 256 MiB tensor copy (read + write), the memory floor's yardstick."""
+    source = torch.ones(64 * 2**20)
+    target = torch.empty_like(source)
+    seconds, _ = median_seconds(lambda: target.copy_(source), repeats, clock)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--quick", action="store_true", help="only the two small shapes, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs of the scans (default 20, quick 7)")
+    parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = args.repeats or (7 if args.quick else 20)
+    clock = time.perf_counter if args.wall else time.process_time
+    bandwidth = copy_bandwidth(repeats, clock)
+
+    table = Table(
+        title=f"carry-through scans, float32, {args.threads} thread(s), {'wall' if args.wall else 'CPU'} time, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    columns = ("estimator", "(b, t)", "gamma", "ours ms", "loop ms", "speedup", "floor ms", "% of floor", "max |diff|")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "estimator" else "right")
+    for b, t in QUICK_SHAPES if args.quick else SHAPES:
+        rewards, values, mask, spans = multi_turn_batch(b, t)
+        loop_repeats = 1 if b * t >= 2**22 else 3
+        for gamma in GAMMAS:
+            cases = {
+                # bytes: rewards and mask in, returns out / rewards, values and mask in, advantages and returns out
+                "REINFORCE++ returns": (
+                    lambda: discounted_returns(rewards, mask, gamma, spans=spans, validate=False),
+                    lambda: verl_returns_loop(rewards, mask, gamma),
+                    3 * 4,
+                ),
+                "GAE (lam 0.95)": (
+                    lambda: gae(rewards, values, mask, gamma, LAM, spans=spans, whiten=False, validate=False),
+                    lambda: verl_gae_loop(rewards, values, mask, gamma, LAM),
+                    5 * 4,
+                ),
+            }
+            for name, (ours, loop, bytes_per_token) in cases.items():
+                ours_s, ours_out = median_seconds(ours, repeats, clock)
+                loop_s, loop_out = median_seconds(loop, loop_repeats, clock)
+                floor_s = b * t * bytes_per_token / bandwidth
+                pairs = zip(ours_out, loop_out) if isinstance(ours_out, tuple) else [(ours_out, loop_out)]
+                diff = max(float((x - y).abs().max()) for x, y in pairs)
+                table.add_row(
+                    name, f"{b} x {t}", f"{gamma}", f"{ours_s * 1e3:.3f}", f"{loop_s * 1e3:.1f}",
+                    f"{loop_s / ours_s:.0f}x", f"{floor_s * 1e3:.3f}", f"{100 * floor_s / ours_s:.0f}%", f"{diff:.1e}",
+                )
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    main()
