@@ -1,0 +1,190 @@
+"""The built-in tasks: rewards a person can check by hand (DESIGN.md section 7).
+
+- ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
+- ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
+
+Reward rule (both tasks), precisely: take the last assistant message; if it still asks for a tool
+(it has ``tool_calls``, or its text contains ``<tool_call>``) the reward is 0.0. Otherwise take the
+LAST number in its text (regex ``-?\\d+(\\.\\d+)?``, thousands separators not allowed); the reward is
+1.0 if that number equals the episode's ``answer`` exactly, else 0.0. "The answer is 449." scores
+1.0 for answer 449; "449 or 450" scores 0.0.
+
+The outcome depends on what the model did before a tool observation: the calculator returns the
+value of the expression the model wrote, and the model is meant to copy that value into its answer.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+from typing import Callable
+
+from agent_loop.types import Episode, ToolCallRecord
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+_BINARY_OPS: dict[type, Callable] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPS: dict[type, Callable] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_MAX_EXPRESSION_CHARS = 200
+_MAX_ABS_VALUE = 10**12  # keeps results printable and powers cheap
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    """Evaluate an arithmetic AST node of numbers, + - * / // % ** and parentheses; nothing else."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
+            raise ValueError(f"power too large: {left} ** {right}")
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
+            raise ValueError("division by zero")
+        value = _BINARY_OPS[type(node.op)](left, right)
+        if isinstance(value, complex) or abs(value) > _MAX_ABS_VALUE:
+            raise ValueError(f"result out of range: {value}")
+        return value
+    raise ValueError(f"unsupported element {type(node).__name__!r}: only numbers, + - * / // % ** and parentheses")
+
+
+def format_number(value: int | float) -> str:
+    """Integers (and integral floats) without a decimal point; other floats rounded to 6 places."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return str(round(value, 6))
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The arithmetic expression.
+    """
+    if not isinstance(expression, str):
+        raise ValueError(f"expression must be a string, got {type(expression).__name__}")
+    if len(expression) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as error:
+        raise ValueError(f"not an arithmetic expression: {expression!r} ({error.msg})") from None
+    try:
+        return format_number(_evaluate(tree.body))
+    except (OverflowError, ZeroDivisionError) as error:
+        raise ValueError(f"cannot evaluate {expression!r}: {error}") from None
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a text (see the module docstring), or None."""
+    found = _NUMBER.findall(text or "")
+    return float(found[-1]) if found else None
+
+
+def answer_reward(messages: list[dict], answer: int | float) -> float:
+    """1.0 if the last assistant message is a final answer whose last number equals ``answer``."""
+    replies = [m for m in messages if m.get("role") == "assistant"]
+    if not replies:
+        return 0.0
+    final = replies[-1]
+    text = final.get("content") or ""
+    if final.get("tool_calls") or "<tool_call>" in text:
+        return 0.0
+    return float(last_number(text) == float(answer))
+
+
+class ArithmeticTask:
+    """Multi-step integer arithmetic that the model is meant to solve with the ``calculator`` tool.
+
+    Expressions have two operators drawn from + - * on numbers 2..99, for example "37*12+5".
+    """
+
+    name = "arithmetic"
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        rng = random.Random(f"{self.name}:{seed}:{index}")
+        a, b, c = (rng.randint(2, 99) for _ in range(3))
+        op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+        # no spaces: with Qwen-style pre-tokenization every digit and operator is then one token
+        expression = f"{a}{op1}{b}{op2}{c}"
+        question = f"What is {expression}?"
+        return Episode(
+            messages=[{"role": "user", "content": question}],
+            tools=[calculator],
+            answer=int(calculator(expression)),
+            info={"task": self.name, "index": index, "seed": seed, "expression": expression},
+        )
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        return answer_reward(messages, episode.answer)
+
+
+# Keys are short common words: the tiny tokenizer learns each as one piece the model can copy
+# (random 6-character keys were not learned, FACTS.md).
+LOOKUP_KEYS = (
+    "apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket",
+    "silver", "forest", "window", "planet", "orange", "pencil", "mirror", "castle", "island", "dragon",
+    "bridge", "carrot", "violet", "winter", "summer", "falcon", "harbor", "meadow", "copper", "marble",
+)
+LOOKUP_TABLE_SIZE = 5
+
+
+def make_lookup_tool(table: dict[str, str]) -> Callable[[str], str]:
+    """A ``lookup`` tool over one episode's table."""
+
+    def lookup(key: str) -> str:
+        """Look up the code stored under a key.
+
+        Args:
+            key: The key.
+        """
+        if key not in table:
+            raise ValueError(f"unknown key {key!r}; known keys: {', '.join(sorted(table))}")
+        return table[key]
+
+    return lookup
+
+
+class LookupTask:
+    """Key-value lookup: a per-episode table of word keys and random 3-digit codes behind a ``lookup`` tool.
+
+    The model cannot know the code without calling ``lookup`` with the key named in the question.
+    """
+
+    name = "lookup"
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        rng = random.Random(f"{self.name}:{seed}:{index}")
+        keys = rng.sample(LOOKUP_KEYS, LOOKUP_TABLE_SIZE)
+        table = {key: str(rng.randint(100, 999)) for key in keys}
+        key = rng.choice(keys)
+        question = f'What is the code of "{key}"?'
+        return Episode(
+            messages=[{"role": "user", "content": question}],
+            tools=[make_lookup_tool(table)],
+            answer=int(table[key]),
+            info={"task": self.name, "index": index, "seed": seed, "key": key, "table": table},
+        )
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        return answer_reward(messages, episode.answer)
+
+
+TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask}
+
+
+def get_task(name: str):
+    """A new instance of the built-in task ``name``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]()

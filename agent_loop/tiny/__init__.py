@@ -1,0 +1,9 @@
+"""The built-in tiny agent: a local byte-level BPE tokenizer and a small Qwen2 model that calls tools.
+
+``tiny_agent_path(stage)`` returns its folder (built and cached on first use); both
+``transformers.AutoTokenizer``/``AutoModelForCausalLM`` and vLLM load it.
+"""
+
+from agent_loop.tiny.build import RECIPE_VERSION, STAGES, build_record, cache_root, tiny_agent_path
+
+__all__ = ["RECIPE_VERSION", "STAGES", "build_record", "cache_root", "tiny_agent_path"]

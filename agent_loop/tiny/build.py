@@ -1,0 +1,158 @@
+"""Build and cache the tiny agent: tokenizer, warm-started model (stages "mid" and "final"), evaluation.
+
+Cache: ``$AGENT_LOOP_CACHE`` or ``~/.cache/agent_loop``, folder ``tiny-agent-<RECIPE_VERSION>``
+holding ``final/`` and ``mid/`` (each loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and
+vLLM) and ``build.json`` (timings and evaluation). A build runs in a temporary folder renamed into
+place at the end, so an interrupted build leaves no broken cache, under a file lock, so two
+processes never build at once.
+
+Environment: ``AGENT_LOOP_CACHE`` (cache root), ``AGENT_LOOP_TINY_THREADS`` (torch threads for the
+build; default 2, use 1 on a busy machine), ``AGENT_LOOP_TINY_STEPS`` (a shorter or longer training,
+for experiments; it gets its own cache folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+from agent_loop.tiny.data import dialogue, render, task_for
+from agent_loop.tiny.evaluate import evaluate
+from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
+from agent_loop.tiny.train import train
+
+# Change whenever anything that shapes the built files changes (it names the cache folder).
+RECIPE_VERSION = "v5"
+STAGES = ("mid", "final")
+TRAIN_STEPS = 1000
+# "mid": of the checkpoints at these fractions of training, the one whose sampled success on a quick
+# check is closest to MID_TARGET (a middling start for RL); copying the numbers is learned late
+MID_FRACTIONS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (0.6, 0.7, 0.8), 0.47, 64, 404
+TOKENIZER_DIALOGUES = 3000
+TOKENIZER_SEED, TRAIN_SEED = 101, 202
+EVAL_SEED, EVAL_EPISODES = 303, {"arithmetic": 100, "lookup": 50}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop")
+
+
+def train_steps() -> int:
+    return int(os.environ.get("AGENT_LOOP_TINY_STEPS", TRAIN_STEPS))
+
+
+def build_dir() -> Path:
+    suffix = "" if train_steps() == TRAIN_STEPS else f"-steps{train_steps()}"
+    return cache_root() / f"tiny-agent-{RECIPE_VERSION}{suffix}"
+
+
+def tiny_agent_path(stage: str = "final") -> Path:
+    """Folder of the tiny agent (tokenizer and model) at ``stage`` ("final" or "mid"); builds it on first use."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
+    target = build_dir()
+    if not target.exists():
+        with build_lock(target):
+            if not target.exists():
+                build(target)
+    return target / stage
+
+
+@contextlib.contextmanager
+def build_lock(target: Path):
+    """Hold an exclusive file lock for building ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(target: Path, progress: bool = True) -> dict:
+    """Build everything into a temporary sibling of ``target``, then rename it to ``target``.
+
+    Replaces an existing ``target`` (the caller holds the lock). Returns the build record.
+    """
+    for stale in target.parent.glob(f".{target.name}.build-*"):  # left by a killed build (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("AGENT_LOOP_TINY_THREADS", min(2, os.cpu_count() or 1))))
+    try:
+        record = _build_into(scratch, progress)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            target.rename(old / "built")
+            shutil.rmtree(old)
+        scratch.rename(target)
+        return record
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build_into(folder: Path, progress: bool) -> dict:
+    started = time.perf_counter()
+    # any tokenizer object renders the template; this one only serves to make the tokenizer's corpus
+    renderer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=chat_template())
+    corpus = [render(renderer, *dialogue(task_for(i, TOKENIZER_SEED), i, TOKENIZER_SEED)) for i in range(TOKENIZER_DIALOGUES)]
+    tokenizer = train_tokenizer(corpus)
+    steps = train_steps()
+    record = {"recipe": RECIPE_VERSION, "train_steps": steps, "vocab_size": len(tokenizer), "stages": {}}
+    candidates = tuple(round(steps * f) for f in MID_FRACTIONS)
+    mid: dict = {}
+
+    def consider_mid(step: int, model) -> None:
+        success = evaluate(model, tokenizer, "arithmetic", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)["success"]
+        record.setdefault("mid_candidates", {})[step] = success
+        if not mid or abs(success - MID_TARGET) < abs(mid["success"] - MID_TARGET):
+            mid.update(step=step, success=success, state=copy.deepcopy(model.state_dict()))
+
+    def save(stage: str, step: int, model) -> None:
+        stage_started = time.perf_counter()
+        model.generation_config = GenerationConfig(
+            eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id, bos_token_id=None
+        )
+        model.save_pretrained(folder / stage)
+        tokenizer.save_pretrained(folder / stage)
+        decodings = (False, True) if stage == "final" else (False,)  # mid: sampled only, to save build time
+        # evaluate with the tokenizer as users load it (AutoTokenizer picks Qwen2Tokenizer for qwen2)
+        loaded = AutoTokenizer.from_pretrained(folder / stage)
+        record["stages"][stage] = {"step": step, "eval": _evaluate(model, loaded, decodings)}
+        record["eval_seconds"] = record.get("eval_seconds", 0.0) + time.perf_counter() - stage_started
+
+    model = train(tokenizer, steps, TRAIN_SEED, candidates, consider_mid, progress)
+    save("final", steps, model)
+    model.load_state_dict(mid["state"])
+    save("mid", mid["step"], model)
+    record["build_seconds"] = time.perf_counter() - started
+    record["parameters"] = sum(p.numel() for p in model.parameters())
+    (folder / "build.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _evaluate(model, tokenizer, decodings: tuple[bool, ...]) -> list[dict]:
+    return [
+        evaluate(model, tokenizer, task_name, episodes, EVAL_SEED, greedy)
+        for task_name, episodes in EVAL_EPISODES.items()
+        for greedy in decodings
+    ]
+
+
+def build_record() -> dict:
+    """The record of the cached build (builds it first if missing)."""
+    tiny_agent_path()
+    return json.loads((build_dir() / "build.json").read_text())
