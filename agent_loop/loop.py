@@ -59,12 +59,12 @@ def _formatter(tokenizer, schemas: list[dict]) -> ChatFormatter:
     return by_schemas[key]
 
 
-async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams,
+async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams, session_id: str,
                                  config: LoopConfig) -> tuple[GenerationResult | None, str | None]:
     error = None
     for attempt in range(config.backend_retries + 1):
         try:
-            return await backend.generate(prompt, sampling), None
+            return await backend.generate(prompt, sampling, session_id=session_id), None
         except Exception as exc:  # any backend failure: retry, then end the episode with "error"
             error = f"{type(exc).__name__}: {exc}"
             if attempt < config.backend_retries:
@@ -107,6 +107,7 @@ async def run_episode(
     parser = parser_for_template(formatter.chat_template or tokenizer.chat_template)
     messages = [dict(m) for m in episode.messages]
     prompt_ids = formatter.prompt_ids(messages)
+    session_id = f"{task.name}:{seed}:{index}"  # one per episode: multi-server backends keep it on one server
 
     response_ids: list[int] = []
     spans: list[int] = []
@@ -125,7 +126,7 @@ async def run_episode(
             top_k=config.top_k, stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(seed, index, turn),
         )
         t0 = time.perf_counter()
-        result, error = await _generate_with_retries(backend, prompt_ids + response_ids, sampling, config)
+        result, error = await _generate_with_retries(backend, prompt_ids + response_ids, sampling, session_id, config)
         timings["generate_s"] += time.perf_counter() - t0
         if result is None:
             finish_reason = "error"

@@ -43,9 +43,15 @@ class GenerationResult(NamedTuple):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Token-in, token-out generation. Implementations must be safe to call concurrently from many tasks."""
+    """Token-in, token-out generation. Implementations must be safe to call concurrently from many tasks.
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult: ...
+    ``session_id`` names the episode a request belongs to (the same for all its turns), so a backend
+    over several servers can keep an episode on one server and reuse its prefix cache.
+    """
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> GenerationResult: ...
 
 
 @dataclass

@@ -221,7 +221,7 @@ class FlakyBackend:
     def __init__(self, failures, reply_ids):
         self.failures, self.reply_ids, self.calls = failures, reply_ids, 0
 
-    async def generate(self, prompt_ids, sampling):
+    async def generate(self, prompt_ids, sampling, session_id=None):
         self.calls += 1
         if self.calls <= self.failures:
             raise ConnectionError("backend down")
@@ -266,17 +266,29 @@ def test_runner_concurrency_matches_serial_and_writes_jsonl(tokenizer, tmp_path)
     assert [strip(t) for t in on_disk] == [strip(t) for t in concurrent]
 
 
+def test_each_episode_keeps_one_session_id(tokenizer):
+    task = get_task("arithmetic")
+    backend = ScriptedBackend(arithmetic_script(tokenizer, task))
+    asyncio.run(run_rollouts(task, backend, tokenizer, range(4), concurrency=4, progress=False))
+    sessions = {}
+    for prompt, session in backend.calls:  # 2 turns per episode, interleaved across episodes
+        sessions.setdefault(session, []).append(prompt)
+    assert len(sessions) == 4 and all(len(prompts) == 2 for prompts in sessions.values())
+    for first, second in sessions.values():  # the second turn extends the first turn's prompt
+        assert second[: len(first)] == first
+
+
 class StuckAfter:
     """Answers episodes below ``limit`` at once and never answers the rest."""
 
     def __init__(self, inner, tokenizer, limit):
         self.inner, self.tokenizer, self.limit = inner, tokenizer, limit
 
-    async def generate(self, prompt_ids, sampling):
+    async def generate(self, prompt_ids, sampling, session_id=None):
         index = int(self.tokenizer.decode(prompt_ids).split("Episode ")[1].split(":")[0])
         if index >= self.limit:
             await asyncio.Event().wait()
-        return await self.inner.generate(prompt_ids, sampling)
+        return await self.inner.generate(prompt_ids, sampling, session_id)
 
 
 def test_interrupted_run_keeps_finished_episodes(tokenizer, tmp_path):

@@ -64,7 +64,9 @@ class TransformersBackend:
         with self.weights_lock, torch.no_grad():
             self.model.load_state_dict(state_dict)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> GenerationResult:
         request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future())
         self._pending.append(request)
         if self._worker is None or self._worker.done():

@@ -21,15 +21,17 @@ class ScriptedBackend:
 
     The reply is cut at the first stop token (finish "stop") or at ``max_tokens`` (finish "length");
     a reply that has no stop token gets the first stop token appended, as a real model ending its turn.
-    ``calls`` records every prompt, for assertions.
+    ``calls`` records every (prompt, session_id), for assertions.
     """
 
     def __init__(self, script: Script):
         self.script = script
-        self.calls: list[list[int]] = []
+        self.calls: list[tuple[list[int], str | None]] = []
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        self.calls.append(list(prompt_ids))
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> GenerationResult:
+        self.calls.append((list(prompt_ids), session_id))
         reply = list(self.script(list(prompt_ids)))
         stops = set(sampling.stop_token_ids)
         stop_at = next((i for i, tok in enumerate(reply) if tok in stops), None)

