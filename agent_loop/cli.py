@@ -129,10 +129,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         seed=args.seed, concurrency=args.concurrency, output_path=out,
     ))
     elapsed = time.perf_counter() - started
-    console.print(summary_table(trajectories, f"{args.task} rollout: {model_path}"))
+    console.print(summary_table(trajectories, f"{args.task} rollout"))
     assistant_tokens = sum(t.metrics["assistant_tokens"] for t in trajectories)
     console.print(f"{len(trajectories) / elapsed:.2f} episodes/s, {assistant_tokens / elapsed:.0f} assistant tokens/s "
-                  f"({elapsed:.1f} s, concurrency {args.concurrency}, backend {args.backend})")
+                  f"({elapsed:.1f} s, concurrency {args.concurrency}, backend {args.backend}, model {model_path})")
     console.print(returns_table(trajectories, tokenizer.pad_token_id or 0, args.gamma))
     console.print(f"wrote {len(trajectories)} trajectories to {out}  (look inside: agent-loop inspect {out})")
     return 0
