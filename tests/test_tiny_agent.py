@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 from tokenizers import Tokenizer, models
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from agent_loop.tiny import build as tiny_build
 from agent_loop.tiny.data import dialogue, encode_batch, render, task_for
@@ -22,7 +22,6 @@ from agent_loop.tiny.train import (
     model_config,
     training_batch,
 )
-from transformers import Qwen2ForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +50,21 @@ def test_special_tokens_are_single_ids(tokenizer):
 
 
 def test_auto_tokenizer_loads_it_identically(tokenizer, tmp_path):
-    """AutoTokenizer (and so vLLM) loads a qwen2 folder as Qwen2Tokenizer, which rebuilds the pre-tokenizer."""
+    """AutoTokenizer (and so vLLM) must use tokenizer.json as saved, our pre-tokenizer included.
+
+    (A ``model_type: qwen2`` folder would load as Qwen2Tokenizer, which swaps in Qwen2's pre-tokenizer.)
+    """
     tokenizer.save_pretrained(tmp_path)
     model_config(tokenizer).save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert type(loaded).__name__ != "Qwen2Tokenizer"
     for index in range(10):
         messages, tools = conversation(task_for(index, 8), index, 8)
-        assert ids_of(loaded, messages, tools) == ids_of(tokenizer, messages, tools)
+        expected = raw.encode(render(tokenizer, messages, tools)).ids
+        assert ids_of(loaded, messages, tools) == ids_of(tokenizer, messages, tools) == expected
+        prompt = loaded.apply_chat_template(messages[:1], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert loaded(prompt)["input_ids"] == raw.encode(prompt).ids
     text = "<|im_start|>assistant\n<tool_call>\n{}\n</tool_call><|im_end|> héllo ✓"
     assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True)
@@ -75,13 +82,15 @@ def test_tokenizer_round_trips_dialogues(tokenizer):
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
-def test_digits_and_quoted_keys_are_single_pieces(tokenizer):
+def test_digits_newlines_and_quoted_keys_are_single_pieces(tokenizer):
     pieces = tokenizer.convert_ids_to_tokens(tokenizer("12345\n67")["input_ids"])
     assert pieces == ["1", "2", "3", "4", "5", "Ċ", "6", "7"]
     assert tokenizer.convert_ids_to_tokens(tokenizer("-77")["input_ids"]) == ["-", "7", "7"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("37*12+5")["input_ids"]) == ["3", "7", "*", "1", "2", "+", "5"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer('5"}}\n\n')["input_ids"]) == ["5", '"}}', "Ċ", "Ċ"]
     question = tokenizer('What is the code of "river"?')["input_ids"]
     call = tokenizer('{"name": "lookup", "arguments": {"key": "river"}}')["input_ids"]
-    (river,) = tokenizer("river")["input_ids"]
+    (river,) = tokenizer('"river"')["input_ids"]
     assert river in question and river in call
 
 
@@ -133,7 +142,7 @@ def test_labels_cover_exactly_the_assistant_turns(tokenizer):
 
 def test_shared_prefix_loss_equals_full_forward(tokenizer):
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(model_config(tokenizer))
+    model = LlamaForCausalLM(model_config(tokenizer))
     for input_ids, labels in training_batch(tokenizer, step=0, seed=4):
         loss, count = assistant_loss(model, input_ids, labels)
         # reference: one plain forward over the full right-padded sequences
@@ -234,7 +243,7 @@ def test_built_agent_loads(built_agent, stage):
     config = model.config
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (128, 4, 4, 32)
     assert config.tie_word_embeddings and config.vocab_size == len(tokenizer) <= 1024
-    assert model.dtype == torch.float32
+    assert model.dtype == torch.float32 and config.model_type == "llama"
     assert 1.0e6 < sum(p.numel() for p in model.parameters()) < 1.3e6
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.eos_token_id == im_end == config.eos_token_id
@@ -245,12 +254,17 @@ def test_built_agent_loads(built_agent, stage):
 
 @pytest.mark.slow
 def test_built_agent_calls_tools(built_agent):
-    """Greedy replies to held-out questions are well-formed tool calls; an untrained model makes none."""
+    """Greedy replies to held-out questions are well-formed tool calls and mostly solve arithmetic.
+
+    An untrained model makes no tool call; models that learned only the format solved 0-8% (recipe
+    v5: 8%), so 30% needs the expression and then the tool result copied.
+    """
     tokenizer = AutoTokenizer.from_pretrained(built_agent["final"])
     model = AutoModelForCausalLM.from_pretrained(built_agent["final"])
     for task in ("arithmetic", "lookup"):
-        assert evaluate(model, tokenizer, task, episodes=16, seed=4242, greedy=True)["well_formed"] >= 0.8
-    assert evaluate(model, tokenizer, "arithmetic", episodes=32, seed=4242, greedy=True)["right_arguments"] > 0.0
+        assert evaluate(model, tokenizer, task, episodes=16, seed=4242, greedy=True)["well_formed"] >= 0.9
+    arithmetic = evaluate(model, tokenizer, "arithmetic", episodes=32, seed=4242, greedy=True)
+    assert arithmetic["right_arguments"] >= 0.5 and arithmetic["success"] >= 0.3
     torch.manual_seed(0)
-    untrained = Qwen2ForCausalLM(model.config)
+    untrained = LlamaForCausalLM(model.config)
     assert evaluate(untrained, tokenizer, "arithmetic", episodes=8, seed=4242, greedy=True)["well_formed"] == 0.0

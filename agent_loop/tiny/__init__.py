@@ -1,4 +1,4 @@
-"""The built-in tiny agent: a local byte-level BPE tokenizer and a small Qwen2 model that calls tools.
+"""The built-in tiny agent: a local byte-level BPE tokenizer and a small Llama-shaped model that calls tools.
 
 ``tiny_agent_path(stage)`` returns its folder (built and cached on first use); both
 ``transformers.AutoTokenizer``/``AutoModelForCausalLM`` and vLLM load it.

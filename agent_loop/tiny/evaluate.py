@@ -11,7 +11,7 @@ import json
 import re
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, PreTrainedModel
 from transformers.utils import get_json_schema
 
 from agent_loop.tasks import get_task
@@ -36,7 +36,7 @@ def parse_tool_call(text: str) -> tuple[str, dict] | None:
 
 
 @torch.no_grad()
-def generate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[list[int]], greedy: bool, seed: int) -> list[list[int]]:
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompts: list[list[int]], greedy: bool, seed: int) -> list[list[int]]:
     """Continue each prompt until ``<|im_end|>`` (kept) or MAX_NEW_TOKENS; left-padded batch."""
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
@@ -62,7 +62,7 @@ def generate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, prompt
 
 
 def evaluate(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, task_name: str, episodes: int, seed: int, greedy: bool
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, task_name: str, episodes: int, seed: int, greedy: bool
 ) -> dict:
     """Rates over ``episodes`` held-out episodes: well-formed tool call, correct tool arguments, success."""
     task = get_task(task_name)

@@ -1,11 +1,17 @@
 """The tiny agent's tokenizer: byte-level BPE trained on the built-in tasks' dialogues.
 
-It uses exactly the normalizer and pre-tokenizer of ``transformers``' ``Qwen2Tokenizer``, because
-``AutoTokenizer`` (and so vLLM) always loads a ``model_type: qwen2`` folder with that class, which
-rebuilds them; only the vocabulary and merges come from our file. That split keeps digits as single
-pieces (numbers are copied digit by digit, FACTS.md) and a lookup key as one word piece that is the
-same token in the question and in the tool call. Special tokens split the text before BPE, so merges
-never cross a chat turn boundary and the template stays append-only at the token level.
+The pre-tokenizer isolates every digit, every ``\n`` and every quoted word such as ``"river"``
+(FACTS.md): numbers and expressions are then copied token by token, a lookup key is one and the same
+token in the question and in the tool call (and appears nowhere else, so attention finds it by
+content), and ``\n`` never merges with the JSON around a tool call. The rest of the text merges
+freely, so the template's boilerplate (tool schemas, JSON keys) takes few tokens: a calculator
+dialogue is 139 tokens. Special tokens split the text before BPE, so merges never cross a chat turn
+boundary and the template stays append-only at the token level.
+
+The folder is saved with ``tokenizer_class: TokenizersBackend`` next to a ``model_type: llama``
+config, so ``AutoTokenizer`` (and vLLM) load ``tokenizer.json`` exactly as saved. (For
+``model_type: qwen2`` transformers 5 forces ``Qwen2Tokenizer``, which rebuilds Qwen2's own
+pre-tokenizer and drops ours; that is why the model is a Llama, see ``train.model_config``.)
 """
 
 import re
@@ -13,8 +19,8 @@ from importlib import resources
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
+# upper bound: the task dialogues support only about 710 pieces, where BPE training stops
 VOCAB_SIZE = 1024
 # Control tokens (skipped by decode(skip_special_tokens=True)) and, as in Qwen2.5, the tool-call
 # markers as plain added tokens that decoding keeps. All come last in the vocabulary, as in Qwen.
@@ -22,6 +28,8 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 SPECIAL_TOKENS = CONTROL_TOKENS + TOOL_TOKENS
 _SPECIAL = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+# pieces that BPE never merges with their neighbours: each digit, each newline, each quoted word
+ISOLATED_PIECES = r'\p{N}|\n|"\p{L}+"'
 
 
 def chat_template() -> str:
@@ -35,7 +43,7 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(ISOLATED_PIECES), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

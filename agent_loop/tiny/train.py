@@ -1,4 +1,4 @@
-"""Warm start of the tiny Qwen2 model on synthetic tool-use dialogues (after FACTS.md's recipe).
+"""Warm start of the tiny model (a Llama: Qwen2's block minus the qkv bias) on synthetic tool-use dialogues.
 
 Loss on assistant tokens only (the end-of-turn token included), AdamW lr 3e-3 (betas 0.9/0.98,
 weight decay 0.01), 30 warm-up steps, cosine decay to 0.1x, gradient clipping 1.0, batch 32 of
@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from agent_loop.tiny.data import dialogue, encode_batch, render, task_for
 
@@ -27,9 +27,16 @@ WARMUP_STEPS = 30
 FINAL_LR_FRACTION = 0.1
 
 
-def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
-    """Qwen2, hidden 128, 4 layers, 4 heads of 32 (a head size vLLM's CPU attention accepts), tied embeddings."""
-    return Qwen2Config(
+def model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """A Qwen2-style decoder saved as ``model_type: llama``: hidden 128, 4 layers, 4 heads of 32 (a head
+    size vLLM's CPU attention accepts), SwiGLU 512, RMSNorm, rope, tied embeddings, no biases.
+
+    Why Llama and not Qwen2 (DESIGN.md says "Qwen2-style"): the block is the same shape minus the
+    qkv bias, but for ``model_type: qwen2`` transformers 5's ``AutoTokenizer`` (and so vLLM) forces
+    ``Qwen2Tokenizer``, which replaces our tokenizer's pre-tokenizer with Qwen2's; for llama it loads
+    ``tokenizer.json`` as saved (see ``agent_loop.tiny.tokenizer``).
+    """
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=512,
@@ -39,6 +46,8 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
         head_dim=32,
         max_position_embeddings=1024,
         rope_theta=10000.0,
+        attention_bias=False,
+        mlp_bias=False,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -67,7 +76,7 @@ def shared_prefix_length(input_ids: torch.Tensor, labels: torch.Tensor) -> int:
     return max(0, min(common, first_supervised - 1, input_ids.shape[1] - 1))
 
 
-def assistant_loss(model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def assistant_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over supervised tokens of a right-padded (b, t) batch, and their count.
 
     Right padding needs no attention mask under causal attention: real tokens never see later pads.
@@ -100,12 +109,12 @@ def train(
     steps: int,
     seed: int,
     checkpoint_steps: tuple[int, ...] = (),
-    on_checkpoint: Callable[[int, Qwen2ForCausalLM], None] | None = None,
+    on_checkpoint: Callable[[int, LlamaForCausalLM], None] | None = None,
     progress: bool = True,
-) -> Qwen2ForCausalLM:
+) -> LlamaForCausalLM:
     """Train a fresh model for ``steps`` steps; call ``on_checkpoint(step, model)`` after each listed step."""
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(model_config(tokenizer))
+    model = LlamaForCausalLM(model_config(tokenizer))
     model.train()
     # weight decay on matrices only, not on norms and biases
     decay = [p for p in model.parameters() if p.ndim >= 2]
