@@ -1,0 +1,102 @@
+"""Per-step metrics: what the episodes did, and where they go (stdout, a JSON Lines file, TensorBoard if installed)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from agent_loop.tasks import last_number
+from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory
+
+
+def tool_returned_answer(trajectory: Trajectory) -> bool:
+    """Whether some tool call returned the episode's answer: the action before the observation was right
+    (for the built-in tasks: the calculator got the right expression, the lookup the right key)."""
+    answer = trajectory.info.get("answer")
+    if answer is None:
+        return False
+    return any(c.result is not None and last_number(c.result) == float(answer) for c in trajectory.tool_calls)
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Reward, success rate, turns, token counts, finish reasons and tool errors of one batch of episodes."""
+    n = len(trajectories)
+    finish = Counter(t.finish_reason for t in trajectories)
+    errors = Counter()
+    for t in trajectories:
+        errors.update(t.metrics.get("tool_errors", {}))
+    metrics = {
+        "reward": sum(t.reward for t in trajectories) / n,
+        "success": sum(bool(t.info.get("success")) for t in trajectories) / n,
+        "turns": sum(t.metrics["turns"] for t in trajectories) / n,
+        "assistant_tokens": sum(t.metrics["assistant_tokens"] for t in trajectories) / n,
+        "observation_tokens": sum(t.metrics["observation_tokens"] for t in trajectories) / n,
+        "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / n,
+        "tool_returned_answer": sum(map(tool_returned_answer, trajectories)) / n,
+    }
+    metrics.update({f"finish/{reason}": finish[reason] / n for reason in FINISH_REASONS})
+    metrics.update({f"tool_errors/{kind}": float(errors[kind]) for kind in TOOL_ERROR_KINDS})
+    return metrics
+
+
+def masked_summary(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean, std, min and max of ``values`` (b, t) over positions where ``mask`` (b, t) is true (host sync: metrics only)."""
+    selected = values[mask.bool()].double()
+    if selected.numel() == 0:
+        return {}
+    return {
+        f"{name}/mean": selected.mean().item(),
+        f"{name}/std": selected.std(correction=0).item(),
+        f"{name}/min": selected.min().item(),
+        f"{name}/max": selected.max().item(),
+    }
+
+
+def _tensorboard_writer(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard when installed.
+
+    ``fresh`` starts the file empty (a new run); a resumed run appends to it.
+    """
+
+    def __init__(self, output_dir: str | Path, fresh: bool = True, tensorboard: bool = True):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            self.path.write_text("")
+        self.writer = _tensorboard_writer(self.path.parent / "tensorboard") if tensorboard else None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def compact_line(step: int, metrics: dict[str, float]) -> str:
+    """One short stdout line per step."""
+    parts = [f"step {step:4d}", f"success {metrics['success']:.3f}", f"reward {metrics['reward']:.3f}",
+             f"turns {metrics['turns']:.2f}", f"loss {metrics['loss']:+.4f}", f"clip {metrics['clip_frac']:.3f}",
+             f"kl {metrics['ppo_kl']:+.2e}", f"ent {metrics['entropy']:.3f}", f"gnorm {metrics['grad_norm']:.3f}",
+             f"lp-mismatch {metrics['logprob_mismatch/mean_abs']:.1e}"]
+    if "eval/success" in metrics:
+        parts.append(f"eval {metrics['eval/success']:.3f}")
+    parts.append(f"{metrics['time/step_s']:.1f}s")
+    return " | ".join(parts)

@@ -1,0 +1,137 @@
+"""The policy's view of a batch: per-token logits, logprobs, entropy and (for GAE) values of the response tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from masking import SpanKind
+
+
+class ValueHead(nn.Module):
+    """A linear critic on the policy's last hidden states (shares the trunk; used by GAE).
+
+    Starts at exactly 0 so the first advantages are the plain returns.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(b, t, h)`` hidden states -> ``(b, t)`` values."""
+        return self.linear(hidden).squeeze(-1)
+
+
+def shared_prefix_length(batch: dict[str, torch.Tensor]) -> int:
+    """How many leading prompt tokens every row shares (the system prompt with the tool schemas, for
+    example), capped at the shortest prompt minus one so that each row's last prompt token is its own.
+
+    ``prompts`` (b, p) are left-padded; ``attention_mask`` (b, p + t) tells where each prompt starts.
+    """
+    prompts = batch["prompts"]
+    width = prompts.shape[1]
+    lengths = batch["attention_mask"][:, :width].sum(1)
+    shortest = int(lengths.min())
+    columns = (width - lengths).unsqueeze(1) + torch.arange(max(shortest - 1, 0))
+    aligned = prompts.gather(1, columns)  # (b, shortest - 1): each row's prompt, left-aligned
+    same = (aligned == aligned[:1]).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def response_forward(
+    model, batch: dict[str, torch.Tensor], value_head: ValueHead | None = None, share_prefix: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits predicting each response token, and the value of the state before it.
+
+    ``batch`` holds ``prompts`` (b, p), ``input_ids``, ``attention_mask``, ``position_ids`` (b, p + t)
+    and ``responses`` (b, t) as collated (prompts left-padded, responses right-padded). Returns
+    ``logits`` (b, t, v) in float32 and ``values`` (b, t) or None.
+
+    With ``share_prefix``, the prompt prefix all rows share runs once (batch 1) and the rest of every
+    row attends to its key/value cache; copies of the prefix inside a row's slice are masked out.
+    Gradients flow through the cache, so the result and its gradient are those of the plain forward
+    (up to float rounding), for a fraction of the work when the shared prefix is long. The output
+    head runs only on the t positions that predict response tokens.
+    """
+    t = batch["responses"].shape[1]
+    decoder = model.get_decoder()
+    prefix = shared_prefix_length(batch) if share_prefix else 0
+    if prefix == 0:
+        hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    else:
+        prompts, attention = batch["prompts"], batch["attention_mask"]
+        width = prompts.shape[1]
+        lengths = attention[:, :width].sum(1)
+        first = width - int(lengths[0])
+        cache = decoder(input_ids=prompts[:1, first : first + prefix], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(prompts.shape[0])
+        start = width - (int(lengths.max()) - prefix)  # the columns holding every row's unshared prompt tokens
+        positions = batch["position_ids"][:, start:]
+        own = attention[:, start:] * (positions >= prefix)  # a row's copy of the shared prefix is masked out
+        hidden = decoder(
+            input_ids=batch["input_ids"][:, start:], position_ids=positions, past_key_values=cache, use_cache=True,
+            attention_mask=torch.cat([torch.ones_like(attention[:, :prefix]), own], dim=1),
+        ).last_hidden_state
+    hidden = hidden[:, -t - 1 : -1]  # position i predicts token i + 1
+    logits = model.get_output_embeddings()(hidden).float()
+    values = value_head(hidden).float() if value_head is not None else None
+    return logits, values
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``(b, t, v)`` logits, ``(b, t)`` token ids -> ``(b, t)`` log-probabilities of those tokens."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``(b, t, v)`` logits -> ``(b, t)`` entropy of each next-token distribution (nats)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+RESPONSE_KEYS = ("responses", "spans", "response_mask", "turn_ids", "old_logprobs", "token_level_rewards",
+                 "advantages", "returns", "values")
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int):
+    """Yield ``(part, micro)``: the rows ``rows`` of ``batch`` in micro-batches of at most ``size`` rows,
+    shortest responses first, each cut to its own longest response (less padding through the model).
+    ``part`` holds the micro-batch's row numbers in ``batch``."""
+    lengths = (batch["spans"] != SpanKind.PAD).sum(1)
+    rows = rows[torch.argsort(lengths[rows], stable=True)]
+    prompt_width = batch["prompts"].shape[1]
+    for part in rows.split(size):
+        t = int(lengths[part].max())
+        micro = {}
+        for name, value in batch.items():
+            value = value[part]
+            if name in RESPONSE_KEYS:
+                value = value[:, :t]
+            elif name in SEQUENCE_KEYS:
+                value = value[:, : prompt_width + t]
+            micro[name] = value
+        yield part, micro
+
+
+@torch.no_grad()
+def batch_logprobs(
+    model, batch: dict[str, torch.Tensor], micro_batch_size: int, value_head: ValueHead | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs ``(b, t)`` of the ASSISTANT tokens (and values ``(b, t)`` with a value head), in micro-batches,
+    without gradient; 0 elsewhere, as the sampler's ``old_logprobs``."""
+    b, t = batch["responses"].shape
+    logprobs = torch.zeros(b, t)
+    values = torch.zeros(b, t) if value_head is not None else None
+    for part, micro in micro_batches(batch, torch.arange(b), micro_batch_size):
+        logits, micro_values = response_forward(model, micro, value_head)
+        width = micro["responses"].shape[1]
+        assistant = micro["spans"] == SpanKind.ASSISTANT
+        logprobs[part, :width] = torch.where(assistant, token_logprobs(logits, micro["responses"]), 0.0)
+        if values is not None:
+            values[part, :width] = torch.where(assistant, micro_values, 0.0)
+    return logprobs, values
