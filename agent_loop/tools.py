@@ -21,12 +21,28 @@ from agent_loop.parsers import ParseError, ParsedCall
 from agent_loop.types import ToolCallRecord
 
 
+# Deriving and checking a schema costs milliseconds; closures made from one function (a per-episode
+# lookup table, say) share their code, docstring and hints, so they share one schema and validator.
+_CHECKED: dict[tuple, tuple[dict, jsonschema.Draft202012Validator]] = {}
+
+
+def _checked_schema(fn: Callable) -> tuple[dict, jsonschema.Draft202012Validator]:
+    code = getattr(fn, "__code__", None)
+    key = (code, fn.__doc__, repr(getattr(fn, "__annotations__", None))) if code else (fn,)
+    if key not in _CHECKED:
+        schema = get_json_schema(fn)
+        jsonschema.Draft202012Validator.check_schema(schema["function"]["parameters"])
+        _CHECKED[key] = schema, jsonschema.Draft202012Validator(schema["function"]["parameters"])
+    return _CHECKED[key]
+
+
 @dataclass
 class Tool:
     """A callable with its JSON schema (``{"type": "function", "function": {...}}``)."""
 
     fn: Callable
     schema: dict
+    validator: jsonschema.Draft202012Validator
 
     @property
     def name(self) -> str:
@@ -34,9 +50,7 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable) -> "Tool":
-        schema = get_json_schema(fn)
-        jsonschema.Draft202012Validator.check_schema(schema["function"]["parameters"])
-        return cls(fn, schema)
+        return cls(fn, *_checked_schema(fn))
 
 
 def _as_text(result: Any) -> str:
@@ -81,8 +95,7 @@ class ToolExecutor:
         if tool is None:
             available = ", ".join(self.tools) or "none"
             return _failed(record, "unknown_tool", f"Error: unknown tool '{call.name}'; available: {available}")
-        error = jsonschema.exceptions.best_match(
-            jsonschema.Draft202012Validator(tool.schema["function"]["parameters"]).iter_errors(call.arguments))
+        error = jsonschema.exceptions.best_match(tool.validator.iter_errors(call.arguments))
         if error is not None:
             where = "/".join(map(str, error.absolute_path)) or "arguments"
             return _failed(record, "invalid_arguments", f"Error: invalid arguments for '{call.name}' ({where}): {error.message}")
