@@ -13,7 +13,7 @@ class TrainConfig:
 
     # what to train
     model: str | None = None  # model dir; None = the built-in tiny agent at ``tiny_stage``
-    tiny_stage: str = "mid"  # "mid": a middling warm start (about half the episodes succeed)
+    tiny_stage: str = "mid"  # "mid": a middling warm start for RL; "final": the fully trained tiny agent
     task: str = "arithmetic"
     seed: int = 0
 
