@@ -148,3 +148,25 @@ def test_full_tool_calling_rollouts(engine, hf_model, tiny_tokenizer):
         reference = teacher_forced_logprobs(hf_model, context, assistant)
         got = torch.tensor([lp for lp, s in zip(t.logprobs, t.spans) if s == SpanKind.ASSISTANT])
         torch.testing.assert_close(got, reference, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_update_weights_reloads_the_engine_on_the_new_weights(tiny_agent_dir, formatter):
+    """The trainer's weight push: after update_weights the engine generates from the new weights."""
+    from agent_loop.tiny import tiny_agent_path
+
+    mid = AutoModelForCausalLM.from_pretrained(tiny_agent_path("mid"), dtype=torch.float32).eval()
+    final = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
+    prompt = question_prompt(formatter, 7)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=formatter.end_of_turn_ids)
+    with VLLMEngineBackend(tiny_agent_dir, seed=0) as backend:
+        before = asyncio.run(backend.generate(prompt, greedy))
+        backend.update_weights(mid.state_dict())
+        after = asyncio.run(backend.generate(prompt, greedy))
+    for model, result in ((final, before), (mid, after)):
+        reference = teacher_forced_logprobs(model, prompt + result.token_ids,
+                                            list(range(len(prompt), len(prompt) + len(result.token_ids))))
+        torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=LOGPROB_ATOL, rtol=0)
+    # the two checkpoints give different logprobs for the same tokens: the reload did change the model
+    mid_on_before = teacher_forced_logprobs(mid, prompt + before.token_ids,
+                                            list(range(len(prompt), len(prompt) + len(before.token_ids))))
+    assert (mid_on_before - torch.tensor(before.logprobs)).abs().max() > 10 * LOGPROB_ATOL

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 import threading
 
 from agent_loop.types import GenerationResult, SamplingParams
@@ -41,9 +43,7 @@ class VLLMEngineBackend:
     """
 
     def __init__(self, model_path: str, **engine_kwargs):
-        from vllm import AsyncEngineArgs
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = {"disable_log_stats": True}
         if current_platform.is_cpu():
@@ -51,12 +51,21 @@ class VLLMEngineBackend:
             kwargs.update(CPU_ENGINE_DEFAULTS)
         kwargs.update(engine_kwargs)
         self.model_path = str(model_path)
+        self._engine_kwargs = kwargs
+        self._weights_dir: tempfile.TemporaryDirectory | None = None
+        self._start()
+
+    def _start(self) -> None:
+        """Start the engine (and its loop thread) on ``self.model_path``."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
 
         async def create():  # on the engine's loop, where the engine starts its output handler
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **kwargs))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self._engine_kwargs))
 
         try:
             self._engine = asyncio.run_coroutine_threadsafe(create(), self._loop).result()
@@ -102,6 +111,28 @@ class VLLMEngineBackend:
         token_ids = list(completion.token_ids)
         logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
         return GenerationResult(token_ids, logprobs, completion.finish_reason)
+
+    def update_weights(self, state_dict: dict) -> None:
+        """Load new policy weights (the trainer's push after each step) by a reload.
+
+        The weights are saved next to a copy of the model folder's config and tokenizer files and the
+        engine restarts on them (seconds for a small model). Call it between rollouts, not during one.
+        """
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="auto")
+        model.load_state_dict(state_dict)
+        weights_dir = tempfile.TemporaryDirectory(prefix="agent-loop-weights-")
+        for name in os.listdir(self.model_path):  # tokenizer, template, generation config
+            source = os.path.join(self.model_path, name)
+            if os.path.isfile(source) and not name.endswith((".safetensors", ".bin")):
+                shutil.copy(source, weights_dir.name)
+        model.save_pretrained(weights_dir.name)
+        self.close()
+        if self._weights_dir is not None:
+            self._weights_dir.cleanup()
+        self.model_path, self._weights_dir = weights_dir.name, weights_dir
+        self._start()
 
     def close(self) -> None:
         """Shut the engine process and the loop thread down; idempotent."""
