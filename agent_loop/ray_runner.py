@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import ray
-from tqdm.auto import tqdm
 
 from agent_loop.loop import LoopConfig, run_episode
+from agent_loop.runner import TrajectorySink
 from agent_loop.types import Backend, Task, Trajectory
 
 
@@ -76,29 +76,19 @@ def run_rollouts_ray(
         if index is not None:
             in_flight[worker.play.remote(index)] = worker
 
-    results: dict[int, Trajectory] = {}
-    sink = open(output_path, "a", encoding="utf-8") if output_path else None
-    bar = tqdm(total=len(indices), desc=f"rollout {task.name} (ray)", unit="ep", disable=not progress)
-    try:
-        for _ in range(concurrency_per_worker):
-            for worker in workers:
+    with TrajectorySink(len(indices), f"rollout {task.name} (ray)", output_path, progress) as sink:
+        try:
+            for _ in range(concurrency_per_worker):
+                for worker in workers:
+                    submit(worker)
+            while in_flight:
+                done, _ = ray.wait(list(in_flight), num_returns=1)
+                worker = in_flight.pop(done[0])
+                trajectory = ray.get(done[0])
                 submit(worker)
-        while in_flight:
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            worker = in_flight.pop(done[0])
-            trajectory = ray.get(done[0])
-            submit(worker)
-            results[trajectory.info["index"]] = trajectory
-            if sink:
-                sink.write(trajectory.to_json() + "\n")
-                sink.flush()
-            bar.update()
-            bar.set_postfix(success=f"{sum(t.reward > 0 for t in results.values()) / len(results):.2f}")
-    finally:
-        bar.close()
-        if sink:
-            sink.close()
-        ray.get([worker.close.remote() for worker in workers])
-        for worker in workers:
-            ray.kill(worker)
-    return [results[i] for i in indices]
+                sink.add(trajectory)
+        finally:
+            ray.get([worker.close.remote() for worker in workers])
+            for worker in workers:
+                ray.kill(worker)
+    return sink.in_order(indices)
