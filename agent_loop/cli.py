@@ -88,8 +88,6 @@ def summary_table(trajectories, title: str) -> Table:
 
 def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
     """Collate the batch and show what carry-through REINFORCE++ gives the assistant tokens."""
-    import torch
-
     from advantages import reinforce_plus_plus
     from agent_loop.collate import trajectories_to_batch
 
@@ -106,7 +104,7 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
     table.add_row("first-turn ASSISTANT tokens with nonzero return",
                   f"{int(((batch['turn_ids'] == 0) & mask & (returns != 0)).sum())}")
     table.add_row("advantage mean / std (ASSISTANT)", f"{adv[mask].mean():.3f} / {adv[mask].std():.3f}")
-    table.add_row("max |return| on OBSERVATION/PAD", f"{returns[~mask].abs().max() if (~mask).any() else torch.tensor(0.0):.1f}")
+    table.add_row("max |return| on OBSERVATION/PAD", f"{returns.masked_fill(mask, 0).abs().max():.1f}")
     return table
 
 

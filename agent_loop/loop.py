@@ -82,10 +82,11 @@ def _fit_observation(formatter: ChatFormatter, messages: list[dict], limit: int)
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
         content_ids = formatter.tokenizer.encode(messages[longest]["content"], add_special_tokens=False)
         keep = max(0, len(content_ids) - (len(ids) - limit) - len(TRUNCATION_MARK))
-        if keep == 0 and not content_ids:
-            break
+        shortened = formatter.tokenizer.decode(content_ids[:keep]) + TRUNCATION_MARK
+        if not content_ids or shortened == messages[longest]["content"]:
+            break  # nothing left to cut but the template's own tokens
         messages = [dict(m) for m in messages]
-        messages[longest]["content"] = formatter.tokenizer.decode(content_ids[:keep]) + TRUNCATION_MARK
+        messages[longest]["content"] = shortened
         ids, truncated = formatter.observation_ids(messages), True
     return ids, messages, truncated
 
