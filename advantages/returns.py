@@ -31,6 +31,7 @@ from masking.spans import SPAN_DTYPE, SpanKind, spans_from_response_mask
 from masking.validate import check_same_shape, validate_response_mask, validate_spans, validate_token_level_rewards
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GAE_ONE_SCAN_MIN_LAM = 0.5  # GAE in one scan from here: its rounding error grows like 1 / lam (_gae_scan)
 
 
 def check_discount(name: str, value: float) -> None:
@@ -127,7 +128,7 @@ def discounted_returns(
 
 def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
     """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask."""
-    return carry_scan(rewards.to(steps.dtype) * steps, steps, gamma).mul_(steps).to(rewards.dtype)
+    return carry_scan(rewards.to(steps.dtype), steps, gamma).to(rewards.dtype)
 
 
 def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -207,10 +208,20 @@ def gae(
 
 
 def _gae_scan(rewards, values, steps, gamma, lam):
-    """Unwhitened carry-through GAE with the torch scans: a fill for ``V_next``, one carry scan."""
+    """Unwhitened carry-through GAE with the torch scans.
+
+    For ``lam >= GAE_ONE_SCAN_MIN_LAM`` one carry scan: over the steps ``k = 0, 1, ..`` from ``t``,
+    ``A_t = sum_k (gamma lam)^k (r_k + gamma V_{k+1} - V_k) = sum_k (gamma lam)^k (r_k + c V_k) - V_t / lam``
+    with ``c = (1 - lam) / lam`` (each ``gamma V_{k+1}`` regroups with the next term), so no
+    ``V_next`` is needed. Its rounding grows like ``1 / lam``; below the threshold ``V_next`` comes
+    from a fill from the right and ``delta`` is scanned as written.
+    """
     rewards_, values_ = rewards.to(steps.dtype), values.to(steps.dtype)
-    next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
-    delta = (rewards_ + gamma * next_value - values_).mul_(steps)
-    advantages = carry_scan(delta, steps, gamma * lam).mul_(steps)
+    if lam >= GAE_ONE_SCAN_MIN_LAM:
+        advantages = carry_scan(torch.add(rewards_, values_, alpha=(1 - lam) / lam), steps, gamma * lam)
+        advantages.addcmul_(values_, steps, value=-1 / lam)
+    else:
+        next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
+        advantages = carry_scan(rewards_ + gamma * next_value - values_, steps, gamma * lam)
     returns = (advantages + values_).mul_(steps)
     return advantages.to(rewards.dtype), returns.to(rewards.dtype)

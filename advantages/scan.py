@@ -5,11 +5,11 @@ Every return estimator here reduces to the right-to-left linear recurrence
     state_t = x_t + decay * state_{t+1}   where ``steps_t`` is 1 (an ASSISTANT token),
     state_t = state_{t+1}                 where it is 0 (an OBSERVATION: carried through),
 
-with ``state_T = 0`` (``x`` must be 0 off the steps). PAD trails each row (validated), so the
+with ``state_T = 0`` (``x`` off the steps is ignored). PAD trails each row (validated), so the
 state is 0 over it without an explicit reset. ``x`` and ``steps`` are ``(b, t)`` floats of one
 dtype (``steps`` 0/1). The functions run unchanged on CPU and CUDA, never synchronise with the
-host, and loop in Python only over ``log2`` of the number of chunks (and, on CPU, over blocks of
-rows: :func:`by_row_blocks`).
+host, and loop in Python only over the levels of the blocked scan (one or two for rows up to
+tens of thousands of tokens) and, on CPU, over blocks of rows (:func:`by_row_blocks`).
 """
 
 import math
@@ -17,14 +17,15 @@ from typing import Callable
 
 import torch
 
-CPU_BLOCK_ELEMENTS = 2**18  # 1 MiB of float32 per temporary: a scan's dozen temporaries stay in cache
+BLOCK = 16  # positions summed by one (.., 16) @ (16, 16) matmul: 32 flops per element
+CPU_BLOCK_ELEMENTS = 2**19  # 2 MiB of float32 per temporary: a scan's few temporaries stay in the L3 cache
 
 
 def by_row_blocks(fn: Callable, *tensors: torch.Tensor):
     """``fn(*tensors)``, computed on CPU over blocks of about ``CPU_BLOCK_ELEMENTS`` elements of rows.
 
-    The scans are memory-bound, with about a dozen full-size temporaries; on blocks that fit in
-    the cache a big batch ran 2-3x faster here (256 x 16384, one thread). Rows are independent,
+    The scans are memory-bound, with a few full-size temporaries; on blocks that fit in the
+    cache a big batch ran 1.2x faster here (256 x 16384, one thread). Rows are independent,
     so the result is the same. Elsewhere (CUDA) ``fn`` runs once on the whole batch. ``fn`` maps
     ``(b, t)`` tensors to a ``(b, t)`` tensor or a tuple of them.
     """
@@ -62,63 +63,84 @@ def fill_from_right(x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return table.scatter_add_(-1, slot, x).gather(-1, slot)
 
 
-def chunk_length(decay: float, dtype: torch.dtype) -> int:
-    """Longest chunk over which ``decay**count`` stays at or above ``sqrt(finfo.tiny)``.
+def max_exponent(decay: float, dtype: torch.dtype) -> int:
+    """Largest exponent ``e`` with ``decay**e`` at or above ``sqrt(finfo.tiny)``, for ``0 < decay < 1``.
 
-    The weights ``decay**e`` and their products with rewards then stay normal floats, so
-    dividing by them loses no precision (float32: decay 0.99 -> 4345 tokens, 0.5 -> 63).
+    Weights ``decay**e`` up to it, and their products with rewards, stay normal floats, so dividing
+    by them loses no precision (float32: decay 0.99 -> 4345, 0.5 -> 63; float64: 0.99 -> 35247).
     """
     return max(1, int(math.log(torch.finfo(dtype).tiny ** 0.5) / math.log(decay)))
 
 
-def _chunk_carries(scale: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Carry entering each chunk from its right, ``(b, n)`` float64.
+def _doubling_scan(x: torch.Tensor, decays: torch.Tensor) -> torch.Tensor:
+    """``state_t = x_t + decays_t * state_{t+1}`` by recursive doubling (Hillis-Steele), ``(b, n)``.
 
-    Chunk ``k`` maps the state right of it, ``c``, to ``scale_k * c + start_k`` at its first
-    token. The carries solve that small recurrence by recursive doubling (Hillis-Steele):
-    ``ceil(log2 n)`` vectorised steps.
+    ``ceil(log2 n)`` vectorised steps; products of decays may underflow to 0, which is their limit.
+    The fallback for block counts whose powers would leave the float range (tiny ``decay``, long rows).
     """
-    n = scale.shape[-1]
-    total, factor, span = start, scale, 1
-    while span < n:  # after this step total_k composes chunks k .. k + 2*span - 1
+    n = x.shape[-1]
+    total, factor, span = x, decays, 1
+    while span < n:  # after this step total_k composes positions k .. k + 2*span - 1
         total = torch.cat([total[..., :-span] + factor[..., :-span] * total[..., span:], total[..., -span:]], -1)
         factor = torch.cat([factor[..., :-span] * factor[..., span:], torch.zeros_like(factor[..., -span:])], -1)
         span *= 2
-    return torch.nn.functional.pad(total[..., 1:], (0, 1))  # the last chunk has nothing to its right
+    return total
+
+
+def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: int) -> torch.Tensor:
+    """``state_t = x_t + decay**steps_t * state_{t+1}`` (``state_T = 0``), ``(b, t)``, where ``steps``
+    holds integer counts in ``[0, max_count]`` (floats of ``x``'s dtype; 0/1 for tokens).
+
+    The count-power scan: with ``e_t`` the count before ``t`` in its block and ``w_t = decay**e_t``
+    (looked up in a float64 table of powers, so correctly rounded),
+    ``state_t = (sum_{s >= t in the block} w_s x_s + decay**E * right) / w_t``, where ``E`` is the
+    block's total count and ``right`` the state just right of the block. A row whose powers stay
+    normal floats is one block, summed by cumsums. A longer row is cut into blocks of ``BLOCK``
+    positions, summed by ``(.., BLOCK) @ (BLOCK, BLOCK)`` matmuls; the states at their first
+    positions obey the same recurrence one level up (``x`` = the block sums, counts = ``E``), solved
+    in float64 by this function again. Few full-size temporaries: fresh memory costs page faults.
+    (On CUDA with TF32 matmuls allowed the block sums of float32 round to TF32; float32 normally
+    takes the Triton kernel there.)
+    """
+    b, t = x.shape
+    limit = max_exponent(decay, x.dtype) // max_count  # longest block whose weights stay normal floats
+    if limit < 2:  # x off the steps is ignored here too (one level up it is already 0 there)
+        return _doubling_scan(x * (steps > 0), torch.pow(decay, steps))
+    one_block = t <= limit
+    length = t if one_block else min(BLOCK, limit)
+    n = -(-t // length)
+    if n * length != t:  # zeros appended on the right change nothing (the state starts at 0 there)
+        x = torch.nn.functional.pad(x, (0, n * length - t))
+        steps = torch.nn.functional.pad(steps, (0, n * length - t))
+    x, steps = x.view(b, n, length), steps.view(b, n, length)
+    powers = torch.pow(decay, torch.arange(length * max_count + 1, dtype=torch.float64, device=x.device))
+    if one_block:
+        before = steps.cumsum(-1).sub_(steps)  # e_t, exact (integers)
+    else:
+        ones = torch.ones(length, length, dtype=x.dtype, device=x.device)
+        before = steps @ ones.triu(1)
+    if n > 1:
+        block_steps = (before[..., -1] + steps[..., -1]).int()  # E
+    weights = powers.to(x.dtype).index_select(0, before.view(-1).int()).view_as(x)
+    weighted = torch.mul(x, weights, out=before)  # before is no longer needed: reuse its memory
+    if max_count == 1:  # tokens: x off the steps is ignored (one level up, x is 0 wherever E is)
+        weighted.mul_(steps)
+    state = reverse_cumsum(weighted) if one_block else weighted @ ones.tril()  # sum_{s >= t} w_s x_s
+    if n > 1:
+        starts = _power_scan(state[..., 0].double(), block_steps.double(), decay, length * max_count)
+        right = torch.nn.functional.pad(starts[..., 1:], (0, 1))  # the last block has nothing to its right
+        state += right.mul_(powers.index_select(0, block_steps.view(-1)).view_as(right)).to(x.dtype).unsqueeze(-1)
+    return state.div_(weights).view(b, n * length)[..., :t].contiguous()  # copies only if zeros were appended
 
 
 def carry_scan(x: torch.Tensor, steps: torch.Tensor, decay: float) -> torch.Tensor:
-    """State of the carry-through recurrence (module docstring) at every position, ``(b, t)``.
+    """State of the carry-through recurrence (module docstring) on the steps, 0 elsewhere, ``(b, t)``.
 
-    The count-power scan: with ``e_t`` the number of steps before ``t`` in its chunk,
-    ``state_t = decay**-e_t * sum_{s >= t} decay**e_s x_s`` (the discount between ``t`` and ``s``
-    is ``decay`` to the number of steps in between): a cumsum, a table lookup of the powers
-    (computed once in float64, so each is correctly rounded), a reversed cumsum and a division.
-    Chunks keep the powers inside the float range; a float64 carry joins them.
-    ``decay = 1`` is a plain reversed cumsum and ``decay = 0`` a fill from the right, both exact.
+    ``decay = 1`` is a plain reversed cumsum and ``decay = 0`` a fill from the right, both exact;
+    other decays run the blocked count-power scan (:func:`_power_scan`) with 0/1 counts.
     """
-    t = x.shape[-1]
-    if t == 0 or decay == 1.0:
-        return reverse_cumsum(x)
+    if x.shape[-1] == 0 or decay == 1.0:
+        return reverse_cumsum(x * steps).mul_(steps)
     if decay == 0.0:
-        return fill_from_right(x, steps)
-    n_chunks = -(-t // chunk_length(decay, x.dtype))
-    chunk = -(-t // n_chunks)  # equal chunks, so that fewer than n_chunks zeros are appended
-    if n_chunks > 1:  # zeros appended on the right change nothing (the state starts at 0 there)
-        tail = n_chunks * chunk - t
-        x = torch.nn.functional.pad(x, (0, tail)).unflatten(-1, (n_chunks, chunk))
-        steps = torch.nn.functional.pad(steps, (0, tail)).unflatten(-1, (n_chunks, chunk))
-    # e_t, the steps before t within the chunk, indexes decay**0 .. decay**chunk (computed in float64,
-    # so each weight is correctly rounded; exp(e_t * log(decay)) in float32 is off by up to |log w| ulps).
-    counts = steps.cumsum(-1).sub_(steps)
-    before = counts.int()
-    powers = torch.pow(decay, torch.arange(chunk + 1, dtype=torch.float64, device=x.device))
-    weight = powers.to(x.dtype).index_select(0, before.flatten()).view_as(x)
-    suffix = torch.mul(x, weight, out=counts).flip(-1).cumsum_(-1).flip(-1)  # reuses the counts' memory
-    if n_chunks == 1:
-        return suffix.div_(weight)
-    # state_t = (suffix_t + decay**(steps in the chunk) * carry) / weight_t
-    scale = powers[before[..., -1] + steps[..., -1].int()]
-    carry = _chunk_carries(scale, suffix[..., 0].double())  # weight is 1 at a chunk's start
-    suffix += (scale * carry).to(x.dtype).unsqueeze(-1)
-    return suffix.div_(weight).flatten(-2)[..., :t].contiguous()  # copies only if zeros were appended
+        return fill_from_right(x * steps, steps).mul_(steps)
+    return _power_scan(x, steps, decay, 1).mul_(steps)

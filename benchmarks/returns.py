@@ -10,14 +10,22 @@ For each shape ``(b, t)``, float32, gamma 0.99 and 1.0, it times REINFORCE++ ret
 The outputs of both are compared (max |difference|). Medians of ``--repeats`` runs; the slow loop
 runs fewer times on the big shapes. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
-measures wall-clock time instead. Usage::
+measures wall-clock time instead. The "faults" column counts the page faults per call of ours.
+
+First the process frees one 16 MiB tensor, as a training process has done many times: glibc's
+malloc then raises its dynamic mmap and trim thresholds and keeps freed memory for reuse. In a
+process that never freed a large block, big calls get their temporaries as fresh pages from the
+kernel, and page faults (about 3 us each on a small VM) outweigh the arithmetic; ``--cold-allocator``
+skips the warm-up to measure that case. Usage::
 
     python benchmarks/returns.py            # the four shapes of issue 2, one thread
     python benchmarks/returns.py --quick    # two small shapes, a few seconds
     python benchmarks/returns.py --threads 2
+    python benchmarks/returns.py --cold-allocator
 """
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -89,6 +97,19 @@ def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def page_faults() -> int:
+    """Minor page faults of this process so far (fresh memory touched for the first time)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def warm_allocator() -> None:
+    """Free a 16 MiB block, so glibc raises its mmap threshold to 16 MiB and its trim threshold to
+    32 MiB (the dynamic thresholds; blocks above 32 MiB leave them alone), as in a process that
+    has freed model-sized tensors before."""
+    del_me = torch.ones(2**22)
+    del del_me
+
+
 def copy_bandwidth(repeats: int, clock) -> float:
     """Bytes per second of a 256 MiB tensor copy (read + write), the memory floor's yardstick."""
     source = torch.ones(64 * 2**20)
@@ -103,7 +124,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the two small shapes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of the scans (default 20, quick 7)")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
+    parser.add_argument("--cold-allocator", action="store_true", help="skip warm_allocator (see the docstring)")
     args = parser.parse_args()
+    if not args.cold_allocator:
+        warm_allocator()
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (7 if args.quick else 20)
     clock = time.perf_counter if args.wall else time.process_time
@@ -111,9 +135,11 @@ def main() -> None:
 
     table = Table(
         title=f"carry-through scans, float32, {args.threads} thread(s), {'wall' if args.wall else 'CPU'} time, "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"{'cold' if args.cold_allocator else 'warm'} allocator, copy bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
-    columns = ("estimator", "(b, t)", "gamma", "ours ms", "loop ms", "speedup", "floor ms", "% of floor", "max |diff|")
+    columns = (
+        "estimator", "(b, t)", "gamma", "ours ms", "loop ms", "speedup", "floor ms", "% of floor", "faults", "max |diff|"
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "estimator" else "right")
     for b, t in QUICK_SHAPES if args.quick else SHAPES:
@@ -134,14 +160,16 @@ def main() -> None:
                 ),
             }
             for name, (ours, loop, bytes_per_token) in cases.items():
+                faults_before = page_faults()
                 ours_s, ours_out = median_seconds(ours, repeats, clock)
+                faults = (page_faults() - faults_before) / (repeats + 1)
                 loop_s, loop_out = median_seconds(loop, loop_repeats, clock)
                 floor_s = b * t * bytes_per_token / bandwidth
                 pairs = zip(ours_out, loop_out) if isinstance(ours_out, tuple) else [(ours_out, loop_out)]
                 diff = max(float((x - y).abs().max()) for x, y in pairs)
                 table.add_row(
                     name, f"{b} x {t}", f"{gamma}", f"{ours_s * 1e3:.3f}", f"{loop_s * 1e3:.1f}",
-                    f"{loop_s / ours_s:.0f}x", f"{floor_s * 1e3:.3f}", f"{100 * floor_s / ours_s:.0f}%", f"{diff:.1e}",
+                    f"{loop_s / ours_s:.0f}x", f"{floor_s * 1e3:.3f}", f"{100 * floor_s / ours_s:.0f}%", f"{faults:.0f}", f"{diff:.1e}",
                 )
     Console(width=150).print(table)
 

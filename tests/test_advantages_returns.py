@@ -13,7 +13,7 @@ from reference_returns import (
 )
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
-from advantages.scan import carry_scan, chunk_length
+from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
@@ -75,7 +75,7 @@ def test_gae_matches_serial_reference(gamma, t, dtype):
     rewards = random_rewards(spans, generator, dtype)
     values = torch.randn(spans.shape, generator=generator, dtype=torch.float64).to(dtype)
     mask = (spans == A).to(dtype)
-    for lam in (0.0, 0.95, 1.0):
+    for lam in (0.0, 0.3, 0.5, 0.95, 1.0):  # below and from GAE_ONE_SCAN_MIN_LAM
         advantages, returns = gae(rewards, values, mask, gamma, lam, spans=spans, whiten=False)
         expected_advantages, expected_returns = gae_ref(rewards, values, spans, gamma, lam)
         assert advantages.dtype == returns.dtype == dtype
@@ -188,8 +188,9 @@ def test_half_precision_is_scanned_in_float32_and_returned_in_its_dtype(dtype):
 
 
 def test_many_chunks_and_tiny_gamma():
-    """gamma 0.01 gives 9-token chunks in float32: the float64 carry crosses hundreds of chunks."""
-    assert chunk_length(0.01, torch.float32) == 9
+    """gamma 0.01 keeps float32 blocks at 9 tokens (0.01**9 is the last power above sqrt(tiny)); the
+    carries go through a float64 level of 8-block groups and then the doubling fallback."""
+    assert max_exponent(0.01, torch.float32) == 9
     generator = torch.Generator().manual_seed(9)
     spans = random_spans(3000, generator)
     rewards = random_rewards(spans, generator, torch.float32, density=1.0)
@@ -197,11 +198,11 @@ def test_many_chunks_and_tiny_gamma():
     torch.testing.assert_close(got.double(), discounted_returns_ref(rewards, spans, 0.01), atol=1e-6, rtol=1e-5)
 
 
-def test_carry_scan_returns_carried_state_on_observations():
+def test_carry_scan_ignores_x_off_the_steps_and_gives_zero_there():
     steps = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0]])
-    x = torch.tensor([[1.0, 0.0, 0.0, 2.0, 0.0]])
-    for decay in (0.0, 0.5, 1.0):
-        expected = torch.tensor([[1.0 + decay * 2.0, 2.0, 2.0, 2.0, 0.0]])
+    x = torch.tensor([[1.0, 5.0, 0.0, 2.0, 7.0]])
+    for decay in (0.0, 1e-30, 0.5, 1.0):  # 1e-30: even decay**1 underflows sqrt(tiny), the doubling fallback
+        expected = torch.tensor([[1.0 + decay * 2.0, 0.0, 0.0, 2.0, 0.0]])
         torch.testing.assert_close(carry_scan(x, steps, decay), expected)
 
 
