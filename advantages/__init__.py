@@ -1,4 +1,4 @@
-"""Carry-through returns and advantage estimators for multi-turn RL (DESIGN.md section 3). Depends on torch only."""
+"""Carry-through returns and advantage estimators for multi-turn RL (docs/design.md section 3). Depends on torch only."""
 
 from advantages.estimators import (
     ESTIMATORS,

@@ -1,4 +1,4 @@
-"""Carry-through discounted returns and GAE for multi-turn trajectories (DESIGN.md section 3).
+"""Carry-through discounted returns and GAE for multi-turn trajectories (docs/design.md section 3).
 
 Scanning right to left with a running return ``R`` (0 at the right end):
 

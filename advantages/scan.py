@@ -1,4 +1,4 @@
-"""Loop-free carry-through scans in plain torch (DESIGN.md section 3).
+"""Loop-free carry-through scans in plain torch (docs/design.md section 3).
 
 Every return estimator here reduces to the right-to-left linear recurrence
 

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the carry-through scans (DESIGN.md section 3, issue 7).
+"""Fused Triton kernels for the carry-through scans (docs/design.md section 3, issue 7).
 
 Both scans are linear recurrences run right to left, ``x_t = a_t * x_{t+1} + b_t``, with
 ``a_t`` in ``{decay, 1, 0}`` picked by the span kind: ASSISTANT steps, OBSERVATION carries the

@@ -1,4 +1,4 @@
-"""Token-in, token-out chat formatting (DESIGN.md section 4).
+"""Token-in, token-out chat formatting (docs/design.md section 4).
 
 The prompt is rendered once with the tokenizer's chat template. Assistant tokens are kept as sampled
 and never re-encoded. What follows an assistant turn (tool results, user or environment turns, the

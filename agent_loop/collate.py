@@ -13,7 +13,7 @@ from masking import collate
 def trajectories_to_batch(
     trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """Collate trajectories into the batch tensors of DESIGN.md section 2 (see ``masking.collate``)."""
+    """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``)."""
     return collate(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],

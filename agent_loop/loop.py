@@ -1,6 +1,6 @@
 """The agent loop: generate an assistant turn, run its tool calls, append the observation tokens, repeat.
 
-Token-in, token-out (DESIGN.md sections 4-5): the prompt is rendered once; assistant tokens are kept
+Token-in, token-out (docs/design.md sections 4-5): the prompt is rendered once; assistant tokens are kept
 exactly as sampled; observation tokens are the chat template's delta, with the template tokens that
 follow the model's end-of-turn token counted as OBSERVATION.
 """
@@ -26,7 +26,7 @@ TRUNCATION_MARK = " ...[truncated]"
 
 @dataclass
 class LoopConfig:
-    """Budgets of one episode (DESIGN.md section 5)."""
+    """Budgets of one episode (docs/design.md section 5)."""
 
     max_turns: int = 4  # assistant turns
     max_response_tokens: int = 1024  # assistant + observation tokens: they share the context

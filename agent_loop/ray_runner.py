@@ -1,6 +1,6 @@
 """Run episodes on Ray actors, each with its own backend, and write each Trajectory as a JSON line as it finishes.
 
-Scale-out of `agent_loop.runner.run_rollouts` (DESIGN.md section 6): every episode is played by the
+Scale-out of `agent_loop.runner.run_rollouts` (docs/design.md section 6): every episode is played by the
 same `run_episode`, so for the same task, seed and episode indices the trajectories are the same as
 the in-process runner's. Works on a laptop (`ray.init()`, or none: Ray starts a local cluster) and on
 an existing cluster (`ray.init(address=...)` before calling).

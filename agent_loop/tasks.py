@@ -1,4 +1,4 @@
-"""The built-in tasks: rewards a person can check by hand (DESIGN.md section 7).
+"""The built-in tasks: rewards a person can check by hand (docs/design.md section 7).
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
@@ -130,7 +130,7 @@ class ArithmeticTask:
 
 
 # Keys are short common words: the tiny tokenizer learns each as one piece the model can copy
-# (random 6-character keys were not learned, FACTS.md).
+# (random 6-character keys were not learned, docs/platform.md).
 LOOKUP_KEYS = (
     "apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket",
     "silver", "forest", "window", "planet", "orange", "pencil", "mirror", "castle", "island", "dragon",

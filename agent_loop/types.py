@@ -1,4 +1,4 @@
-"""The records and protocols every part of the rollout side shares (DESIGN.md sections 2, 5, 6).
+"""The records and protocols every part of the rollout side shares (docs/design.md sections 2, 5, 6).
 
 Kept in one small file so that backends, tools, tasks, the loop, the runners and the inspector
 agree on one shape of data.
@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
-# finish_reason values of a Trajectory (DESIGN.md section 5)
+# finish_reason values of a Trajectory (docs/design.md section 5)
 FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error")
 
 # error kinds of a tool call, each counted in Trajectory.metrics["tool_errors"]

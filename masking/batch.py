@@ -1,4 +1,4 @@
-"""Unpadded per-trajectory lists <-> the padded batch tensors of DESIGN.md section 2 (verl DataProto layout).
+"""Unpadded per-trajectory lists <-> the padded batch tensors of docs/design.md section 2 (verl DataProto layout).
 
 Prompts are left-padded and responses right-padded, so ``input_ids = cat(prompts, responses)`` has
 every sequence's prompt end at the same column, as verl's actor expects.

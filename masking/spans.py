@@ -1,4 +1,4 @@
-"""Span kinds: one small int per response token (DESIGN.md section 2)."""
+"""Span kinds: one small int per response token (docs/design.md section 2)."""
 
 from enum import IntEnum
 

@@ -66,7 +66,7 @@ def validate_token_level_rewards(token_level_rewards: torch.Tensor, spans: torch
     """Raise ValueError on NaN/inf rewards and on nonzero rewards off ASSISTANT tokens.
 
     Every return estimator would silently drop a reward placed on an OBSERVATION or PAD token
-    (their returns are 0 by definition), so it is rejected here instead (DESIGN.md section 2).
+    (their returns are 0 by definition), so it is rejected here instead (docs/design.md section 2).
     """
     check_same_shape("token_level_rewards", token_level_rewards, "spans", spans)
     where = _first_bad(~torch.isfinite(token_level_rewards))

@@ -1,21 +1,27 @@
-"""Shared fixtures: the built-in tiny agent (built once per machine, then cached) and ../shared paths."""
+"""Fixtures: the built-in tiny agent (built once per machine, then cached) and the real Qwen2.5 tokenizer."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-
 # Two cores: one intra-op thread per test process keeps timings sane when tools run in threads.
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} (real chat templates and tokenizers) is absent on this machine")
-    return SHARED
+def qwen_dir() -> Path:
+    """The real Qwen2.5/Qwen3 tokenizer folder (shipped compressed in tests/data, unpacked once)."""
+    from testdata import qwen_tokenizer_dir
+
+    return qwen_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Plain serial references of every return scan: one token at a time, Python floats (float64).
 
-Written for reading, not speed, straight from the table in DESIGN.md section 3 and verl's loops.
+Written for reading, not speed, straight from the table in docs/design.md section 3 and verl's loops.
 Inputs are ``(b, t)`` tensors (or nested lists); outputs are ``(b, t)`` float64 tensors. Other
 test files import them: ``from reference_returns import ...``.
 """

@@ -1,5 +1,5 @@
 """Carry-through returns and GAE (advantages.returns) against the serial references, plus the
-multi-turn regressions of DESIGN.md section 3 and the errors on bad input."""
+multi-turn regressions of docs/design.md section 3 and the errors on bad input."""
 
 import pytest
 import torch
@@ -101,7 +101,7 @@ def test_buggy_variants_match_their_serial_references(gamma, t):
 
 
 def test_design_worked_example_literally():
-    """DESIGN.md section 3: gamma 0.5, spans [A, A, O, O, A, P, P], reward 2.0 at t=4."""
+    """docs/design.md section 3: gamma 0.5, spans [A, A, O, O, A, P, P], reward 2.0 at t=4."""
     spans = torch.tensor([[A, A, O, O, A, P, P]], dtype=torch.int8)
     rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
     mask = (spans == A).float()

@@ -1,14 +1,12 @@
 """ChatFormatter with the real Qwen2.5 tokenizer and templates: prompt, observation delta, end-of-turn, errors."""
 
-from pathlib import Path
 
 import pytest
 
+from testdata import read_template
+
 from agent_loop.chat import ChatFormatter, TemplateError
 
-SHARED = Path(__file__).parents[2] / "shared"
-TOKENIZER = SHARED / "tokenizers" / "qwen2.5"
-pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir(), reason=f"real tokenizer not present under {SHARED}")
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -17,10 +15,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TOKENIZER)
+def tokenizer(qwen_tokenizer):
+    return qwen_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +67,14 @@ def test_empty_observation_is_rejected(formatter):
 
 def test_qwen3_user_turn_after_reasoning_is_not_append_only(tokenizer):
     """Qwen3 drops the reasoning of assistant turns before the last user query: a new user turn rewrites history."""
-    qwen3 = ChatFormatter(tokenizer, tools=[CALCULATOR], chat_template=(SHARED / "chat_templates" / "qwen3-0.6b.jinja").read_text())
+    qwen3 = ChatFormatter(tokenizer, tools=[CALCULATOR], chat_template=read_template("qwen3-0.6b.jinja"))
     assert qwen3.observation_ids([{"role": "tool", "name": "calculator", "content": "5"}])  # tool results are fine
     with pytest.raises(TemplateError, match="not append-only.*appending messages with roles \\['user'\\]"):
         qwen3.observation_ids([{"role": "user", "content": "And 4*5?"}])
 
 
 def test_missing_end_of_turn_special_token_is_a_clear_error(tokenizer):
-    llama = (SHARED / "chat_templates" / "llama-3.1-8b-instruct.jinja").read_text()
+    llama = read_template("llama-3.1-8b-instruct.jinja")
     with pytest.raises(TemplateError, match="not a special token of this tokenizer.*add_special_tokens"):
         ChatFormatter(tokenizer, chat_template=llama, bos_token="")
 

@@ -1,6 +1,6 @@
-"""Conformance of token-in/token-out formatting against real chat templates (DESIGN.md section 4).
+"""Conformance of token-in/token-out formatting against real chat templates (docs/design.md section 4).
 
-For every template in ``../shared/chat_templates``, a multi-turn conversation is built token by
+For every template in ``tests/data/chat_templates``, a multi-turn conversation is built token by
 token (the prompt, each assistant turn's tokens taken from the full render, then the observation
 delta of the messages that follow it) and must equal the full render of the same conversation; the
 span labels must mark exactly the non-assistant tokens as OBSERVATION. Templates that are not
@@ -9,19 +9,14 @@ append-only must raise :class:`TemplateError` instead (listed below with the rea
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+
+from testdata import TEMPLATE_FILES, TEMPLATES_DIR as TEMPLATES, qwen_tokenizer_dir
 
 from agent_loop.chat import ChatFormatter, TemplateError
 from masking.spans import SpanKind
 
-SHARED = Path(__file__).parents[2] / "shared"
-TEMPLATES = SHARED / "chat_templates"
-TOKENIZER = SHARED / "tokenizers" / "qwen2.5"
-pytestmark = pytest.mark.skipif(not (TEMPLATES.is_dir() and TOKENIZER.is_dir()),
-                                reason=f"real templates/tokenizer not present under {SHARED}")
-TEMPLATE_FILES = sorted(p.name for p in TEMPLATES.glob("*.jinja")) if TEMPLATES.is_dir() else []
 
 # Special markers of the other families, added to the Qwen vocabulary (see tokenizers/README.md).
 MARKER = re.compile(r"<\|[A-Za-z0-9_.▁-]+\|>|<｜[^｜]*｜>|\[/?[A-Z_]{3,}\]|</?(?:start|end)_[a-z_]+>|<escape>"
@@ -111,7 +106,7 @@ def user_conversation() -> list[dict]:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     markers = sorted({m for name in TEMPLATE_FILES for m in MARKER.findall((TEMPLATES / name).read_text())})
     vocab = tok.get_vocab()
     tok.add_special_tokens({"additional_special_tokens": [m for m in markers if m not in vocab]},

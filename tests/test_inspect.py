@@ -42,11 +42,6 @@ CALCULATOR = {
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(shared_dir) -> Path:
-    return shared_dir / "tokenizers" / "qwen2.5"
-
-
-@pytest.fixture(scope="module")
 def tokenizer(qwen_dir):
     from transformers import AutoTokenizer
 
@@ -280,7 +275,7 @@ def test_values_match_the_serial_reference(view):
 
 
 def test_design_worked_example():
-    """DESIGN.md section 3: gamma 0.5, spans [A, A, O, O, A] (+ padding from a longer row), reward 2 at t=4."""
+    """docs/design.md section 3: gamma 0.5, spans [A, A, O, O, A] (+ padding from a longer row), reward 2 at t=4."""
     A, O = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION)
     example = Trajectory([1], [10, 11, 12, 13, 14], [A, A, O, O, A], [0] * 5, [0.0] * 5, [], reward=2.0)
     longer = Trajectory([1], [10] * 7, [A] * 7, [0] * 7, [0.0] * 7, [], reward=0.0)

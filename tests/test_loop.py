@@ -1,6 +1,6 @@
 """The agent loop's logic with scripted replies on a real tokenizer and chat template (Qwen2.5).
 
-Each budget and each finish_reason of DESIGN.md section 5, each kind of tool failure, and the
+Each budget and each finish_reason of docs/design.md section 5, each kind of tool failure, and the
 token-in/token-out invariant: prompt + response ids equal the template's full render of the chat.
 """
 
@@ -24,8 +24,8 @@ A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
 
 @pytest.fixture(scope="module")
-def tokenizer(shared_dir):
-    return AutoTokenizer.from_pretrained(shared_dir / "tokenizers" / "qwen2.5")
+def tokenizer(qwen_tokenizer):
+    return qwen_tokenizer
 
 
 def call(name: str, **arguments) -> str:

@@ -1,13 +1,12 @@
 """Tool-call parsers on text rendered by the real chat templates, and on malformed calls."""
 
-from pathlib import Path
 
 import pytest
 
+from testdata import TEMPLATES_DIR as TEMPLATES
+
 from agent_loop.parsers import ParsedCall, parse_hermes, parse_llama3_json, parser_for_template
 
-TEMPLATES = Path(__file__).parents[2] / "shared" / "chat_templates"
-needs_shared = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"real templates not present under {TEMPLATES}")
 
 CALLS = [ParsedCall("calculator", {"expression": "2+3"}), ParsedCall("lookup", {"key": "née", "n": [1, 2.5]})]
 
@@ -27,7 +26,6 @@ def rendered_assistant_text(template_name: str, calls: list[ParsedCall], content
     return full[len(prompt):]
 
 
-@needs_shared
 @pytest.mark.parametrize("name", ["qwen2.5-7b-instruct.jinja", "qwen3-0.6b.jinja", "vllm_tool_chat_template_hermes.jinja"])
 def test_hermes_parses_real_rendered_calls(name):
     text = rendered_assistant_text(name, CALLS, "Let me compute.").split("<|im_end|>")[0]
@@ -37,7 +35,6 @@ def test_hermes_parses_real_rendered_calls(name):
     assert turn.content.endswith("Let me compute.") == ("Let me compute." in text)  # vLLM's hermes drops content next to calls
 
 
-@needs_shared
 @pytest.mark.parametrize("name", ["llama-3.1-8b-instruct.jinja", "vllm_tool_chat_template_llama3.1_json.jinja"])
 def test_llama3_json_parses_real_rendered_call(name):
     text = rendered_assistant_text(name, CALLS[:1], "").split("<|eot_id|>")[0].split("<|end_header_id|>")[-1]
@@ -81,7 +78,6 @@ def test_llama3_json_malformed_is_error_item():
     assert turn.calls == [] and len(turn.errors) == 1 and "malformed JSON" in turn.errors[0].error
 
 
-@needs_shared
 def test_parser_for_template_rejects_unknown_format():
     with pytest.raises(ValueError, match="no tool-call parser"):
         parser_for_template((TEMPLATES / "gemma-2-2b-it.jinja").read_text())

@@ -28,10 +28,8 @@ CONFIG = LoopConfig(max_turns=4, max_tokens=64, max_response_tokens=512)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(shared_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(shared_dir / "tokenizers" / "qwen2.5")
+def tokenizer(qwen_tokenizer):
+    return qwen_tokenizer
 
 
 def calculator_script(tokenizer, prompt_ids: list[int]) -> list[int]:

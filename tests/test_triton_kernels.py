@@ -161,7 +161,7 @@ def test_observation_tokens_leave_assistant_returns_unchanged(interpreted):
 
 @pytest.mark.slow
 def test_worked_example_of_the_design(tmp_path):
-    """DESIGN.md section 3: gamma 0.5, spans [A, A, O, O, A, P, P], reward 2 at t=4."""
+    """docs/design.md section 3: gamma 0.5, spans [A, A, O, O, A, P, P], reward 2 at t=4."""
     script = (
         "import torch; from advantages.triton_kernels import triton_discounted_returns as f;"
         "r = torch.tensor([[0, 0, 0, 0, 2.0, 0, 0]]); s = torch.tensor([[1, 1, 2, 2, 1, 0, 0]], dtype=torch.int8);"

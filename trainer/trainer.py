@@ -3,7 +3,7 @@
 One step (``Trainer.train_step``):
 
 1. play ``prompts_per_step x group_size`` episodes with the rollout backend (``agent_loop.runner``);
-2. collate them into the batch tensors of DESIGN.md section 2 (``agent_loop.collate``);
+2. collate them into the batch tensors of docs/design.md section 2 (``agent_loop.collate``);
 3. recompute the old logprobs with the training model, and report their mismatch with the sampler's;
 4. token-level rewards: the outcome reward on each episode's last ASSISTANT token, minus an optional
    KL penalty to the frozen initial policy on every ASSISTANT token;

