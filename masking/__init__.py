@@ -1,6 +1,6 @@
 """Token spans and batch tensors: SpanKind, collation, reward placement, validation. Depends on torch only."""
 
-from masking.batch import collate, uncollate
+from masking.batch import Batch, collate, uncollate
 from masking.rewards import last_assistant_index, last_assistant_index_per_turn, place_rewards
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans, spans_from_response_mask
 from masking.validate import (
@@ -11,6 +11,7 @@ from masking.validate import (
 )
 
 __all__ = [
+    "Batch",
     "SPAN_DTYPE",
     "SpanKind",
     "check_same_shape",
