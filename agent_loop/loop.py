@@ -20,7 +20,7 @@ from agent_loop.parsers import parser_for_template
 from agent_loop.tools import ToolExecutor, tool_messages
 from agent_loop.types import (Backend, Episode, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory,
                               task_success)
-from masking.spans import SpanKind
+from masking import SpanKind
 
 TRUNCATION_MARK = " ...[truncated]"
 
