@@ -34,7 +34,7 @@ def test_rollout_path_imports_without_torch():
 
 
 def test_nothing_reads_the_folder_beside_the_repo():
-    needles = ('"shared"', "../" + "shared")  # split so that this file does not match itself
+    needles = ('"' + 'shared"', "../" + "shared")  # split so that this file does not match itself
     offenders = [str(p.relative_to(ROOT)) for folder in ("agent_loop", "masking", "advantages", "trainer", "tests",
                                                          "benchmarks", "examples", "scripts")
                  for p in (ROOT / folder).rglob("*.py") if any(n in p.read_text() for n in needles)]
