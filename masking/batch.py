@@ -33,6 +33,11 @@ class Batch:
     input_ids: torch.Tensor  # (b, p + t) long, cat(prompts, responses)
     attention_mask: torch.Tensor  # (b, p + t) long
     position_ids: torch.Tensor  # (b, p + t) long
+    # Filled in by the trainer after collation:
+    index: torch.Tensor | None = None  # (b,) long, the prompt group of each row (group estimators)
+    values: torch.Tensor | None = None  # (b, t) float, value estimates (GAE)
+    advantages: torch.Tensor | None = None  # (b, t) float
+    returns: torch.Tensor | None = None  # (b, t) float
 
     @property
     def batch_size(self) -> int:
@@ -45,20 +50,32 @@ class Batch:
         """The sub-batch of ``rows`` (an index tensor or list), same column layout."""
         return Batch(**{name: tensor[rows] for name, tensor in self.items()})
 
-    # Read like a mapping too, so code written for verl's ``batch["responses"]`` keeps working.
+    # Read (and fill) like a mapping too, so code written for verl's ``batch["responses"]`` keeps working;
+    # the keys are the fields that hold a tensor.
     def keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)]
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((name, getattr(self, name)) for name in self.keys())
 
+    def get(self, name: str, default=None):
+        return getattr(self, name, None) if name in self else default
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.keys():
+        if name not in self:
             raise KeyError(name)
         return getattr(self, name)
 
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in _FIELDS:
+            raise KeyError(f"Batch has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        setattr(self, name, tensor)
+
     def __contains__(self, name: object) -> bool:
-        return name in self.keys()
+        return name in _FIELDS and getattr(self, name) is not None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 def _pad(rows: Sequence[Sequence], dtype: torch.dtype, value, side: str = "right") -> torch.Tensor:
