@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages relative to a prompt's group
+from advantages import get_estimator
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TrainConfig:
         """Raise ValueError for settings that cannot work together."""
         if self.episodes_per_step % self.mini_batches:
             raise ValueError(f"episodes per step ({self.episodes_per_step}) must divide into {self.mini_batches} mini-batches")
-        if self.estimator in GROUP_ESTIMATORS and self.group_size < 2:
+        if get_estimator(self.estimator).needs_index and self.group_size < 2:
             raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_kind must be k1, k2 or k3, got {self.kl_kind!r}")
