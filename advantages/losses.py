@@ -108,6 +108,9 @@ def kl_penalty(
             f"unknown KL penalty {kl_penalty!r}; choose one of {KL_PENALTY_MODES}, or one of them but full with a "
             "trailing + (straight-through k2 gradient)"
         )
+    if response_mask is not None:  # mask the inputs, so no NaN off the mask reaches a value or a gradient
+        keep = response_mask.bool().unsqueeze(-1) if base == "full" else response_mask.bool()
+        logprob, ref_logprob = torch.where(keep, logprob, 0.0), torch.where(keep, ref_logprob, 0.0)
     if base == "full":
         kl = _full_kl(logprob, ref_logprob)
     else:
@@ -115,9 +118,7 @@ def kl_penalty(
         if straight_through and base not in ("mse", "k2"):
             k2 = 0.5 * (logprob - ref_logprob).square()
             kl = k2 - k2.detach() + kl.detach()
-    if response_mask is not None:
-        kl = torch.where(response_mask.bool(), kl, 0.0)
-    return kl
+    return kl  # exactly 0 off the mask: every mode is 0 at equal (zeroed) inputs
 
 
 def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, base: str) -> torch.Tensor:
