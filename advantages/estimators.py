@@ -43,9 +43,7 @@ def reinforce_plus_plus(
     keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten.
     """
     returns = discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
-    if not whiten:
-        return returns, returns
-    return masked_whiten(returns, response_mask, check=validate), returns
+    return _whitened(returns, response_mask, whiten, validate)
 
 
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION)
@@ -67,9 +65,7 @@ def reinforce_plus_plus_reset_at_observation(
     """
     check_batch(token_level_rewards, response_mask, spans, validate)
     returns = returns_reset_at_observation(token_level_rewards, response_mask, gamma)
-    if not whiten:
-        return returns, returns
-    return masked_whiten(returns, response_mask, check=validate), returns
+    return _whitened(returns, response_mask, whiten, validate)
 
 
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_IGNORE_MASK)
@@ -88,9 +84,7 @@ def reinforce_plus_plus_ignore_mask(
     for validation only."""
     check_batch(token_level_rewards, response_mask, spans, validate)
     returns = returns_ignore_mask(token_level_rewards, gamma)
-    if not whiten:
-        return returns, returns
-    return masked_whiten(returns, response_mask, check=validate), returns
+    return _whitened(returns, response_mask, whiten, validate)
 
 
 register_adv_est(AdvantageEstimator.GAE, needs_values=True)(gae)
@@ -156,6 +150,13 @@ def rloo(
     advantages = torch.where(count > 1, (scores - mean) * count / (count - 1), scores)
     advantages = _broadcast(advantages, is_assistant)
     return advantages, advantages
+
+
+def _whitened(returns: torch.Tensor, response_mask: torch.Tensor, whiten: bool, validate: bool):
+    """``(advantages, returns)``: the returns whitened over the ASSISTANT tokens, or raw without ``whiten``."""
+    if not whiten:
+        return returns, returns
+    return masked_whiten(returns, response_mask, check=validate), returns
 
 
 def group_ids(index, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
