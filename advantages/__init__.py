@@ -1,32 +1,77 @@
-"""Carry-through returns and advantage estimators for multi-turn RL (docs/design.md section 3). Depends on torch only."""
+"""Carry-through returns, advantage estimators (one registry) and losses for multi-turn RL
+(docs/design.md section 3; verl correspondence in docs/verl.md). Depends on torch only."""
 
 from advantages.estimators import (
-    ESTIMATORS,
-    get_estimator,
+    group_ids,
     grpo,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
+    reinforce_plus_plus_ignore_mask,
+    reinforce_plus_plus_reset_at_observation,
     rloo,
 )
-from advantages.losses import aggregate_loss, kl_penalty, ppo_clip_policy_loss
+from advantages.losses import (
+    KL_PENALTY_MODES,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate_loss,
+    cispo_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    entropy_loss,
+    get_policy_loss_fn,
+    gpg_policy_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    ppo_clip_policy_loss,
+    register_policy_loss,
+    reinforce_policy_loss,
+)
+from advantages.registry import (
+    ESTIMATORS,
+    AdvantageEstimator,
+    Estimator,
+    get_adv_estimator_fn,
+    get_estimator,
+    register_adv_est,
+)
 from advantages.returns import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
 from advantages.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "ESTIMATORS",
+    "KL_PENALTY_MODES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdvantageEstimator",
+    "Estimator",
     "aggregate_loss",
+    "cispo_policy_loss",
+    "clipped_value_loss",
     "discounted_returns",
+    "entropy_from_logits",
+    "entropy_loss",
     "gae",
+    "get_adv_estimator_fn",
     "get_estimator",
+    "get_policy_loss_fn",
+    "gpg_policy_loss",
+    "group_ids",
     "grpo",
+    "gspo_policy_loss",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "ppo_clip_policy_loss",
+    "register_adv_est",
+    "register_policy_loss",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
+    "reinforce_plus_plus_ignore_mask",
+    "reinforce_plus_plus_reset_at_observation",
+    "reinforce_policy_loss",
     "returns_ignore_mask",
     "returns_reset_at_observation",
     "rloo",

@@ -174,6 +174,7 @@ def gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    *,
     spans: torch.Tensor | None = None,
     whiten: bool = True,
     validate: bool = True,

@@ -1,24 +1,33 @@
-"""Estimators, masked statistics, KL penalties and the PPO loss against plain references written
-here with loops (over groups, rows or tokens), and the registry."""
+"""Estimators and masked statistics against plain references written here with loops (over groups,
+rows or tokens), and the one estimator registry. Losses: tests/test_policy_losses.py."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from reference_returns import discounted_returns_ref, gae_ref
+from reference_returns import (
+    discounted_returns_ref,
+    gae_ref,
+    returns_ignore_mask_ref,
+    returns_reset_at_observation_ref,
+)
 
 from advantages import (
     ESTIMATORS,
+    AdvantageEstimator,
     gae,
+    get_adv_estimator_fn,
     get_estimator,
     grpo,
-    kl_penalty,
     masked_mean,
     masked_var,
     masked_whiten,
-    ppo_clip_policy_loss,
+    register_adv_est,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
+    reinforce_plus_plus_ignore_mask,
+    reinforce_plus_plus_reset_at_observation,
     rloo,
 )
 from masking.spans import SpanKind
@@ -126,36 +135,103 @@ def test_gae_whitens_advantages_and_keeps_returns():
     torch.testing.assert_close(advantages, whiten_reference(expected_advantages, mask))
 
 
-def test_registry_calls_every_estimator_with_one_signature():
+def test_registry_calls_every_estimator_by_keyword_and_declares_needs():
     rewards, spans, mask, index = outcome_batch()
-    values = torch.zeros_like(rewards)
-    batch = dict(spans=spans, index=index, values=values, gamma=0.9, lam=0.95, norm_adv_by_std_in_grpo=True)
-    assert set(ESTIMATORS) == {"reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo", "rloo", "gae"}
-    expected = {
-        "reinforce_plus_plus": reinforce_plus_plus(rewards, mask, 0.9, spans=spans),
-        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline(rewards, mask, index, spans=spans),
-        "grpo": grpo(rewards, mask, index, spans=spans),
-        "rloo": rloo(rewards, mask, index, spans=spans),
-        "gae": gae(rewards, values, mask, 0.9, 0.95, spans=spans),
+    values = torch.randn(spans.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert set(ESTIMATORS) == {e.value for e in AdvantageEstimator}
+    calls = {
+        "reinforce_plus_plus": (dict(gamma=0.9), reinforce_plus_plus(rewards, mask, 0.9, spans=spans)),
+        "reinforce_plus_plus_reset_at_observation": (
+            dict(gamma=0.9), reinforce_plus_plus_reset_at_observation(rewards, mask, 0.9, spans=spans)),
+        "reinforce_plus_plus_ignore_mask": (dict(gamma=0.9), reinforce_plus_plus_ignore_mask(rewards, mask, 0.9)),
+        "reinforce_plus_plus_baseline": (dict(index=index), reinforce_plus_plus_baseline(rewards, mask, index)),
+        "grpo": (dict(index=index, epsilon=0.1), grpo(rewards, mask, index, 0.1)),
+        "rloo": (dict(index=index), rloo(rewards, mask, index)),
+        "gae": (dict(values=values, gamma=0.9, lam=0.95), gae(rewards, values, mask, 0.9, 0.95)),
     }
-    for name, (advantages, returns) in expected.items():
-        got_advantages, got_returns = get_estimator(name)(rewards, mask, **batch)
+    for name, (kwargs, (advantages, returns)) in calls.items():
+        got_advantages, got_returns = get_estimator(name)(rewards, mask, spans=spans, **kwargs)
         assert torch.equal(got_advantages, advantages) and torch.equal(got_returns, returns), name
+    # needs and settings are declared by the entry, read off the function's signature
+    assert {n for n, e in ESTIMATORS.items() if e.needs_index} == {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+    assert {n for n, e in ESTIMATORS.items() if e.needs_values} == {"gae"}
+    assert get_estimator("gae").hyperparameters == ("gamma", "lam", "whiten")
+    assert get_estimator(AdvantageEstimator.GRPO).hyperparameters == ("epsilon", "norm_adv_by_std_in_grpo")
+    assert get_adv_estimator_fn(AdvantageEstimator.RLOO) is rloo
+    # whiten reaches the function; a misspelled or foreign keyword is a TypeError, not silently dropped
+    raw, _ = get_estimator("reinforce_plus_plus")(rewards, mask, spans=spans, gamma=0.9, whiten=False)
+    torch.testing.assert_close(raw, discounted_returns_ref(rewards, spans, 0.9))
+    with pytest.raises(TypeError, match="gama"):
+        get_estimator("reinforce_plus_plus")(rewards, mask, gama=0.9)
+    with pytest.raises(TypeError, match="gamma"):
+        get_estimator("grpo")(rewards, mask, index=index, gamma=0.9)
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*'grpo'"):
         get_estimator("ppo")
-    with pytest.raises(ValueError, match="index must be an integer tensor of shape \\(6,\\).*got None"):
+    with pytest.raises(ValueError, match="the grpo estimator needs index"):
         get_estimator("grpo")(rewards, mask)
-    with pytest.raises(ValueError, match="needs values"):
-        get_estimator("gae")(rewards, mask)
+    with pytest.raises(ValueError, match="the gae estimator needs values"):
+        get_estimator("gae")(rewards, mask, values=None)
+
+
+def test_register_adv_est_decorator_like_verl():
+    def fn(token_level_rewards, response_mask, index, *, scale=1.0):
+        return token_level_rewards * scale, token_level_rewards
+
+    try:
+        assert register_adv_est("test_scaled", needs_index=True)(fn) is fn
+        assert register_adv_est("test_scaled", needs_index=True)(fn) is fn  # same function again: a no-op
+        entry = get_estimator("test_scaled")
+        assert entry.needs_index and not entry.needs_values and entry.hyperparameters == ("scale",)
+        rewards = torch.ones(2, 3)
+        assert torch.equal(entry(rewards, rewards, index=[0, 0], scale=2.0)[0], 2 * rewards)
+        with pytest.raises(ValueError, match="already registered"):
+            register_adv_est("test_scaled")(lambda token_level_rewards, response_mask: None)
+        with pytest.raises(ValueError, match="already registered"):
+            register_adv_est(AdvantageEstimator.GRPO)(fn)
+    finally:
+        ESTIMATORS.pop("test_scaled", None)
+
+
+def test_ablation_entries_are_the_historical_returns_whitened():
+    rewards, spans, mask, _ = outcome_batch()
+    for fn, reference in ((reinforce_plus_plus_reset_at_observation,
+                           returns_reset_at_observation_ref(rewards, mask, 0.9)),
+                          (reinforce_plus_plus_ignore_mask, returns_ignore_mask_ref(rewards, 0.9))):
+        advantages, returns = fn(rewards, mask, 0.9, spans=spans)
+        torch.testing.assert_close(returns, reference)
+        torch.testing.assert_close(advantages, whiten_reference(reference, mask))
+        raw, _ = fn(rewards, mask, 0.9, whiten=False)
+        torch.testing.assert_close(raw, reference)
+
+
+@pytest.mark.parametrize("make_index", [
+    lambda ids: torch.tensor(ids),
+    lambda ids: np.asarray(ids, dtype=np.int64),
+    lambda ids: np.asarray([f"uid-{i}" for i in ids], dtype=object),
+    lambda ids: np.asarray([f"uid-{i}" for i in ids]),  # numpy unicode strings
+    lambda ids: [f"uid-{i}" for i in ids],
+    lambda ids: tuple(ids),
+], ids=["tensor", "numpy-int", "numpy-object-str", "numpy-str", "list-str", "tuple-int"])
+def test_index_takes_what_verl_passes(make_index):
+    rewards, spans, mask, index = outcome_batch()
+    expected = grpo(rewards, mask, index)[0]
+    torch.testing.assert_close(grpo(rewards, mask, make_index(index.tolist()))[0], expected)
+    torch.testing.assert_close(rloo(rewards, mask, make_index(index.tolist()))[0], rloo(rewards, mask, index)[0])
 
 
 @pytest.mark.parametrize("estimator", [grpo, rloo, reinforce_plus_plus_baseline])
 def test_outcome_estimators_reject_bad_index_and_misplaced_rewards(estimator):
     rewards, spans, mask, index = outcome_batch()
-    with pytest.raises(ValueError, match=r"index must be an integer tensor of shape \(6,\).*got torch.float32"):
+    with pytest.raises(ValueError, match=r"one integer group id per row, shape \(6,\); got a torch.float32"):
         estimator(rewards, mask, index.float())
     with pytest.raises(ValueError, match=r"shape \(5,\)"):
         estimator(rewards, mask, index[:5])
+    with pytest.raises(ValueError, match=r"one group id per row \(6\)"):
+        estimator(rewards, mask, [0, 1])
+    with pytest.raises(ValueError, match=r"index\[1\] is 0.5; group ids are ints or strings"):
+        estimator(rewards, mask, [0, 0.5, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match=r"one group id per row \(6\); got None"):
+        estimator(rewards, mask, None)
     rewards[3, 0] = 1.0  # an OBSERVATION token
     with pytest.raises(ValueError, match="row 3, position 0 sits on a OBSERVATION"):
         estimator(rewards, mask, index, spans=spans)
@@ -192,91 +268,3 @@ def test_whitening_fewer_than_two_tokens_raises_unless_unchecked(tokens):
     with pytest.raises(ValueError, match=f"got {tokens}"):
         reinforce_plus_plus(torch.zeros(2, 4), mask, 1.0)
     assert torch.isnan(masked_var(values, mask, check=False))  # unchecked: NaN, no sync
-
-
-# --- KL penalties and the PPO loss ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
-def test_kl_penalty_per_token_formulas_on_assistant_tokens_only(kind):
-    logprob = torch.tensor([[-1.0, -0.5, -30.0, -2.0], [-0.1, -3.0, -0.2, float("nan")]])
-    ref = torch.tensor([[-1.5, -0.5, -1.0, -0.1], [-0.3, -0.2, -0.1, -0.4]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    got = kl_penalty(logprob, ref, mask, kind)
-    for row in range(2):
-        for t in range(4):
-            if mask[row, t] == 0:
-                assert got[row, t] == 0
-                continue
-            log_ratio = float(logprob[row, t] - ref[row, t])
-            if kind == "k1":
-                expected = log_ratio
-            elif kind == "k2":
-                expected = 0.5 * log_ratio**2
-            else:
-                clamped = min(max(-log_ratio, -20.0), 20.0)
-                expected = min(max(math.exp(clamped) - clamped - 1, -10.0), 10.0)
-            assert got[row, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6), (row, t)
-    if kind in ("k3", "low_var_kl"):
-        assert got[0, 2] == 10.0  # clamped like verl
-    with pytest.raises(ValueError, match="unknown KL penalty kind 'k4'"):
-        kl_penalty(logprob, ref, mask, "k4")
-
-
-def ppo_reference(log_prob, old_log_prob, advantages, mask, low, high, mode):
-    """Token by token: the clipped surrogate, then the aggregation."""
-    rows = []
-    clipped_count, kl_sum, tokens = 0, 0.0, 0
-    for row in range(log_prob.shape[0]):
-        losses = []
-        for t in range(log_prob.shape[1]):
-            if mask[row, t] == 0:
-                continue
-            log_ratio = min(max(float(log_prob[row, t] - old_log_prob[row, t]), -20.0), 20.0)
-            ratio, advantage = math.exp(log_ratio), float(advantages[row, t])
-            unclipped = -advantage * ratio
-            clipped = -advantage * min(max(ratio, 1 - low), 1 + high)
-            losses.append(max(unclipped, clipped))
-            clipped_count += clipped > unclipped
-            kl_sum += -log_ratio
-            tokens += 1
-        rows.append(losses)
-    if mode == "token-mean":
-        loss = sum(sum(r) for r in rows) / tokens
-    elif mode == "seq-mean-token-sum":
-        loss = sum(sum(r) for r in rows) / len(rows)
-    else:
-        non_empty = [r for r in rows if r]
-        loss = sum(sum(r) / len(r) for r in non_empty) / len(non_empty)
-    return loss, clipped_count / tokens, kl_sum / tokens
-
-
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-@pytest.mark.parametrize("low, high", [(None, None), (0.1, 0.28)])
-def test_ppo_clip_policy_loss_matches_token_loop(mode, low, high):
-    generator = torch.Generator().manual_seed(4)
-    log_prob = -torch.rand(4, 7, generator=generator, dtype=torch.float64) * 2
-    old_log_prob = log_prob + torch.randn(4, 7, generator=generator, dtype=torch.float64) * 0.3
-    advantages = torch.randn(4, 7, generator=generator, dtype=torch.float64)
-    mask = (torch.rand(4, 7, generator=generator) < 0.7).double()
-    mask[2] = 0  # a row without ASSISTANT tokens
-    loss, metrics = ppo_clip_policy_loss(
-        log_prob, old_log_prob, advantages, mask, clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=mode
-    )
-    expected_loss, clipfrac, approx_kl = ppo_reference(
-        log_prob, old_log_prob, advantages, mask, low or 0.2, high or 0.2, mode
-    )
-    assert loss.item() == pytest.approx(expected_loss, rel=1e-12)
-    assert 0 < clipfrac < 1  # the case exercises clipping
-    assert metrics["clipfrac"].item() == pytest.approx(clipfrac)
-    assert metrics["approx_kl"].item() == pytest.approx(approx_kl, rel=1e-12)
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'sum'"):
-        ppo_clip_policy_loss(log_prob, old_log_prob, advantages, mask, loss_agg_mode="sum")
-
-
-def test_ppo_loss_gradient_flows_only_through_assistant_tokens():
-    log_prob = torch.full((2, 3), -1.0, requires_grad=True)
-    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
-    loss, _ = ppo_clip_policy_loss(log_prob, torch.full((2, 3), -1.0), torch.ones(2, 3), mask)
-    loss.backward()
-    assert torch.equal(log_prob.grad != 0, mask.bool())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages relative to a prompt's group
+from advantages import KL_PENALTY_MODES, get_estimator
 
 
 @dataclass
@@ -33,7 +33,7 @@ class TrainConfig:
     gamma: float = 1.0
     lam: float = 0.95  # GAE only
     kl_coef: float = 0.0  # KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards
-    kl_kind: str = "k1"  # k1, k2 or k3
+    kl_kind: str = "k1"  # a sampled-token mode of advantages.kl_penalty: k1/kl, abs, k2/mse, k3/low_var_kl
 
     # PPO update
     lr: float = 2e-4
@@ -64,10 +64,10 @@ class TrainConfig:
         """Raise ValueError for settings that cannot work together."""
         if self.episodes_per_step % self.mini_batches:
             raise ValueError(f"episodes per step ({self.episodes_per_step}) must divide into {self.mini_batches} mini-batches")
-        if self.estimator in GROUP_ESTIMATORS and self.group_size < 2:
+        if get_estimator(self.estimator).needs_index and self.group_size < 2:
             raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
-        if self.kl_kind not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl_kind must be k1, k2 or k3, got {self.kl_kind!r}")
+        if self.kl_kind not in KL_PENALTY_MODES or self.kl_kind == "full":  # full needs whole-vocabulary log-probs
+            raise ValueError(f"kl_kind must be one of {[m for m in KL_PENALTY_MODES if m != 'full']}, got {self.kl_kind!r}")
         for name in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -29,16 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from advantages import (
-    aggregate_loss,
-    get_estimator,
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-    ppo_clip_policy_loss,
-    returns_ignore_mask,
-    returns_reset_at_observation,
-)
+from advantages import aggregate_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from agent_loop.collate import trajectories_to_batch
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
@@ -51,11 +42,11 @@ from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_fo
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
 STATE_FILE = "trainer_state.pt"
 
-# The two historical REINFORCE++ return bugs, kept for the ablation (advantages.returns docstring).
+# returns_variant -> the registered REINFORCE++ estimator; the two historical return bugs are the ablation.
 RETURN_VARIANTS = {
-    "carry_through": None,  # the registered estimator itself
-    "reset_at_observation": lambda rewards, mask, gamma: returns_reset_at_observation(rewards, mask, gamma),
-    "ignore_mask": lambda rewards, mask, gamma: returns_ignore_mask(rewards, gamma),
+    "carry_through": "reinforce_plus_plus",
+    "reset_at_observation": "reinforce_plus_plus_reset_at_observation",
+    "ignore_mask": "reinforce_plus_plus_ignore_mask",
 }
 
 
@@ -87,7 +78,8 @@ class Trainer:
             raise ValueError("returns_variant applies to the reinforce_plus_plus estimator only")
         torch.set_num_threads(config.threads)
         self.config = config
-        self.estimator = get_estimator(config.estimator)
+        self.estimator = get_estimator(
+            config.estimator if config.returns_variant == "carry_through" else RETURN_VARIANTS[config.returns_variant])
         self.output_dir = Path(config.output_dir)
         self.step = 0
 
@@ -161,20 +153,17 @@ class Trainer:
         rewards = batch["token_level_rewards"]
         if self.reference is not None:
             ref_logprobs, _ = batch_logprobs(self.reference, batch, config.micro_batch_size)
-            kl = kl_penalty(batch["old_logprobs"], ref_logprobs, mask, config.kl_kind)
+            kl = kl_penalty(batch["old_logprobs"], ref_logprobs, config.kl_kind, response_mask=mask)
             metrics["ref_kl"] = masked_mean(kl, mask).item()
             rewards = rewards - config.kl_coef * kl
             batch["token_level_rewards"] = rewards
 
-        variant = RETURN_VARIANTS[config.returns_variant]
-        if variant is None:
-            advantages, returns = self.estimator(
-                rewards, mask, spans=batch["spans"], index=batch["index"], values=batch.get("values"),
-                gamma=config.gamma, lam=config.lam,
-            )
-        else:
-            returns = variant(rewards, mask, config.gamma)
-            advantages = masked_whiten(returns, mask)
+        estimator = self.estimator
+        needs = {"index": batch["index"]} if estimator.needs_index else {}
+        if estimator.needs_values:
+            needs["values"] = batch.get("values")
+        settings = {name: getattr(config, name) for name in estimator.hyperparameters if hasattr(config, name)}
+        advantages, returns = estimator(rewards, mask, spans=batch["spans"], **needs, **settings)
         batch["advantages"], batch["returns"] = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))
@@ -185,7 +174,7 @@ class Trainer:
         config, mask = self.config, micro["response_mask"]
         logits, values = response_forward(self.policy, micro, self.value_head)
         logprobs = token_logprobs(logits, micro["responses"])
-        loss, stats = ppo_clip_policy_loss(logprobs, micro["old_logprobs"], micro["advantages"], mask,
+        loss, stats = ppo_clip_policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], mask,
                                            clip_ratio=config.clip_ratio)
         entropy = token_entropy(logits)
         stats["pg_loss"] = loss.detach()

@@ -71,16 +71,20 @@ def compare_summary(values: BatchValues) -> list[EstimatorSummary]:
     return out
 
 
+# ESTIMATORS name -> the registered estimator (advantages.registry) whose returns it shows
+REGISTERED = {
+    "carry-through": "reinforce_plus_plus",
+    "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
+    "ignore-mask": "reinforce_plus_plus_ignore_mask",
+}
+
+
 def estimator_returns(name: str, rewards: torch.Tensor, spans: torch.Tensor, gamma: float) -> torch.Tensor:
     """(b, t) discounted returns of ``rewards`` under the estimator ``name`` (a key of ESTIMATORS)."""
+    if name not in REGISTERED:
+        raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(ESTIMATORS)}")
     mask = response_mask_from_spans(spans, rewards.dtype)
-    if name == "carry-through":
-        return advantages.discounted_returns(rewards, mask, gamma, spans=spans)
-    if name == "reset-at-observation":
-        return advantages.returns_reset_at_observation(rewards, mask, gamma)
-    if name == "ignore-mask":
-        return advantages.returns_ignore_mask(rewards, gamma)
-    raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(ESTIMATORS)}")
+    return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False)[1]
 
 
 def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, pad_token_id: int = 0) -> BatchValues:

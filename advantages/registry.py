@@ -1,0 +1,102 @@
+"""The one registry of advantage estimators: a name (or :class:`AdvantageEstimator`) -> an entry that
+declares what the estimator needs (verl's ``register_adv_est`` / ``get_adv_estimator_fn``, plus needs).
+
+Every estimator is a plain function taking ``token_level_rewards`` and ``response_mask`` ``(b, t)``
+(plus ``index`` ``(b,)`` or ``values`` ``(b, t)`` when it needs them) and returning
+``(advantages, returns)``. An :class:`Estimator` entry calls it by keyword, so each function keeps
+its own positional order (verl's), and passes every other keyword through untouched: a misspelled
+or unsupported keyword raises the function's own ``TypeError`` instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import torch
+
+BATCH_ARGUMENTS = ("token_level_rewards", "response_mask", "values", "index", "spans", "validate")
+
+
+class AdvantageEstimator(str, Enum):
+    """Registered names; values equal to verl's ``AdvantageEstimator`` where verl has the estimator."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION = "reinforce_plus_plus_reset_at_observation"
+    REINFORCE_PLUS_PLUS_IGNORE_MASK = "reinforce_plus_plus_ignore_mask"
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One registry entry: the function and what it needs.
+
+    ``needs_index``: a group id per row (``index`` ``(b,)``: a tensor, numpy array or list of ints
+    or strings). ``needs_values``: critic values ``values`` ``(b, t)``. ``hyperparameters``: the
+    other keywords the function takes (``gamma``, ``lam``, ``whiten``, ``epsilon``, ...), read from
+    its signature, so a caller can pick its settings by name without guessing.
+    """
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    needs_index: bool = False
+    needs_values: bool = False
+    description: str = ""
+
+    @property
+    def hyperparameters(self) -> tuple[str, ...]:
+        return tuple(p for p in inspect.signature(self.fn).parameters if p not in BATCH_ARGUMENTS)
+
+    def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs):
+        """``fn(token_level_rewards=..., response_mask=..., **kwargs)`` after checking the needs."""
+        for needed, key, what in ((self.needs_index, "index", "index=(b,) group ids"),
+                                  (self.needs_values, "values", "values=(b, t) critic values")):
+            if needed and kwargs.get(key) is None:
+                raise ValueError(f"the {self.name} estimator needs {what}")
+        return self.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def _name(name_or_enum: str | Enum) -> str:
+    return name_or_enum.value if isinstance(name_or_enum, Enum) else name_or_enum
+
+
+def register_adv_est(
+    name_or_enum: str | Enum, *, needs_index: bool = False, needs_values: bool = False, description: str = ""
+) -> Callable:
+    """Decorator registering an estimator under a name or enum member (verl's ``register_adv_est``).
+
+    Registering the same function twice is a no-op; another function under a taken name raises
+    ValueError (as verl). The decorated function is returned unchanged.
+    """
+    name = _name(name_or_enum)
+
+    def decorator(fn):
+        existing = ESTIMATORS.get(name)
+        if existing is not None and existing.fn is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered: {existing.fn} vs {fn}")
+        ESTIMATORS[name] = Estimator(name, fn, needs_index, needs_values, description or (fn.__doc__ or "").split("\n")[0])
+        return fn
+
+    return decorator
+
+
+def get_estimator(name_or_enum: str | Enum) -> Estimator:
+    """The registry entry for ``name_or_enum``; ValueError lists the registered names."""
+    name = _name(name_or_enum)
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}") from None
+
+
+def get_adv_estimator_fn(name_or_enum: str | Enum) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The registered function itself (verl's ``get_adv_estimator_fn``)."""
+    return get_estimator(name_or_enum).fn
