@@ -28,7 +28,7 @@ import torch
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
 from advantages.stats import masked_whiten
 from masking.spans import SPAN_DTYPE, SpanKind, spans_from_response_mask
-from masking.validate import check_same_shape, validate_response_mask, validate_spans, validate_token_level_rewards
+from masking.validate import check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GAE_ONE_SCAN_MIN_LAM = 0.5  # GAE in one scan from here: its rounding error grows like 1 / lam (_gae_scan)
@@ -45,31 +45,24 @@ def check_batch(
     response_mask: torch.Tensor,
     spans: torch.Tensor | None,
     validate: bool,
-) -> None:
+    count: bool = False,
+) -> int | None:
     """Check a batch before a scan; shapes always (free), values only with ``validate``.
 
-    ``validate`` (one host sync per check) raises ValueError naming row and position for unknown
-    span values, PAD before a non-PAD token, a mask that is not 0/1 or disagrees with the spans,
-    NaN/inf rewards, and a nonzero reward on a non-ASSISTANT token (it would be lost).
+    ``validate`` (:func:`~masking.validate.validate_batch`: one fused pass, one host sync) raises
+    ValueError naming row and position for unknown span values, PAD before a non-PAD token, a mask
+    that is not 0/1 or disagrees with the spans, NaN/inf rewards, and a nonzero reward on a
+    non-ASSISTANT token (it would be lost). With ``count`` (and ``validate``) returns the number
+    of ASSISTANT tokens, read in the same sync; else None.
     """
     check_same_shape("response_mask", response_mask, "token_level_rewards", token_level_rewards)
     if spans is not None:
         check_same_shape("spans", spans, "token_level_rewards", token_level_rewards)
     if not validate:
-        return
-    validate_response_mask(response_mask)
-    if spans is None:
-        spans = spans_from_response_mask(response_mask)
-    else:
-        validate_spans(spans)
-        disagree = response_mask.bool() != (spans == SpanKind.ASSISTANT)
-        if bool(disagree.any()):
-            row, pos = torch.nonzero(disagree)[0].tolist()
-            raise ValueError(
-                f"response_mask is {float(response_mask[row, pos])} at row {row}, position {pos} but the span there "
-                f"is {SpanKind(int(spans[row, pos])).name}; the mask must equal (spans == ASSISTANT)"
-            )
-    validate_token_level_rewards(token_level_rewards, spans)
+        return None
+    if not token_level_rewards.dtype.is_floating_point:
+        raise ValueError(f"rewards must be floating point, got {token_level_rewards.dtype}")
+    return validate_batch(token_level_rewards, response_mask, spans, count=count)
 
 
 def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Checks on span and reward tensors, with errors that name the row and position.
 
-Each check costs one host synchronisation (to decide whether to raise). Keep them on by default;
-hot paths pass ``validate=False`` to the estimators.
+Each ``validate_*`` check costs one host synchronisation (to decide whether to raise).
+:func:`validate_batch` runs all of them in one cheap fused pass with one synchronisation, and
+falls back to the single checks (for their messages) only when something is wrong. Keep
+validation on by default; hot paths pass ``validate=False`` to the estimators.
 """
 
 import torch
 
-from masking.spans import SpanKind
+from masking.spans import SpanKind, spans_from_response_mask
 
 _KNOWN_SPANS = (SpanKind.PAD, SpanKind.ASSISTANT, SpanKind.OBSERVATION)
 
@@ -30,10 +32,7 @@ def check_same_shape(name: str, tensor: torch.Tensor, reference_name: str, refer
 
 def validate_spans(spans: torch.Tensor) -> None:
     """Raise ValueError unless ``spans`` (b, t) holds only SpanKind values and PAD only trails each row."""
-    if spans.dim() != 2:
-        raise ValueError(f"spans must be (b, t), got shape {tuple(spans.shape)}")
-    if spans.dtype.is_floating_point or spans.dtype == torch.bool:
-        raise ValueError(f"spans must have an integer dtype, got {spans.dtype}")
+    validate_spans_dtype(spans)
     known = torch.zeros_like(spans, dtype=torch.bool)
     for kind in _KNOWN_SPANS:
         known |= spans == kind
@@ -48,6 +47,14 @@ def validate_spans(spans: torch.Tensor) -> None:
     if where is not None:
         row, pos = where
         raise ValueError(f"spans: PAD at row {row}, position {pos} comes before a non-PAD token")
+
+
+def validate_spans_dtype(spans: torch.Tensor) -> None:
+    """Raise ValueError unless ``spans`` is a 2-D integer tensor (free: no host sync)."""
+    if spans.dim() != 2:
+        raise ValueError(f"spans must be (b, t), got shape {tuple(spans.shape)}")
+    if spans.dtype.is_floating_point or spans.dtype == torch.bool:
+        raise ValueError(f"spans must have an integer dtype, got {spans.dtype}")
 
 
 def validate_response_mask(response_mask: torch.Tensor) -> None:
@@ -84,3 +91,98 @@ def validate_token_level_rewards(token_level_rewards: torch.Tensor, spans: torch
             f"token_level_rewards: reward {float(token_level_rewards[row, pos])} at row {row}, position {pos} "
             f"sits on a {kind} token and would be lost; place rewards on ASSISTANT tokens"
         )
+
+
+def validate_mask_matches_spans(response_mask: torch.Tensor, spans: torch.Tensor) -> None:
+    """Raise ValueError unless the (b, t) mask equals ``spans == ASSISTANT`` everywhere."""
+    disagree = response_mask.bool() != (spans == SpanKind.ASSISTANT)
+    where = _first_bad(disagree)
+    if where is not None:
+        row, pos = where
+        raise ValueError(
+            f"response_mask is {float(response_mask[row, pos])} at row {row}, position {pos} but the span there "
+            f"is {SpanKind(int(spans[row, pos])).name}; the mask must equal (spans == ASSISTANT)"
+        )
+
+
+def validate_batch(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    spans: torch.Tensor | None = None,
+    count: bool = False,
+) -> int | None:
+    """Every value check of a batch in one fused pass; with ``count``, returns the number of ASSISTANT tokens.
+
+    The same checks, in the same order and with the same messages (row and position), as
+    :func:`validate_response_mask`, :func:`validate_spans`, :func:`validate_mask_matches_spans` and
+    :func:`validate_token_level_rewards` (with ``spans=None`` every 0 of the mask is an OBSERVATION).
+    ``(b, t)`` tensors of one shape (the caller checks shapes); ``token_level_rewards`` floating point.
+
+    Each check becomes a residual that is exactly 0 everywhere on good input, and all their
+    reductions reach the host together (one synchronisation on CUDA):
+
+    * ``max(spans as uint8) <= 2`` iff every span is known (a negative int8 is >= 128 as uint8);
+    * ``min(spans, 1)`` never rises along a row iff PAD only trails;
+    * ``(spans & 1) - mask`` (``spans & 1`` is the ASSISTANT indicator of a known span) is 0 iff the
+      mask is 0/1 and equals ``spans == ASSISTANT``; without spans ``mask - mask * mask`` is 0 iff it is 0/1;
+    * ``rewards - rewards * mask`` is 0 iff every reward is finite (``inf - inf`` and NaN are NaN)
+      and 0 off the mask.
+
+    Only a nonzero residual runs the single checks, which raise with their messages. Costs about a
+    quarter of the returns scan on CPU (BENCHMARKS.md).
+    """
+    if spans is not None:
+        validate_spans_dtype(spans)
+    if token_level_rewards.numel() == 0:
+        return 0 if count else None
+    mask = response_mask
+    at_most, limits = [], []  # 0-d tensors that are <= their limit on good input
+    zero = []  # 0-d tensors that are == 0 on good input (NaN is not)
+    if spans is not None:
+        if spans.dtype in (torch.int8, torch.uint8):
+            at_most.append(spans.view(torch.uint8).max())
+            limits.append(2)
+        else:
+            low, high = spans.aminmax()
+            at_most += [-low, high]
+            limits += [0, 2]
+        spans8 = spans.to(torch.int8)
+        t = spans.shape[-1]
+        if t > 1:  # min(spans, 1) per row, differences along the flattened batch, row boundaries zeroed
+            nonpad = spans8.clamp(max=1).reshape(-1)
+            rise = nonpad[1:] - nonpad[:-1]
+            rise[t - 1 :: t] = 0
+            at_most.append(rise.max())
+            limits.append(0)
+        numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
+        residual = (spans8 & 1).to(numeric.dtype).sub_(numeric)  # exact where every span is known (checked above)
+    else:
+        residual = None if mask.dtype == torch.bool else torch.addcmul(mask, mask, mask, value=-1)
+    if residual is not None:
+        zero += residual.aminmax()
+    mask_r = mask.to(token_level_rewards.dtype)
+    reuse = residual is not None and residual.dtype == token_level_rewards.dtype
+    zero += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residual if reuse else None).aminmax()
+    if count:  # exact for 0/1 values
+        exact = mask_r.dtype == torch.float32 and mask_r.numel() <= 2**24
+        zero.append(mask_r.sum(dtype=None if exact else torch.float64))
+    values = _to_host(at_most + zero)
+    if count:
+        values, total = values[:-1], int(values[-1])
+    if any(value > limit for value, limit in zip(values, limits)) or any(value != 0 for value in values[len(limits) :]):
+        validate_response_mask(response_mask)
+        if spans is None:
+            spans = spans_from_response_mask(response_mask)
+        else:
+            validate_spans(spans)
+            validate_mask_matches_spans(response_mask, spans)
+        validate_token_level_rewards(token_level_rewards, spans)
+    return total if count else None
+
+
+def _to_host(scalars: list[torch.Tensor]) -> list[float]:
+    """Python numbers of 0-d tensors: one ``tolist`` (one synchronisation) on an accelerator; on
+    the CPU each is read directly (cheaper than stacking, and there is nothing to wait for)."""
+    if scalars[0].device.type == "cpu":
+        return [value.item() for value in scalars]
+    return torch.stack([value.double() for value in scalars]).tolist()
