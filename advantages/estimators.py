@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from advantages.returns import check_batch, discounted_returns, gae
+from advantages.returns import check_batch, discounted_returns, gae, whitened_discounted_returns
 from advantages.stats import masked_whiten
 
 GRPO_EPS = 1e-6  # verl's epsilon in the GRPO std normalisation
@@ -31,10 +31,10 @@ def reinforce_plus_plus(
     advantages are the returns whitened over every ASSISTANT token of the batch (``whiten=False``
     keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten.
     """
+    if whiten:
+        return whitened_discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
     returns = discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
-    if not whiten:
-        return returns, returns
-    return masked_whiten(returns, response_mask, check=validate), returns
+    return returns, returns
 
 
 def reinforce_plus_plus_baseline(
