@@ -85,7 +85,32 @@ def run_kernels(path):
     results["returns-default-config"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.97), out=out)
     for name, tensors in moment_cases():
         results[name] = triton_kernels.triton_discounted_returns_with_moments(**tensors, gamma=0.99, block=BLOCK)
+        results[f"split-{name}"] = triton_kernels.triton_discounted_returns_with_moments(**tensors, gamma=0.99, block=BLOCK, split=True)
+        gae_tensors = dict(tensors, values=tensors["rewards"].flip(-1))
+        results[f"gae-{name}"] = triton_kernels.triton_gae_with_moments(**gae_tensors, gamma=0.99, lam=0.95, block=BLOCK)
+    for name, kernel, tensors, scalars in split_cases():
+        results[name] = dict(kernel=kernel, tensors=tensors, scalars=scalars, out=(triton_kernels.triton_discounted_returns(**tensors, **scalars, block=BLOCK, split=True),))
+    # chosen automatically: one row of 4 * SPLIT_BLOCK tokens (fewer rows than SMs)
+    spans = agent_spans(4 * triton_kernels.SPLIT_BLOCK, torch.Generator().manual_seed(5))[:1]
+    rewards = torch.randn(spans.shape, generator=torch.Generator().manual_seed(6))
+    out = (triton_kernels.triton_discounted_returns(rewards, spans, 0.999),)
+    unsplit = triton_kernels.triton_discounted_returns(rewards, spans, 0.999, block=triton_kernels.SPLIT_BLOCK, split=False)
+    results["split-auto"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.999), out=out, unsplit=unsplit)
     torch.save(results, path)
+
+
+def split_cases():
+    """Rows split across programs (chunks of BLOCK): a row of one chunk, chunk boundaries, 19 chunks
+    (the carry scan over a padded power of two), PAD inside rows, every gamma, bfloat16."""
+    generator = torch.Generator().manual_seed(17)
+    for t in (BLOCK - 3, 2 * BLOCK, 19 * BLOCK - 5):
+        spans = agent_spans(t, generator)
+        rewards = torch.randn(spans.shape, generator=generator)
+        for gamma in GAMMAS:
+            yield f"split-t{t}-float32-g{gamma}", "returns", dict(rewards=rewards, spans=spans), dict(gamma=gamma)
+        yield f"split-t{t}-bfloat16-g0.99", "returns", dict(rewards=rewards.bfloat16(), spans=spans), dict(gamma=0.99)
+    iid = torch.randint(0, 3, (3, 5 * BLOCK + 1), generator=generator, dtype=torch.int8)
+    yield "split-iid-spans", "returns", dict(rewards=torch.randn(iid.shape, generator=generator), spans=iid), dict(gamma=0.9)
 
 
 def moment_cases():
@@ -106,7 +131,7 @@ def interpreted(tmp_path_factory):
     return torch.load(path)
 
 
-CASE_NAMES = [name for name, *_ in cases()] + ["returns-default-config"]
+CASE_NAMES = [name for name, *_ in cases()] + ["returns-default-config", "split-auto"] + [name for name, *_ in split_cases()]
 
 
 @pytest.mark.slow
@@ -122,18 +147,29 @@ def test_kernel_matches_serial_reference(interpreted, name):
     dtype = str(tensors["rewards"].dtype).removeprefix("torch.")
     for got, want in zip(out, expected, strict=True):
         assert got.dtype == tensors["rewards"].dtype and got.shape == spans.shape
-        torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+        tolerance = dict(TOLERANCE[dtype])
+        tolerance["atol"] *= max(1.0, float(want.abs().max()))  # float32 sums of long rows: relative to their size
+        torch.testing.assert_close(got.double(), want, **tolerance)
         assert torch.all(got[spans != A] == 0), "non-ASSISTANT positions must be exactly 0"
+    if "unsplit" in case:  # the split picked automatically gives the one-program-per-row result exactly
+        assert torch.equal(out[0], case["unsplit"])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["", "split-", "gae-"])
 @pytest.mark.parametrize("name", [name for name, _ in moment_cases()])
-def test_fused_moments_match_the_returns(interpreted, name):
-    """Per-row count/mean/M2 of the ASSISTANT returns, and their merge into the batch's Bessel variance."""
+def test_fused_moments_match_the_returns(interpreted, name, kind):
+    """Per-row count/mean/M2 of the ASSISTANT returns (GAE: advantages), and their merge into the
+    batch's Bessel variance; rows split across programs merge their chunks' moments."""
     tensors = dict(moment_cases())[name]
     spans = tensors["spans"]
-    returns, moments = interpreted[name]
-    expected = discounted_returns_ref(tensors["rewards"], spans, 0.99)
+    if kind == "gae-":
+        returns, gae_returns, moments = interpreted[kind + name]
+        expected, expected_gae_returns = gae_ref(tensors["rewards"], tensors["rewards"].flip(-1), spans, 0.99, 0.95)
+        torch.testing.assert_close(gae_returns.double(), expected_gae_returns, **TOLERANCE[name.rsplit("-", 1)[1]])
+    else:
+        returns, moments = interpreted[kind + name]
+        expected = discounted_returns_ref(tensors["rewards"], spans, 0.99)
     torch.testing.assert_close(returns.double(), expected, **TOLERANCE[name.rsplit("-", 1)[1]])
     assistant = spans == A
     for row in range(spans.shape[0]):
@@ -206,7 +242,8 @@ def test_default_launch_config():
 KERNELS = {  # name, pointer arguments, constexprs other than BLOCK/NUM_STAGES/span kinds
     "returns": ("_discounted_returns_kernel", ("rewards_ptr", "spans_ptr", "out_ptr", "moments_ptr"), {"MOMENTS": False}),
     "returns+moments": ("_discounted_returns_kernel", ("rewards_ptr", "spans_ptr", "out_ptr", "moments_ptr"), {"MOMENTS": True}),
-    "gae": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr"), {}),
+    "gae": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr", "moments_ptr"), {"MOMENTS": False}),
+    "gae+moments": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr", "moments_ptr"), {"MOMENTS": True}),
 }
 
 
@@ -225,7 +262,7 @@ def test_kernels_compile_for_hopper(kernel, dtype):
     name, pointer_names, extra = KERNELS[kernel]
     pointer_type = {"spans_ptr": "*i8", "moments_ptr": "*fp32"}
     pointers = {arg: pointer_type.get(arg, f"*{dtype}") for arg in pointer_names}
-    scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if kernel == "gae" else {})
+    scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if kernel.startswith("gae") else {})
     constexprs = {"BLOCK": 2048, "NUM_STAGES": 2, "ASSISTANT": A, "OBSERVATION": O} | extra
     signature = pointers | scalars | {arg: "constexpr" for arg in constexprs}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 1)}  # the pointers and t
@@ -234,6 +271,34 @@ def test_kernels_compile_for_hopper(kernel, dtype):
     assert "cp.async.c" in ptx and "ld.global" not in ptx
     stores = set(re.findall(r"st\.global\S*", ptx))
     assert stores == ({"st.global.v4.b32", "st.global.b32"} if extra.get("MOMENTS") else {"st.global.v4.b32"})
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_split_kernels_compile_for_hopper(moments):
+    """The two passes of a split row compile to sm_90 code with 16-byte vector stores of the returns."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the interpreter is on in this process; compiling needs the real JIT")
+    kinds = {"ASSISTANT": A, "OBSERVATION": O}
+    passes = [
+        (triton_kernels._returns_chunk_maps_kernel, ("rewards_ptr", "spans_ptr", "maps_ptr"), {"BLOCK": 2048} | kinds),
+        (
+            triton_kernels._returns_split_kernel,
+            ("rewards_ptr", "spans_ptr", "maps_ptr", "out_ptr", "moments_ptr"),
+            {"BLOCK": 2048, "CHUNKS": 128, "MOMENTS": moments} | kinds,
+        ),
+    ]
+    for kernel, pointer_names, constexprs in passes:
+        pointers = {arg: {"spans_ptr": "*i8", "rewards_ptr": "*fp32", "out_ptr": "*fp32"}.get(arg, "*fp32") for arg in pointer_names}
+        signature = pointers | {"t": "i32", "gamma": "fp32"} | {arg: "constexpr" for arg in constexprs}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 1)}
+        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        if "out_ptr" in pointer_names:
+            assert "st.global.v4.b32" in ptx
 
 
 if __name__ == "__main__":
