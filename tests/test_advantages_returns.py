@@ -396,3 +396,32 @@ def test_whitening_needs_two_assistant_tokens(tokens):
         with pytest.raises(ValueError, match=f"need at least 2 unmasked tokens.*got {tokens}"):
             call()
         assert torch.isnan(call(validate=False)[0]).any()  # unchecked: NaN, as verl's whitening gives
+
+
+def test_hot_path_calls_nothing_that_syncs_with_the_host():
+    """validate=False: the torch path reads nothing back (on CUDA it would not wait for the device);
+    validate=True reads its checks back once per call (one sync on CUDA: a stack of scalars)."""
+    from torch.overrides import TorchFunctionMode
+
+    class HostSyncs(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "cpu"):
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(3)
+    spans = random_spans(300, generator)
+    rewards = random_rewards(spans, generator, torch.float32)
+    mask = (spans == A).float()
+    with HostSyncs() as syncs:
+        discounted_returns(rewards, mask, 0.99, spans=spans, validate=False)
+        whitened_discounted_returns(rewards, mask, 0.99, spans=spans, validate=False)
+        gae(rewards, rewards, mask, 0.99, 0.95, spans=spans, validate=False)
+    assert syncs.seen == []
+    with HostSyncs() as syncs:
+        whitened_discounted_returns(rewards, mask, 0.99, spans=spans)
+    assert syncs.seen and set(syncs.seen) == {"item"}  # the fused checks' scalars, nothing per check

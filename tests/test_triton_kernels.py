@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from advantages import triton_kernels  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
-from reference_returns import discounted_returns_ref, gae_ref  # noqa: E402
+from reference_returns import discounted_returns_ref, gae_ref, whiten_ref  # noqa: E402
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 BLOCK = 16  # small chunks so short rows cross several chunk boundaries
@@ -95,8 +96,45 @@ def run_kernels(path):
     rewards = torch.randn(spans.shape, generator=torch.Generator().manual_seed(6))
     out = (triton_kernels.triton_discounted_returns(rewards, spans, 0.999),)
     unsplit = triton_kernels.triton_discounted_returns(rewards, spans, 0.999, block=triton_kernels.SPLIT_BLOCK, split=False)
+    results["estimators"] = run_estimators()
     results["split-auto"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.999), out=out, unsplit=unsplit)
     torch.save(results, path)
+
+
+class HostSyncs(TorchFunctionMode):
+    """Records the tensor methods that would make a CUDA stream wait for the host (item, tolist, bool, ...)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def run_estimators():
+    """The estimators' CUDA path (Triton kernels, fused moments, one elementwise whitening pass) on
+    CPU tensors: the dispatch is pointed at the interpreted kernels. Also records host syncs."""
+    import advantages.returns as returns_module
+
+    returns_module._triton = lambda x: triton_kernels
+    generator = torch.Generator().manual_seed(23)
+    spans = agent_spans(3 * BLOCK + 5, generator)
+    rewards = torch.randn(spans.shape, generator=generator) * (spans == A)
+    values = torch.randn(spans.shape, generator=generator)
+    mask = (spans == A).float()
+    out = dict(spans=spans, rewards=rewards, values=values)
+    for validate in (True, False):
+        with HostSyncs() as syncs:
+            out[f"rpp-{validate}"] = returns_module.whitened_discounted_returns(rewards, mask, 0.99, spans=spans, validate=validate)
+            out[f"gae-{validate}"] = returns_module.gae(rewards, values, mask, 0.99, 0.95, spans=spans, validate=validate)
+        out[f"syncs-{validate}"] = syncs.seen
+    out["rpp-mask-only"] = returns_module.whitened_discounted_returns(rewards, mask, 0.99)
+    return out
 
 
 def split_cases():
@@ -182,6 +220,28 @@ def test_fused_moments_match_the_returns(interpreted, name, kind):
     assert int(count) == int(assistant.sum())
     torch.testing.assert_close(mean, expected[assistant].mean(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(var, expected[assistant].var(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_estimators_on_the_kernels_whiten_from_fused_moments_without_host_sync(interpreted):
+    """whitened_discounted_returns (REINFORCE++) and gae(whiten=True) on the Triton path match the
+    serial references; without validation they call nothing that syncs with the host (so the
+    estimator can be captured in a CUDA graph: the capture itself needs a GPU, owed)."""
+    out = interpreted["estimators"]
+    spans, rewards, values = out["spans"], out["rewards"], out["values"]
+    expected_returns = discounted_returns_ref(rewards, spans, 0.99)
+    expected_gae, expected_gae_returns = gae_ref(rewards, values, spans, 0.99, 0.95)
+    for validate in (True, False):
+        advantages, returns = out[f"rpp-{validate}"]
+        torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE["float32"])
+        torch.testing.assert_close(advantages.double(), whiten_ref(expected_returns, spans), **TOLERANCE["float32"])
+        gae_advantages, gae_returns = out[f"gae-{validate}"]
+        torch.testing.assert_close(gae_returns.double(), expected_gae_returns, **TOLERANCE["float32"])
+        torch.testing.assert_close(gae_advantages.double(), whiten_ref(expected_gae, spans), **TOLERANCE["float32"])
+        assert torch.all(advantages[spans != A] == 0) and torch.all(gae_advantages[spans != A] == 0)
+    assert out["syncs-False"] == []
+    assert out["syncs-True"]  # validation does read its checks back (one sync on CUDA)
+    torch.testing.assert_close(out["rpp-mask-only"][0], out["rpp-True"][0])  # PAD trails: the same as with spans
 
 
 @pytest.mark.slow
