@@ -147,22 +147,24 @@ def validate_batch(
             at_most += [-low, high]
             limits += [0, 2]
         spans8 = spans.to(torch.int8)
-        t = spans.shape[-1]
-        if t > 1:  # min(spans, 1) per row, differences along the flattened batch, row boundaries zeroed
-            nonpad = spans8.clamp(max=1).reshape(-1)
-            rise = nonpad[1:] - nonpad[:-1]
-            rise[t - 1 :: t] = 0
-            at_most.append(rise.max())
+        if spans.shape[-1] > 1:
+            at_most.append(torch.diff(spans8.clamp(max=1)).max())
             limits.append(0)
+        is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
         numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
-        residual = (spans8 & 1).to(numeric.dtype).sub_(numeric)  # exact where every span is known (checked above)
     else:
-        residual = None if mask.dtype == torch.bool else torch.addcmul(mask, mask, mask, value=-1)
-    if residual is not None:
-        zero += residual.aminmax()
+        is_assistant = None
+        numeric = None if mask.dtype == torch.bool else mask  # a bool mask is 0/1
     mask_r = mask.to(token_level_rewards.dtype)
-    reuse = residual is not None and residual.dtype == token_level_rewards.dtype
-    zero += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residual if reuse else None).aminmax()
+    if numeric is not None and numeric.dtype == token_level_rewards.dtype:  # both residuals in one buffer, one reduction
+        residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
+        _mask_residual(numeric, is_assistant, residuals[0])
+        torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residuals[1])
+        zero += residuals.aminmax()
+    else:
+        if numeric is not None:
+            zero += _mask_residual(numeric, is_assistant).aminmax()
+        zero += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
     if count:  # exact for 0/1 values
         exact = mask_r.dtype == torch.float32 and mask_r.numel() <= 2**24
         zero.append(mask_r.sum(dtype=None if exact else torch.float64))
@@ -178,6 +180,16 @@ def validate_batch(
             validate_mask_matches_spans(response_mask, spans)
         validate_token_level_rewards(token_level_rewards, spans)
     return total if count else None
+
+
+_ONE = torch.tensor(1, dtype=torch.int8)  # a 0-d CPU tensor combines with tensors on any device
+
+
+def _mask_residual(mask: torch.Tensor, is_assistant: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """0 everywhere iff ``mask`` equals ``is_assistant`` (0/1 int8), or, without it, iff ``mask`` is 0/1."""
+    if is_assistant is None:
+        return torch.addcmul(mask, mask, mask, value=-1, out=out)
+    return torch.sub(mask, is_assistant, out=out)
 
 
 def _to_host(scalars: list[torch.Tensor]) -> list[float]:
