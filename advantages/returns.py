@@ -26,7 +26,7 @@ import functools
 import torch
 
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
-from masking.spans import SPAN_DTYPE, SpanKind, spans_from_response_mask
+from masking.spans import SPAN_DTYPE, spans_from_response_mask
 from masking.validate import check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -5,6 +5,7 @@ from masking.rewards import last_assistant_index, last_assistant_index_per_turn,
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans, spans_from_response_mask
 from masking.validate import (
     check_same_shape,
+    validate_batch,
     validate_response_mask,
     validate_spans,
     validate_token_level_rewards,
@@ -21,6 +22,7 @@ __all__ = [
     "response_mask_from_spans",
     "spans_from_response_mask",
     "uncollate",
+    "validate_batch",
     "validate_response_mask",
     "validate_spans",
     "validate_token_level_rewards",

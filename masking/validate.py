@@ -105,6 +105,9 @@ def validate_mask_matches_spans(response_mask: torch.Tensor, spans: torch.Tensor
         )
 
 
+CPU_BLOCK_ELEMENTS = 2**19  # rows checked together on CPU (as the scans' blocks): temporaries stay in the cache
+
+
 def validate_batch(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -135,21 +138,48 @@ def validate_batch(
         validate_spans_dtype(spans)
     if token_level_rewards.numel() == 0:
         return 0 if count else None
-    mask = response_mask
-    at_most, limits = [], []  # 0-d tensors that are <= their limit on good input
-    zero = []  # 0-d tensors that are == 0 on good input (NaN is not)
+    b, t = token_level_rewards.shape
+    rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
+    checks = [  # per block of rows: (0-d tensor, limit): each value must be <= limit, or == 0 for None
+        check
+        for start in range(0, b, rows)
+        for check in _residual_checks(
+            token_level_rewards[start : start + rows],
+            response_mask[start : start + rows],
+            None if spans is None else spans[start : start + rows],
+        )
+    ]
+    if count:  # exact for 0/1 values
+        exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
+        mask_r = response_mask.to(token_level_rewards.dtype)
+        checks.append((mask_r.sum(dtype=None if exact else torch.float64), float("inf")))
+    values = _to_host([value for value, _ in checks])
+    total = int(values[-1]) if count else None
+    bad = any(value != 0 if limit is None else value > limit for value, (_, limit) in zip(values, checks))
+    if bad:
+        validate_response_mask(response_mask)
+        if spans is None:
+            spans = spans_from_response_mask(response_mask)
+        else:
+            validate_spans(spans)
+            validate_mask_matches_spans(response_mask, spans)
+        validate_token_level_rewards(token_level_rewards, spans)
+    return total
+
+
+def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tensor, float | None]]:
+    """The reductions of :func:`validate_batch`'s residuals over one block of rows, as (0-d tensor,
+    limit) pairs: the value must be <= limit, or == 0 where the limit is None (NaN is neither)."""
+    checks = []
     if spans is not None:
         if spans.dtype in (torch.int8, torch.uint8):
-            at_most.append(spans.view(torch.uint8).max())
-            limits.append(2)
+            checks.append((spans.view(torch.uint8).max(), 2))
         else:
             low, high = spans.aminmax()
-            at_most += [-low, high]
-            limits += [0, 2]
+            checks += [(-low, 0), (high, 2)]
         spans8 = spans.to(torch.int8)
         if spans.shape[-1] > 1:
-            at_most.append(torch.diff(spans8.clamp(max=1)).max())
-            limits.append(0)
+            checks.append((torch.diff(spans8.clamp(max=1)).max(), 0))
         is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
         numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
     else:
@@ -160,26 +190,11 @@ def validate_batch(
         residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
         _mask_residual(numeric, is_assistant, residuals[0])
         torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residuals[1])
-        zero += residuals.aminmax()
+        extrema = list(residuals.aminmax())
     else:
-        if numeric is not None:
-            zero += _mask_residual(numeric, is_assistant).aminmax()
-        zero += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
-    if count:  # exact for 0/1 values
-        exact = mask_r.dtype == torch.float32 and mask_r.numel() <= 2**24
-        zero.append(mask_r.sum(dtype=None if exact else torch.float64))
-    values = _to_host(at_most + zero)
-    if count:
-        values, total = values[:-1], int(values[-1])
-    if any(value > limit for value, limit in zip(values, limits)) or any(value != 0 for value in values[len(limits) :]):
-        validate_response_mask(response_mask)
-        if spans is None:
-            spans = spans_from_response_mask(response_mask)
-        else:
-            validate_spans(spans)
-            validate_mask_matches_spans(response_mask, spans)
-        validate_token_level_rewards(token_level_rewards, spans)
-    return total if count else None
+        extrema = [] if numeric is None else list(_mask_residual(numeric, is_assistant).aminmax())
+        extrema += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
+    return checks + [(value, None) for value in extrema]
 
 
 _ONE = torch.tensor(1, dtype=torch.int8)  # a 0-d CPU tensor combines with tensors on any device

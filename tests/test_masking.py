@@ -279,8 +279,13 @@ def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dt
         (torch.int32, torch.float32, torch.float16),
     ],
 )
-def test_fused_validation_raises_exactly_what_the_single_checks_raise(with_spans, spans_dtype, mask_dtype, rewards_dtype):
-    rng = random.Random(f"{with_spans}{spans_dtype}{mask_dtype}{rewards_dtype}")
+@pytest.mark.parametrize("block", [None, 9])
+def test_fused_validation_raises_exactly_what_the_single_checks_raise(
+    with_spans, spans_dtype, mask_dtype, rewards_dtype, block, monkeypatch
+):
+    if block:  # blocks of one row (or two short ones) on CPU
+        monkeypatch.setattr("masking.validate.CPU_BLOCK_ELEMENTS", block)
+    rng = random.Random(f"{with_spans}{spans_dtype}{mask_dtype}{rewards_dtype}{block}")
     raised = set()
     for case in range(400):
         faults = rng.sample(FAULTS, rng.choice((1, 1, 2)))
