@@ -175,6 +175,27 @@ if triton is not None:
         )
 
     @triton.jit
+    def _gae_maps(rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr):
+        """The maps ``(p, q, s, u, w)`` of :func:`_gae_combine` of the tokens at ``offs`` of a row (PAD
+        past its end), and their values, ASSISTANT flags and in-row flags.
+
+        ASSISTANT: ``next_value' = v``, ``gae' = (r - v) + gamma*next_value + gamma*lam*gae``;
+        OBSERVATION: the identity map; PAD: the zero map (both reset).
+        """
+        in_row = offs < t
+        span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
+        reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+        value = tl.load(values_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+        assistant = span == ASSISTANT
+        carried = tl.where(span == OBSERVATION, 1.0, 0.0)
+        p = carried
+        q = tl.where(assistant, gamma, 0.0)
+        s = tl.where(assistant, gamma * lam, carried)
+        u = tl.where(assistant, value, 0.0)
+        w = tl.where(assistant, reward - value, 0.0)
+        return p, q, s, u, w, value, assistant, in_row
+
+    @triton.jit
     def _gae_kernel(
         rewards_ptr, values_ptr, spans_ptr, adv_ptr, ret_ptr, moments_ptr, t, gamma, lam,
         BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
@@ -191,19 +212,9 @@ if triton is not None:
         m2 = 0.0
         for i in tl.range(n_chunks, num_stages=NUM_STAGES):
             offs = (n_chunks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-            in_row = offs < t
-            span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
-            reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
-            value = tl.load(values_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
-            assistant = span == ASSISTANT
-            carried = tl.where(span == OBSERVATION, 1.0, 0.0)
-            # ASSISTANT: next_value' = v, gae' = (r - v) + gamma*next_value + gamma*lam*gae;
-            # OBSERVATION: the identity map; PAD: the zero map (both reset).
-            p = carried
-            q = tl.where(assistant, gamma, 0.0)
-            s = tl.where(assistant, gamma * lam, carried)
-            u = tl.where(assistant, value, 0.0)
-            w = tl.where(assistant, reward - value, 0.0)
+            p, q, s, u, w, value, assistant, in_row = _gae_maps(
+                rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT, OBSERVATION
+            )
             p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
             next_value = p * next_value_carry + u
             gae = q * next_value_carry + s * gae_carry + w
@@ -219,6 +230,60 @@ if triton is not None:
             tl.store(moments_ptr + pid * 3, count)
             tl.store(moments_ptr + pid * 3 + 1, mean)
             tl.store(moments_ptr + pid * 3 + 2, m2)
+
+    @triton.jit
+    def _gae_chunk_maps_kernel(
+        rewards_ptr, values_ptr, spans_ptr, maps_ptr, t, gamma, lam,
+        BLOCK: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+    ):
+        """Split rows, pass 1: program ``(row, chunk)`` composes its chunk's GAE maps into one ``(p, q, s, u, w)``."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        p, q, s, u, w, _, _, _ = _gae_maps(rewards_ptr, values_ptr, spans_ptr, row_id * t, offs, t, gamma, lam, ASSISTANT, OBSERVATION)
+        p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
+        first = tl.arange(0, BLOCK) == 0
+        slot = maps_ptr + (row_id * tl.num_programs(1) + chunk) * 5
+        tl.store(slot, tl.sum(tl.where(first, p, 0.0), 0))
+        tl.store(slot + 1, tl.sum(tl.where(first, q, 0.0), 0))
+        tl.store(slot + 2, tl.sum(tl.where(first, s, 0.0), 0))
+        tl.store(slot + 3, tl.sum(tl.where(first, u, 0.0), 0))
+        tl.store(slot + 4, tl.sum(tl.where(first, w, 0.0), 0))
+
+    @triton.jit
+    def _gae_split_kernel(
+        rewards_ptr, values_ptr, spans_ptr, maps_ptr, adv_ptr, ret_ptr, moments_ptr, t, gamma, lam,
+        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+        MOMENTS: tl.constexpr,
+    ):
+        """Split rows, pass 2 (GAE): compose the maps of the chunks to the right into the carried
+        ``(next_value, gae)`` (the maps applied to ``(0, 0)``), then scan this chunk. With
+        ``MOMENTS`` write this chunk's count, mean and M2 of the ASSISTANT advantages."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n_chunks = tl.num_programs(1)
+        j = tl.arange(0, CHUNKS)
+        right = (j > chunk) & (j < n_chunks)
+        maps = maps_ptr + (row_id * n_chunks + j) * 5
+        p_right = tl.load(maps, mask=right, other=1.0)  # the identity map elsewhere
+        q_right = tl.load(maps + 1, mask=right, other=0.0)
+        s_right = tl.load(maps + 2, mask=right, other=1.0)
+        u_right = tl.load(maps + 3, mask=right, other=0.0)
+        w_right = tl.load(maps + 4, mask=right, other=0.0)
+        _, _, _, u_scan, w_scan = tl.associative_scan((p_right, q_right, s_right, u_right, w_right), 0, _gae_combine, reverse=True)
+        next_value_carry = tl.sum(tl.where(j == 0, u_scan, 0.0), 0)
+        gae_carry = tl.sum(tl.where(j == 0, w_scan, 0.0), 0)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        row = row_id * t
+        p, q, s, u, w, value, assistant, in_row = _gae_maps(rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT, OBSERVATION)
+        p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
+        gae = q * next_value_carry + s * gae_carry + w
+        tl.store(adv_ptr + row + offs, tl.where(assistant, gae, 0.0).to(adv_ptr.dtype.element_ty), mask=in_row)
+        tl.store(ret_ptr + row + offs, tl.where(assistant, gae + value, 0.0).to(ret_ptr.dtype.element_ty), mask=in_row)
+        if MOMENTS:
+            count, mean, m2 = _merge_chunk_moments(0.0, 0.0, 0.0, gae, assistant)
+            slot = moments_ptr + (row_id * n_chunks + chunk) * 3
+            tl.store(slot, count)
+            tl.store(slot + 1, mean)
+            tl.store(slot + 2, m2)
 
 
 def launch_config(
@@ -373,6 +438,7 @@ def triton_gae(
     block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Carry-through GAE (verl PR #2337), one fused pass; advantages are not whitened.
 
@@ -382,9 +448,10 @@ def triton_gae(
     ``gae = delta + gamma * lam * gae``, ``next_value = v_t``; OBSERVATION carries both; PAD
     resets both to 0. Advantages are ``gae`` and returns ``gae + v_t`` on ASSISTANT tokens, the
     same values as verl's loop there; every other position gets exactly 0 (verl leaves the carried
-    values there, which its loss masks out).
+    values there, which its loss masks out). ``split``: rows as chunks on separate programs, as in
+    :func:`triton_discounted_returns` (the carried state is the pair ``(next_value, gae)``).
     """
-    return _launch_gae(rewards, values, spans, gamma, lam, False, block, num_warps, num_stages)[:2]
+    return _launch_gae(rewards, values, spans, gamma, lam, False, block, num_warps, num_stages, split)[:2]
 
 
 def triton_gae_with_moments(
@@ -397,25 +464,42 @@ def triton_gae_with_moments(
     block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`triton_gae` plus, in the same pass, each row's ``(count, mean, M2)`` ``(b, 3)`` float32
     of the float32 advantages on ASSISTANT tokens (for ``gae(whiten=True)``; see :func:`merge_moments`)."""
-    return _launch_gae(rewards, values, spans, gamma, lam, True, block, num_warps, num_stages)
+    return _launch_gae(rewards, values, spans, gamma, lam, True, block, num_warps, num_stages, split)
 
 
-def _launch_gae(rewards, values, spans, gamma, lam, moments, block, num_warps, num_stages):
+def _launch_gae(rewards, values, spans, gamma, lam, moments, block, num_warps, num_stages, split=None):
     _check_inputs(spans, rewards=rewards, values=values)
     b, t = spans.shape
-    block, num_warps, num_stages = launch_config(t, block, num_warps, num_stages, max_block=MAX_BLOCK_GAE)
+    if split is None:
+        split = use_split(b, t, block or SPLIT_BLOCK, spans.device)
+    block, num_warps, num_stages = launch_config(
+        t, block or (SPLIT_BLOCK if split else None), num_warps, num_stages, max_block=MAX_BLOCK_GAE
+    )
     rewards, values, spans = rewards.contiguous(), values.contiguous(), spans.contiguous()
     advantages = torch.empty_like(rewards)
     returns = torch.empty_like(rewards)
-    row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+    kinds = dict(ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION))
+    scalars = (t, float(gamma), float(lam))
+    if not split:
+        row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+        if b and t:
+            _gae_kernel[(b,)](
+                rewards, values, spans, advantages, returns, row_moments, *scalars,
+                BLOCK=block, NUM_STAGES=num_stages, MOMENTS=moments, num_warps=num_warps, **kinds,
+            )
+        return advantages, returns, row_moments
+    n_chunks = triton.cdiv(t, block)
+    maps = torch.empty(b, n_chunks, 5, dtype=torch.float32, device=rewards.device)
+    chunk_moments = torch.empty(b, n_chunks, 3, dtype=torch.float32, device=rewards.device)
     if b and t:
-        _gae_kernel[(b,)](
-            rewards, values, spans, advantages, returns, row_moments, t, float(gamma), float(lam),
-            BLOCK=block, NUM_STAGES=num_stages,
-            ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION), MOMENTS=moments,
-            num_warps=num_warps,
+        grid = (b, n_chunks)
+        _gae_chunk_maps_kernel[grid](rewards, values, spans, maps, *scalars, BLOCK=block, num_warps=num_warps, **kinds)
+        _gae_split_kernel[grid](
+            rewards, values, spans, maps, advantages, returns, chunk_moments, *scalars,
+            BLOCK=block, CHUNKS=max(2, triton.next_power_of_2(n_chunks)), MOMENTS=moments, num_warps=num_warps, **kinds,
         )
-    return advantages, returns, row_moments
+    return advantages, returns, merge_row_moments(chunk_moments) if moments else chunk_moments

@@ -89,8 +89,13 @@ def run_kernels(path):
         results[f"split-{name}"] = triton_kernels.triton_discounted_returns_with_moments(**tensors, gamma=0.99, block=BLOCK, split=True)
         gae_tensors = dict(tensors, values=tensors["rewards"].flip(-1))
         results[f"gae-{name}"] = triton_kernels.triton_gae_with_moments(**gae_tensors, gamma=0.99, lam=0.95, block=BLOCK)
+        results[f"split-gae-{name}"] = triton_kernels.triton_gae_with_moments(**gae_tensors, gamma=0.99, lam=0.95, block=BLOCK, split=True)
     for name, kernel, tensors, scalars in split_cases():
-        results[name] = dict(kernel=kernel, tensors=tensors, scalars=scalars, out=(triton_kernels.triton_discounted_returns(**tensors, **scalars, block=BLOCK, split=True),))
+        if kernel == "returns":
+            out = (triton_kernels.triton_discounted_returns(**tensors, **scalars, block=BLOCK, split=True),)
+        else:
+            out = triton_kernels.triton_gae(**tensors, **scalars, block=BLOCK, split=True)
+        results[name] = dict(kernel=kernel, tensors=tensors, scalars=scalars, out=out)
     # chosen automatically: one row of 4 * SPLIT_BLOCK tokens (fewer rows than SMs)
     spans = agent_spans(4 * triton_kernels.SPLIT_BLOCK, torch.Generator().manual_seed(5))[:1]
     rewards = torch.randn(spans.shape, generator=torch.Generator().manual_seed(6))
@@ -144,11 +149,18 @@ def split_cases():
     for t in (BLOCK - 3, 2 * BLOCK, 19 * BLOCK - 5):
         spans = agent_spans(t, generator)
         rewards = torch.randn(spans.shape, generator=generator)
+        values = torch.randn(spans.shape, generator=generator)
         for gamma in GAMMAS:
             yield f"split-t{t}-float32-g{gamma}", "returns", dict(rewards=rewards, spans=spans), dict(gamma=gamma)
+            gae_inputs = dict(rewards=rewards, values=values, spans=spans)
+            yield f"split-gae-t{t}-float32-g{gamma}", "gae", gae_inputs, dict(gamma=gamma, lam=0.95)
         yield f"split-t{t}-bfloat16-g0.99", "returns", dict(rewards=rewards.bfloat16(), spans=spans), dict(gamma=0.99)
+        half = dict(rewards=rewards.bfloat16(), values=values.bfloat16(), spans=spans)
+        yield f"split-gae-t{t}-bfloat16-l0", "gae", half, dict(gamma=0.99, lam=0.0)
     iid = torch.randint(0, 3, (3, 5 * BLOCK + 1), generator=generator, dtype=torch.int8)
-    yield "split-iid-spans", "returns", dict(rewards=torch.randn(iid.shape, generator=generator), spans=iid), dict(gamma=0.9)
+    iid_rewards, iid_values = torch.randn(iid.shape, generator=generator), torch.randn(iid.shape, generator=generator)
+    yield "split-iid-spans", "returns", dict(rewards=iid_rewards, spans=iid), dict(gamma=0.9)
+    yield "split-gae-iid-spans", "gae", dict(rewards=iid_rewards, values=iid_values, spans=iid), dict(gamma=0.9, lam=0.8)
 
 
 def moment_cases():
@@ -194,14 +206,14 @@ def test_kernel_matches_serial_reference(interpreted, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["", "split-", "gae-"])
+@pytest.mark.parametrize("kind", ["", "split-", "gae-", "split-gae-"])
 @pytest.mark.parametrize("name", [name for name, _ in moment_cases()])
 def test_fused_moments_match_the_returns(interpreted, name, kind):
     """Per-row count/mean/M2 of the ASSISTANT returns (GAE: advantages), and their merge into the
     batch's Bessel variance; rows split across programs merge their chunks' moments."""
     tensors = dict(moment_cases())[name]
     spans = tensors["spans"]
-    if kind == "gae-":
+    if kind.endswith("gae-"):
         returns, gae_returns, moments = interpreted[kind + name]
         expected, expected_gae_returns = gae_ref(tensors["rewards"], tensors["rewards"].flip(-1), spans, 0.99, 0.95)
         torch.testing.assert_close(gae_returns.double(), expected_gae_returns, **TOLERANCE[name.rsplit("-", 1)[1]])
@@ -335,7 +347,7 @@ def test_kernels_compile_for_hopper(kernel, dtype):
 
 @pytest.mark.parametrize("moments", [False, True])
 def test_split_kernels_compile_for_hopper(moments):
-    """The two passes of a split row compile to sm_90 code with 16-byte vector stores of the returns."""
+    """The two passes of a split row (returns and GAE) compile to sm_90 code with 16-byte vector stores."""
     pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -351,13 +363,22 @@ def test_split_kernels_compile_for_hopper(moments):
             {"BLOCK": 2048, "CHUNKS": 128, "MOMENTS": moments} | kinds,
         ),
     ]
+    passes += [
+        (triton_kernels._gae_chunk_maps_kernel, ("rewards_ptr", "values_ptr", "spans_ptr", "maps_ptr"), {"BLOCK": 2048} | kinds),
+        (
+            triton_kernels._gae_split_kernel,
+            ("rewards_ptr", "values_ptr", "spans_ptr", "maps_ptr", "adv_ptr", "ret_ptr", "moments_ptr"),
+            {"BLOCK": 2048, "CHUNKS": 128, "MOMENTS": moments} | kinds,
+        ),
+    ]
     for kernel, pointer_names, constexprs in passes:
         pointers = {arg: {"spans_ptr": "*i8", "rewards_ptr": "*fp32", "out_ptr": "*fp32"}.get(arg, "*fp32") for arg in pointer_names}
-        signature = pointers | {"t": "i32", "gamma": "fp32"} | {arg: "constexpr" for arg in constexprs}
+        scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if "values_ptr" in pointer_names else {})
+        signature = pointers | scalars | {arg: "constexpr" for arg in constexprs}
         aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 1)}
         source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        if "out_ptr" in pointer_names:
+        if "out_ptr" in pointer_names or "adv_ptr" in pointer_names:
             assert "st.global.v4.b32" in ptx
 
 
