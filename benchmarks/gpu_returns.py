@@ -21,10 +21,10 @@
    (bytes read + written) / (bandwidth of a large device-to-device copy measured in the same run).
    ``returns+moments`` is what REINFORCE++ whitening needs before its last elementwise pass: the
    returns plus their mean and variance over ASSISTANT tokens (torch: returns, masked mean, var).
-   ``returns (1 program/row)`` times the returns kernel with the row split turned off (long rows).
+   "triton, 1 program/row" times the returns and GAE kernels with the row split turned off.
 3. ``--sweep``: launch configs (block, warps, stages) of the returns, GAE and fused-moments kernels
-   at (256, 16384), and of the split returns kernel (block, warps; split on/off) at (1, 262144)
-   and (16, 65536).
+   at (256, 16384), and of the returns and GAE kernels on long rows (block, warps; split across
+   programs or one program per row) at (1, 262144) and (16, 65536).
 """
 
 import argparse
@@ -190,6 +190,7 @@ def implementations(kernels, config):
         },
         "triton, 1 program/row": {
             "returns": lambda r, v, s, gamma, lam: (kernels.triton_discounted_returns(r, s, gamma, split=False, **config),),
+            "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, split=False, **config),
         },
     }
 
@@ -321,20 +322,23 @@ def sweep(kernels, shape, dtypes, device, generator, timer, bandwidth, blocks_an
 
 
 def split_sweep(kernels, shapes, dtypes, device, generator, timer, bandwidth, blocks_and_warps):
-    """Rows like :func:`sweep` for the returns kernel on long rows: split across programs (chunks of
-    ``block``) or one program per row, fp32 and the first dtype only."""
+    """Rows like :func:`sweep` for the returns and GAE kernels on long rows: split across programs
+    (chunks of ``block``) or one program per row, the first dtype only."""
     rows = []
     for shape in shapes:
         dtype = dtypes[0]
         r, v, s = make_batch(*shape, dtype, device, generator)
-        for split in (True, False):
-            for block, warps in blocks_and_warps:
-                fn = lambda block=block, warps=warps, split=split: kernels.triton_discounted_returns(  # noqa: E731
-                    r, s, GAMMA, block=block, num_warps=warps, num_stages=1, split=split
-                )
-                seconds = timer(fn)
-                kind = "returns, split" if split else "returns, 1 program/row"
-                rows.append((kind, shape, dtype, (block, warps, 1), seconds, bytes_moved("returns", *shape, dtype) / bandwidth / seconds))
+        for kind in ("returns", "gae"):
+            for split in (True, False):
+                for block, warps in blocks_and_warps:
+                    config = dict(block=block, num_warps=warps, num_stages=1, split=split)
+                    if kind == "returns":
+                        fn = lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, **config)  # noqa: E731
+                    else:
+                        fn = lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+                    seconds = timer(fn)
+                    name = f"{kind}, split" if split else f"{kind}, 1 program/row"
+                    rows.append((name, shape, dtype, (block, warps, 1), seconds, bytes_moved(kind, *shape, dtype) / bandwidth / seconds))
     return rows
 
 
