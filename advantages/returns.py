@@ -130,10 +130,11 @@ def whitened_discounted_returns(
     token of the batch (arXiv:2501.03262; verl's ``masked_whiten`` of the returns, eps ``1e-8``).
 
     ``(b, t)`` inputs as in :func:`discounted_returns`; returns ``(advantages, returns)``, ``(b, t)``
-    in the rewards' dtype, exactly 0 off ASSISTANT tokens. The moments take no extra pass over the
-    batch on CUDA (the Triton kernel reduces them per row while it scans) and two on CPU (a sum,
-    then the centred values' squares), then one elementwise pass; no host sync without
-    ``validate``. ``validate`` also requires at least 2 ASSISTANT tokens (in the same sync); without
+    in the rewards' dtype, exactly 0 off ASSISTANT tokens. On CUDA the Triton kernel reduces the
+    moments per row while it scans, and one elementwise pass whitens; on CPU the returns are
+    summed, centred (one pass, which becomes the advantages), their squares summed by a batched
+    dot, and the centred values scaled in place (:func:`whiten_zero_off_mask`). No host sync
+    without ``validate``. ``validate`` also requires at least 2 ASSISTANT tokens (in the same sync); without
     it such a batch gives NaN advantages, as verl's whitening does.
     """
     check_discount("gamma", gamma)
