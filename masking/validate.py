@@ -131,8 +131,9 @@ def validate_batch(
     * ``rewards - rewards * mask`` is 0 iff every reward is finite (``inf - inf`` and NaN are NaN)
       and 0 off the mask.
 
-    Only a nonzero residual runs the single checks, which raise with their messages. Costs about a
-    quarter of the returns scan on CPU (BENCHMARKS.md).
+    Only a nonzero residual runs the single checks, which raise with their messages. On CPU, rows
+    are checked in blocks of :data:`CPU_BLOCK_ELEMENTS` (the temporaries stay in the cache); the
+    whole costs 0.2-0.6x of a returns scan (BENCHMARKS.md, issue 20).
     """
     if spans is not None:
         validate_spans_dtype(spans)
@@ -140,7 +141,7 @@ def validate_batch(
         return 0 if count else None
     b, t = token_level_rewards.shape
     rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
-    checks = [  # per block of rows: (0-d tensor, limit): each value must be <= limit, or == 0 for None
+    checks = [  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
         check
         for start in range(0, b, rows)
         for check in _residual_checks(
@@ -152,10 +153,10 @@ def validate_batch(
     if count:  # exact for 0/1 values
         exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
         mask_r = response_mask.to(token_level_rewards.dtype)
-        checks.append((mask_r.sum(dtype=None if exact else torch.float64), float("inf")))
-    values = _to_host([value for value, _ in checks])
+        checks.append((mask_r.sum(dtype=None if exact else torch.float64), 0, float("inf")))
+    values = _to_host([value for value, _, _ in checks])
     total = int(values[-1]) if count else None
-    bad = any(value != 0 if limit is None else value > limit for value, (_, limit) in zip(values, checks))
+    bad = not all(low <= value <= high for value, (_, low, high) in zip(values, checks))  # NaN is never within
     if bad:
         validate_response_mask(response_mask)
         if spans is None:
@@ -167,19 +168,18 @@ def validate_batch(
     return total
 
 
-def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tensor, float | None]]:
-    """The reductions of :func:`validate_batch`'s residuals over one block of rows, as (0-d tensor,
-    limit) pairs: the value must be <= limit, or == 0 where the limit is None (NaN is neither)."""
+def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tensor, float, float]]:
+    """The reductions of :func:`validate_batch`'s residuals over one block of rows, as
+    ``(0-d tensor, low, high)``: on good input ``low <= value <= high``."""
     checks = []
     if spans is not None:
         if spans.dtype in (torch.int8, torch.uint8):
-            checks.append((spans.view(torch.uint8).max(), 2))
+            checks.append((spans.view(torch.uint8).max(), 0, 2))
         else:
-            low, high = spans.aminmax()
-            checks += [(-low, 0), (high, 2)]
+            checks += [(extreme, 0, 2) for extreme in spans.aminmax()]
         spans8 = spans.to(torch.int8)
         if spans.shape[-1] > 1:
-            checks.append((torch.diff(spans8.clamp(max=1)).max(), 0))
+            checks.append((torch.diff(spans8.clamp(max=1)).max(), -1, 0))
         is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
         numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
     else:
@@ -194,7 +194,7 @@ def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tenso
     else:
         extrema = [] if numeric is None else list(_mask_residual(numeric, is_assistant).aminmax())
         extrema += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
-    return checks + [(value, None) for value in extrema]
+    return checks + [(value, 0, 0) for value in extrema]
 
 
 _ONE = torch.tensor(1, dtype=torch.int8)  # a 0-d CPU tensor combines with tensors on any device

@@ -251,7 +251,7 @@ def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dt
         elif fault == "span_negative":
             spans[row, pos] = -1
         elif fault == "span_big" and spans_dtype == torch.int64:
-            spans[row, pos] = 257  # 1 modulo 256: an int8 cast would hide it
+            spans[row, pos] = rng.choice((257, -(2**63)))  # 1 modulo 256, or a minimum that a negation would keep
         elif fault == "pad_inside":
             spans[row, pos] = P
         elif fault == "reward_nan":
