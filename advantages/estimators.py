@@ -32,7 +32,7 @@ def reinforce_plus_plus(
     keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten.
     """
     if whiten:
-        return whitened_discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
+        return whitened_discounted_returns(token_level_rewards, response_mask, gamma, spans=spans, validate=validate)
     returns = discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
     return returns, returns
 

@@ -123,6 +123,7 @@ def whitened_discounted_returns(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
+    *,
     spans: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
