@@ -20,6 +20,7 @@ from advantages.returns import (
     gae,
     returns_ignore_mask,
     returns_reset_at_observation,
+    whitened_discounted_returns,
 )
 from advantages.stats import masked_whiten
 
@@ -42,8 +43,10 @@ def reinforce_plus_plus(
     advantages are the returns whitened over every ASSISTANT token of the batch (``whiten=False``
     keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten.
     """
+    if whiten:
+        return whitened_discounted_returns(token_level_rewards, response_mask, gamma, spans=spans, validate=validate)
     returns = discounted_returns(token_level_rewards, response_mask, gamma, spans, validate)
-    return _whitened(returns, response_mask, whiten, validate)
+    return returns, returns
 
 
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION)

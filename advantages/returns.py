@@ -26,11 +26,11 @@ import functools
 import torch
 
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
-from advantages.stats import masked_whiten
-from masking.spans import SPAN_DTYPE, SpanKind, spans_from_response_mask
-from masking.validate import check_same_shape, validate_response_mask, validate_spans, validate_token_level_rewards
+from masking.spans import SPAN_DTYPE, spans_from_response_mask
+from masking.validate import check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon
 GAE_ONE_SCAN_MIN_LAM = 0.5  # GAE in one scan from here: its rounding error grows like 1 / lam (_gae_scan)
 
 
@@ -45,31 +45,24 @@ def check_batch(
     response_mask: torch.Tensor,
     spans: torch.Tensor | None,
     validate: bool,
-) -> None:
+    count: bool = False,
+) -> int | None:
     """Check a batch before a scan; shapes always (free), values only with ``validate``.
 
-    ``validate`` (one host sync per check) raises ValueError naming row and position for unknown
-    span values, PAD before a non-PAD token, a mask that is not 0/1 or disagrees with the spans,
-    NaN/inf rewards, and a nonzero reward on a non-ASSISTANT token (it would be lost).
+    ``validate`` (:func:`~masking.validate.validate_batch`: one fused pass, one host sync) raises
+    ValueError naming row and position for unknown span values, PAD before a non-PAD token, a mask
+    that is not 0/1 or disagrees with the spans, NaN/inf rewards, and a nonzero reward on a
+    non-ASSISTANT token (it would be lost). With ``count`` (and ``validate``) returns the number
+    of ASSISTANT tokens, read in the same sync; else None.
     """
     check_same_shape("response_mask", response_mask, "token_level_rewards", token_level_rewards)
     if spans is not None:
         check_same_shape("spans", spans, "token_level_rewards", token_level_rewards)
     if not validate:
-        return
-    validate_response_mask(response_mask)
-    if spans is None:
-        spans = spans_from_response_mask(response_mask)
-    else:
-        validate_spans(spans)
-        disagree = response_mask.bool() != (spans == SpanKind.ASSISTANT)
-        if bool(disagree.any()):
-            row, pos = torch.nonzero(disagree)[0].tolist()
-            raise ValueError(
-                f"response_mask is {float(response_mask[row, pos])} at row {row}, position {pos} but the span there "
-                f"is {SpanKind(int(spans[row, pos])).name}; the mask must equal (spans == ASSISTANT)"
-            )
-    validate_token_level_rewards(token_level_rewards, spans)
+        return None
+    if not token_level_rewards.dtype.is_floating_point:
+        raise ValueError(f"rewards must be floating point, got {token_level_rewards.dtype}")
+    return validate_batch(token_level_rewards, response_mask, spans, count=count)
 
 
 def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -124,6 +117,79 @@ def discounted_returns(
         return kernels.triton_discounted_returns(rewards, _spans(response_mask, spans), gamma)
     steps = assistant_steps(response_mask, rewards)
     return by_row_blocks(functools.partial(_returns_scan, gamma=gamma), rewards, steps)
+
+
+def whitened_discounted_returns(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    *,
+    spans: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantages and returns: :func:`discounted_returns`, whitened over every ASSISTANT
+    token of the batch (arXiv:2501.03262; verl's ``masked_whiten`` of the returns, eps ``1e-8``).
+
+    ``(b, t)`` inputs as in :func:`discounted_returns`; returns ``(advantages, returns)``, ``(b, t)``
+    in the rewards' dtype, exactly 0 off ASSISTANT tokens. On CUDA the Triton kernel reduces the
+    moments per row while it scans, and one elementwise pass whitens; on CPU the returns are
+    summed, centred (one pass, which becomes the advantages), their squares summed by a batched
+    dot, and the centred values scaled in place (:func:`whiten_zero_off_mask`). No host sync
+    without ``validate``. ``validate`` also requires at least 2 ASSISTANT tokens (in the same sync); without
+    it such a batch gives NaN advantages, as verl's whitening does.
+    """
+    check_discount("gamma", gamma)
+    count = check_batch(token_level_rewards, response_mask, spans, validate, count=True)
+    if validate:
+        check_whitenable(count)
+    steps = assistant_steps(response_mask, token_level_rewards)
+    kernels = _triton(token_level_rewards)
+    if kernels is not None:
+        spans8 = _spans(response_mask, spans)
+        returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
+        _, mean, var = kernels.merge_moments(row_moments)
+        return whiten_with_moments(returns, steps, mean, var), returns
+    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma), token_level_rewards, steps)
+    return whiten_zero_off_mask(returns, steps, count), returns
+
+
+def check_whitenable(count: int, needed: int = 2) -> None:
+    """Raise ValueError unless ``count`` ASSISTANT tokens suffice for a Bessel-corrected variance
+    (the message of :func:`advantages.stats.check_enough_tokens`, from a count already on the host)."""
+    if count < needed:
+        raise ValueError(
+            f"need at least {needed} unmasked tokens for a Bessel-corrected variance, got {count} "
+            "(a batch without enough ASSISTANT tokens cannot be whitened)"
+        )
+
+
+def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` over the steps, exactly 0 elsewhere; ``(b, t)``.
+
+    ``values`` must be exactly 0 off the steps (the scans' outputs are), so the masked sum is a plain
+    sum. Two passes for the moments, in the scan dtype (float32 for half precisions): the sum
+    (a cascade sum, so the mean is accurate) and the squares of the centred values summed per row
+    by a batched dot product, rows added in float64 (Bessel-corrected). Then one in-place pass
+    scales the centred values. ``count`` (the number of steps, when known on the host) saves a
+    reduction. No host sync.
+    """
+    work = values.to(steps.dtype)
+    n = steps.sum() if count is None else count
+    mean = work.sum() / n
+    centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
+    flat = centred.view(-1, 1, centred.shape[-1]) if centred.numel() else centred.view(-1, 1, 0)
+    m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
+    scale = torch.rsqrt(m2 / (n - 1) + WHITEN_EPS).to(centred.dtype)
+    return centred.mul_(scale).to(values.dtype)
+
+
+def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``(values - mean) * rsqrt(var + 1e-8)`` on the steps, 0 elsewhere, given the moments as
+    0-d tensors (from the Triton kernels' per-row moments): one elementwise pass, no host sync.
+    ``values`` ``(b, t)``, exactly 0 off the steps; the result has its dtype."""
+    work = values.to(steps.dtype)
+    scale = torch.rsqrt(var + WHITEN_EPS).to(steps.dtype)
+    return torch.addcmul(work, steps, mean.to(steps.dtype), value=-1).mul_(scale).to(values.dtype)
 
 
 def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -189,22 +255,30 @@ def gae(
     Returns ``(advantages, returns)`` ``(b, t)`` in the rewards' dtype, ``returns = A + V`` on
     ASSISTANT tokens and exactly 0 elsewhere (verl leaves carried values there; its loss masks them).
     With ``whiten`` (verl's default) the advantages are whitened over the batch's ASSISTANT tokens
-    after ``returns`` is formed. Validation as in :func:`discounted_returns`.
+    after ``returns`` is formed, as in :func:`whitened_discounted_returns` (on CUDA the kernel
+    reduces their moments in the same pass; ``validate`` then also requires 2 ASSISTANT tokens).
+    Validation as in :func:`discounted_returns`.
     """
     check_discount("gamma", gamma)
     check_discount("lam", lam)
     check_same_shape("values", values, "token_level_rewards", token_level_rewards)
-    check_batch(token_level_rewards, response_mask, spans, validate)
+    count = check_batch(token_level_rewards, response_mask, spans, validate, count=whiten)
+    if whiten and validate:
+        check_whitenable(count)
     steps = assistant_steps(response_mask, token_level_rewards)
     kernels = _triton(token_level_rewards)
     if kernels is not None:
         values = values.to(token_level_rewards.dtype)
-        advantages, returns = kernels.triton_gae(token_level_rewards, values, _spans(response_mask, spans), gamma, lam)
-    else:
-        scan = functools.partial(_gae_scan, gamma=gamma, lam=lam)
-        advantages, returns = by_row_blocks(scan, token_level_rewards, values, steps)
+        spans8 = _spans(response_mask, spans)
+        if not whiten:
+            return kernels.triton_gae(token_level_rewards, values, spans8, gamma, lam)
+        advantages, returns, row_moments = kernels.triton_gae_with_moments(token_level_rewards, values, spans8, gamma, lam)
+        _, mean, var = kernels.merge_moments(row_moments)
+        return whiten_with_moments(advantages, steps, mean, var), returns
+    scan = functools.partial(_gae_scan, gamma=gamma, lam=lam)
+    advantages, returns = by_row_blocks(scan, token_level_rewards, values, steps)
     if whiten:
-        advantages = masked_whiten(advantages, steps, check=validate)
+        advantages = whiten_zero_off_mask(advantages, steps, count)
     return advantages, returns
 
 

@@ -29,8 +29,11 @@ except ImportError:  # Triton is optional: without it CUDA tensors use the torch
     triton = None
 
 DISABLE_ENV = "AGENT_LOOP_DISABLE_TRITON"
-MAX_BLOCK = 2048
-DEFAULT_NUM_STAGES = 2
+MAX_BLOCK = 4096  # the returns kernel's chunk at long rows (swept on an H200, issue 20)
+MAX_BLOCK_GAE = 2048  # GAE scans five components per token: smaller chunks keep them in registers
+DEFAULT_NUM_STAGES = 1  # 2 (prefetching) was slower than 1 in every swept row on an H200
+SPLIT_BLOCK = 2048  # chunk length when a row is split across programs
+DEFAULT_SM_COUNT = 132  # an H100/H200; used when the device cannot be asked (the interpreter)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,6 +63,32 @@ if triton is not None:
         return state, first
 
     @triton.jit
+    def _merge_chunk_moments(count, mean, m2, value, keep):
+        """Merge a chunk's moments of ``value`` where ``keep`` into the running ``(count, mean, M2)``.
+
+        The chunk's moments about its own mean are merged with Chan et al.'s formula: no large sums
+        of squares, so no cancellation in float32.
+        """
+        chunk_count = tl.sum(keep.to(tl.float32), 0)
+        chunk_mean = tl.sum(tl.where(keep, value, 0.0), 0) / tl.maximum(chunk_count, 1.0)
+        chunk_m2 = tl.sum(tl.where(keep, (value - chunk_mean) * (value - chunk_mean), 0.0), 0)
+        total = count + chunk_count
+        shift = chunk_mean - mean
+        weight = chunk_count / tl.maximum(total, 1.0)
+        return total, mean + shift * weight, m2 + chunk_m2 + shift * shift * count * weight
+
+    @triton.jit
+    def _returns_maps(rewards_ptr, spans_ptr, row, offs, t, gamma, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr):
+        """The affine maps ``state -> a * state + b`` of the tokens at ``offs`` of a row (PAD past its end)."""
+        in_row = offs < t
+        span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
+        reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+        assistant = span == ASSISTANT
+        a = tl.where(assistant, gamma, tl.where(span == OBSERVATION, 1.0, 0.0))
+        b = tl.where(assistant, reward, 0.0)
+        return a, b, assistant, in_row
+
+    @triton.jit
     def _discounted_returns_kernel(
         rewards_ptr, spans_ptr, out_ptr, moments_ptr, t, gamma,
         BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
@@ -74,31 +103,61 @@ if triton is not None:
         m2 = 0.0
         for i in tl.range(n_chunks, num_stages=NUM_STAGES):  # stages > 1 prefetch the next chunks
             offs = (n_chunks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-            in_row = offs < t
-            span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
-            reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
-            assistant = span == ASSISTANT
-            a = tl.where(assistant, gamma, tl.where(span == OBSERVATION, 1.0, 0.0))
-            b = tl.where(assistant, reward, 0.0)
+            a, b, assistant, in_row = _returns_maps(rewards_ptr, spans_ptr, row, offs, t, gamma, ASSISTANT, OBSERVATION)
             running, carry = _reverse_affine_scan(a, b, carry)
             out = tl.where(assistant, running, 0.0)
             tl.store(out_ptr + row + offs, out.to(out_ptr.dtype.element_ty), mask=in_row)
             if MOMENTS:
-                # the chunk's moments about its own mean, merged into the row's (Chan et al.):
-                # no large sums of squares, so no cancellation in float32
-                chunk_count = tl.sum(assistant.to(tl.float32), 0)
-                chunk_mean = tl.sum(out, 0) / tl.maximum(chunk_count, 1.0)
-                chunk_m2 = tl.sum(tl.where(assistant, (running - chunk_mean) * (running - chunk_mean), 0.0), 0)
-                total = count + chunk_count
-                shift = chunk_mean - mean
-                weight = chunk_count / tl.maximum(total, 1.0)
-                m2 = m2 + chunk_m2 + shift * shift * count * weight
-                mean = mean + shift * weight
-                count = total
+                count, mean, m2 = _merge_chunk_moments(count, mean, m2, running, assistant)
         if MOMENTS:
             tl.store(moments_ptr + pid * 3, count)
             tl.store(moments_ptr + pid * 3 + 1, mean)
             tl.store(moments_ptr + pid * 3 + 2, m2)
+
+    @triton.jit
+    def _returns_chunk_maps_kernel(
+        rewards_ptr, spans_ptr, maps_ptr, t, gamma,
+        BLOCK: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+    ):
+        """Split rows, pass 1: program ``(row, chunk)`` composes its chunk's maps into one ``(A, B)``."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        a, b, _, _ = _returns_maps(rewards_ptr, spans_ptr, row_id * t, offs, t, gamma, ASSISTANT, OBSERVATION)
+        a_scan, b_scan = tl.associative_scan((a, b), 0, _affine_combine, reverse=True)
+        first = tl.arange(0, BLOCK) == 0
+        slot = maps_ptr + (row_id * tl.num_programs(1) + chunk) * 2
+        tl.store(slot, tl.sum(tl.where(first, a_scan, 0.0), 0))
+        tl.store(slot + 1, tl.sum(tl.where(first, b_scan, 0.0), 0))
+
+    @triton.jit
+    def _returns_split_kernel(
+        rewards_ptr, spans_ptr, maps_ptr, out_ptr, moments_ptr, t, gamma,
+        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+        MOMENTS: tl.constexpr,
+    ):
+        """Split rows, pass 2: program ``(row, chunk)`` composes the maps of the chunks to its right
+        (a reverse scan over at most ``CHUNKS`` of them) into its carry, then scans its own chunk.
+        With ``MOMENTS`` it writes its chunk's count, mean and M2 of the ASSISTANT returns."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n_chunks = tl.num_programs(1)
+        j = tl.arange(0, CHUNKS)
+        right = (j > chunk) & (j < n_chunks)
+        maps = maps_ptr + (row_id * n_chunks + j) * 2
+        a_right = tl.load(maps, mask=right, other=1.0)  # the identity map elsewhere
+        b_right = tl.load(maps + 1, mask=right, other=0.0)
+        _, b_scan = tl.associative_scan((a_right, b_right), 0, _affine_combine, reverse=True)
+        carry = tl.sum(tl.where(j == 0, b_scan, 0.0), 0)  # the maps right of this chunk applied to 0
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        row = row_id * t
+        a, b, assistant, in_row = _returns_maps(rewards_ptr, spans_ptr, row, offs, t, gamma, ASSISTANT, OBSERVATION)
+        running, _ = _reverse_affine_scan(a, b, carry)
+        tl.store(out_ptr + row + offs, tl.where(assistant, running, 0.0).to(out_ptr.dtype.element_ty), mask=in_row)
+        if MOMENTS:
+            count, mean, m2 = _merge_chunk_moments(0.0, 0.0, 0.0, running, assistant)
+            slot = moments_ptr + (row_id * n_chunks + chunk) * 3
+            tl.store(slot, count)
+            tl.store(slot + 1, mean)
+            tl.store(slot + 2, m2)
 
     @triton.jit
     def _gae_combine(p_r, q_r, s_r, u_r, w_r, p_l, q_l, s_l, u_l, w_l):
@@ -116,30 +175,46 @@ if triton is not None:
         )
 
     @triton.jit
+    def _gae_maps(rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr):
+        """The maps ``(p, q, s, u, w)`` of :func:`_gae_combine` of the tokens at ``offs`` of a row (PAD
+        past its end), and their values, ASSISTANT flags and in-row flags.
+
+        ASSISTANT: ``next_value' = v``, ``gae' = (r - v) + gamma*next_value + gamma*lam*gae``;
+        OBSERVATION: the identity map; PAD: the zero map (both reset).
+        """
+        in_row = offs < t
+        span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
+        reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+        value = tl.load(values_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
+        assistant = span == ASSISTANT
+        carried = tl.where(span == OBSERVATION, 1.0, 0.0)
+        p = carried
+        q = tl.where(assistant, gamma, 0.0)
+        s = tl.where(assistant, gamma * lam, carried)
+        u = tl.where(assistant, value, 0.0)
+        w = tl.where(assistant, reward - value, 0.0)
+        return p, q, s, u, w, value, assistant, in_row
+
+    @triton.jit
     def _gae_kernel(
-        rewards_ptr, values_ptr, spans_ptr, adv_ptr, ret_ptr, t, gamma, lam,
+        rewards_ptr, values_ptr, spans_ptr, adv_ptr, ret_ptr, moments_ptr, t, gamma, lam,
         BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+        MOMENTS: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64) * t
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid * t
         n_chunks = tl.cdiv(t, BLOCK)
         first = tl.arange(0, BLOCK) == 0
         next_value_carry = 0.0
         gae_carry = 0.0
+        count = 0.0  # with MOMENTS: count, mean and M2 of the row's ASSISTANT advantages so far
+        mean = 0.0
+        m2 = 0.0
         for i in tl.range(n_chunks, num_stages=NUM_STAGES):
             offs = (n_chunks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-            in_row = offs < t
-            span = tl.load(spans_ptr + row + offs, mask=in_row, other=0)
-            reward = tl.load(rewards_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
-            value = tl.load(values_ptr + row + offs, mask=in_row, other=0.0).to(tl.float32)
-            assistant = span == ASSISTANT
-            carried = tl.where(span == OBSERVATION, 1.0, 0.0)
-            # ASSISTANT: next_value' = v, gae' = (r - v) + gamma*next_value + gamma*lam*gae;
-            # OBSERVATION: the identity map; PAD: the zero map (both reset).
-            p = carried
-            q = tl.where(assistant, gamma, 0.0)
-            s = tl.where(assistant, gamma * lam, carried)
-            u = tl.where(assistant, value, 0.0)
-            w = tl.where(assistant, reward - value, 0.0)
+            p, q, s, u, w, value, assistant, in_row = _gae_maps(
+                rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT, OBSERVATION
+            )
             p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
             next_value = p * next_value_carry + u
             gae = q * next_value_carry + s * gae_carry + w
@@ -149,21 +224,99 @@ if triton is not None:
             ret = tl.where(assistant, gae + value, 0.0)
             tl.store(adv_ptr + row + offs, advantage.to(adv_ptr.dtype.element_ty), mask=in_row)
             tl.store(ret_ptr + row + offs, ret.to(ret_ptr.dtype.element_ty), mask=in_row)
+            if MOMENTS:
+                count, mean, m2 = _merge_chunk_moments(count, mean, m2, gae, assistant)
+        if MOMENTS:
+            tl.store(moments_ptr + pid * 3, count)
+            tl.store(moments_ptr + pid * 3 + 1, mean)
+            tl.store(moments_ptr + pid * 3 + 2, m2)
+
+    @triton.jit
+    def _gae_chunk_maps_kernel(
+        rewards_ptr, values_ptr, spans_ptr, maps_ptr, t, gamma, lam,
+        BLOCK: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+    ):
+        """Split rows, pass 1: program ``(row, chunk)`` composes its chunk's GAE maps into one ``(p, q, s, u, w)``."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        p, q, s, u, w, _, _, _ = _gae_maps(rewards_ptr, values_ptr, spans_ptr, row_id * t, offs, t, gamma, lam, ASSISTANT, OBSERVATION)
+        p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
+        first = tl.arange(0, BLOCK) == 0
+        slot = maps_ptr + (row_id * tl.num_programs(1) + chunk) * 5
+        tl.store(slot, tl.sum(tl.where(first, p, 0.0), 0))
+        tl.store(slot + 1, tl.sum(tl.where(first, q, 0.0), 0))
+        tl.store(slot + 2, tl.sum(tl.where(first, s, 0.0), 0))
+        tl.store(slot + 3, tl.sum(tl.where(first, u, 0.0), 0))
+        tl.store(slot + 4, tl.sum(tl.where(first, w, 0.0), 0))
+
+    @triton.jit
+    def _gae_split_kernel(
+        rewards_ptr, values_ptr, spans_ptr, maps_ptr, adv_ptr, ret_ptr, moments_ptr, t, gamma, lam,
+        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ASSISTANT: tl.constexpr, OBSERVATION: tl.constexpr,
+        MOMENTS: tl.constexpr,
+    ):
+        """Split rows, pass 2 (GAE): compose the maps of the chunks to the right into the carried
+        ``(next_value, gae)`` (the maps applied to ``(0, 0)``), then scan this chunk. With
+        ``MOMENTS`` write this chunk's count, mean and M2 of the ASSISTANT advantages."""
+        row_id, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n_chunks = tl.num_programs(1)
+        j = tl.arange(0, CHUNKS)
+        right = (j > chunk) & (j < n_chunks)
+        maps = maps_ptr + (row_id * n_chunks + j) * 5
+        p_right = tl.load(maps, mask=right, other=1.0)  # the identity map elsewhere
+        q_right = tl.load(maps + 1, mask=right, other=0.0)
+        s_right = tl.load(maps + 2, mask=right, other=1.0)
+        u_right = tl.load(maps + 3, mask=right, other=0.0)
+        w_right = tl.load(maps + 4, mask=right, other=0.0)
+        _, _, _, u_scan, w_scan = tl.associative_scan((p_right, q_right, s_right, u_right, w_right), 0, _gae_combine, reverse=True)
+        next_value_carry = tl.sum(tl.where(j == 0, u_scan, 0.0), 0)
+        gae_carry = tl.sum(tl.where(j == 0, w_scan, 0.0), 0)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        row = row_id * t
+        p, q, s, u, w, value, assistant, in_row = _gae_maps(rewards_ptr, values_ptr, spans_ptr, row, offs, t, gamma, lam, ASSISTANT, OBSERVATION)
+        p, q, s, u, w = tl.associative_scan((p, q, s, u, w), 0, _gae_combine, reverse=True)
+        gae = q * next_value_carry + s * gae_carry + w
+        tl.store(adv_ptr + row + offs, tl.where(assistant, gae, 0.0).to(adv_ptr.dtype.element_ty), mask=in_row)
+        tl.store(ret_ptr + row + offs, tl.where(assistant, gae + value, 0.0).to(ret_ptr.dtype.element_ty), mask=in_row)
+        if MOMENTS:
+            count, mean, m2 = _merge_chunk_moments(0.0, 0.0, 0.0, gae, assistant)
+            slot = moments_ptr + (row_id * n_chunks + chunk) * 3
+            tl.store(slot, count)
+            tl.store(slot + 1, mean)
+            tl.store(slot + 2, m2)
 
 
-def launch_config(t: int, block: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+def launch_config(
+    t: int, block: int | None = None, num_warps: int | None = None, num_stages: int | None = None, max_block: int = MAX_BLOCK
+):
     """Chunk length, warps and pipeline depth for rows of length ``t``; ``None`` picks the default.
 
     Longer chunks keep more bytes in flight per program (one program per row leaves most of the
     GPU's latency hiding to each program); ``num_stages > 1`` prefetches later chunks with
-    asynchronous copies while the current one is scanned. Tuned by ``benchmarks/gpu_returns.py --sweep``.
+    asynchronous copies while the current one is scanned. Defaults from ``benchmarks/gpu_returns.py
+    --sweep`` on an H200 (issue 20): chunks up to ``max_block`` (4096 for the returns kernel,
+    :data:`MAX_BLOCK_GAE` for GAE), 8 warps above 1024 tokens, 1 stage.
     """
-    block = block or min(MAX_BLOCK, max(16, triton.next_power_of_2(t)))
+    block = block or min(max_block, max(16, triton.next_power_of_2(t)))
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     num_warps = num_warps or (4 if block <= 1024 else 8)
     num_stages = num_stages or DEFAULT_NUM_STAGES
     return block, num_warps, num_stages
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (:data:`DEFAULT_SM_COUNT` elsewhere)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def use_split(b: int, t: int, block: int, device: torch.device) -> bool:
+    """Whether to split rows across programs: when the rows are fewer than the GPU's SMs (one
+    program per row would leave most of them idle) and each row spans at least 4 chunks of
+    :data:`SPLIT_BLOCK`. The split reads the inputs twice, so it is kept for few long rows."""
+    return b < sm_count(device) and t >= 4 * SPLIT_BLOCK
 
 
 def _check_inputs(spans: torch.Tensor, **floats: torch.Tensor) -> None:
@@ -190,6 +343,7 @@ def triton_discounted_returns(
     block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """Carry-through discounted returns (REINFORCE++), one fused pass.
 
@@ -198,8 +352,11 @@ def triton_discounted_returns(
     ASSISTANT ``R = r_t + gamma * R`` and returns ``R``; OBSERVATION keeps ``R`` and returns 0;
     PAD sets ``R = 0`` and returns 0. Span values other than the three kinds act as PAD; the
     caller validates them. ``block``, ``num_warps``, ``num_stages``: see :func:`launch_config`.
+    ``split`` runs each row as chunks of ``block`` (default :data:`SPLIT_BLOCK`) on separate
+    programs (pass 1: each chunk's composed map; pass 2: each chunk composes the maps to its right
+    into its carry and scans itself); ``None`` picks it by :func:`use_split`.
     """
-    return _launch_returns(rewards, spans, gamma, False, block, num_warps, num_stages)[0]
+    return _launch_returns(rewards, spans, gamma, False, block, num_warps, num_stages, split)[0]
 
 
 def triton_discounted_returns_with_moments(
@@ -210,15 +367,16 @@ def triton_discounted_returns_with_moments(
     block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`triton_discounted_returns` plus, in the same pass, each row's moments for whitening.
 
     Returns ``(returns, moments)``: ``moments`` is ``(b, 3)`` float32, per row the count, mean and
     sum of squared deviations (M2) of the float32 returns on ASSISTANT tokens. Whitening over the
     batch (REINFORCE++) is then :func:`merge_moments` plus one elementwise pass, instead of two
-    more reductions over ``(b, t)``.
+    more reductions over ``(b, t)``. Split rows merge their chunks' moments per row (no host sync).
     """
-    return _launch_returns(rewards, spans, gamma, True, block, num_warps, num_stages)
+    return _launch_returns(rewards, spans, gamma, True, block, num_warps, num_stages, split)
 
 
 def merge_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,21 +389,43 @@ def merge_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return total, batch_mean, batch_m2 / (total - 1)
 
 
-def _launch_returns(rewards, spans, gamma, moments, block, num_warps, num_stages):
+def merge_row_moments(moments: torch.Tensor) -> torch.Tensor:
+    """``(b, k, 3)`` moments of ``k`` parts of each row -> ``(b, 3)`` float32 (Chan et al.), no host sync."""
+    count, mean, m2 = moments.unbind(-1)
+    total = count.sum(-1)
+    row_mean = (count * mean).sum(-1) / total.clamp(min=1.0)
+    row_m2 = m2.sum(-1) + (count * (mean - row_mean.unsqueeze(-1)) ** 2).sum(-1)
+    return torch.stack([total, row_mean, row_m2], -1)
+
+
+def _launch_returns(rewards, spans, gamma, moments, block, num_warps, num_stages, split):
     _check_inputs(spans, rewards=rewards)
     b, t = spans.shape
-    block, num_warps, num_stages = launch_config(t, block, num_warps, num_stages)
+    if split is None:
+        split = use_split(b, t, block or SPLIT_BLOCK, spans.device)
+    block, num_warps, num_stages = launch_config(t, block or (SPLIT_BLOCK if split else None), num_warps, num_stages)
     rewards, spans = rewards.contiguous(), spans.contiguous()
     returns = torch.empty_like(rewards)
-    row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+    kinds = dict(ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION))
+    if not split:
+        row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+        if b and t:
+            _discounted_returns_kernel[(b,)](
+                rewards, spans, returns, row_moments, t, float(gamma),
+                BLOCK=block, NUM_STAGES=num_stages, MOMENTS=moments, num_warps=num_warps, **kinds,
+            )
+        return returns, row_moments
+    n_chunks = triton.cdiv(t, block)
+    maps = torch.empty(b, n_chunks, 2, dtype=torch.float32, device=rewards.device)
+    chunk_moments = torch.empty(b, n_chunks, 3, dtype=torch.float32, device=rewards.device)
     if b and t:
-        _discounted_returns_kernel[(b,)](
-            rewards, spans, returns, row_moments, t, float(gamma),
-            BLOCK=block, NUM_STAGES=num_stages,
-            ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION), MOMENTS=moments,
-            num_warps=num_warps,
+        grid = (b, n_chunks)
+        _returns_chunk_maps_kernel[grid](rewards, spans, maps, t, float(gamma), BLOCK=block, num_warps=num_warps, **kinds)
+        _returns_split_kernel[grid](
+            rewards, spans, maps, returns, chunk_moments, t, float(gamma),
+            BLOCK=block, CHUNKS=max(2, triton.next_power_of_2(n_chunks)), MOMENTS=moments, num_warps=num_warps, **kinds,
         )
-    return returns, row_moments
+    return returns, merge_row_moments(chunk_moments) if moments else chunk_moments
 
 
 def triton_gae(
@@ -258,6 +438,7 @@ def triton_gae(
     block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Carry-through GAE (verl PR #2337), one fused pass; advantages are not whitened.
 
@@ -267,19 +448,58 @@ def triton_gae(
     ``gae = delta + gamma * lam * gae``, ``next_value = v_t``; OBSERVATION carries both; PAD
     resets both to 0. Advantages are ``gae`` and returns ``gae + v_t`` on ASSISTANT tokens, the
     same values as verl's loop there; every other position gets exactly 0 (verl leaves the carried
-    values there, which its loss masks out).
+    values there, which its loss masks out). ``split``: rows as chunks on separate programs, as in
+    :func:`triton_discounted_returns` (the carried state is the pair ``(next_value, gae)``).
     """
+    return _launch_gae(rewards, values, spans, gamma, lam, False, block, num_warps, num_stages, split)[:2]
+
+
+def triton_gae_with_moments(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    spans: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`triton_gae` plus, in the same pass, each row's ``(count, mean, M2)`` ``(b, 3)`` float32
+    of the float32 advantages on ASSISTANT tokens (for ``gae(whiten=True)``; see :func:`merge_moments`)."""
+    return _launch_gae(rewards, values, spans, gamma, lam, True, block, num_warps, num_stages, split)
+
+
+def _launch_gae(rewards, values, spans, gamma, lam, moments, block, num_warps, num_stages, split=None):
     _check_inputs(spans, rewards=rewards, values=values)
     b, t = spans.shape
-    block, num_warps, num_stages = launch_config(t, block, num_warps, num_stages)
+    if split is None:
+        split = use_split(b, t, block or SPLIT_BLOCK, spans.device)
+    block, num_warps, num_stages = launch_config(
+        t, block or (SPLIT_BLOCK if split else None), num_warps, num_stages, max_block=MAX_BLOCK_GAE
+    )
     rewards, values, spans = rewards.contiguous(), values.contiguous(), spans.contiguous()
     advantages = torch.empty_like(rewards)
     returns = torch.empty_like(rewards)
+    kinds = dict(ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION))
+    scalars = (t, float(gamma), float(lam))
+    if not split:
+        row_moments = torch.empty(b, 3, dtype=torch.float32, device=rewards.device)  # written only with moments
+        if b and t:
+            _gae_kernel[(b,)](
+                rewards, values, spans, advantages, returns, row_moments, *scalars,
+                BLOCK=block, NUM_STAGES=num_stages, MOMENTS=moments, num_warps=num_warps, **kinds,
+            )
+        return advantages, returns, row_moments
+    n_chunks = triton.cdiv(t, block)
+    maps = torch.empty(b, n_chunks, 5, dtype=torch.float32, device=rewards.device)
+    chunk_moments = torch.empty(b, n_chunks, 3, dtype=torch.float32, device=rewards.device)
     if b and t:
-        _gae_kernel[(b,)](
-            rewards, values, spans, advantages, returns, t, float(gamma), float(lam),
-            BLOCK=block, NUM_STAGES=num_stages,
-            ASSISTANT=int(SpanKind.ASSISTANT), OBSERVATION=int(SpanKind.OBSERVATION),
-            num_warps=num_warps,
+        grid = (b, n_chunks)
+        _gae_chunk_maps_kernel[grid](rewards, values, spans, maps, *scalars, BLOCK=block, num_warps=num_warps, **kinds)
+        _gae_split_kernel[grid](
+            rewards, values, spans, maps, advantages, returns, chunk_moments, *scalars,
+            BLOCK=block, CHUNKS=max(2, triton.next_power_of_2(n_chunks)), MOMENTS=moments, num_warps=num_warps, **kinds,
         )
-    return advantages, returns
+    return advantages, returns, merge_row_moments(chunk_moments) if moments else chunk_moments

@@ -12,12 +12,19 @@
    tolerance, after printing everything.
    The fused moments (``triton_discounted_returns_with_moments``) are checked against the mean and
    variance of the reference returns over ASSISTANT tokens.
-2. Speed at (1, 1024), (8, 4096), (64, 8192), (256, 16384), gamma 0.99 (lambda 0.95): the Triton
-   kernel vs the torch scan vs a per-token loop written like verl's (small shapes only), median of
+   Rows longer than 16384 are checked against the float64 torch scan instead of the (slow) loop.
+   The whole estimators (``reinforce_plus_plus`` whitened, ``gae(whiten=True)``, ``validate=False``)
+   are checked against the loop plus whitening in float64.
+2. Speed at every shape of SHAPES, gamma 0.99 (lambda 0.95): the Triton kernels (and the whole
+   estimators on them) vs the torch scan vs a per-token loop written like verl's (small shapes only), median of
    CUDA-event timings with the L2 cache flushed before each run, and the fraction of the HBM floor:
    (bytes read + written) / (bandwidth of a large device-to-device copy measured in the same run).
    ``returns+moments`` is what REINFORCE++ whitening needs before its last elementwise pass: the
    returns plus their mean and variance over ASSISTANT tokens (torch: returns, masked mean, var).
+   "triton, 1 program/row" times the returns and GAE kernels with the row split turned off.
+3. ``--sweep``: launch configs (block, warps, stages) of the returns, GAE and fused-moments kernels
+   at (256, 16384), and of the returns and GAE kernels on long rows (block, warps; split across
+   programs or one program per row) at (1, 262144) and (16, 65536).
 """
 
 import argparse
@@ -35,9 +42,13 @@ from rich.table import Table
 
 from masking.spans import SpanKind
 
-SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384))
+SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384), (512, 32768), (4096, 1024), (16, 65536), (1, 262144))
+SWEEP_SHAPE = (256, 16384)  # launch configs of the one-program-per-row kernels
+SPLIT_SWEEP_SHAPES = ((1, 262144), (16, 65536))  # rows split across programs
 SMOKE_SHAPES = ((1, 40), (3, 150))
+SMOKE_SPLIT_SHAPES = ((1, 150),)
 LOOP_MAX_TOKENS = 8 * 4096  # the per-token loop is timed on the small shapes only
+LOOP_CHECK_MAX_T = 16384  # longer rows are checked against the float64 torch scan (itself checked in tests)
 GAMMA, LAM = 0.99, 0.95
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |error| / max(1, max |reference|)
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
@@ -111,6 +122,12 @@ def triton_dispatch_off():
             os.environ[DISABLE_ENV] = old
 
 
+def whiten64(x, s):
+    """verl's masked_whiten over ASSISTANT tokens in float64 (Bessel-corrected, eps 1e-8), 0 elsewhere."""
+    kept = x[s == A]
+    return torch.where(s == A, (x - kept.mean()) * torch.rsqrt(kept.var() + 1e-8), 0.0)
+
+
 def implementations(kernels, config):
     """name -> kind -> callable(rewards, values, spans, gamma, lam) returning a tuple of outputs."""
     import advantages
@@ -132,23 +149,58 @@ def implementations(kernels, config):
         returns, moments = kernels.triton_discounted_returns_with_moments(r, s, gamma, **config)
         return returns, *kernels.merge_moments(moments)[1:]
 
+    def estimator_rpp(r, v, s, gamma, lam):
+        return advantages.reinforce_plus_plus(r, s == A, gamma, spans=s, validate=False)
+
+    def estimator_gae(r, v, s, gamma, lam):
+        return advantages.gae(r, v, s == A, gamma, lam, spans=s, validate=False)
+
+    def off(fn):
+        def run(*args):
+            with triton_dispatch_off():
+                return fn(*args)
+
+        return run
+
+    def loop_rpp(r, v, s, gamma, lam):
+        returns = loop_returns(r, s, gamma)
+        return whiten64(returns, s), returns
+
+    def loop_gae_whitened(r, v, s, gamma, lam):
+        adv, returns = loop_gae(r, v, s, gamma, lam)
+        return whiten64(adv, s), returns
+
     return {
         "triton": {
             "returns": lambda r, v, s, gamma, lam: (kernels.triton_discounted_returns(r, s, gamma, **config),),
             "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, **config),
             "returns+moments": triton_moments,
+            "reinforce_plus_plus": estimator_rpp,
+            "gae(whiten=True)": estimator_gae,
         },
-        "torch scan": {"returns": torch_returns, "gae": torch_gae, "returns+moments": torch_moments},
+        "torch scan": {
+            "returns": torch_returns, "gae": torch_gae, "returns+moments": torch_moments,
+            "reinforce_plus_plus": off(estimator_rpp), "gae(whiten=True)": off(estimator_gae),
+        },
         "per-token loop": {
             "returns": lambda r, v, s, gamma, lam: (loop_returns(r, s, gamma),),
             "gae": lambda r, v, s, gamma, lam: loop_gae(r, v, s, gamma, lam),
+            "reinforce_plus_plus": loop_rpp,
+            "gae(whiten=True)": loop_gae_whitened,
+        },
+        "triton, 1 program/row": {
+            "returns": lambda r, v, s, gamma, lam: (kernels.triton_discounted_returns(r, s, gamma, split=False, **config),),
+            "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, split=False, **config),
         },
     }
 
 
+KINDS = ("returns", "gae", "returns+moments", "reinforce_plus_plus", "gae(whiten=True)")
+
+
 def bytes_moved(kind, b, t, dtype):
     """The minimum traffic: rewards (+ values) and spans in, returns (+ advantages) out."""
-    floats = 4 if kind == "gae" else 2
+    floats = {"returns": 2, "returns+moments": 2, "reinforce_plus_plus": 3, "gae": 4, "gae(whiten=True)": 4}[kind]
     return b * t * (floats * dtype.itemsize + 1)
 
 
@@ -191,21 +243,34 @@ def copy_bandwidth(timer, device, nbytes):
 # --- the two parts ---
 
 def check_correctness(impls, shapes, dtypes, gammas, device, generator):
-    """Rows of (impl, kind, shape, dtype, gamma, relative error, ok) against the float64 loop."""
+    """Rows of (impl, kind, shape, dtype, gamma, relative error, ok) against float64 references:
+    the per-token loops up to LOOP_CHECK_MAX_T tokens per row, the float64 torch scan above."""
+    import advantages
+
     rows = []
     for b, t in shapes:
         for dtype in dtypes:
             r, v, s = make_batch(b, t, dtype, device, generator)
             for gamma in gammas:
-                returns = loop_returns(r.double(), s, gamma)
+                if t <= LOOP_CHECK_MAX_T:
+                    returns = loop_returns(r.double(), s, gamma)
+                    gae_pair = loop_gae(r.double(), v.double(), s, gamma, LAM)
+                else:
+                    with triton_dispatch_off():
+                        returns = advantages.discounted_returns(r.double(), s == A, gamma, spans=s, validate=False)
+                        gae_pair = advantages.gae(r.double(), v.double(), s == A, gamma, LAM, spans=s, whiten=False, validate=False)
                 assistant_returns = returns[s == A]
                 expected = {
                     "returns": (returns,),
-                    "gae": loop_gae(r.double(), v.double(), s, gamma, LAM),
+                    "gae": gae_pair,
                     "returns+moments": (returns, assistant_returns.mean(), assistant_returns.var()),
+                    "reinforce_plus_plus": (whiten64(returns, s), returns),
+                    "gae(whiten=True)": (whiten64(gae_pair[0], s), gae_pair[1]),
                 }
-                for name in ("triton", "torch scan"):
+                for name in ("triton", "torch scan", "triton, 1 program/row"):
                     for kind, want in expected.items():
+                        if kind not in impls[name]:
+                            continue
                         got = impls[name][kind](r, v, s, gamma, LAM)
                         error = max(
                             float((g.double() - w).abs().max() / w.abs().max().clamp(min=1.0)) for g, w in zip(got, want, strict=True)
@@ -220,7 +285,7 @@ def check_correctness(impls, shapes, dtypes, gammas, device, generator):
 def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
     """Rows of (kind, shape, dtype, {impl: seconds}, floor seconds)."""
     rows = []
-    for kind in ("returns", "gae", "returns+moments"):
+    for kind in KINDS:
         for b, t in shapes:
             for dtype in dtypes:
                 r, v, s = make_batch(b, t, dtype, device, generator)
@@ -235,20 +300,45 @@ def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
 
 
 def sweep(kernels, shape, dtypes, device, generator, timer, bandwidth, blocks_and_warps):
-    """Rows of (kind, dtype, (block, warps, stages), seconds, floor fraction) at one shape."""
+    """Rows of (kind, shape, dtype, (block, warps, stages), seconds, floor fraction) at one shape:
+    the returns, GAE and fused-moments kernels, one program per row."""
     configs = [(block, warps, stages) for block, warps in blocks_and_warps for stages in (1, 2, 3)]
     rows = []
-    for kind in ("returns", "gae"):
+    for kind in ("returns", "returns+moments", "gae", "gae+moments"):
         for dtype in dtypes:
             r, v, s = make_batch(*shape, dtype, device, generator)
             for block, warps, stages in configs:
                 config = dict(block=block, num_warps=warps, num_stages=stages)
-                if kind == "returns":
-                    fn = lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, **config)  # noqa: E731
-                else:
-                    fn = lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+                fn = {
+                    "returns": lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, split=False, **config),
+                    "returns+moments": lambda config=config: kernels.triton_discounted_returns_with_moments(r, s, GAMMA, split=False, **config),
+                    "gae": lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config),
+                    "gae+moments": lambda config=config: kernels.triton_gae_with_moments(r, v, s, GAMMA, LAM, **config),
+                }[kind]
                 seconds = timer(fn)
-                rows.append((kind, dtype, (block, warps, stages), seconds, bytes_moved(kind, *shape, dtype) / bandwidth / seconds))
+                moved = bytes_moved(kind.removesuffix("+moments") if kind.startswith("gae") else kind, *shape, dtype)
+                rows.append((kind, shape, dtype, (block, warps, stages), seconds, moved / bandwidth / seconds))
+    return rows
+
+
+def split_sweep(kernels, shapes, dtypes, device, generator, timer, bandwidth, blocks_and_warps):
+    """Rows like :func:`sweep` for the returns and GAE kernels on long rows: split across programs
+    (chunks of ``block``) or one program per row, the first dtype only."""
+    rows = []
+    for shape in shapes:
+        dtype = dtypes[0]
+        r, v, s = make_batch(*shape, dtype, device, generator)
+        for kind in ("returns", "gae"):
+            for split in (True, False):
+                for block, warps in blocks_and_warps:
+                    config = dict(block=block, num_warps=warps, num_stages=1, split=split)
+                    if kind == "returns":
+                        fn = lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, **config)  # noqa: E731
+                    else:
+                        fn = lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+                    seconds = timer(fn)
+                    name = f"{kind}, split" if split else f"{kind}, 1 program/row"
+                    rows.append((name, shape, dtype, (block, warps, 1), seconds, bytes_moved(kind, *shape, dtype) / bandwidth / seconds))
     return rows
 
 
@@ -263,13 +353,14 @@ def dtype_name(dtype):
 
 
 def speed_table(rows):
-    header = ["kind", "(b, t)", "dtype", "triton", "torch scan", "per-token loop", "triton vs torch scan", "triton vs loop", "HBM floor", "triton % of floor"]
+    header = ["kind", "(b, t)", "dtype", "triton", "triton, 1 program/row", "torch scan", "per-token loop", "triton vs torch scan", "triton vs loop", "HBM floor", "triton % of floor"]
     body = []
     for kind, shape, dtype, seconds, floor in rows:
         tri = seconds["triton"]
         loop = seconds.get("per-token loop")
+        unsplit = seconds.get("triton, 1 program/row")
         body.append([
-            kind, str(shape), dtype_name(dtype), fmt_time(tri), fmt_time(seconds["torch scan"]),
+            kind, str(shape), dtype_name(dtype), fmt_time(tri), fmt_time(unsplit) if unsplit else "-", fmt_time(seconds["torch scan"]),
             fmt_time(loop) if loop else "not timed",
             f"{seconds['torch scan'] / tri:,.1f}x", f"{loop / tri:,.0f}x" if loop else "-",
             fmt_time(floor), f"{100 * floor / tri:.0f}%",
@@ -292,8 +383,11 @@ def correctness_table(rows):
 
 
 def sweep_table(rows):
-    header = ["kind", "dtype", "block, warps, stages", "time", "% of floor"]
-    body = [[kind, dtype_name(dtype), str(config), fmt_time(seconds), f"{100 * fraction:.0f}%"] for kind, dtype, config, seconds, fraction in rows]
+    header = ["kind", "(b, t)", "dtype", "block, warps, stages", "time", "% of floor"]
+    body = [
+        [kind, str(shape), dtype_name(dtype), str(config), fmt_time(seconds), f"{100 * fraction:.0f}%"]
+        for kind, shape, dtype, config, seconds, fraction in rows
+    ]
     return header, body
 
 
@@ -351,8 +445,12 @@ def main():
     sections.append((f"Speed, gamma {GAMMA} (GAE lambda {LAM}), median of {reps} runs", *speed_table(speed)))
     if args.sweep:
         blocks_and_warps = ((32, 1), (64, 2)) if args.interpret_smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
-        rows = sweep(triton_kernels, shapes[-1], dtypes, device, generator, timer, bandwidth, blocks_and_warps)
-        sections.append((f"Launch configs at {shapes[-1]}", *sweep_table(rows)))
+        sweep_shape = shapes[-1] if args.interpret_smoke else SWEEP_SHAPE
+        rows = sweep(triton_kernels, sweep_shape, dtypes, device, generator, timer, bandwidth, blocks_and_warps)
+        split_shapes = SMOKE_SPLIT_SHAPES if args.interpret_smoke else SPLIT_SWEEP_SHAPES
+        split_configs = ((16, 1), (32, 1)) if args.interpret_smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
+        rows += split_sweep(triton_kernels, split_shapes, dtypes, device, generator, timer, bandwidth, split_configs)
+        sections.append(("Launch configs", *sweep_table(rows)))
     for title, header, body in sections:
         print_table(console, title, header, body)
     console.print(f"done in {time.perf_counter() - started:.0f} s")

@@ -1,14 +1,19 @@
-"""Speed of the carry-through scans (advantages.discounted_returns, advantages.gae) on the CPU.
+"""Speed of the carry-through scans and whole estimators on the CPU (advantages.discounted_returns,
+advantages.gae, advantages.reinforce_plus_plus).
 
-For each shape ``(b, t)``, float32, gamma 0.99 and 1.0, it times REINFORCE++ returns and GAE
-(lambda 0.95, unwhitened, ``validate=False`` as in a hot path) and, in the same run:
+For each shape ``(b, t)``, float32, gamma 0.99 and 1.0, with spans, it times four calls twice: the
+default call (``validate=True``: the fused checks, one sync) and the hot path (``validate=False``):
 
-* a per-token reverse loop written like verl's (after PR #7300 / PR #2337): the speedup column;
-* a large tensor copy, whose bandwidth gives the memory floor of a single pass over the inputs and
-  outputs (bytes in + out / copy bandwidth): the "% of floor" column (100% = bandwidth bound).
+* REINFORCE++ returns (``discounted_returns``) and GAE (lambda 0.95, ``whiten=False``), against a
+  per-token reverse loop written like verl's (after PR #7300 / PR #2337);
+* the whole estimators ``reinforce_plus_plus`` (whitened) and ``gae(whiten=True)``, against verl's
+  whole function: the same loop plus ``masked_whiten`` written as verl writes it.
 
-The outputs of both are compared (max |difference|). Medians of ``--repeats`` runs; the slow loop
-runs fewer times on the big shapes. Times are the process's CPU time by default (robust on a
+"speedup" is verl's time over ours (default call, and hot path); "valid. cost" is default over hot.
+A large tensor copy gives the memory floor of a single pass over the inputs and outputs (bytes in
++ out / copy bandwidth): "% of floor" for the hot path (100% = bandwidth bound). The outputs are
+compared (max |difference| against verl's). Medians of ``--repeats`` runs; verl's loops run fewer
+times on the big shapes. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
 measures wall-clock time instead. The "faults" column counts the page faults per call of ours.
 
@@ -18,7 +23,7 @@ process that never freed a large block, big calls get their temporaries as fresh
 kernel, and page faults (about 3 us each on a small VM) outweigh the arithmetic; ``--cold-allocator``
 skips the warm-up to measure that case. Usage::
 
-    python benchmarks/returns.py            # the four shapes of issue 2, one thread
+    python benchmarks/returns.py            # the four shapes of issue 2, one thread, CPU time
     python benchmarks/returns.py --quick    # two small shapes, a few seconds
     python benchmarks/returns.py --threads 2
     python benchmarks/returns.py --cold-allocator
@@ -33,7 +38,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from advantages import discounted_returns, gae
+from advantages import discounted_returns, gae, reinforce_plus_plus
 from masking.spans import SpanKind
 
 SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384))
@@ -87,6 +92,38 @@ def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
     return advantages * response_mask, (advantages + values) * response_mask
 
 
+def verl_masked_whiten(values, mask):
+    """verl's ``masked_whiten`` (verl/utils/torch_functional.py: masked_sum/mean/var with the Bessel
+    correction and its two host checks of ``mask.sum()``), as verl writes it."""
+
+    def masked_sum(values, mask):
+        return (torch.where(mask.bool(), values, 0.0) * mask).sum()
+
+    def masked_mean(values, mask):
+        return masked_sum(values, mask) / (mask.sum() + 1e-8)
+
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    mask_sum = mask.sum()
+    if mask_sum == 0 or mask_sum == 1:
+        raise ValueError("verl needs at least 2 unmasked tokens")
+    variance = variance * (mask_sum / (mask_sum - 1))
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def verl_reinforce_plus_plus(token_level_rewards, response_mask, gamma):
+    """verl's whole compute_reinforce_plus_plus_outcome_advantage (carry-through loop, then whitening)."""
+    returns = verl_returns_loop(token_level_rewards, response_mask, gamma)
+    advantages = verl_masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+def verl_gae_whitened(token_level_rewards, values, response_mask, gamma, lam):
+    """verl's whole compute_gae_advantage_return (loop, returns = advantages + values, then whitening)."""
+    advantages, returns = verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam)
+    return verl_masked_whiten(advantages, response_mask) * response_mask, returns
+
+
 def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
     result = fn()  # warm-up, and the output to compare
     times = []
@@ -95,6 +132,19 @@ def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
         fn()
         times.append(clock() - start)
     return statistics.median(times), result
+
+
+def interleaved_seconds(fns, repeats: int, clock) -> tuple[list[float], list[object]]:
+    """Medians of ``fns`` timed in turn, ``repeats`` rounds (so a busy spell on a shared machine
+    falls on all of them alike), and each one's output."""
+    results = [fn() for fn in fns]  # warm-up, and the outputs to compare
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start = clock()
+            fn()
+            samples.append(clock() - start)
+    return [statistics.median(samples) for samples in times], results
 
 
 def page_faults() -> int:
@@ -125,6 +175,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of the scans (default 20, quick 7)")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
     parser.add_argument("--cold-allocator", action="store_true", help="skip warm_allocator (see the docstring)")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (for BENCHMARKS.md)")
     args = parser.parse_args()
     if not args.cold_allocator:
         warm_allocator()
@@ -134,11 +185,13 @@ def main() -> None:
     bandwidth = copy_bandwidth(repeats, clock)
 
     table = Table(
-        title=f"carry-through scans, float32, {args.threads} thread(s), {'wall' if args.wall else 'CPU'} time, "
-        f"{'cold' if args.cold_allocator else 'warm'} allocator, copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+        title=f"carry-through returns and estimators, float32, spans, {args.threads} thread(s), "
+        f"{'wall' if args.wall else 'process CPU'} time, {'cold' if args.cold_allocator else 'warm'} allocator, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     columns = (
-        "estimator", "(b, t)", "gamma", "ours ms", "loop ms", "speedup", "floor ms", "% of floor", "faults", "max |diff|"
+        "estimator", "(b, t)", "gamma", "default ms", "hot ms", "valid. cost", "verl ms", "speedup default",
+        "speedup hot", "floor ms", "% of floor (hot)", "faults", "max |diff|",
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "estimator" else "right")
@@ -147,31 +200,47 @@ def main() -> None:
         loop_repeats = 1 if b * t >= 2**22 else 3
         for gamma in GAMMAS:
             cases = {
-                # bytes: rewards and mask in, returns out / rewards, values and mask in, advantages and returns out
+                # bytes per token: rewards, mask (+ values) and spans in; returns (+ advantages) out
                 "REINFORCE++ returns": (
-                    lambda: discounted_returns(rewards, mask, gamma, spans=spans, validate=False),
+                    lambda validate: discounted_returns(rewards, mask, gamma, spans=spans, validate=validate),
                     lambda: verl_returns_loop(rewards, mask, gamma),
-                    3 * 4,
+                    3 * 4 + 1,
                 ),
                 "GAE (lam 0.95)": (
-                    lambda: gae(rewards, values, mask, gamma, LAM, spans=spans, whiten=False, validate=False),
+                    lambda validate: gae(rewards, values, mask, gamma, LAM, spans=spans, whiten=False, validate=validate),
                     lambda: verl_gae_loop(rewards, values, mask, gamma, LAM),
-                    5 * 4,
+                    5 * 4 + 1,
+                ),
+                "reinforce_plus_plus (whitened)": (
+                    lambda validate: reinforce_plus_plus(rewards, mask, gamma, spans=spans, validate=validate),
+                    lambda: verl_reinforce_plus_plus(rewards, mask, gamma),
+                    4 * 4 + 1,
+                ),
+                "gae(whiten=True)": (
+                    lambda validate: gae(rewards, values, mask, gamma, LAM, spans=spans, validate=validate),
+                    lambda: verl_gae_whitened(rewards, values, mask, gamma, LAM),
+                    5 * 4 + 1,
                 ),
             }
             for name, (ours, loop, bytes_per_token) in cases.items():
                 faults_before = page_faults()
-                ours_s, ours_out = median_seconds(ours, repeats, clock)
-                faults = (page_faults() - faults_before) / (repeats + 1)
+                (default_s, hot_s), (ours_out, _) = interleaved_seconds([lambda: ours(True), lambda: ours(False)], repeats, clock)
+                faults = (page_faults() - faults_before) / (2 * repeats + 2)
                 loop_s, loop_out = median_seconds(loop, loop_repeats, clock)
                 floor_s = b * t * bytes_per_token / bandwidth
                 pairs = zip(ours_out, loop_out) if isinstance(ours_out, tuple) else [(ours_out, loop_out)]
                 diff = max(float((x - y).abs().max()) for x, y in pairs)
                 table.add_row(
-                    name, f"{b} x {t}", f"{gamma}", f"{ours_s * 1e3:.3f}", f"{loop_s * 1e3:.1f}",
-                    f"{loop_s / ours_s:.0f}x", f"{floor_s * 1e3:.3f}", f"{100 * floor_s / ours_s:.0f}%", f"{faults:.0f}", f"{diff:.1e}",
+                    name, f"{b} x {t}", f"{gamma}", f"{default_s * 1e3:.3f}", f"{hot_s * 1e3:.3f}", f"{default_s / hot_s:.2f}x",
+                    f"{loop_s * 1e3:.1f}", f"{loop_s / default_s:.0f}x", f"{loop_s / hot_s:.0f}x", f"{floor_s * 1e3:.3f}",
+                    f"{100 * floor_s / hot_s:.0f}%", f"{faults:.0f}", f"{diff:.1e}",
                 )
-    Console(width=150).print(table)
+    Console(width=200).print(table)
+    if args.markdown:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for row in zip(*(column._cells for column in table.columns)):
+            print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

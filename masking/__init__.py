@@ -14,7 +14,8 @@ _LAZY = {
     "place_rewards": "masking.rewards",
     "SPAN_DTYPE": "masking.spans", "response_mask_from_spans": "masking.spans", "spans_from_response_mask": "masking.spans",
     "check_same_shape": "masking.validate", "validate_response_mask": "masking.validate",
-    "validate_spans": "masking.validate", "validate_token_level_rewards": "masking.validate",
+    "validate_batch": "masking.validate", "validate_spans": "masking.validate",
+    "validate_token_level_rewards": "masking.validate",
 }
 
 __all__ = ["SpanKind", *sorted(_LAZY)]

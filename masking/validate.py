@@ -1,12 +1,14 @@
 """Checks on span and reward tensors, with errors that name the row and position.
 
-Each check costs one host synchronisation (to decide whether to raise). Keep them on by default;
-hot paths pass ``validate=False`` to the estimators.
+Each ``validate_*`` check costs one host synchronisation (to decide whether to raise).
+:func:`validate_batch` runs all of them in one cheap fused pass with one synchronisation, and
+falls back to the single checks (for their messages) only when something is wrong. Keep
+validation on by default; hot paths pass ``validate=False`` to the estimators.
 """
 
 import torch
 
-from masking.spans import SpanKind
+from masking.spans import SpanKind, spans_from_response_mask
 
 _KNOWN_SPANS = (SpanKind.PAD, SpanKind.ASSISTANT, SpanKind.OBSERVATION)
 
@@ -30,10 +32,7 @@ def check_same_shape(name: str, tensor: torch.Tensor, reference_name: str, refer
 
 def validate_spans(spans: torch.Tensor) -> None:
     """Raise ValueError unless ``spans`` (b, t) holds only SpanKind values and PAD only trails each row."""
-    if spans.dim() != 2:
-        raise ValueError(f"spans must be (b, t), got shape {tuple(spans.shape)}")
-    if spans.dtype.is_floating_point or spans.dtype == torch.bool:
-        raise ValueError(f"spans must have an integer dtype, got {spans.dtype}")
+    validate_spans_dtype(spans)
     known = torch.zeros_like(spans, dtype=torch.bool)
     for kind in _KNOWN_SPANS:
         known |= spans == kind
@@ -48,6 +47,14 @@ def validate_spans(spans: torch.Tensor) -> None:
     if where is not None:
         row, pos = where
         raise ValueError(f"spans: PAD at row {row}, position {pos} comes before a non-PAD token")
+
+
+def validate_spans_dtype(spans: torch.Tensor) -> None:
+    """Raise ValueError unless ``spans`` is a 2-D integer tensor (free: no host sync)."""
+    if spans.dim() != 2:
+        raise ValueError(f"spans must be (b, t), got shape {tuple(spans.shape)}")
+    if spans.dtype.is_floating_point or spans.dtype == torch.bool:
+        raise ValueError(f"spans must have an integer dtype, got {spans.dtype}")
 
 
 def validate_response_mask(response_mask: torch.Tensor) -> None:
@@ -84,3 +91,125 @@ def validate_token_level_rewards(token_level_rewards: torch.Tensor, spans: torch
             f"token_level_rewards: reward {float(token_level_rewards[row, pos])} at row {row}, position {pos} "
             f"sits on a {kind} token and would be lost; place rewards on ASSISTANT tokens"
         )
+
+
+def validate_mask_matches_spans(response_mask: torch.Tensor, spans: torch.Tensor) -> None:
+    """Raise ValueError unless the (b, t) mask equals ``spans == ASSISTANT`` everywhere."""
+    disagree = response_mask.bool() != (spans == SpanKind.ASSISTANT)
+    where = _first_bad(disagree)
+    if where is not None:
+        row, pos = where
+        raise ValueError(
+            f"response_mask is {float(response_mask[row, pos])} at row {row}, position {pos} but the span there "
+            f"is {SpanKind(int(spans[row, pos])).name}; the mask must equal (spans == ASSISTANT)"
+        )
+
+
+CPU_BLOCK_ELEMENTS = 2**19  # rows checked together on CPU (as the scans' blocks): temporaries stay in the cache
+
+
+def validate_batch(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    spans: torch.Tensor | None = None,
+    count: bool = False,
+) -> int | None:
+    """Every value check of a batch in one fused pass; with ``count``, returns the number of ASSISTANT tokens.
+
+    The same checks, in the same order and with the same messages (row and position), as
+    :func:`validate_response_mask`, :func:`validate_spans`, :func:`validate_mask_matches_spans` and
+    :func:`validate_token_level_rewards` (with ``spans=None`` every 0 of the mask is an OBSERVATION).
+    ``(b, t)`` tensors of one shape (the caller checks shapes); ``token_level_rewards`` floating point.
+
+    Each check becomes a residual that is exactly 0 everywhere on good input, and all their
+    reductions reach the host together (one synchronisation on CUDA):
+
+    * ``max(spans as uint8) <= 2`` iff every span is known (a negative int8 is >= 128 as uint8);
+    * ``min(spans, 1)`` never rises along a row iff PAD only trails;
+    * ``(spans & 1) - mask`` (``spans & 1`` is the ASSISTANT indicator of a known span) is 0 iff the
+      mask is 0/1 and equals ``spans == ASSISTANT``; without spans ``mask - mask * mask`` is 0 iff it is 0/1;
+    * ``rewards - rewards * mask`` is 0 iff every reward is finite (``inf - inf`` and NaN are NaN)
+      and 0 off the mask.
+
+    Only a nonzero residual runs the single checks, which raise with their messages. On CPU, rows
+    are checked in blocks of :data:`CPU_BLOCK_ELEMENTS` (the temporaries stay in the cache); the
+    whole costs 0.2-0.6x of a returns scan (BENCHMARKS.md, issue 20).
+    """
+    if spans is not None:
+        validate_spans_dtype(spans)
+    if token_level_rewards.numel() == 0:
+        return 0 if count else None
+    b, t = token_level_rewards.shape
+    rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
+    checks = [  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
+        check
+        for start in range(0, b, rows)
+        for check in _residual_checks(
+            token_level_rewards[start : start + rows],
+            response_mask[start : start + rows],
+            None if spans is None else spans[start : start + rows],
+        )
+    ]
+    if count:  # exact for 0/1 values
+        exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
+        mask_r = response_mask.to(token_level_rewards.dtype)
+        checks.append((mask_r.sum(dtype=None if exact else torch.float64), 0, float("inf")))
+    values = _to_host([value for value, _, _ in checks])
+    total = int(values[-1]) if count else None
+    bad = not all(low <= value <= high for value, (_, low, high) in zip(values, checks))  # NaN is never within
+    if bad:
+        validate_response_mask(response_mask)
+        if spans is None:
+            spans = spans_from_response_mask(response_mask)
+        else:
+            validate_spans(spans)
+            validate_mask_matches_spans(response_mask, spans)
+        validate_token_level_rewards(token_level_rewards, spans)
+    return total
+
+
+def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tensor, float, float]]:
+    """The reductions of :func:`validate_batch`'s residuals over one block of rows, as
+    ``(0-d tensor, low, high)``: on good input ``low <= value <= high``."""
+    checks = []
+    if spans is not None:
+        if spans.dtype in (torch.int8, torch.uint8):
+            checks.append((spans.view(torch.uint8).max(), 0, 2))
+        else:
+            checks += [(extreme, 0, 2) for extreme in spans.aminmax()]
+        spans8 = spans.to(torch.int8)
+        if spans.shape[-1] > 1:
+            checks.append((torch.diff(spans8.clamp(max=1)).max(), -1, 0))
+        is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
+        numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
+    else:
+        is_assistant = None
+        numeric = None if mask.dtype == torch.bool else mask  # a bool mask is 0/1
+    mask_r = mask.to(token_level_rewards.dtype)
+    if numeric is not None and numeric.dtype == token_level_rewards.dtype:  # both residuals in one buffer, one reduction
+        residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
+        _mask_residual(numeric, is_assistant, residuals[0])
+        torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residuals[1])
+        extrema = list(residuals.aminmax())
+    else:
+        extrema = [] if numeric is None else list(_mask_residual(numeric, is_assistant).aminmax())
+        extrema += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
+    return checks + [(value, 0, 0) for value in extrema]
+
+
+_ONE = torch.tensor(1, dtype=torch.int8)  # a 0-d CPU tensor combines with tensors on any device
+
+
+def _mask_residual(mask: torch.Tensor, is_assistant: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """0 everywhere iff ``mask`` equals ``is_assistant`` (0/1 int8), or, without it, iff ``mask`` is 0/1."""
+    if is_assistant is None:
+        return torch.addcmul(mask, mask, mask, value=-1, out=out)
+    return torch.sub(mask, is_assistant, out=out)
+
+
+def _to_host(scalars: list[torch.Tensor]) -> list[float]:
+    """Python numbers of 0-d tensors: one ``tolist`` (one synchronisation) on an accelerator; on
+    the CPU each is read directly (cheaper than stacking, and there is nothing to wait for)."""
+    if scalars[0].device.type == "cpu":
+        return [value.item() for value in scalars]
+    return torch.stack([value.double() for value in scalars]).tolist()

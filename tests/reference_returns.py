@@ -78,3 +78,14 @@ def gae_ref(rewards, values, spans, gamma: float, lam: float) -> tuple[torch.Ten
         advantages.append(adv_row)
         returns.append(ret_row)
     return _tensor(advantages), _tensor(returns)
+
+
+def whiten_ref(values, spans) -> torch.Tensor:
+    """verl's masked_whiten over ASSISTANT tokens, one token at a time: ``(v - mean) / sqrt(var + 1e-8)``
+    with the Bessel-corrected variance (two passes, Python floats); 0 off ASSISTANT tokens."""
+    rows, kinds = _rows(values), _rows(spans)
+    kept = [v for row, kind in zip(rows, kinds) for v, k in zip(row, kind) if k == ASSISTANT]
+    mean = sum(kept) / len(kept)
+    var = sum((v - mean) ** 2 for v in kept) / (len(kept) - 1)
+    scale = (var + 1e-8) ** -0.5
+    return _tensor([[(v - mean) * scale if k == ASSISTANT else 0.0 for v, k in zip(row, kind)] for row, kind in zip(rows, kinds)])

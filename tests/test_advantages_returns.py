@@ -10,9 +10,11 @@ from reference_returns import (
     gae_ref,
     returns_ignore_mask_ref,
     returns_reset_at_observation_ref,
+    whiten_ref,
 )
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
+from advantages.returns import whitened_discounted_returns
 from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
 
@@ -325,3 +327,101 @@ def test_gae_rejects_values_of_another_shape_and_lam_out_of_range():
 def test_integer_rewards_are_rejected():
     with pytest.raises(ValueError, match="must be floating point"):
         discounted_returns(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), 0.9)
+
+
+# --- whitening (REINFORCE++ advantages, gae(whiten=True)) --------------------------------------------
+
+
+@pytest.mark.parametrize("with_spans", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("t", (1, 129, 8192))
+@pytest.mark.parametrize("gamma", (0.0, 0.99, 1.0))
+def test_whitened_returns_match_serial_reference(gamma, t, dtype, with_spans):
+    generator = torch.Generator().manual_seed(77 + t)
+    spans = random_spans(t, generator)
+    if not with_spans:  # mask-only: every non-ASSISTANT token is an observation
+        spans = torch.where(spans == A, A, O).to(torch.int8)
+    rewards = random_rewards(spans, generator, dtype)
+    rewards[0, 0] = 1.0  # at least 2 ASSISTANT tokens even for t = 1
+    spans[:2, 0] = A
+    mask = (spans == A).to(dtype)
+    advantages, returns = whitened_discounted_returns(rewards, mask, gamma, spans=spans if with_spans else None)
+    expected_returns = discounted_returns_ref(rewards, spans, gamma)
+    torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE[dtype])
+    torch.testing.assert_close(advantages.double(), whiten_ref(expected_returns, spans), **TOLERANCE[dtype])
+    assert advantages.dtype == dtype and torch.all(advantages[spans != A] == 0)
+    unchecked = whitened_discounted_returns(rewards, mask, gamma, spans=spans, validate=False)
+    torch.testing.assert_close(unchecked[0], advantages, atol=1e-6, rtol=1e-6)
+
+
+def test_whitening_keeps_precision_when_the_mean_dwarfs_the_spread():
+    """Returns near 1000 that differ by ~1e-3: a sum-of-squares variance would cancel in float32
+    (whitened values off by O(1)); the centred two-pass variance is off by the float32 rounding of
+    the returns and their mean only (~3e-3 here, the same as masked_whiten)."""
+    generator = torch.Generator().manual_seed(5)
+    spans = random_spans(4096, generator)
+    rewards = torch.where(spans == A, 1000.0 + 1e-3 * torch.randn(spans.shape, generator=generator, dtype=torch.float64), 0.0)
+    advantages, returns = whitened_discounted_returns(rewards.float(), (spans == A).float(), 0.0, spans=spans)
+    expected = whiten_ref(discounted_returns_ref(rewards.float(), spans, 0.0), spans)
+    torch.testing.assert_close(advantages.double(), expected, atol=1e-2, rtol=0)
+
+
+def test_whitening_in_row_blocks_and_half_precision(monkeypatch):
+    monkeypatch.setattr("advantages.scan.CPU_BLOCK_ELEMENTS", 1000)
+    generator = torch.Generator().manual_seed(21)
+    spans = random_spans(500, generator)
+    rewards = random_rewards(spans, generator)
+    values = torch.randn(spans.shape, generator=generator, dtype=torch.float64)
+    mask = (spans == A).double()
+    advantages, _ = whitened_discounted_returns(rewards, mask, 0.9, spans=spans)
+    torch.testing.assert_close(advantages, whiten_ref(discounted_returns_ref(rewards, spans, 0.9), spans), atol=1e-10, rtol=1e-10)
+    gae_advantages, gae_returns = gae(rewards, values, mask, 0.9, 0.8, spans=spans)
+    expected_advantages, expected_returns = gae_ref(rewards, values, spans, 0.9, 0.8)
+    torch.testing.assert_close(gae_advantages, whiten_ref(expected_advantages, spans), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(gae_returns, expected_returns, atol=1e-10, rtol=1e-10)
+    half, _ = whitened_discounted_returns(rewards.bfloat16(), mask.bfloat16(), 0.9, spans=spans)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), whiten_ref(discounted_returns_ref(rewards.bfloat16(), spans, 0.9), spans), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_whitening_needs_two_assistant_tokens(tokens):
+    spans = torch.full((2, 4), O, dtype=torch.int8)
+    spans[1, :tokens] = A
+    mask = (spans == A).float()
+    for call in (
+        lambda **kw: whitened_discounted_returns(torch.zeros(2, 4), mask, 0.9, spans=spans, **kw),
+        lambda **kw: gae(torch.zeros(2, 4), torch.zeros(2, 4), mask, 0.9, 0.95, spans=spans, **kw),
+    ):
+        with pytest.raises(ValueError, match=f"need at least 2 unmasked tokens.*got {tokens}"):
+            call()
+        assert torch.isnan(call(validate=False)[0]).any()  # unchecked: NaN, as verl's whitening gives
+
+
+def test_hot_path_calls_nothing_that_syncs_with_the_host():
+    """validate=False: the torch path reads nothing back (on CUDA it would not wait for the device);
+    validate=True reads its checks back once per call (one sync on CUDA: a stack of scalars)."""
+    from torch.overrides import TorchFunctionMode
+
+    class HostSyncs(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "cpu"):
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(3)
+    spans = random_spans(300, generator)
+    rewards = random_rewards(spans, generator, torch.float32)
+    mask = (spans == A).float()
+    with HostSyncs() as syncs:
+        discounted_returns(rewards, mask, 0.99, spans=spans, validate=False)
+        whitened_discounted_returns(rewards, mask, 0.99, spans=spans, validate=False)
+        gae(rewards, rewards, mask, 0.99, 0.95, spans=spans, validate=False)
+    assert syncs.seen == []
+    with HostSyncs() as syncs:
+        whitened_discounted_returns(rewards, mask, 0.99, spans=spans)
+    assert syncs.seen and set(syncs.seen) == {"item"}  # the fused checks' scalars, nothing per check

@@ -20,6 +20,7 @@ from masking import (
     validate_spans,
     validate_token_level_rewards,
 )
+from masking.validate import validate_batch, validate_mask_matches_spans
 
 A, O, P = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
 
@@ -188,3 +189,122 @@ def test_validate_rewards(rewards, message):
 def test_validate_rewards_shape_mismatch():
     with pytest.raises(ValueError, match="shape"):
         validate_token_level_rewards(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.int8))
+
+
+# --- the fused validation (masking.validate.validate_batch) against the single checks ---------------
+
+
+def validate_one_by_one(rewards, mask, spans):
+    """The single checks in their order (the reference for validate_batch's outcome and message)."""
+    validate_response_mask(mask)
+    if spans is None:
+        spans = spans_from_response_mask(mask)
+    else:
+        validate_spans(spans)
+        validate_mask_matches_spans(mask, spans)
+    validate_token_level_rewards(rewards, spans)
+
+
+def outcome(check, *args):
+    try:
+        check(*args)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+FAULTS = (
+    "none", "mask_half", "mask_two", "mask_tiny", "mask_nan", "mask_negative_zero", "mask_disagrees",
+    "span_unknown", "span_negative", "span_big", "pad_inside", "reward_nan", "reward_inf", "reward_off",
+    "reward_tiny_off", "reward_negative_zero_off",
+)
+
+
+def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dtype):
+    b, t = rng.randint(1, 4), rng.randint(1, 9)
+    rows = []
+    for _ in range(b):
+        length, kind, row = rng.randint(0, t), A, []
+        while len(row) < length:
+            row += [kind] * rng.randint(1, 3)
+            kind = O if kind == A else A
+        rows.append(row[:length] + [P] * (t - length))
+    spans = torch.tensor(rows, dtype=torch.int64).reshape(b, t)
+    mask = (spans == A).double()
+    rewards = torch.randn(b, t, dtype=torch.float64) * mask
+    for fault in faults:
+        row, pos = rng.randrange(b), rng.randrange(t)
+        if fault == "mask_half":
+            mask[row, pos] = 0.5
+        elif fault == "mask_two":
+            mask[row, pos] = 2.0
+        elif fault == "mask_tiny":
+            mask[row, pos] += 1e-30 if mask[row, pos] == 0 else 1e-6
+        elif fault == "mask_nan":
+            mask[row, pos] = float("nan")
+        elif fault == "mask_negative_zero" and mask[row, pos] == 0:
+            mask[row, pos] = -0.0
+        elif fault == "mask_disagrees":
+            mask[row, pos] = 1.0 - mask[row, pos]
+        elif fault == "span_unknown":
+            spans[row, pos] = 3
+        elif fault == "span_negative":
+            spans[row, pos] = -1
+        elif fault == "span_big" and spans_dtype == torch.int64:
+            spans[row, pos] = rng.choice((257, -(2**63)))  # 1 modulo 256, or a minimum that a negation would keep
+        elif fault == "pad_inside":
+            spans[row, pos] = P
+        elif fault == "reward_nan":
+            rewards[row, pos] = float("nan")
+        elif fault == "reward_inf":
+            rewards[row, pos] = float("-inf")
+        elif fault == "reward_off" and mask[row, pos] == 0:
+            rewards[row, pos] = 1.0
+        elif fault == "reward_tiny_off" and mask[row, pos] == 0:
+            rewards[row, pos] = 1e-38
+        elif fault == "reward_negative_zero_off" and mask[row, pos] == 0:
+            rewards[row, pos] = -0.0
+    if mask_dtype == torch.bool:
+        mask = mask != 0
+    return rewards.to(rewards_dtype), mask.to(mask_dtype), spans.to(spans_dtype)
+
+
+@pytest.mark.parametrize("with_spans", [True, False])
+@pytest.mark.parametrize(
+    "spans_dtype, mask_dtype, rewards_dtype",
+    [
+        (torch.int8, torch.float32, torch.float32),
+        (torch.int64, torch.float64, torch.float64),
+        (torch.uint8, torch.bool, torch.bfloat16),
+        (torch.int32, torch.float32, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("block", [None, 9])
+def test_fused_validation_raises_exactly_what_the_single_checks_raise(
+    with_spans, spans_dtype, mask_dtype, rewards_dtype, block, monkeypatch
+):
+    if block:  # blocks of one row (or two short ones) on CPU
+        monkeypatch.setattr("masking.validate.CPU_BLOCK_ELEMENTS", block)
+    rng = random.Random(f"{with_spans}{spans_dtype}{mask_dtype}{rewards_dtype}{block}")
+    raised = set()
+    for case in range(400):
+        faults = rng.sample(FAULTS, rng.choice((1, 1, 2)))
+        rewards, mask, spans = faulty_batch(rng, faults, spans_dtype, mask_dtype, rewards_dtype)
+        if spans_dtype == torch.uint8:
+            spans = spans.to(torch.int64).clamp(min=0).to(torch.uint8)
+        spans = spans if with_spans else None
+        want = outcome(validate_one_by_one, rewards, mask, spans)
+        got = outcome(validate_batch, rewards, mask, spans)
+        assert got == want, (case, faults, rewards, mask, spans)
+        if want is None:
+            assert validate_batch(rewards, mask, spans, count=True) == int((mask != 0).sum())
+        raised.add(want is not None)
+    assert raised == {True, False}  # both outcomes were exercised
+
+
+def test_fused_validation_of_empty_and_single_token_batches():
+    assert validate_batch(torch.zeros(0, 5), torch.zeros(0, 5), torch.zeros(0, 5, dtype=torch.int8), count=True) == 0
+    assert validate_batch(torch.zeros(3, 0), torch.zeros(3, 0), count=True) == 0
+    assert validate_batch(torch.ones(2, 1), torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int8), count=True) == 2
+    with pytest.raises(ValueError, match="integer dtype"):
+        validate_batch(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))

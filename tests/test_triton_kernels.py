@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from advantages import triton_kernels  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
-from reference_returns import discounted_returns_ref, gae_ref  # noqa: E402
+from reference_returns import discounted_returns_ref, gae_ref, whiten_ref  # noqa: E402
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 BLOCK = 16  # small chunks so short rows cross several chunk boundaries
@@ -85,7 +86,81 @@ def run_kernels(path):
     results["returns-default-config"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.97), out=out)
     for name, tensors in moment_cases():
         results[name] = triton_kernels.triton_discounted_returns_with_moments(**tensors, gamma=0.99, block=BLOCK)
+        results[f"split-{name}"] = triton_kernels.triton_discounted_returns_with_moments(**tensors, gamma=0.99, block=BLOCK, split=True)
+        gae_tensors = dict(tensors, values=tensors["rewards"].flip(-1))
+        results[f"gae-{name}"] = triton_kernels.triton_gae_with_moments(**gae_tensors, gamma=0.99, lam=0.95, block=BLOCK)
+        results[f"split-gae-{name}"] = triton_kernels.triton_gae_with_moments(**gae_tensors, gamma=0.99, lam=0.95, block=BLOCK, split=True)
+    for name, kernel, tensors, scalars in split_cases():
+        if kernel == "returns":
+            out = (triton_kernels.triton_discounted_returns(**tensors, **scalars, block=BLOCK, split=True),)
+        else:
+            out = triton_kernels.triton_gae(**tensors, **scalars, block=BLOCK, split=True)
+        results[name] = dict(kernel=kernel, tensors=tensors, scalars=scalars, out=out)
+    # chosen automatically: one row of 4 * SPLIT_BLOCK tokens (fewer rows than SMs)
+    spans = agent_spans(4 * triton_kernels.SPLIT_BLOCK, torch.Generator().manual_seed(5))[:1]
+    rewards = torch.randn(spans.shape, generator=torch.Generator().manual_seed(6))
+    out = (triton_kernels.triton_discounted_returns(rewards, spans, 0.999),)
+    unsplit = triton_kernels.triton_discounted_returns(rewards, spans, 0.999, block=triton_kernels.SPLIT_BLOCK, split=False)
+    results["estimators"] = run_estimators()
+    results["split-auto"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.999), out=out, unsplit=unsplit)
     torch.save(results, path)
+
+
+class HostSyncs(TorchFunctionMode):
+    """Records the tensor methods that would make a CUDA stream wait for the host (item, tolist, bool, ...)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def run_estimators():
+    """The estimators' CUDA path (Triton kernels, fused moments, one elementwise whitening pass) on
+    CPU tensors: the dispatch is pointed at the interpreted kernels. Also records host syncs."""
+    import advantages.returns as returns_module
+
+    returns_module._triton = lambda x: triton_kernels
+    generator = torch.Generator().manual_seed(23)
+    spans = agent_spans(3 * BLOCK + 5, generator)
+    rewards = torch.randn(spans.shape, generator=generator) * (spans == A)
+    values = torch.randn(spans.shape, generator=generator)
+    mask = (spans == A).float()
+    out = dict(spans=spans, rewards=rewards, values=values)
+    for validate in (True, False):
+        with HostSyncs() as syncs:
+            out[f"rpp-{validate}"] = returns_module.whitened_discounted_returns(rewards, mask, 0.99, spans=spans, validate=validate)
+            out[f"gae-{validate}"] = returns_module.gae(rewards, values, mask, 0.99, 0.95, spans=spans, validate=validate)
+        out[f"syncs-{validate}"] = syncs.seen
+    out["rpp-mask-only"] = returns_module.whitened_discounted_returns(rewards, mask, 0.99)
+    return out
+
+
+def split_cases():
+    """Rows split across programs (chunks of BLOCK): a row of one chunk, chunk boundaries, 19 chunks
+    (the carry scan over a padded power of two), PAD inside rows, every gamma, bfloat16."""
+    generator = torch.Generator().manual_seed(17)
+    for t in (BLOCK - 3, 2 * BLOCK, 19 * BLOCK - 5):
+        spans = agent_spans(t, generator)
+        rewards = torch.randn(spans.shape, generator=generator)
+        values = torch.randn(spans.shape, generator=generator)
+        for gamma in GAMMAS:
+            yield f"split-t{t}-float32-g{gamma}", "returns", dict(rewards=rewards, spans=spans), dict(gamma=gamma)
+            gae_inputs = dict(rewards=rewards, values=values, spans=spans)
+            yield f"split-gae-t{t}-float32-g{gamma}", "gae", gae_inputs, dict(gamma=gamma, lam=0.95)
+        yield f"split-t{t}-bfloat16-g0.99", "returns", dict(rewards=rewards.bfloat16(), spans=spans), dict(gamma=0.99)
+        half = dict(rewards=rewards.bfloat16(), values=values.bfloat16(), spans=spans)
+        yield f"split-gae-t{t}-bfloat16-l0", "gae", half, dict(gamma=0.99, lam=0.0)
+    iid = torch.randint(0, 3, (3, 5 * BLOCK + 1), generator=generator, dtype=torch.int8)
+    iid_rewards, iid_values = torch.randn(iid.shape, generator=generator), torch.randn(iid.shape, generator=generator)
+    yield "split-iid-spans", "returns", dict(rewards=iid_rewards, spans=iid), dict(gamma=0.9)
+    yield "split-gae-iid-spans", "gae", dict(rewards=iid_rewards, values=iid_values, spans=iid), dict(gamma=0.9, lam=0.8)
 
 
 def moment_cases():
@@ -106,7 +181,7 @@ def interpreted(tmp_path_factory):
     return torch.load(path)
 
 
-CASE_NAMES = [name for name, *_ in cases()] + ["returns-default-config"]
+CASE_NAMES = [name for name, *_ in cases()] + ["returns-default-config", "split-auto"] + [name for name, *_ in split_cases()]
 
 
 @pytest.mark.slow
@@ -122,18 +197,29 @@ def test_kernel_matches_serial_reference(interpreted, name):
     dtype = str(tensors["rewards"].dtype).removeprefix("torch.")
     for got, want in zip(out, expected, strict=True):
         assert got.dtype == tensors["rewards"].dtype and got.shape == spans.shape
-        torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+        tolerance = dict(TOLERANCE[dtype])
+        tolerance["atol"] *= max(1.0, float(want.abs().max()))  # float32 sums of long rows: relative to their size
+        torch.testing.assert_close(got.double(), want, **tolerance)
         assert torch.all(got[spans != A] == 0), "non-ASSISTANT positions must be exactly 0"
+    if "unsplit" in case:  # the split picked automatically gives the one-program-per-row result exactly
+        assert torch.equal(out[0], case["unsplit"])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["", "split-", "gae-", "split-gae-"])
 @pytest.mark.parametrize("name", [name for name, _ in moment_cases()])
-def test_fused_moments_match_the_returns(interpreted, name):
-    """Per-row count/mean/M2 of the ASSISTANT returns, and their merge into the batch's Bessel variance."""
+def test_fused_moments_match_the_returns(interpreted, name, kind):
+    """Per-row count/mean/M2 of the ASSISTANT returns (GAE: advantages), and their merge into the
+    batch's Bessel variance; rows split across programs merge their chunks' moments."""
     tensors = dict(moment_cases())[name]
     spans = tensors["spans"]
-    returns, moments = interpreted[name]
-    expected = discounted_returns_ref(tensors["rewards"], spans, 0.99)
+    if kind.endswith("gae-"):
+        returns, gae_returns, moments = interpreted[kind + name]
+        expected, expected_gae_returns = gae_ref(tensors["rewards"], tensors["rewards"].flip(-1), spans, 0.99, 0.95)
+        torch.testing.assert_close(gae_returns.double(), expected_gae_returns, **TOLERANCE[name.rsplit("-", 1)[1]])
+    else:
+        returns, moments = interpreted[kind + name]
+        expected = discounted_returns_ref(tensors["rewards"], spans, 0.99)
     torch.testing.assert_close(returns.double(), expected, **TOLERANCE[name.rsplit("-", 1)[1]])
     assistant = spans == A
     for row in range(spans.shape[0]):
@@ -146,6 +232,28 @@ def test_fused_moments_match_the_returns(interpreted, name):
     assert int(count) == int(assistant.sum())
     torch.testing.assert_close(mean, expected[assistant].mean(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(var, expected[assistant].var(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_estimators_on_the_kernels_whiten_from_fused_moments_without_host_sync(interpreted):
+    """whitened_discounted_returns (REINFORCE++) and gae(whiten=True) on the Triton path match the
+    serial references; without validation they call nothing that syncs with the host (so the
+    estimator can be captured in a CUDA graph: the capture itself needs a GPU, owed)."""
+    out = interpreted["estimators"]
+    spans, rewards, values = out["spans"], out["rewards"], out["values"]
+    expected_returns = discounted_returns_ref(rewards, spans, 0.99)
+    expected_gae, expected_gae_returns = gae_ref(rewards, values, spans, 0.99, 0.95)
+    for validate in (True, False):
+        advantages, returns = out[f"rpp-{validate}"]
+        torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE["float32"])
+        torch.testing.assert_close(advantages.double(), whiten_ref(expected_returns, spans), **TOLERANCE["float32"])
+        gae_advantages, gae_returns = out[f"gae-{validate}"]
+        torch.testing.assert_close(gae_returns.double(), expected_gae_returns, **TOLERANCE["float32"])
+        torch.testing.assert_close(gae_advantages.double(), whiten_ref(expected_gae, spans), **TOLERANCE["float32"])
+        assert torch.all(advantages[spans != A] == 0) and torch.all(gae_advantages[spans != A] == 0)
+    assert out["syncs-False"] == []
+    assert out["syncs-True"]  # validation does read its checks back (one sync on CUDA)
+    torch.testing.assert_close(out["rpp-mask-only"][0], out["rpp-True"][0])  # PAD trails: the same as with spans
 
 
 @pytest.mark.slow
@@ -206,7 +314,8 @@ def test_default_launch_config():
 KERNELS = {  # name, pointer arguments, constexprs other than BLOCK/NUM_STAGES/span kinds
     "returns": ("_discounted_returns_kernel", ("rewards_ptr", "spans_ptr", "out_ptr", "moments_ptr"), {"MOMENTS": False}),
     "returns+moments": ("_discounted_returns_kernel", ("rewards_ptr", "spans_ptr", "out_ptr", "moments_ptr"), {"MOMENTS": True}),
-    "gae": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr"), {}),
+    "gae": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr", "moments_ptr"), {"MOMENTS": False}),
+    "gae+moments": ("_gae_kernel", ("rewards_ptr", "values_ptr", "spans_ptr", "adv_ptr", "ret_ptr", "moments_ptr"), {"MOMENTS": True}),
 }
 
 
@@ -225,7 +334,7 @@ def test_kernels_compile_for_hopper(kernel, dtype):
     name, pointer_names, extra = KERNELS[kernel]
     pointer_type = {"spans_ptr": "*i8", "moments_ptr": "*fp32"}
     pointers = {arg: pointer_type.get(arg, f"*{dtype}") for arg in pointer_names}
-    scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if kernel == "gae" else {})
+    scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if kernel.startswith("gae") else {})
     constexprs = {"BLOCK": 2048, "NUM_STAGES": 2, "ASSISTANT": A, "OBSERVATION": O} | extra
     signature = pointers | scalars | {arg: "constexpr" for arg in constexprs}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 1)}  # the pointers and t
@@ -234,6 +343,43 @@ def test_kernels_compile_for_hopper(kernel, dtype):
     assert "cp.async.c" in ptx and "ld.global" not in ptx
     stores = set(re.findall(r"st\.global\S*", ptx))
     assert stores == ({"st.global.v4.b32", "st.global.b32"} if extra.get("MOMENTS") else {"st.global.v4.b32"})
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_split_kernels_compile_for_hopper(moments):
+    """The two passes of a split row (returns and GAE) compile to sm_90 code with 16-byte vector stores."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the interpreter is on in this process; compiling needs the real JIT")
+    kinds = {"ASSISTANT": A, "OBSERVATION": O}
+    passes = [
+        (triton_kernels._returns_chunk_maps_kernel, ("rewards_ptr", "spans_ptr", "maps_ptr"), {"BLOCK": 2048} | kinds),
+        (
+            triton_kernels._returns_split_kernel,
+            ("rewards_ptr", "spans_ptr", "maps_ptr", "out_ptr", "moments_ptr"),
+            {"BLOCK": 2048, "CHUNKS": 128, "MOMENTS": moments} | kinds,
+        ),
+    ]
+    passes += [
+        (triton_kernels._gae_chunk_maps_kernel, ("rewards_ptr", "values_ptr", "spans_ptr", "maps_ptr"), {"BLOCK": 2048} | kinds),
+        (
+            triton_kernels._gae_split_kernel,
+            ("rewards_ptr", "values_ptr", "spans_ptr", "maps_ptr", "adv_ptr", "ret_ptr", "moments_ptr"),
+            {"BLOCK": 2048, "CHUNKS": 128, "MOMENTS": moments} | kinds,
+        ),
+    ]
+    for kernel, pointer_names, constexprs in passes:
+        pointers = {arg: {"spans_ptr": "*i8", "rewards_ptr": "*fp32", "out_ptr": "*fp32"}.get(arg, "*fp32") for arg in pointer_names}
+        scalars = {"t": "i32", "gamma": "fp32"} | ({"lam": "fp32"} if "values_ptr" in pointer_names else {})
+        signature = pointers | scalars | {arg: "constexpr" for arg in constexprs}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 1)}
+        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        if "out_ptr" in pointer_names or "adv_ptr" in pointer_names:
+            assert "st.global.v4.b32" in ptx
 
 
 if __name__ == "__main__":
