@@ -108,6 +108,9 @@ def write_atomically(path: str, write) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would have made it
     try:
         write(tmp)
         os.replace(tmp, target)

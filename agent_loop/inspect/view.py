@@ -19,7 +19,8 @@ from masking.spans import SpanKind
 CHUNK = 256  # episodes per chunk of the values pass
 INFORMATIVE = 3  # episodes the terminal shows by default
 # what makes an episode worth showing by default, most telling first
-WHY = ("the lowest-reward failure", "a tool error", "an unusual finish", "the success with the most turns")
+WHY = ("the lowest-reward failure", "a tool error", "an unusual finish", "the success with the most turns",
+       "the shortest success")
 
 
 def episode_id(traj: Trajectory, ordinal: int) -> int:
@@ -121,6 +122,7 @@ class Keeper:
                 "a tool error": ((self.seq,),) if has_tool_error(traj) else None,
                 "an unusual finish": ((self.seq,),) if traj.finish_reason != "stop" else None,
                 "the success with the most turns": ((-turns, -traj.reward, self.seq),) if is_success(traj) else None,
+                "the shortest success": ((len(traj.response_ids), self.seq),) if is_success(traj) else None,
             }
             for why, key in candidates.items():
                 if key is not None and (why not in self.picks or key < self.picks[why][0]):
