@@ -127,10 +127,10 @@ def episode(view: InspectView, row: int, values: bool = False) -> Group:
     return Group(*parts)
 
 
-def batch_summary(view: InspectView, shown: str) -> Table:
+def batch_summary(view: InspectView, shown: str) -> Group:
     """The whole file in one pass, as a two-column table that fits 80 columns without wrapping."""
     s = view.summary
-    table = Table(title=f"{view.source}: {s.episodes} episodes", title_justify="left", show_header=False)
+    table = Table(show_header=False)
     table.add_column("metric", style="bold", no_wrap=True)
     table.add_column("value", no_wrap=True, overflow="ellipsis")
     n = max(s.episodes, 1)
@@ -146,7 +146,7 @@ def batch_summary(view: InspectView, shown: str) -> Table:
         ("shown", shown),
     ):
         table.add_row(name, value)
-    return table
+    return Group(Text(f"{view.source}: {s.episodes} episodes", style="bold"), table)
 
 
 def estimator_table(view: InspectView) -> Table:

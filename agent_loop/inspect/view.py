@@ -100,6 +100,7 @@ class Keeper:
         self.heap: list[tuple[float, int, int, Record]] = []  # worst mode: (-reward, -seq, id, record)
         self.picks: dict[str, tuple[tuple, Record, int]] = {}  # informative mode: why -> (rank key, record, id)
         self.seq = 0
+        self.first: list[tuple[Record, int]] = []  # informative mode: fill-ins when the picks coincide
 
     def offer(self, record: Record, eid: int) -> None:
         sel, traj = self.selection, record.trajectory
@@ -116,6 +117,8 @@ class Keeper:
             elif item > self.heap[0]:
                 heapq.heapreplace(self.heap, item)
         else:
+            if len(self.first) < sel.limit:
+                self.first.append((record, eid))
             turns = len(set(traj.turn_ids))
             candidates = {
                 "the lowest-reward failure": ((traj.reward, self.seq),) if not is_success(traj) else None,
@@ -140,10 +143,9 @@ class Keeper:
         kept = [(r, e, "") for r, e in self.kept]  # keep_first: the page's episodes, in file order
         at = {r.line: i for i, (r, _, _) in enumerate(kept)}
         shown: list[int] = []
-        for why in WHY:
-            if why not in self.picks:
-                continue
-            _, record, eid = self.picks[why]
+        fill = [(None, record, eid) for record, eid in self.first]
+        for why, (_, record, eid) in [(w, self.picks[w]) for w in WHY if w in self.picks] + [
+                ("one more, from the start of the file", f) for f in fill]:
             if record.line not in at:
                 at[record.line] = len(kept)
                 kept.append((record, eid, ""))
