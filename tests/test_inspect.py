@@ -396,6 +396,15 @@ def test_streamed_whitening_equals_the_whole_batch(batch, tmp_path, monkeypatch)
     torch.testing.assert_close(shown.values.advantages[0, :n], adv[4, :n], rtol=1e-5, atol=1e-6)
 
 
+def test_reward_tensors_equal_the_collated_batch(batch):
+    from agent_loop.collate import trajectories_to_batch
+    from agent_loop.inspect.values import reward_tensors
+
+    light, full = reward_tensors(batch), trajectories_to_batch(batch)
+    assert torch.equal(light["spans"], full["spans"])
+    assert torch.equal(light["token_level_rewards"], full["token_level_rewards"])
+
+
 def test_design_worked_example():
     """docs/design.md section 3: gamma 0.5, spans [A, A, O, O, A] (+ padding from a longer row), reward 2 at t=4."""
     A, O = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION)

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import advantages
 from agent_loop.collate import trajectories_to_batch
 from agent_loop.types import Trajectory
-from masking.spans import SpanKind, response_mask_from_spans
+from masking.rewards import place_rewards
+from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 
 # name shown to the user -> how the discounted return treats OBSERVATION tokens
 ESTIMATORS = {
@@ -78,6 +80,21 @@ class EstimatorSummary:
     mean_abs_diff: float
 
 
+def reward_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Just the (b, t) ``spans`` and ``token_level_rewards`` of :func:`trajectories_to_batch` (the
+    same padding and reward placement, without the prompt and id tensors): what the returns need."""
+    spans = pad_sequence([torch.tensor(t.spans, dtype=SPAN_DTYPE) for t in trajectories], batch_first=True,
+                         padding_value=SpanKind.PAD)
+    turns = pad_sequence([torch.tensor(t.turn_ids, dtype=torch.int16) for t in trajectories], batch_first=True,
+                         padding_value=-1)
+    per_turn = None
+    if any(t.turn_rewards for t in trajectories):
+        per_turn = pad_sequence([torch.tensor(t.turn_rewards or [], dtype=torch.float32) for t in trajectories],
+                                batch_first=True)
+    rewards = place_rewards(spans, torch.tensor([t.reward for t in trajectories], dtype=torch.float32), turns, per_turn)
+    return {"spans": spans, "token_level_rewards": rewards}
+
+
 @dataclass
 class FileStats:
     """What the values of a whole file add up to, gathered chunk by chunk (:meth:`add`)."""
@@ -88,7 +105,7 @@ class FileStats:
     sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of returns, differing, sum |diff|]
 
     def add(self, trajectories: list[Trajectory]) -> None:
-        batch = trajectories_to_batch(trajectories)
+        batch = reward_tensors(trajectories)
         assistant = batch["spans"] == SpanKind.ASSISTANT
         carry = token_values(batch, "carry-through", self.gamma)
         self.returns.add(carry[assistant])
