@@ -59,6 +59,7 @@ body.heat #colorbar{display:inline-flex}
 svg.chart{width:100%;height:auto;background:#fcfcfd;border:1px solid #e1e5ea;border-radius:4px;display:block}
 svg.chart text{font:11px system-ui,sans-serif;fill:#555}
 .legend span{margin-right:14px;font-size:12px}
+.runs{display:grid;grid-template-columns:1fr 1fr;gap:14px}.runs h3{font-size:14px;margin:4px 0}
 """
 
 # the page's script: the data is in <script type="application/json" id="data">

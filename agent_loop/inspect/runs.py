@@ -140,6 +140,7 @@ def stats(briefs_: list[Brief]) -> dict[str, str]:
 
 
 def tokens_state(pair: Pair) -> str:
+    """"same", "differ at P" for the pairs read in full, else "differ" (known from the digests)."""
     if pair.a.digest == pair.b.digest and pair.a.tokens == pair.b.tokens:
         return "same"
     return f"differ at {pair.divergence}" if pair.divergence is not None else "differ"
@@ -227,7 +228,7 @@ def render_terminal(c: Comparison, console: Console, tokenizer: str | None, show
 
 # -- HTML --------------------------------------------------------------------------------------------
 
-def render_html(c: Comparison, tokenizer: str | None) -> str:
+def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
     from agent_loop.inspect import html as page_html
 
     esc = page_html.esc
@@ -240,8 +241,10 @@ def render_html(c: Comparison, tokenizer: str | None) -> str:
         f'<tr class="pair" data-ep="{p.a.index}"><td>{"<a href=#pair-%d>%d</a>" % (p.a.index, p.a.index) if i in c.shown else p.a.index}'
         f"</td><td>{esc(p.a.seed)}</td><td class=\"{'' if p.a.success else 'err'}\">{esc(outcome(p.a))}</td>"
         f"<td class=\"{'' if p.b.success else 'err'}\">{esc(outcome(p.b))}</td><td class=\"l\">{esc(tokens_state(p))}</td></tr>"
-        for i, p in enumerate(c.pairs))
-    pairs = ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">tokens</th></tr>'
+        for i, p in enumerate(c.pairs[:limit]))
+    more = (f'<p class="err">{len(c.pairs) - limit} more matched episodes not listed (--max-episodes)</p>'
+            if len(c.pairs) > limit else "")
+    pairs = more + ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">tokens</th></tr>'
              + rows + "</table>")
     text = TokenText(tokenizer)
     sections = []
@@ -253,10 +256,10 @@ def render_html(c: Comparison, tokenizer: str | None) -> str:
         d = p.divergence
         note = ("identical token sequences" if d is None else
                 f"first divergence at response position {d}: {d} tokens in common (outlined in red from there)")
-        blocks = "".join(
-            f'<h3>{name}: line {brief.line} · {esc(outcome(brief))} · finish {esc(brief.finish)}</h3>'
-            f'<div class="tokens run-{name}">{page_html.token_html(view, k, 0, len(traj.response_ids), d)}</div>'
-            for k, (name, brief, traj) in enumerate((("A", p.a, p.traj_a), ("B", p.b, p.traj_b))))
+        blocks = '<div class="runs">' + "".join(
+            f'<div><h3>{name}: line {brief.line} · {esc(outcome(brief))} · finish {esc(brief.finish)}</h3>'
+            f'<div class="tokens run-{name}">{page_html.token_html(view, k, 0, len(traj.response_ids), d)}</div></div>'
+            for k, (name, brief, traj) in enumerate((("A", p.a, p.traj_a), ("B", p.b, p.traj_b)))) + "</div>"
         sections.append(f'<section class="card pair-view" id="pair-{p.a.index}" data-divergence="{"" if d is None else d}">'
                         f"<h2>episode {p.a.index} (seed {esc(p.a.seed)})</h2><p>{note}</p>{blocks}</section>")
     warnings = "".join(f'<div class="card warn">warning: {esc(m)}</div>' for m in c.problems)
@@ -285,7 +288,7 @@ def run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if not args.quiet:
         render_terminal(c, console, args.tokenizer, bool(args.all), args.max_episodes)
     if args.html:
-        page = render_html(c, args.tokenizer)
+        page = render_html(c, args.tokenizer, args.max_episodes if args.all else 1000)
         write_atomically(args.html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
         err.print(f"wrote {args.html}")
     if args.png:
