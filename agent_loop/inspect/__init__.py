@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -91,6 +90,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name} {out}: the folder {path.parent} does not exist")
         if path.resolve() in {Path(r).resolve() for r in args.rollouts}:
             parser.error(f"--{name} {out}: is an input file; it would be overwritten")
+    if len(args.rollouts) == 2:
+        for name in ("png", "worst", "values", "compare"):
+            if getattr(args, name):
+                parser.error(f"--{name} shows one run; with two files give --all, --episode, --failed, --html")
     if sum(x is not None and x is not False for x in (args.episode, args.worst, args.all or None)) > 1:
         parser.error("--episode, --worst and --all choose episodes in different ways: give one of them")
 

@@ -17,7 +17,7 @@ import html
 import json
 
 from agent_loop.inspect.tokens import is_success, show_whitespace, turns
-from agent_loop.inspect.view import InspectView, has_tool_error
+from agent_loop.inspect.view import InspectView
 from masking.spans import SpanKind
 
 CSS = """

@@ -291,8 +291,6 @@ def run(args: argparse.Namespace, console: Console, err: Console) -> int:
         page = render_html(c, args.tokenizer, args.max_episodes if args.all else 1000)
         write_atomically(args.html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
         err.print(f"wrote {args.html}")
-    if args.png:
-        err.print("[yellow]warning:[/yellow] --png draws one run; with two files it is not written")
     if not c.pairs:
         err.print("[red]error:[/red] no episode of A matches one of B by (info.index, info.seed)")
         return 1

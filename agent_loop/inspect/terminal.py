@@ -187,6 +187,8 @@ def compare_table(view: InspectView, row: int) -> Table:
 
 def shown_line(view: InspectView, all_mode: bool) -> str:
     n, matching = len(view.selected), view.summary.matching
+    if matching == 0:
+        return "none: no episode matches the selection"
     if n == matching:
         return f"all {n} matching episodes" if n != 1 else "1 episode"
     if any(view.reasons):
