@@ -314,6 +314,23 @@ def test_scan_streams_memory_follows_the_episodes_kept(batch, tmp_path, monkeypa
     assert kept_peak > 2 * peak
 
 
+def test_summary_counts_every_episode(rollouts, batch):
+    s = scan(rollouts, Selection("worst", 1)).summary
+    assert (s.episodes, s.successes, s.reward_sum, s.matching) == (3, 2, 1.5, 3)
+    assert (s.first_id, s.last_id) == (10, 12)
+    assert s.assistant_tokens == span_count(batch, SpanKind.ASSISTANT)
+    assert s.observation_tokens == span_count(batch, SpanKind.OBSERVATION)
+    per_turn = {}
+    for t in batch:
+        for turn in sorted(set(t.turn_ids)):
+            acc = per_turn.setdefault(turn, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += sum(1 for k, s_ in zip(t.turn_ids, t.spans) if k == turn and s_ == SpanKind.ASSISTANT)
+            acc[2] += sum(1 for k, s_ in zip(t.turn_ids, t.spans) if k == turn and s_ == SpanKind.OBSERVATION)
+    assert s.per_turn == per_turn
+    assert s.tool_errors == {"unknown_tool": 1} and s.finish == {"stop": 2, "max_turns": 1}
+
+
 def test_tokenizer_that_cannot_load_falls_back_to_ids(batch, tmp_path):
     traj = Trajectory.from_json(batch[0].to_json())
     traj.info["model_path"] = str(tmp_path / "no-such-model")

@@ -77,18 +77,17 @@ class Summary:
         self.finish[traj.finish_reason] += 1
         self.tool_calls += len(traj.tool_calls)
         self.tool_errors.update(c.error_kind for c in traj.tool_calls if c.error_kind)
-        a = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
-        self.assistant_tokens += a
-        self.observation_tokens += len(traj.spans) - a
-        seen: dict[int, list[int]] = {}
-        for turn, span in zip(traj.turn_ids, traj.spans):
-            acc = seen.setdefault(turn, [1, 0, 0])
-            acc[1 if span == SpanKind.ASSISTANT else 2] += 1
-        for turn, (one, at, ot) in seen.items():
+        counts = Counter(zip(traj.turn_ids, traj.spans))  # (turn, span) -> tokens, counted in C
+        turns: dict[int, list[int]] = {}
+        for (turn, span), c in counts.items():
+            turns.setdefault(turn, [1, 0, 0])[1 if span == SpanKind.ASSISTANT else 2] += c
+        for turn, (one, at, ot) in turns.items():
             acc = self.per_turn.setdefault(turn, [0, 0, 0])
             acc[0] += one
             acc[1] += at
             acc[2] += ot
+            self.assistant_tokens += at
+            self.observation_tokens += ot
 
 
 class Keeper:
