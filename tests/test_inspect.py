@@ -361,6 +361,15 @@ def test_selectors(batch, rollouts, capsys):
     assert "episode 12 · line 3 ·" in capsys.readouterr().out
 
 
+def test_episode_without_an_index_is_counted_by_line_order(batch, tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    records = [json.loads(t.to_json()) for t in batch]
+    for r in records:
+        del r["info"]["index"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert kept_ids(path, Selection("ids", 1, [1])) == ([1], [2])
+
+
 def test_informative_picks_across_a_big_file(batch, tmp_path):
     path = big_file(batch, tmp_path / "big.jsonl", 300)
     scanned = scan(path, Selection("informative", 3))

@@ -348,8 +348,8 @@ def render(view: InspectView, compare: bool = False) -> str:
                      for k, label in modes)
     keys = ('<span class="key" style="background:#a8e6a8"></span>assistant'
             '<span class="key" style="background:#e2e4e8"></span>observation')
-    colorbar = ('<span id="colorbar"><span id="cb-name"></span><span id="cb-lo"></span><span class="bar"></span>'
-                '<span id="cb-hi"></span></span>')
+    colorbar = ('<span id="colorbar"><span id="cb-name"></span><span id="cb-lo"></span>'
+                '<span class="bar" title="white: 0"></span><span id="cb-hi"></span><span>(white: 0)</span></span>')
     header = (f"<h1>agent-loop inspect · {esc(view.source)}</h1><span>colour by: {radios}</span>{colorbar}"
               f"<span>{keys}</span><span>gamma {view.stats.gamma:g} ({esc(view.gamma_note)})</span>{filters(view)}")
     warnings = "".join(f'<div class="card warn">warning: {esc(p)}</div>' for p in view.problems)
