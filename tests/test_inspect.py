@@ -407,6 +407,24 @@ def test_values_match_the_serial_reference(view):
     torch.testing.assert_close(v.advantages, torch.tensor(expected), **close)
 
 
+def test_gamma_recorded_in_the_file_is_the_default(batch, tmp_path):
+    path = tmp_path / "r.jsonl"
+    records = [json.loads(t.to_json()) for t in batch]
+    for r in records:
+        r["info"]["gamma"] = 0.8
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    scanned = scan(path, Selection("all", 10))
+    assert (scanned.stats.gamma, scanned.gamma_note) == (0.8, "recorded in the file")
+    shown = build_view(scanned)
+    assert shown.values.gamma == 0.8
+    fig = plots.figure(shown)
+    assert "returns with gamma 0.8 (recorded in the file)" in fig._suptitle.get_text()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert scan(path, Selection("all", 10), gamma=1.0).gamma_note == "--gamma"  # the option wins
+
+
 def test_streamed_whitening_equals_the_whole_batch(batch, tmp_path, monkeypatch):
     """Chunks of 2 episodes, one episode shown: its advantages are those of REINFORCE++ on the whole file."""
     from agent_loop.collate import trajectories_to_batch
@@ -726,6 +744,16 @@ def test_compare_mismatched_runs(two_runs, tmp_path, capsys):
     other.write_text("".join(json.dumps(r) + "\n" for r in shifted))
     assert main([str(a), str(other), "--quiet"]) == 1
     assert "no episode of A matches one of B" in capsys.readouterr().err
+    # B has only some of A's episodes (and one twice): the rest are counted, the duplicate named
+    from agent_loop.inspect.runs import compare
+
+    part = tmp_path / "part.jsonl"
+    lines = a.read_text().splitlines()
+    part.write_text("\n".join(lines[:4] + [lines[0]]) + "\n")
+    c = compare(a, part)
+    assert len(c.pairs) == 4 and (len(c.only[0]), len(c.only[1])) == (6, 0)
+    assert [p.b.line for p in c.pairs] == sorted([1, 2, 3, 4], key=lambda k: json.loads(lines[k - 1])["info"]["index"])
+    assert any(f"{part}:5: episode" in m and "again" in m for m in c.problems)
 
 
 # -- the command -----------------------------------------------------------------------------------
