@@ -263,6 +263,14 @@ def test_many_bad_lines_in_a_good_file_are_capped(batch, tmp_path, capsys):
     assert warnings[0] == f"warning: {path}:2: not valid JSON: Expecting value at column 1"
 
 
+def test_damaged_first_lines_do_not_hide_the_good_ones(batch, tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    good = batch[0].to_json()
+    path.write_text("".join(good[: 40 + k] + "\n" for k in range(4)) + good + "\n")
+    assert main([str(path), "--quiet", "--html", str(tmp_path / "o.html")]) == 0
+    assert capsys.readouterr().err.count("not valid JSON") == 4
+
+
 def test_outputs_are_checked_before_reading(rollouts, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(rollouts), "--html", str(tmp_path / "nope" / "a.html")])

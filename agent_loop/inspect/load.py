@@ -4,7 +4,7 @@ Nothing is loaded whole: :func:`iter_records` yields one :class:`Record` per goo
 1-based line number and byte offset, so a record can be read again with :func:`read_at`). A bad
 line becomes one message naming the file and the line; after :data:`MAX_PROBLEMS` messages the rest
 are only counted. A file that is not JSON Lines at all (binary data, or its first lines are not
-JSON) raises :class:`InputError` with one message: the command prints one line and exits 2.
+JSON objects) raises :class:`InputError` with one message: the command prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from masking.spans import SpanKind
 PER_TOKEN_FIELDS = ("spans", "turn_ids", "logprobs")
 MAX_PROBLEMS = 20  # messages kept per file; further bad lines are counted
 SNIFF_BYTES = 8192  # the start of the file checked for binary data
-NOT_JSON_LINES = 3  # this many bad lines before any line parses as JSON: not a JSON Lines file
+NOT_JSON_LINES = 3  # this many lines that are not even damaged JSON objects, before any good one: not JSON Lines
 
 
 class InputError(ValueError):
@@ -127,7 +127,7 @@ def iter_records(path: str | Path, problems: Problems) -> Iterator[Record]:
             try:
                 traj = parse_line(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                if not parsed_json:
+                if not parsed_json and not raw.lstrip().startswith(b"{"):  # not even a damaged JSON object
                     not_json += 1
                     if not_json >= NOT_JSON_LINES:
                         raise InputError(f"{path}: not a JSON Lines file (lines 1-{number} hold no JSON)") from None
