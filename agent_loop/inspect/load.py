@@ -1,7 +1,10 @@
-"""Read a rollouts JSON Lines file into Trajectory records, keeping the good lines of a damaged file.
+"""Read a rollouts JSON Lines file one line at a time, keeping the good lines of a damaged file.
 
-Each problem becomes one message naming the file and the 1-based line, so an interrupted rollout
-(a truncated last line) or one corrupt record never hides the rest of the batch.
+Nothing is loaded whole: :func:`iter_records` yields one :class:`Record` per good line (with its
+1-based line number and byte offset, so a record can be read again with :func:`read_at`). A bad
+line becomes one message naming the file and the line; after :data:`MAX_PROBLEMS` messages the rest
+are only counted. A file that is not JSON Lines at all (binary data, or its first lines are not
+JSON objects) raises :class:`InputError` with one message: the command prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -9,21 +12,50 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
 
 PER_TOKEN_FIELDS = ("spans", "turn_ids", "logprobs")
+MAX_PROBLEMS = 20  # messages kept per file; further bad lines are counted
+SNIFF_BYTES = 8192  # the start of the file checked for binary data
+NOT_JSON_LINES = 3  # this many lines that are not even damaged JSON objects, before any good one: not JSON Lines
+
+
+class InputError(ValueError):
+    """The input cannot be read as a JSON Lines file of trajectories (one message; exit status 2)."""
 
 
 @dataclass
-class Loaded:
-    """The trajectories that loaded (with their 1-based line numbers) and one message per problem."""
+class Problems:
+    """Messages about bad lines: the first ``limit`` kept, the rest counted."""
 
-    path: Path
-    trajectories: list[Trajectory] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    limit: int = MAX_PROBLEMS
+    messages: list[str] = field(default_factory=list)
+    more: int = 0
+
+    def add(self, message: str) -> None:
+        if len(self.messages) < self.limit:
+            self.messages.append(message)
+        else:
+            self.more += 1
+
+    def lines(self) -> list[str]:
+        """The messages, plus one line counting those left out."""
+        return self.messages + ([f"... and {self.more} more bad lines"] if self.more else [])
+
+    def __len__(self) -> int:
+        return len(self.messages) + self.more
+
+
+@dataclass
+class Record:
+    """One good line: the trajectory, its 1-based line number and the byte offset where the line starts."""
+
+    trajectory: Trajectory
+    line: int
+    offset: int
 
 
 def check_trajectory(traj: Trajectory) -> None:
@@ -44,38 +76,76 @@ def check_trajectory(traj: Trajectory) -> None:
             raise ValueError(f"turn_rewards has {len(traj.turn_rewards)} entries for {len(turns)} assistant turns")
 
 
-def load_trajectories(path: str | Path) -> Loaded:
-    """Parse every non-blank line of ``path``; a bad line adds a message instead of stopping the read."""
-    path = Path(path)
-    loaded = Loaded(path)
+def parse_line(raw: bytes) -> Trajectory:
+    """One line -> a checked Trajectory; raises ValueError (json.JSONDecodeError, UnicodeDecodeError included)."""
+    data = json.loads(raw.decode("utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        traj = Trajectory.from_dict(data)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    check_trajectory(traj)
+    return traj
+
+
+def open_checked(path: Path):
+    """Open ``path`` for reading bytes, or raise InputError (missing, a folder, binary data)."""
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, expected a JSON Lines file")
+    try:
+        f = open(path, "rb")
     except OSError as exc:
-        loaded.problems.append(f"{path}: cannot read: {exc.strerror or exc}")
-        return loaded
-    lines = text.splitlines()
-    if not any(line.strip() for line in lines):
-        loaded.problems.append(f"{path}: the file is empty (no trajectories)")
-        return loaded
-    last = max(i for i, line in enumerate(lines) if line.strip())
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        where = f"{path}:{i + 1}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            hint = " (truncated last line: interrupted rollout?)" if i == last else ""
-            loaded.problems.append(f"{where}: not valid JSON{hint}: {exc.msg} at column {exc.colno}")
-            continue
-        try:
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            traj = Trajectory.from_dict(data)
-            check_trajectory(traj)
-        except (TypeError, ValueError) as exc:
-            loaded.problems.append(f"{where}: not a Trajectory: {exc}")
-            continue
-        loaded.trajectories.append(traj)
-        loaded.lines.append(i + 1)
-    return loaded
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    head = f.read(SNIFF_BYTES)
+    f.seek(0)
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        f.close()
+        raise InputError(f"{path}: not a JSON Lines file (binary data: a NUL byte at offset {nul})")
+    try:  # the last 3 bytes may be a character cut by the sniff window
+        head[: len(head) - 3 if len(head) == SNIFF_BYTES else len(head)].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        f.close()
+        raise InputError(f"{path}: not a JSON Lines file (not UTF-8 text: byte {exc.start} is {head[exc.start]:#04x})") from None
+    return f
+
+
+def iter_records(path: str | Path, problems: Problems) -> Iterator[Record]:
+    """Yield each good line of ``path`` in order; bad lines go to ``problems`` as ``FILE:LINE: why``.
+
+    Raises InputError before yielding anything when the file cannot be opened or is not JSON Lines.
+    """
+    path = Path(path)
+    with open_checked(path) as f:
+        offset, number, parsed_json, not_json = 0, 0, False, 0
+        for raw in f:
+            start, offset, number = offset, offset + len(raw), number + 1
+            if not raw.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                traj = parse_line(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                if not parsed_json and not raw.lstrip().startswith(b"{"):  # not even a damaged JSON object
+                    not_json += 1
+                    if not_json >= NOT_JSON_LINES:
+                        raise InputError(f"{path}: not a JSON Lines file (lines 1-{number} hold no JSON)") from None
+                last = not raw.endswith(b"\n")
+                hint = " (truncated last line: interrupted rollout?)" if last else ""
+                detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+                problems.add(f"{where}: not valid JSON{hint}: {detail}")
+                continue
+            except ValueError as exc:
+                parsed_json = True
+                problems.add(f"{where}: not a Trajectory: {exc}")
+                continue
+            parsed_json = True
+            yield Record(traj, number, start)
+
+
+def read_at(path: str | Path, offset: int) -> Trajectory:
+    """The trajectory on the line that starts at byte ``offset`` of ``path`` (an offset from a Record)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return parse_line(f.readline())

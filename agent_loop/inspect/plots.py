@@ -1,5 +1,13 @@
-"""PNG figures (matplotlib, Agg): per-token returns/advantages of each shown episode with the
-observation runs shaded, and a heatmap of the batch's spans."""
+"""PNG figures (matplotlib, Agg): per-token returns and advantages of the shown episodes.
+
+What the lines mean (docs/inspect.md): a value is drawn only on ASSISTANT tokens; the series has
+NaN on OBSERVATION tokens, so no line crosses an observation band (grey). Across each band a dashed
+segment shows the running return R that carry-through holds unchanged there (its value at the next
+assistant token). With ``compare`` the reset-at-observation returns are drawn too (they drop to 0
+before every observation: R is reset there) and the ignore-mask returns on every token.
+Every line has a ``gid`` (``return``, ``carried``, ``advantage``, ``return:<estimator>``,
+``carried:<estimator>``), so tests can read the data that is drawn.
+"""
 
 from __future__ import annotations
 
@@ -9,66 +17,104 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
-from agent_loop.inspect.tokens import segments  # noqa: E402
-from agent_loop.inspect.values import ESTIMATORS  # noqa: E402
+from agent_loop.inspect.tokens import is_success, segments  # noqa: E402
+from agent_loop.inspect.values import carried  # noqa: E402
 from agent_loop.inspect.view import InspectView  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
 
 MAX_EPISODE_PLOTS = 8
-SPAN_COLORS = ["#ffffff", "#59b359", "#b8bec7"]  # PAD, ASSISTANT, OBSERVATION
-ESTIMATOR_STYLES = {"carry-through": ("#d62728", "-"), "reset-at-observation": ("#ff7f0e", "--"),
-                    "ignore-mask": ("#7f3fbf", ":")}
+OBSERVATION_GREY = "#c9ced6"
+COLORS = {"carry-through": "#d62728", "advantage": "#1f77b4", "reset-at-observation": "#ff7f0e",
+          "ignore-mask": "#7f3fbf"}
+
+
+def on_assistant(values, spans: list[int]) -> np.ndarray:
+    """One row's values as floats with NaN on every non-ASSISTANT token (a gap in the line)."""
+    y = np.asarray(values[: len(spans)], dtype=float).copy()
+    y[np.asarray(spans) != SpanKind.ASSISTANT] = np.nan
+    return y
+
+
+def held_segments(runs: list[tuple[int, int, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """x, y of horizontal segments over each run [start, end) (edges at +-0.5), NaN-separated."""
+    x, y = [], []
+    for start, end, value in runs:
+        x += [start - 0.5, end - 0.5, np.nan]
+        y += [value, value, np.nan]
+    return np.asarray(x, dtype=float), np.asarray(y, dtype=float)
 
 
 def episode_axes(ax, view: InspectView, row: int, compare: bool) -> None:
-    """Returns and advantages (or the estimators' returns) over response positions of one row."""
+    """Returns and advantages (or the estimators' returns) over the response positions of one row."""
     v, traj = view.values, view.trajectories[row]
-    n = len(traj.response_ids)
+    spans, n = traj.spans, len(traj.response_ids)
     for seg in segments(traj):
         if seg.span == SpanKind.OBSERVATION:
-            ax.axvspan(seg.start - 0.5, seg.end - 0.5, color=SPAN_COLORS[SpanKind.OBSERVATION], alpha=0.5, lw=0)
+            ax.axvspan(seg.start - 0.5, seg.end - 0.5, color=OBSERVATION_GREY, alpha=0.55, lw=0)
     for start in sorted({seg.start for seg in segments(traj) if seg.span == SpanKind.ASSISTANT})[1:]:
         ax.axvline(start - 0.5, color="#4a6d96", lw=0.8, ls=":")  # a new assistant turn starts
-    positions = range(n)
+    x = np.arange(n)
+    returns = v.returns[row, :n]
+    ax.plot(x, on_assistant(returns, spans), "-", color=COLORS["carry-through"], lw=1.6, gid="return",
+            label="return R (carry-through)")
+    runs = carried(returns, spans)
+    if runs:
+        ax.plot(*held_segments(runs), "--", color=COLORS["carry-through"], lw=1.4, gid="carried",
+                label="R carried across the observation")
     if compare:
-        for name in ESTIMATORS:
-            color, style = ESTIMATOR_STYLES[name]
-            ax.plot(positions, v.compare[name][row, :n].numpy(), style, color=color, lw=1.5, label=f"return, {name}")
+        reset = v.compare["reset-at-observation"][row, :n]
+        ax.plot(x, on_assistant(reset, spans), "-", color=COLORS["reset-at-observation"], lw=1.3,
+                gid="return:reset-at-observation", label="return, reset-at-observation")
+        if runs:
+            ax.plot(*held_segments([(s, e, 0.0) for s, e, _ in runs]), "--", color=COLORS["reset-at-observation"],
+                    lw=1.1, gid="carried:reset-at-observation", label="reset: R = 0 at the observation")
+        ax.plot(x, v.compare["ignore-mask"][row, :n].numpy(), ":", color=COLORS["ignore-mask"], lw=1.3,
+                gid="return:ignore-mask", label="return, ignore-mask (every token)")
     else:
-        ax.plot(positions, v.returns[row, :n].numpy(), "-", color="#d62728", lw=1.5, label="return")
-        ax.plot(positions, v.advantages[row, :n].numpy(), "-", color="#1f77b4", lw=1.2, label="advantage")
+        ax.plot(x, on_assistant(v.advantages[row, :n], spans), "-", color=COLORS["advantage"], lw=1.1,
+                gid="advantage", label="advantage (whitened over the file)")
     rewards = v.token_level_rewards[row, :n]
     hits = rewards.nonzero().flatten()
-    ax.scatter(hits.numpy(), rewards[hits].numpy(), marker="*", s=60, color="black", zorder=3, label="reward")
+    ax.scatter(hits.numpy(), rewards[hits].numpy(), marker="*", s=70, color="black", zorder=3, label="reward")
     ax.axhline(0, color="#888", lw=0.5)
     ax.set_xlim(-0.5, max(n, 1) - 0.5)
-    ax.set_title(f"episode {row}: reward {traj.reward:g}, finish {traj.finish_reason} "
-                 "(grey: observation tokens; dotted: a new assistant turn)",
-                 fontsize=9, loc="left")
+    ok = is_success(traj)
+    ax.set_title(f"episode {view.ids[row]} (line {view.lines[row]}): {'success' if ok else 'FAILED'}, "
+                 f"reward {traj.reward:g}, finish {traj.finish_reason}", fontsize=9, loc="left",
+                 color="black" if ok else "#b00020")
+    assistant = np.asarray(spans) == SpanKind.ASSISTANT
+    if not np.any(np.asarray(returns, dtype=float)[assistant]):
+        ax.text(0.5, 0.5, f"{'failed' if not ok else 'no reward'}: every return is 0 (reward {traj.reward:g}); "
+                "the advantages only reflect the file's mean", transform=ax.transAxes, ha="center", va="center",
+                fontsize=10, color="#b00020", bbox=dict(facecolor="white", edgecolor="#b00020", alpha=0.9), gid="zero-note")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def render(view: InspectView, path: str | Path, compare: bool = False) -> None:
-    """Write one PNG: up to MAX_EPISODE_PLOTS of the selected episodes, then the batch span heatmap."""
+def figure(view: InspectView, compare: bool = False) -> Figure:
+    """The figure: up to MAX_EPISODE_PLOTS of the selected episodes, with a title that says the gamma
+    and how many episodes were left out."""
     rows = view.selected[:MAX_EPISODE_PLOTS]
-    spans = view.values.batch["spans"]
-    fig, axes = plt.subplots(len(rows) + 1, 1, figsize=(12, 2.2 * len(rows) + 0.4 * len(view.trajectories) + 1.5),
-                             squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(max(len(rows), 1), 1, figsize=(12, 2.4 * max(len(rows), 1) + 0.9), squeeze=False,
+                             constrained_layout=True)
     for ax, row in zip(axes[:, 0], rows):
         episode_axes(ax, view, row, compare)
-    if rows:
-        axes[len(rows) - 1, 0].set_xlabel("response position")
-    heat = axes[-1, 0]
-    heat.imshow(spans.numpy(), aspect="auto", interpolation="nearest", cmap=ListedColormap(SPAN_COLORS), vmin=0, vmax=2)
-    heat.set_title(f"spans of the batch ({spans.shape[0]} episodes × {spans.shape[1]} positions)", fontsize=9, loc="left")
-    heat.set_xlabel("response position")
-    heat.set_ylabel("episode")
-    if spans.shape[0] <= 40:
-        heat.set_yticks(range(spans.shape[0]))
-    heat.legend(handles=[Patch(facecolor=c, edgecolor="#888", label=SpanKind(k).name.lower())
-                         for k, c in enumerate(SPAN_COLORS)], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.savefig(path, dpi=110)
+    axes[-1, 0].set_xlabel("response position (token); grey: observation tokens, dotted: a new assistant turn")
+    if not rows:
+        axes[0, 0].text(0.5, 0.5, "no episode matches the selection", ha="center", va="center")
+    matching = view.summary.matching
+    left_out = matching - len(rows)
+    shown = f"{len(rows)} of {matching} episodes shown" + (
+        f" ({left_out} left out: --episode N, --worst K, --failed choose others)" if left_out else "")
+    fig.suptitle(f"{view.source} · returns with gamma {view.stats.gamma:g} ({view.gamma_note}) · {shown}",
+                 fontsize=10, x=0.01, ha="left")
+    return fig
+
+
+def render(view: InspectView, path: str | Path, compare: bool = False) -> None:
+    """Write :func:`figure` to ``path`` (PNG)."""
+    fig = figure(view, compare)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

@@ -3,7 +3,6 @@ per-token value tables and the estimator comparison."""
 
 from __future__ import annotations
 
-from collections import Counter
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -12,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from agent_loop.inspect.tokens import Segment, is_success, show_whitespace, turns
-from agent_loop.inspect.values import ESTIMATORS, compare_summary
+from agent_loop.inspect.values import ESTIMATORS
+from agent_loop.inspect.values import carried as carried_runs
 from agent_loop.inspect.view import InspectView
 from masking.spans import SpanKind
 
@@ -42,12 +42,14 @@ def episode_header(view: InspectView, row: int) -> Text:
     n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
     status = Text("success", style="bold green") if is_success(traj) else Text("failed", style="bold red")
     header = Text.assemble(
-        (f"episode {row}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
+        (f"episode {view.ids[row]}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
         f" · finish {traj.finish_reason}{' (truncated)' if traj.truncated else ''}",
         f" · {len(set(traj.turn_ids))} turns · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation tokens",
     )
     if traj.info.get("task"):
         header.append(f" · task {traj.info['task']}")
+    if view.reasons[row]:
+        header.append(f" · shown as {view.reasons[row]}", style="italic cyan")
     return header
 
 
@@ -65,8 +67,9 @@ def tool_table(view: InspectView, row: int, turn: int) -> Table | None:
     if not calls:
         return None
     table = Table(title=f"tool calls of turn {turn}", title_justify="left", expand=True, show_lines=False)
-    for name, ratio in (("tool", 1), ("arguments", 3), ("result / error", 4), ("latency", 1)):
-        table.add_column(name, ratio=ratio, overflow="fold")
+    for name, ratio in (("tool", 2), ("arguments", 4), ("result / error", 5), ("latency", 2)):
+        table.add_column(name, ratio=ratio, no_wrap=True, overflow="ellipsis",
+                         justify="right" if name == "latency" else "left")
     for call in calls:
         outcome = (Text(f"{call.error_kind}: {call.error}", style="bold red") if call.error_kind
                    else Text(str(call.result)))
@@ -80,12 +83,15 @@ def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> 
     v = view.values
     table = Table(title=f"values of turn {turn} (gamma {v.gamma:g})", title_justify="left", expand=True)
     for name in ("pos", "token", "id", "logprob", "reward", "return", "advantage"):
-        table.add_column(name, justify="left" if name == "token" else "right", overflow="fold")
+        table.add_column(name, justify="left" if name == "token" else "right", no_wrap=True, overflow="ellipsis",
+                         ratio=3 if name == "token" else None)
     ids = view.trajectories[row].response_ids
+    held = {start: r for start, _, r in carried_runs(v.returns[row], view.trajectories[row].spans)}
     for seg in segs:
         if seg.span != SpanKind.ASSISTANT:
-            table.add_row(f"{seg.start}-{seg.end - 1}", f"observation × {seg.end - seg.start}", "", "", "", "0", "0",
-                          style="dim")
+            carried = held[seg.start]
+            table.add_row(f"{seg.start}-{seg.end - 1}", f"observation × {seg.end - seg.start}", "", "", "",
+                          f"R={_fmt(carried)} carried", "", style="dim")
             continue
         for pos in range(seg.start, seg.end):
             table.add_row(
@@ -121,69 +127,87 @@ def episode(view: InspectView, row: int, values: bool = False) -> Group:
     return Group(*parts)
 
 
-def batch_summary(view: InspectView) -> Table:
-    trajs = view.trajectories
-    table = Table(title=f"{view.source}: {len(trajs)} episodes", title_justify="left")
-    table.add_column("success rate", justify="right")
-    table.add_column("mean reward", justify="right")
-    table.add_column("finish reasons")
-    table.add_column("tool errors", justify="right")
-    table.add_column("assistant / observation tokens", justify="right")
-    spans = view.values.batch["spans"]
-    finish = Counter(t.finish_reason for t in trajs)
-    errors = sum(1 for t in trajs for c in t.tool_calls if c.error_kind)
-    table.add_row(
-        f"{sum(map(is_success, trajs)) / len(trajs):.0%}",
-        f"{sum(t.reward for t in trajs) / len(trajs):.3f}",
-        ", ".join(f"{k} {n}" for k, n in finish.most_common()),
-        str(errors),
-        f"{int((spans == SpanKind.ASSISTANT).sum())} / {int((spans == SpanKind.OBSERVATION).sum())}",
-    )
-    return table
+def batch_summary(view: InspectView, shown: str) -> Group:
+    """The whole file in one pass, as a two-column table that fits 80 columns without wrapping."""
+    s = view.summary
+    table = Table(show_header=False)
+    table.add_column("metric", style="bold", no_wrap=True)
+    table.add_column("value", no_wrap=True, overflow="ellipsis")
+    n = max(s.episodes, 1)
+    errors = ", ".join(f"{k} {c}" for k, c in s.tool_errors.most_common()) or "none"
+    for name, value in (
+        ("success rate", f"{s.successes / n:.0%} ({s.successes} of {s.episodes})"),
+        ("mean reward", f"{s.reward_sum / n:.3f}"),
+        ("mean turns", f"{s.turns_sum / n:.2f}"),
+        ("finish reasons", ", ".join(f"{k} {c}" for k, c in s.finish.most_common())),
+        ("tool calls", f"{s.tool_calls} ({sum(s.tool_errors.values())} errors: {errors})"),
+        ("tokens", f"{s.assistant_tokens} assistant / {s.observation_tokens} observation"),
+        ("gamma", f"{view.stats.gamma:g} ({view.gamma_note})"),
+        ("shown", shown),
+    ):
+        table.add_row(name, value)
+    return Group(Text(f"{view.source}: {s.episodes} episodes", style="bold"), table)
 
 
 def estimator_table(view: InspectView) -> Table:
-    """One row per estimator: how far its returns on the batch's assistant tokens are from carry-through."""
-    table = Table(title=f"return estimators on this batch (gamma {view.values.gamma:g}, assistant tokens)",
+    """One row per estimator: how far its returns on the file's assistant tokens are from carry-through."""
+    table = Table(title=f"return estimators over the file (gamma {view.stats.gamma:g}, assistant tokens)",
                   title_justify="left")
-    for name in ("estimator", "what it does", "mean return", "tokens that differ", "mean |diff| vs carry-through"):
-        table.add_column(name, justify="left" if name in ("estimator", "what it does") else "right")
-    for e in compare_summary(view.values):
-        table.add_row(e.name, e.description, f"{e.mean_return:.4f}",
+    for name in ("estimator", "mean return", "tokens that differ", "mean |diff|"):
+        table.add_column(name, justify="left" if name == "estimator" else "right", no_wrap=True)
+    summaries = view.stats.summaries()
+    for e in summaries:
+        table.add_row(e.name, f"{e.mean_return:.4f}",
                       Text(f"{e.differing_tokens} / {e.assistant_tokens}", style="bold red" if e.differing_tokens else "green"),
                       f"{e.mean_abs_diff:.4f}")
+    table.caption = " · ".join(f"{e.name}: {e.description}" for e in summaries)
+    table.caption_justify = "left"
     return table
 
 
 def compare_table(view: InspectView, row: int) -> Table:
     """Per segment of the episode: the return at its first and last token under each estimator."""
     v = view.values
-    table = Table(title=f"episode {row}: returns per segment (first → last token)", title_justify="left", expand=True)
+    table = Table(title=f"episode {view.ids[row]}: returns per segment (first → last token)", title_justify="left")
     for name in ("turn", "span", "positions"):
-        table.add_column(name)
+        table.add_column(name, no_wrap=True)
     for name in ESTIMATORS:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     for _, segs in turns(view.trajectories[row]):
         for seg in segs:
             cells = []
             for name in ESTIMATORS:
                 first, last = (float(v.compare[name][row, p]) for p in (seg.start, seg.end - 1))
                 differs = bool(v.differs(name)[row, seg.start:seg.end].any())
-                cells.append(Text(f"{first:.3f} → {last:.3f}".replace("-0.000", "0.000"),
+                cells.append(Text(f"{first:.3f}→{last:.3f}".replace("-0.000", "0.000"),
                                   style="bold red" if differs else ""))
-            table.add_row(str(seg.turn), seg.span_name, f"{seg.start}-{seg.end - 1}", *cells)
+            table.add_row(str(seg.turn), seg.span_name[:3], f"{seg.start}-{seg.end - 1}", *cells)
     return table
 
 
-def render(view: InspectView, console: Console, values: bool = False, compare: bool = False) -> None:
-    """Print the batch summary (load problems are the caller's to report), then each selected episode (and the comparison when ``compare``)."""
-    console.print(batch_summary(view))
+def shown_line(view: InspectView, all_mode: bool) -> str:
+    n, matching = len(view.selected), view.summary.matching
+    if matching == 0:
+        return "none: no episode matches the selection"
+    if n == matching:
+        return f"all {n} matching episodes" if n != 1 else "1 episode"
+    if any(view.reasons):
+        return f"the {n} most informative of {matching} (--all for every one)"
+    return f"{n} of {matching} matching episodes" + (" (--max-episodes)" if all_mode else "")
+
+
+def render(view: InspectView, console: Console, values: bool = False, compare: bool = False,
+           all_mode: bool = False) -> None:
+    """Print the file's summary (load problems are the caller's to report), then each selected episode
+    (and the comparison when ``compare``)."""
+    console.print(batch_summary(view, shown_line(view, all_mode)))
     if compare:
         console.print(estimator_table(view))
+    if not view.selected:
+        console.print(Panel("no episode matches the selection", style="yellow"))
+        return
     console.print(legend())
     for row in view.selected:
         console.print(episode(view, row, values=values))
         if compare:
             console.print(compare_table(view, row))
-    if not view.selected:
-        console.print(Panel("no episode matches the selection", style="yellow"))

@@ -1,39 +1,142 @@
-"""Per-token values of a batch: the padded tensors, rewards, returns and advantages, and the
-returns under the estimators that ``--compare`` puts side by side.
+"""Per-token values for the views: returns under a named estimator, and REINFORCE++ advantages
+whitened with statistics gathered over the whole file in one streaming pass.
 
-Values are computed on the whole loaded batch (REINFORCE++ whitens over every ASSISTANT token of
-the batch), then the renderers show the selected rows.
+The one function the views need from the estimators is :func:`token_values` ``(batch, name, gamma)
+-> (b, t)``; ``ESTIMATORS`` names what ``--compare`` puts side by side (docs/design.md section 3).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import advantages
 from agent_loop.collate import trajectories_to_batch
 from agent_loop.types import Trajectory
-from masking.spans import SpanKind, response_mask_from_spans
+from masking.rewards import place_rewards
+from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 
-# name shown to the user -> how the discounted return treats OBSERVATION tokens (docs/design.md section 3)
+# name shown to the user -> how the discounted return treats OBSERVATION tokens
 ESTIMATORS = {
     "carry-through": "R carried through observations unchanged (correct)",
     "reset-at-observation": "R reset to 0 at every observation (verl before PR #7300)",
     "ignore-mask": "observations scanned like assistant tokens (mask ignored)",
 }
-
-
 DIFFERS = 1e-6  # a return further than this from carry-through counts as different (float noise below)
+EPS = 1e-8  # the whitening epsilon of advantages.masked_whiten
+
+
+# ESTIMATORS name -> the registered estimator (advantages.registry) whose returns it shows
+REGISTERED = {
+    "carry-through": "reinforce_plus_plus",
+    "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
+    "ignore-mask": "reinforce_plus_plus_ignore_mask",
+}
+
+
+def token_values(batch, name: str, gamma: float) -> torch.Tensor:
+    """(b, t) discounted returns of ``batch["token_level_rewards"]`` under estimator ``name`` (a key
+    of ESTIMATORS), with ``batch["spans"]`` telling ASSISTANT from OBSERVATION tokens."""
+    if name not in REGISTERED:
+        raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(ESTIMATORS)}")
+    rewards, spans = batch["token_level_rewards"], batch["spans"]
+    mask = response_mask_from_spans(spans, rewards.dtype)
+    return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False)[1]
+
+
+@dataclass
+class Moments:
+    """Count, mean and sum of squared deviations of a stream of numbers (Chan et al.'s parallel merge, float64)."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, values: torch.Tensor) -> None:
+        n = values.numel()
+        if n == 0:
+            return
+        values = values.double()
+        mean = float(values.mean())
+        m2 = float((values - mean).square().sum())
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    @property
+    def var(self) -> float:
+        """Bessel-corrected variance (NaN below 2 values), as advantages.masked_var."""
+        return self.m2 / (self.count - 1) if self.count > 1 else float("nan")
+
+
+@dataclass
+class EstimatorSummary:
+    """How one estimator's returns on a file's ASSISTANT tokens compare with carry-through."""
+
+    name: str
+    description: str
+    mean_return: float
+    differing_tokens: int
+    assistant_tokens: int
+    mean_abs_diff: float
+
+
+def reward_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Just the (b, t) ``spans`` and ``token_level_rewards`` of :func:`trajectories_to_batch` (the
+    same padding and reward placement, without the prompt and id tensors): what the returns need."""
+    spans = pad_sequence([torch.tensor(t.spans, dtype=SPAN_DTYPE) for t in trajectories], batch_first=True,
+                         padding_value=SpanKind.PAD)
+    turns = pad_sequence([torch.tensor(t.turn_ids, dtype=torch.int16) for t in trajectories], batch_first=True,
+                         padding_value=-1)
+    per_turn = None
+    if any(t.turn_rewards for t in trajectories):
+        per_turn = pad_sequence([torch.tensor(t.turn_rewards or [], dtype=torch.float32) for t in trajectories],
+                                batch_first=True)
+    rewards = place_rewards(spans, torch.tensor([t.reward for t in trajectories], dtype=torch.float32), turns, per_turn)
+    return {"spans": spans, "token_level_rewards": rewards}
+
+
+@dataclass
+class FileStats:
+    """What the values of a whole file add up to, gathered chunk by chunk (:meth:`add`)."""
+
+    gamma: float
+    compare: bool = False
+    returns: Moments = field(default_factory=Moments)  # carry-through returns on ASSISTANT tokens
+    sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of returns, differing, sum |diff|]
+
+    def add(self, trajectories: list[Trajectory]) -> None:
+        batch = reward_tensors(trajectories)
+        assistant = batch["spans"] == SpanKind.ASSISTANT
+        carry = token_values(batch, "carry-through", self.gamma)
+        self.returns.add(carry[assistant])
+        if not self.compare:
+            return
+        for name in ESTIMATORS:
+            diff = (token_values(batch, name, self.gamma) - carry)[assistant]
+            acc = self.sums.setdefault(name, [0.0, 0, 0.0])
+            acc[0] += float((carry[assistant] + diff).double().sum())
+            acc[1] += int((diff.abs() > DIFFERS).sum())
+            acc[2] += float(diff.double().abs().sum())
+
+    def summaries(self) -> list[EstimatorSummary]:
+        """One summary per estimator of ESTIMATORS (needs ``compare``)."""
+        n = self.returns.count
+        return [EstimatorSummary(name, description, self.sums[name][0] / n if n else 0.0, self.sums[name][1], n,
+                                 self.sums[name][2] / n if n else 0.0)
+                for name, description in ESTIMATORS.items()]
 
 
 @dataclass
 class BatchValues:
-    """Everything the renderers colour or print, as (b, t) CPU tensors (t = longest response)."""
+    """The values of the rows a view shows, as (b, t) CPU tensors (t = longest shown response)."""
 
     batch: dict[str, torch.Tensor]  # trajectories_to_batch output: responses, spans, turn_ids, old_logprobs, ...
     returns: torch.Tensor  # carry-through discounted returns
-    advantages: torch.Tensor  # REINFORCE++ advantages (whitened over the batch's ASSISTANT tokens)
+    advantages: torch.Tensor  # REINFORCE++ advantages, whitened with the whole file's statistics
     compare: dict[str, torch.Tensor]  # ESTIMATORS name -> discounted returns under that estimator
     gamma: float
 
@@ -46,54 +149,45 @@ class BatchValues:
         return (self.compare[name] - self.compare["carry-through"]).abs() > DIFFERS
 
 
-@dataclass
-class EstimatorSummary:
-    """How one estimator's returns on the batch's ASSISTANT tokens compare with carry-through."""
+def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_moments: Moments | None = None,
+                   pad_token_id: int = 0) -> BatchValues:
+    """Rewards, returns (every estimator) and advantages of ``trajectories``.
 
-    name: str
-    description: str
-    mean_return: float
-    differing_tokens: int
-    assistant_tokens: int
-    mean_abs_diff: float
-
-
-def compare_summary(values: BatchValues) -> list[EstimatorSummary]:
-    """One summary per estimator of ESTIMATORS, in order."""
-    assistant = values.batch["spans"] == SpanKind.ASSISTANT
-    n = int(assistant.sum())
-    out = []
-    for name, description in ESTIMATORS.items():
-        returns = values.compare[name][assistant]
-        diff = (returns - values.compare["carry-through"][assistant]).abs()
-        out.append(EstimatorSummary(name, description, float(returns.mean()) if n else 0.0,
-                                    int(values.differs(name)[assistant].sum()), n, float(diff.mean()) if n else 0.0))
-    return out
-
-
-# ESTIMATORS name -> the registered estimator (advantages.registry) whose returns it shows
-REGISTERED = {
-    "carry-through": "reinforce_plus_plus",
-    "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
-    "ignore-mask": "reinforce_plus_plus_ignore_mask",
-}
-
-
-def estimator_returns(name: str, rewards: torch.Tensor, spans: torch.Tensor, gamma: float) -> torch.Tensor:
-    """(b, t) discounted returns of ``rewards`` under the estimator ``name`` (a key of ESTIMATORS)."""
-    if name not in REGISTERED:
-        raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(ESTIMATORS)}")
-    mask = response_mask_from_spans(spans, rewards.dtype)
-    return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False)[1]
-
-
-def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, pad_token_id: int = 0) -> BatchValues:
-    """Collate ``trajectories`` and compute rewards, returns and advantages for every token."""
+    Advantages are the carry-through returns whitened over ASSISTANT tokens, ``(R - mean) /
+    sqrt(var + 1e-8)`` as ``advantages.reinforce_plus_plus``; ``returns_moments`` gives the mean and
+    variance of the whole file (default: of these trajectories). Fewer than 2 ASSISTANT tokens in all:
+    the advantages are the raw returns (nothing to whiten with).
+    """
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
-    rewards, spans = batch["token_level_rewards"], batch["spans"]
-    mask = batch["response_mask"]
-    # whitening needs two assistant tokens; a one-token batch shows raw returns as advantages
-    whiten = bool(mask.sum() >= 2)
-    advantage, returns = advantages.reinforce_plus_plus(rewards, mask, gamma, spans=spans, whiten=whiten)
-    compare = {name: estimator_returns(name, rewards, spans, gamma) for name in ESTIMATORS}
+    assistant = batch["spans"] == SpanKind.ASSISTANT
+    compare = {name: token_values(batch, name, gamma) for name in ESTIMATORS}
+    returns = compare["carry-through"]
+    if returns_moments is None:
+        returns_moments = Moments()
+        returns_moments.add(returns[assistant])
+    if returns_moments.count >= 2:
+        scale = (returns_moments.var + EPS) ** -0.5
+        advantage = torch.where(assistant, (returns.double() - returns_moments.mean) * scale, 0.0).to(returns.dtype)
+    else:
+        advantage = returns.clone()
     return BatchValues(batch, returns, advantage, compare, gamma)
+
+
+def carried(values: torch.Tensor, spans: list[int]) -> list[tuple[int, int, float]]:
+    """The running return held across each OBSERVATION run of one row: ``(start, end, R)`` per run
+    [start, end), R being the value at the first ASSISTANT token after the run (0 after the last one).
+
+    ``values`` are one row's carry-through returns: this R is what the scan carries unchanged through
+    the run (docs/design.md section 3). (Reset-at-observation carries 0 instead, by definition.)"""
+    out, n, pos = [], len(spans), 0
+    while pos < n:
+        if spans[pos] != SpanKind.OBSERVATION:
+            pos += 1
+            continue
+        end = pos
+        while end < n and spans[end] == SpanKind.OBSERVATION:
+            end += 1
+        after = next((p for p in range(end, n) if spans[p] == SpanKind.ASSISTANT), None)
+        out.append((pos, end, float(values[after]) if after is not None else 0.0))
+        pos = end
+    return out

@@ -1,60 +1,282 @@
-"""What every renderer gets: the loaded batch, its per-token values and text, and the selected episodes."""
+"""One streaming pass over a rollouts file: the summary of every episode, and the few episodes kept
+to be shown (memory grows with those, not with the file). Then what every renderer gets: the kept
+episodes with their per-token values (whitened with the whole file's statistics) and text.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from agent_loop.inspect.load import Loaded
+from agent_loop.inspect.load import Problems, Record, iter_records
 from agent_loop.inspect.tokens import TokenText, is_success
-from agent_loop.inspect.values import BatchValues, compute_values
+from agent_loop.inspect.values import BatchValues, FileStats, compute_values
 from agent_loop.types import Trajectory
+from masking.spans import SpanKind
+
+CHUNK = 256  # episodes per chunk of the values pass
+INFORMATIVE = 3  # episodes the terminal shows by default
+# what makes an episode worth showing by default, most telling first
+WHY = ("the lowest-reward failure", "a tool error", "an unusual finish", "the success with the most turns",
+       "the shortest success")
+
+
+def episode_id(traj: Trajectory, ordinal: int) -> int:
+    """An episode's number: ``info["index"]`` as the runner records it, else its order among the good lines."""
+    index = traj.info.get("index")
+    return index if isinstance(index, int) else ordinal
+
+
+def has_tool_error(traj: Trajectory) -> bool:
+    return any(c.error_kind for c in traj.tool_calls)
+
+
+@dataclass
+class Selection:
+    """Which episodes to keep. ``mode``: ``informative`` (a few, chosen for what they show), ``all``
+    (in file order, at most ``limit``), ``worst`` (the ``limit`` lowest rewards) or ``ids`` (the
+    episodes whose number is in ``ids``). ``failed`` keeps only failures."""
+
+    mode: str = "informative"
+    limit: int = INFORMATIVE
+    ids: list[int] = field(default_factory=list)
+    failed: bool = False
+    keep_first: int = 0  # informative mode: also keep the first N matching episodes (for the HTML page)
+
+    def matches(self, traj: Trajectory, eid: int) -> bool:
+        if self.failed and is_success(traj) and traj.finish_reason != "error":
+            return False
+        return self.mode != "ids" or eid in self.ids
+
+
+@dataclass
+class Summary:
+    """Counts over every good line of a file, in one pass (O(1) memory apart from the counters)."""
+
+    episodes: int = 0
+    successes: int = 0
+    reward_sum: float = 0.0
+    turns_sum: int = 0
+    finish: Counter = field(default_factory=Counter)
+    tool_calls: int = 0
+    tool_errors: Counter = field(default_factory=Counter)
+    assistant_tokens: int = 0
+    observation_tokens: int = 0
+    per_turn: dict[int, list[int]] = field(default_factory=dict)  # turn -> [episodes, assistant, observation tokens]
+    matching: int = 0  # episodes that pass the selection's filters
+    first_id: int | None = None  # smallest and largest episode number seen
+    last_id: int | None = None
+
+    def add(self, traj: Trajectory) -> None:
+        self.episodes += 1
+        self.successes += is_success(traj)
+        self.reward_sum += traj.reward
+        self.turns_sum += len(set(traj.turn_ids))
+        self.finish[traj.finish_reason] += 1
+        self.tool_calls += len(traj.tool_calls)
+        self.tool_errors.update(c.error_kind for c in traj.tool_calls if c.error_kind)
+        counts = Counter(zip(traj.turn_ids, traj.spans))  # (turn, span) -> tokens, counted in C
+        turns: dict[int, list[int]] = {}
+        for (turn, span), c in counts.items():
+            turns.setdefault(turn, [1, 0, 0])[1 if span == SpanKind.ASSISTANT else 2] += c
+        for turn, (one, at, ot) in turns.items():
+            acc = self.per_turn.setdefault(turn, [0, 0, 0])
+            acc[0] += one
+            acc[1] += at
+            acc[2] += ot
+            self.assistant_tokens += at
+            self.observation_tokens += ot
+
+
+class Keeper:
+    """Keeps the episodes a :class:`Selection` asks for while the file streams by."""
+
+    def __init__(self, selection: Selection):
+        self.selection = selection
+        self.kept: list[tuple[Record, int]] = []  # (record, episode id), all/ids modes
+        self.heap: list[tuple[float, int, int, Record]] = []  # worst mode: (-reward, -seq, id, record)
+        self.picks: dict[str, tuple[tuple, Record, int]] = {}  # informative mode: why -> (rank key, record, id)
+        self.seq = 0
+        self.first: list[tuple[Record, int]] = []  # informative mode: fill-ins when the picks coincide
+
+    def offer(self, record: Record, eid: int) -> None:
+        sel, traj = self.selection, record.trajectory
+        self.seq += 1
+        if sel.mode in ("all", "ids") or len(self.kept) < sel.keep_first:
+            if sel.mode == "informative" or len(self.kept) < sel.limit:
+                self.kept.append((record, eid))
+        if sel.mode in ("all", "ids"):
+            return
+        if sel.mode == "worst":
+            item = (-traj.reward, -self.seq, eid, record)
+            if len(self.heap) < sel.limit:
+                heapq.heappush(self.heap, item)
+            elif item > self.heap[0]:
+                heapq.heapreplace(self.heap, item)
+        else:
+            if len(self.first) < sel.limit:
+                self.first.append((record, eid))
+            turns = len(set(traj.turn_ids))
+            candidates = {
+                "the lowest-reward failure": ((traj.reward, self.seq),) if not is_success(traj) else None,
+                "a tool error": ((self.seq,),) if has_tool_error(traj) else None,
+                "an unusual finish": ((self.seq,),) if traj.finish_reason != "stop" else None,
+                "the success with the most turns": ((-turns, -traj.reward, self.seq),) if is_success(traj) else None,
+                "the shortest success": ((len(traj.response_ids), self.seq),) if is_success(traj) else None,
+            }
+            for why, key in candidates.items():
+                if key is not None and (why not in self.picks or key < self.picks[why][0]):
+                    self.picks[why] = (key, record, eid)
+
+    def result(self) -> tuple[list[tuple[Record, int, str]], list[int]]:
+        """The kept (record, episode id, why shown) in display order, and the indices of those to show
+        in the terminal and the PNG (informative mode: the picks; else all)."""
+        mode = self.selection.mode
+        if mode in ("all", "ids"):
+            return [(r, e, "") for r, e in self.kept], list(range(len(self.kept)))
+        if mode == "worst":
+            kept = [(r, e, "") for _, _, e, r in sorted(self.heap, key=lambda i: (-i[0], -i[1]))]
+            return kept, list(range(len(kept)))
+        kept = [(r, e, "") for r, e in self.kept]  # keep_first: the page's episodes, in file order
+        at = {r.line: i for i, (r, _, _) in enumerate(kept)}
+        shown: list[int] = []
+        fill = [(None, record, eid) for record, eid in self.first]
+        for why, (_, record, eid) in [(w, self.picks[w]) for w in WHY if w in self.picks] + [
+                ("one more, from the start of the file", f) for f in fill]:
+            if record.line not in at:
+                at[record.line] = len(kept)
+                kept.append((record, eid, ""))
+            i = at[record.line]
+            if i in shown:
+                kept[i] = (kept[i][0], kept[i][1], kept[i][2] + " · " + why)
+            elif len(shown) < self.selection.limit:
+                shown.append(i)
+                kept[i] = (kept[i][0], kept[i][1], why)
+        keep = sorted(set(range(len(self.kept))) | set(shown))  # drop picks that lost their place
+        renumber = {old: new for new, old in enumerate(keep)}
+        return [kept[i] for i in keep], [renumber[i] for i in shown]
+
+
+@dataclass
+class Scan:
+    """The outcome of one pass: the summary, the file's value statistics, and the kept episodes."""
+
+    path: Path
+    summary: Summary
+    stats: FileStats
+    kept: list[tuple[Record, int, str]]  # (record, episode id, why shown)
+    shown: list[int]  # indices into kept for the terminal and the PNG
+    problems: Problems
+    gamma_note: str  # where the gamma came from
+    wanted_ids_missing: list[int]
+
+
+def resolve_gamma(given: float | None, first: Trajectory) -> tuple[float, str]:
+    """--gamma when given; else the ``info["gamma"]`` the rollout recorded; else 1.0 (the rollout default)."""
+    if given is not None:
+        return given, "--gamma"
+    recorded = first.info.get("gamma")
+    if isinstance(recorded, (int, float)) and 0 <= recorded <= 1:
+        return float(recorded), "recorded in the file"
+    return 1.0, "default; the file records none, set --gamma"
+
+
+def scan(path: str | Path, selection: Selection | None = None, gamma: float | None = None, compare: bool = False,
+         problems: Problems | None = None) -> Scan:
+    """Read ``path`` once: summarise every episode, gather value statistics, keep what ``selection`` asks for.
+
+    Raises load.InputError when the file is not JSON Lines (nothing is read past that point).
+    """
+    path = Path(path)
+    selection = selection or Selection()
+    problems = problems if problems is not None else Problems()
+    summary, keeper = Summary(), Keeper(selection)
+    stats, note, chunk, seen_ids = None, "", [], set()
+    for ordinal, record in enumerate(iter_records(path, problems)):
+        traj = record.trajectory
+        if stats is None:
+            resolved, note = resolve_gamma(gamma, traj)
+            stats = FileStats(resolved, compare)
+        summary.add(traj)
+        eid = episode_id(traj, ordinal)
+        summary.first_id = eid if summary.first_id is None else min(summary.first_id, eid)
+        summary.last_id = eid if summary.last_id is None else max(summary.last_id, eid)
+        if selection.matches(traj, eid):
+            summary.matching += 1
+            seen_ids.add(eid)
+            keeper.offer(record, eid)
+        chunk.append(traj)
+        if len(chunk) == CHUNK:
+            stats.add(chunk)
+            chunk = []
+    if stats is None:
+        stats = FileStats(1.0 if gamma is None else gamma, compare)
+    if chunk:
+        stats.add(chunk)
+    missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
+    kept, shown = keeper.result()
+    return Scan(path, summary, stats, kept, shown, problems, note, missing)
 
 
 @dataclass
 class InspectView:
-    """The batch as loaded (all rows, since values are batch-wide) and the rows chosen for display."""
+    """The kept episodes with their values and text; ``selected`` are the rows the terminal and PNG show."""
 
     source: str
     trajectories: list[Trajectory]
     lines: list[int]  # 1-based line of each trajectory in the source file
-    values: BatchValues
+    ids: list[int]  # each trajectory's episode number (info["index"])
+    reasons: list[str]  # why each was kept (informative mode), else ""
+    values: BatchValues | None  # None when no episode is kept
     pieces: list[list[str]]  # display text of each response token
     prompts: list[str]  # decoded prompt of each trajectory
     selected: list[int]  # row indices to render, in order
     problems: list[str]  # load and tokenizer messages, shown with the view
+    summary: Summary
+    stats: FileStats
+    gamma_note: str = ""
 
 
-def select(trajectories: list[Trajectory], episodes: list[int] | None = None, worst: int | None = None,
-           failed: bool = False) -> list[int]:
-    """Row indices to show: the given episode indices, else all; then only failures (``failed``),
-    then the ``worst`` lowest-reward ones (lowest first). Raises ValueError on an index out of range."""
-    rows = list(range(len(trajectories)))
-    if episodes:
-        for e in episodes:
-            if not 0 <= e < len(trajectories):
-                raise ValueError(f"--episode {e} is out of range: the file has episodes 0..{len(trajectories) - 1}")
-        rows = list(dict.fromkeys(episodes))
-    if failed:
-        rows = [r for r in rows if not is_success(trajectories[r]) or trajectories[r].finish_reason == "error"]
-    if worst is not None:
-        rows = sorted(rows, key=lambda r: trajectories[r].reward)[:worst]
-    return rows
-
-
-def build_view(loaded: Loaded, gamma: float = 1.0, tokenizer_dir: str | None = None,
-               selected: list[int] | None = None) -> InspectView:
-    """Compute values and token text for ``loaded.trajectories`` (which must not be empty)."""
-    trajectories = loaded.trajectories
+def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, selected: list[int] | None = None,
+               ids: list[int] | None = None, lines: list[int] | None = None, scanned: Scan | None = None,
+               reasons: list[str] | None = None) -> InspectView:
+    """Values and token text for ``source``: a :class:`Scan` (its kept episodes) or a list of trajectories."""
+    if isinstance(source, Scan):
+        scanned = source
+        trajectories = [r.trajectory for r, _, _ in source.kept]
+        lines = [r.line for r, _, _ in source.kept]
+        ids = [e for _, e, _ in source.kept]
+        reasons = [w for _, _, w in source.kept]
+        gamma = source.stats.gamma
+        name, problems = str(source.path), source.problems.lines()
+        selected = source.shown if selected is None else selected
+    else:
+        trajectories = list(source)
+        name, problems = "(trajectories)", []
+        summary, stats = Summary(), FileStats(gamma, compare=True)
+        for t in trajectories:
+            summary.add(t)
+        summary.matching = len(trajectories)
+        if trajectories:
+            stats.add(trajectories)
+        scanned = Scan(Path(name), summary, stats, [], [], Problems(), "given", [])
+    lines = lines or list(range(1, len(trajectories) + 1))
+    ids = ids or [episode_id(t, i) for i, t in enumerate(trajectories)]
     text = TokenText(tokenizer_dir)
-    pieces = [text.pieces(t, t.response_ids) for t in trajectories]
-    prompts = [text.text(t, t.prompt_ids) for t in trajectories]
     return InspectView(
-        source=str(loaded.path),
+        source=name,
         trajectories=trajectories,
-        lines=loaded.lines,
-        values=compute_values(trajectories, gamma),
-        pieces=pieces,
-        prompts=prompts,
+        lines=lines,
+        ids=ids,
+        reasons=reasons or [""] * len(trajectories),
+        values=compute_values(trajectories, gamma, scanned.stats.returns) if trajectories else None,
+        pieces=[text.pieces(t, t.response_ids) for t in trajectories],
+        prompts=[text.text(t, t.prompt_ids) for t in trajectories],
         selected=list(range(len(trajectories))) if selected is None else selected,
-        problems=loaded.problems + text.problems,
+        problems=problems + text.problems,
+        summary=scanned.summary,
+        stats=scanned.stats,
+        gamma_note=scanned.gamma_note,
     )

@@ -1,0 +1,297 @@
+"""``agent-loop inspect A.jsonl B.jsonl``: two runs of the same episodes side by side.
+
+Episodes are matched by ``info.index`` and ``info.seed``. One pass over each file keeps a small
+record per episode (line, offset, outcome, a digest of its tokens); only the pairs shown are read
+again in full (by byte offset), to show their token sequences from the first divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from agent_loop.inspect.load import InputError, Problems, iter_records, read_at
+from agent_loop.inspect.tokens import TokenText, is_success, show_whitespace
+from agent_loop.inspect.view import episode_id
+from masking.spans import SpanKind
+
+SHOWN = 3  # pairs shown in full by default
+TABLE_ROWS = 20  # pairs listed by default
+CONTEXT = 8  # tokens of shared context before the first divergence (terminal)
+AFTER = 40  # tokens of each run after it (terminal)
+
+
+@dataclass
+class Brief:
+    """What the comparison needs of one episode, without its tokens."""
+
+    line: int
+    offset: int
+    index: int
+    seed: object
+    success: bool
+    reward: float
+    turns: int
+    finish: str
+    tokens: int
+    digest: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.index, self.seed)
+
+
+def briefs(path: str | Path, problems: Problems) -> list[Brief]:
+    """One pass over ``path``; raises InputError when it is not a JSON Lines file."""
+    out = []
+    for ordinal, record in enumerate(iter_records(path, problems)):
+        t = record.trajectory
+        digest = hashlib.blake2b(repr(t.response_ids).encode(), digest_size=8).hexdigest()
+        out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), is_success(t),
+                         t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest))
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where the two token sequences differ (the shorter one's end if one is a
+    prefix of the other), or None when they are equal."""
+    for pos, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return pos
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Pair:
+    a: Brief
+    b: Brief
+    divergence: int | None = None  # filled for the pairs read in full
+    traj_a: object = None
+    traj_b: object = None
+
+
+@dataclass
+class Comparison:
+    paths: tuple[Path, Path]
+    runs: tuple[list[Brief], list[Brief]]
+    pairs: list[Pair]
+    only: tuple[list[Brief], list[Brief]]  # episodes without a match in the other run
+    shown: list[int]  # indices into pairs read in full
+    problems: list[str]
+
+
+def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False, limit: int = 100,
+            failed: bool = False) -> Comparison:
+    """Match the episodes of two files and read the pairs to show in full."""
+    problems = []
+    runs = []
+    for path in (path_a, path_b):
+        found = Problems()
+        runs.append(briefs(path, found))
+        problems += found.lines()
+    by_key = {}
+    for brief in runs[1]:
+        if brief.key in by_key:
+            problems.append(f"{path_b}:{brief.line}: episode {brief.index} (seed {brief.seed}) again; "
+                            f"matched the first one (line {by_key[brief.key].line})")
+            continue
+        by_key[brief.key] = brief
+    pairs, matched, seen = [], set(), set()
+    for brief in runs[0]:
+        if brief.key in seen:
+            problems.append(f"{path_a}:{brief.line}: episode {brief.index} (seed {brief.seed}) again; not matched")
+            continue
+        seen.add(brief.key)
+        if brief.key in by_key:
+            pairs.append(Pair(brief, by_key[brief.key]))
+            matched.add(brief.key)
+    pairs.sort(key=lambda p: (p.a.index, str(p.a.seed)))
+    only = ([b for b in runs[0] if b.key not in matched], [b for b in runs[1] if b.key not in matched])
+    candidates = [i for i, p in enumerate(pairs) if not failed or not (p.a.success and p.b.success)]
+    if ids:
+        shown = [i for i in candidates if pairs[i].a.index in ids]
+    elif show_all:
+        shown = candidates[:limit]
+    else:  # the most telling first: outcomes that differ, then tokens that differ
+        def rank(i):
+            p = pairs[i]
+            return (p.a.success == p.b.success, p.a.digest == p.b.digest, i)
+        shown = sorted(candidates, key=rank)[:SHOWN]
+    for i in shown:
+        p = pairs[i]
+        p.traj_a, p.traj_b = read_at(path_a, p.a.offset), read_at(path_b, p.b.offset)
+        p.divergence = first_divergence(p.traj_a.response_ids, p.traj_b.response_ids)
+    return Comparison((Path(path_a), Path(path_b)), (runs[0], runs[1]), pairs, only, shown, problems)
+
+
+def stats(briefs_: list[Brief]) -> dict[str, str]:
+    n = max(len(briefs_), 1)
+    return {"episodes": str(len(briefs_)), "success rate": f"{sum(b.success for b in briefs_) / n:.0%}",
+            "mean reward": f"{sum(b.reward for b in briefs_) / n:.3f}",
+            "mean turns": f"{sum(b.turns for b in briefs_) / n:.2f}",
+            "mean tokens": f"{sum(b.tokens for b in briefs_) / n:.1f}"}
+
+
+def tokens_state(pair: Pair) -> str:
+    """"same", "differ at P" for the pairs read in full, else "differ" (known from the digests)."""
+    if pair.a.digest == pair.b.digest and pair.a.tokens == pair.b.tokens:
+        return "same"
+    return f"differ at {pair.divergence}" if pair.divergence is not None else "differ"
+
+
+def outcome(b: Brief) -> str:
+    return f"{'ok' if b.success else 'FAIL'} {b.reward:g} {b.turns}t"
+
+
+# -- terminal ----------------------------------------------------------------------------------------
+
+def summary_table(c: Comparison) -> Table:
+    a, b = (stats(r) for r in c.runs)
+    table = Table(title=f"A = {c.paths[0]}\nB = {c.paths[1]}", title_justify="left")
+    for name in ("", "A", "B"):
+        table.add_column(name, justify="left" if not name else "right", no_wrap=True)
+    for key in a:
+        table.add_row(key, a[key], b[key])
+    table.add_row("matched (index, seed)", str(len(c.pairs)), str(len(c.pairs)))
+    table.add_row("without a match", str(len(c.only[0])), str(len(c.only[1])))
+    return table
+
+
+def changes(c: Comparison) -> str:
+    return (f"{sum(p.a.success != p.b.success for p in c.pairs)} matched episodes changed outcome, "
+            f"{sum(p.a.digest != p.b.digest for p in c.pairs)} changed tokens")
+
+
+def pairs_table(c: Comparison, rows: list[int]) -> Table:
+    table = Table(title=f"matched episodes ({len(rows)} of {len(c.pairs)} listed)", title_justify="left")
+    for name in ("episode", "seed", "A", "B", "tokens"):
+        table.add_column(name, no_wrap=True, justify="right" if name in ("episode", "seed") else "left")
+    for i in rows:
+        p = c.pairs[i]
+        style = "bold red" if p.a.success and not p.b.success else "bold green" if p.b.success and not p.a.success else ""
+        table.add_row(str(p.a.index), str(p.a.seed), outcome(p.a), Text(outcome(p.b), style=style), tokens_state(p))
+    return table
+
+
+def styled_tokens(text: TokenText, traj, start: int, end: int, diverged_from: int | None) -> Text:
+    pieces = text.pieces(traj, traj.response_ids[start:end])
+    out = Text()
+    for k, piece in enumerate(pieces):
+        pos = start + k
+        base = "black on #9be59b" if traj.spans[pos] == SpanKind.ASSISTANT else "#303030 on #d0d0d0"
+        if diverged_from is not None and pos >= diverged_from:
+            base += " underline" if pos > diverged_from else " bold reverse"
+        out.append(show_whitespace(piece).replace("\n", " "), style=base)
+    return out
+
+
+def pair_view(c: Comparison, i: int, text: TokenText) -> list:
+    p = c.pairs[i]
+    head = Text(f"episode {p.a.index} (seed {p.a.seed}): A line {p.a.line} {outcome(p.a)} · B line {p.b.line} "
+                f"{outcome(p.b)}", style="bold")
+    if p.divergence is None:
+        return [head, Text("identical token sequences", style="green")]
+    d = p.divergence
+    turn = p.traj_a.turn_ids[d] if d < len(p.traj_a.turn_ids) else p.traj_b.turn_ids[d]
+    start = max(0, d - CONTEXT)
+    parts = [head, Text(f"first divergence at response position {d} (turn {turn}); {d} tokens in common", style="yellow")]
+    for name, traj in (("A", p.traj_a), ("B", p.traj_b)):
+        line = Text(f"{name}: " + ("…" if start else ""))
+        line.append_text(styled_tokens(text, traj, start, min(len(traj.response_ids), d + AFTER), d))
+        if d >= len(traj.response_ids):
+            line.append(" [ends here]", style="italic")
+        parts.append(line)
+    return parts
+
+
+def render_terminal(c: Comparison, console: Console, tokenizer: str | None, show_all: bool, limit: int) -> None:
+    console.print(summary_table(c))
+    console.print(changes(c))
+    rows = list(range(len(c.pairs)))[: limit if show_all else TABLE_ROWS]
+    if c.pairs:
+        console.print(pairs_table(c, rows))
+        if len(rows) < len(c.pairs):
+            console.print(f"({len(c.pairs) - len(rows)} more matched episodes: --all lists them)", style="dim")
+    text = TokenText(tokenizer)
+    for i in c.shown:
+        console.rule()
+        for part in pair_view(c, i, text):
+            console.print(part)
+
+
+# -- HTML --------------------------------------------------------------------------------------------
+
+def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
+    from agent_loop.inspect import html as page_html
+
+    esc = page_html.esc
+    a, b = (stats(r) for r in c.runs)
+    summary = ('<table class="runs"><tr><th></th><th>A</th><th>B</th></tr>'
+               + "".join(f'<tr><td class="l">{esc(k)}</td><td>{a[k]}</td><td>{b[k]}</td></tr>' for k in a)
+               + f'<tr><td class="l">matched (index, seed)</td><td>{len(c.pairs)}</td><td>{len(c.pairs)}</td></tr>'
+               + f'<tr><td class="l">without a match</td><td>{len(c.only[0])}</td><td>{len(c.only[1])}</td></tr></table>')
+    rows = "".join(
+        f'<tr class="pair" data-ep="{p.a.index}"><td>{"<a href=#pair-%d>%d</a>" % (p.a.index, p.a.index) if i in c.shown else p.a.index}'
+        f"</td><td>{esc(p.a.seed)}</td><td class=\"{'' if p.a.success else 'err'}\">{esc(outcome(p.a))}</td>"
+        f"<td class=\"{'' if p.b.success else 'err'}\">{esc(outcome(p.b))}</td><td class=\"l\">{esc(tokens_state(p))}</td></tr>"
+        for i, p in enumerate(c.pairs[:limit]))
+    more = (f'<p class="err">{len(c.pairs) - limit} more matched episodes not listed (--max-episodes)</p>'
+            if len(c.pairs) > limit else "")
+    pairs = more + ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">tokens</th></tr>'
+             + rows + "</table>")
+    text = TokenText(tokenizer)
+    sections = []
+    for i in c.shown:
+        p = c.pairs[i]
+        view = SimpleNamespace(trajectories=[p.traj_a, p.traj_b],
+                               pieces=[text.pieces(p.traj_a, p.traj_a.response_ids),
+                                       text.pieces(p.traj_b, p.traj_b.response_ids)])
+        d = p.divergence
+        note = ("identical token sequences" if d is None else
+                f"first divergence at response position {d}: {d} tokens in common (outlined in red from there)")
+        blocks = '<div class="runs">' + "".join(
+            f'<div><h3>{name}: line {brief.line} · {esc(outcome(brief))} · finish {esc(brief.finish)}</h3>'
+            f'<div class="tokens run-{name}">{page_html.token_html(view, k, 0, len(traj.response_ids), d)}</div></div>'
+            for k, (name, brief, traj) in enumerate((("A", p.a, p.traj_a), ("B", p.b, p.traj_b)))) + "</div>"
+        sections.append(f'<section class="card pair-view" id="pair-{p.a.index}" data-divergence="{"" if d is None else d}">'
+                        f"<h2>episode {p.a.index} (seed {esc(p.a.seed)})</h2><p>{note}</p>{blocks}</section>")
+    warnings = "".join(f'<div class="card warn">warning: {esc(m)}</div>' for m in c.problems)
+    body = (f'{warnings}<section class="card"><h2>two runs</h2>{summary}<h2>matched episodes</h2>{pairs}</section>'
+            + "".join(sections))
+    header = f"<h1>agent-loop inspect · A = {esc(c.paths[0])} · B = {esc(c.paths[1])}</h1>"
+    return page_html.page(f"agent-loop inspect: {c.paths[0]} vs {c.paths[1]}", header, body,
+                          {"compare": False, "names": page_html.NAMES, "rows": []})
+
+
+def run(args: argparse.Namespace, console: Console, err: Console) -> int:
+    from agent_loop.inspect import write_atomically
+
+    try:
+        c = compare(*args.rollouts, ids=args.episode, show_all=bool(args.all), limit=args.max_episodes,
+                    failed=args.failed)
+    except InputError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+    for problem in c.problems:
+        err.print(f"[yellow]warning:[/yellow] {problem}")
+    if not c.runs[0] or not c.runs[1]:
+        err.print("[red]error:[/red] nothing to compare: " + " and ".join(
+            str(p) for p, r in zip(c.paths, c.runs) if not r) + " has no good line")
+        return 1
+    if not args.quiet:
+        render_terminal(c, console, args.tokenizer, bool(args.all), args.max_episodes)
+    if args.html:
+        page = render_html(c, args.tokenizer, args.max_episodes if args.all else 1000)
+        write_atomically(args.html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+        err.print(f"wrote {args.html}")
+    if not c.pairs:
+        err.print("[red]error:[/red] no episode of A matches one of B by (info.index, info.seed)")
+        return 1
+    return 0
