@@ -55,9 +55,9 @@ def test_observation_of_a_real_turn_matches_the_full_render(tokenizer, formatter
 def test_synthetic_prefix_is_cached(formatter):
     tool = [{"role": "tool", "name": "calculator", "content": "1"}]
     formatter.observation_ids(tool)
-    cached = dict(formatter._prefix_cache)
+    cached = dict(formatter._synthetic)
     formatter.observation_ids([{**tool[0], "content": "a different result"}])
-    assert formatter._prefix_cache == cached
+    assert formatter._synthetic == cached
 
 
 def test_empty_observation_is_rejected(formatter):
