@@ -318,19 +318,22 @@ class ChatFormatter:
 
     # -- end of turn -----------------------------------------------------------------------------
 
-    def _specials_after(self, text: str, end: int) -> list[int]:
-        """The run of adjacent special tokens that starts with the first special token at or after ``end``."""
+    def _specials_after(self, text: str, end: int, lo: int = 0) -> tuple[list[int], set[int]]:
+        """The run of adjacent special tokens that starts with the first special token at or after ``end``,
+        and the special tokens of ``text[lo:end]``."""
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        run, last_end = [], None
+        run, last_end, before = [], None, set()
         for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
             if s < end:
+                if s >= lo and tid in self._special_ids:
+                    before.add(tid)
                 continue
             if tid in self._special_ids and (last_end is None or s == last_end):
                 run.append(tid)
                 last_end = e
             elif run:
                 break
-        return run
+        return run, before
 
     def _find_end_of_turn_ids(self) -> list[int]:
         """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
@@ -339,8 +342,11 @@ class ChatFormatter:
         assistant = {"role": "assistant", "content": _EOT_PROBE}
         text = self.render_text(head + [assistant])
         end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
-        run = self._specials_after(text, end)
-        ids = run[-1:]
+        run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
+        # the turn ends with the last of the run, up to where the run opens the next turn (a token that also
+        # opened this one, e.g. <|eot_id|><|start_header_id|> from templates that always add the header)
+        closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
+        ids = closing[-1:]
         if not ids:  # GLM-4 style: the model ends its turn by opening the next one
             followers = [[{"role": "user", "content": _SYNTHETIC_USER}]]
             if self.tools:
@@ -351,16 +357,20 @@ class ChatFormatter:
                 except TemplateError:
                     continue
                 if following.startswith(text):
-                    ids += [t for t in self._specials_after(following, len(text))[:1] if t not in ids]
+                    ids += [t for t in self._specials_after(following, len(text))[0][:1] if t not in ids]
             self.stop_opens_next_turn = bool(ids)
         if not ids:
+            after = text[end:end + 20] or self.render_text(head + [assistant, head[0]])[end:end + 20]
             raise TemplateError(
-                f"the template's end-of-turn marker {text[end:end + 20]!r} is not a special token of this tokenizer "
-                "(and no special token opens the next turn); add it with tokenizer.add_special_tokens so "
-                "generation can stop on it")
+                f"no special token ends an assistant turn of this template: its content is followed by {after!r}, "
+                "which this tokenizer does not encode as a special token, so generation cannot stop on it; add that "
+                "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
+                "the next turn opens) with a special token")
         extra = [self.tokenizer.eos_token_id]
-        if "<|eom_id|>" in self.template_text:  # Llama 3.1: end of a turn that expects a tool result
-            extra.append(self.tokenizer.convert_tokens_to_ids("<|eom_id|>"))
+        # the end of a turn that expects a tool result: Llama 3.1, harmony (gpt-oss), Apertus (results inline)
+        for token in ("<|eom_id|>", "<|call|>", "<|tools_suffix|>"):
+            if token in self.template_text:
+                extra.append(self.tokenizer.convert_tokens_to_ids(token))
         ids += [t for t in extra if t is not None and t != self.tokenizer.unk_token_id and t not in ids]
         return ids
 

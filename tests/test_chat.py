@@ -75,7 +75,7 @@ def test_qwen3_user_turn_after_reasoning_is_not_append_only(tokenizer):
 
 def test_missing_end_of_turn_special_token_is_a_clear_error(tokenizer):
     llama = read_template("llama-3.1-8b-instruct.jinja")
-    with pytest.raises(TemplateError, match="not a special token of this tokenizer.*add_special_tokens"):
+    with pytest.raises(TemplateError, match="does not encode as a special token.*add_special_tokens"):
         ChatFormatter(tokenizer, chat_template=llama, bos_token="")
 
 
