@@ -178,6 +178,16 @@ class ChatFormatter:
         start, end = marker
         return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch)
 
+    def final_mismatch(self, messages: list[dict], seen: str) -> dict | None:
+        """Check a finished episode that ends with an assistant turn: the one-go render of ``messages`` must
+        start with ``seen`` (the generation prompt the last turn was sampled after); else where they differ."""
+        fresh = self.render_text(messages)
+        if fresh.startswith(seen):
+            return None
+        pos = first_difference(seen, fresh)
+        return {"char": pos, "token": len(self.encode(fresh[:pos])),
+                "seen": seen[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
         """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
 
@@ -367,8 +377,9 @@ class ChatFormatter:
                 "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
                 "the next turn opens) with a special token")
         extra = [self.tokenizer.eos_token_id]
-        # the end of a turn that expects a tool result: Llama 3.1, harmony (gpt-oss), Apertus (results inline)
-        for token in ("<|eom_id|>", "<|call|>", "<|tools_suffix|>"):
+        # the end of a turn that expects a tool result: Llama 3.1, harmony (gpt-oss), Apertus and Gemma 4
+        # (results rendered inside the model's turn, opened by a token the model writes)
+        for token in ("<|eom_id|>", "<|call|>", "<|tools_suffix|>", "<|tool_response>"):
             if token in self.template_text:
                 extra.append(self.tokenizer.convert_tokens_to_ids(token))
         ids += [t for t in extra if t is not None and t != self.tokenizer.unk_token_id and t not in ids]

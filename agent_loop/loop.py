@@ -46,6 +46,12 @@ class LoopConfig:
     history_mode: str = "strict"
     on_template_mismatch: str = "record"
 
+    def __post_init__(self):
+        if self.history_mode not in ("strict", "keep_seen"):
+            raise ValueError(f"history_mode must be 'strict' or 'keep_seen', got {self.history_mode!r}")
+        if self.on_template_mismatch not in ("record", "error"):
+            raise ValueError(f"on_template_mismatch must be 'record' or 'error', got {self.on_template_mismatch!r}")
+
 
 def request_seed(seed: int, index: int, turn: int) -> int:
     """A stable per-request sampling seed, so an episode replays the same whatever runs beside it."""
@@ -143,6 +149,16 @@ class _Context:
     index: int
 
 
+def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
+    """Record where a fresh one-go render differs from what the model saw (an error if the config says so)."""
+    if mismatch is None:
+        return
+    if config.on_template_mismatch == "error" and config.history_mode == "strict":
+        raise TemplateError(f"turn {turn}: the chat template's one-go render of this episode differs from the "
+                            f"tokens the model saw: {mismatch}")
+    state.template_diffs.append({"turn": turn, **mismatch})
+
+
 async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
     """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
     config, formatter = ctx.config, ctx.formatter
@@ -189,11 +205,7 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
                                               result.token_ids[-1] if stopped else None, text, config.max_observation_tokens)
     state.observation_truncations += cut
     state.messages += new_messages
-    if obs.mismatch is not None:
-        if config.on_template_mismatch == "error" and config.history_mode == "strict":
-            raise TemplateError(f"turn {turn}: the chat template's one-go render of this episode differs from the "
-                                f"tokens the model saw: {obs.mismatch}")
-        state.template_diffs.append({"turn": turn, **obs.mismatch})
+    _template_diff(config, state, turn, obs.mismatch)
     state.seen = obs.rendered
     if len(state.response_ids) + len(obs.ids) >= config.max_response_tokens:
         return "observation_overflow"  # no room left for the observation and a next turn
@@ -236,6 +248,8 @@ async def run_episode(
 def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str,
             elapsed_s: float) -> Trajectory:
     """Score the episode and assemble its Trajectory record."""
+    if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
+        _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
     reward = float(task.reward(episode, state.messages, state.records))
     turn_rewards_fn = getattr(task, "turn_rewards", None)
     turn_rewards = turn_rewards_fn(episode, state.messages, state.records) if turn_rewards_fn else None

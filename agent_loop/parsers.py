@@ -284,7 +284,8 @@ def parse_kimi_k2(text: str) -> ParsedTurn:
     return _turn(_KIMI_SECTION.sub("", text), items)
 
 
-def _marker_then_list(marker: str, end: str | None = None, name_key: str = "name", arguments_key: str = "arguments"):
+def _marker_then_list(name: str, marker: str, end: str | None = None, name_key: str = "name",
+                      arguments_key: str = "arguments"):
     """A parser for formats that write one JSON list of calls after ``marker`` (up to ``end``)."""
     def parse(text: str) -> ParsedTurn:
         content, sep, rest = text.partition(marker)
@@ -293,14 +294,15 @@ def _marker_then_list(marker: str, end: str | None = None, name_key: str = "name
         body, _, after = rest.partition(end) if end else (rest, "", "")
         fenced = _FENCED.match(body)
         return _turn(content + after, _calls_from_json_list((fenced.group(1) if fenced else body).strip(), name_key, arguments_key))
+    parse.__name__ = parse.__qualname__ = name
     return parse
 
 
-parse_granite = _marker_then_list("<|tool_call|>")
+parse_granite = _marker_then_list("parse_granite", "<|tool_call|>")
 parse_granite.__doc__ = "Granite 3.x: ``<|tool_call|>[{\"name\", \"arguments\"}, ...]``."
-parse_nemotron = _marker_then_list("<TOOLCALL>", "</TOOLCALL>")
+parse_nemotron = _marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>")
 parse_nemotron.__doc__ = "Nemotron: ``<TOOLCALL>[{\"name\", \"arguments\"}, ...]</TOOLCALL>``."
-_functools_list = _marker_then_list("functools")
+_functools_list = _marker_then_list("parse_functools", "functools")
 
 
 def parse_functools(text: str) -> ParsedTurn:
@@ -309,7 +311,7 @@ def parse_functools(text: str) -> ParsedTurn:
     if "functools" not in text and text.strip().startswith("{"):
         return _turn("", _json_sequence(text.strip(), "arguments"))
     return _functools_list(text)
-parse_command_r = _marker_then_list("Action:", None, "tool_name", "parameters")
+parse_command_r = _marker_then_list("parse_command_r", "Action:", None, "tool_name", "parameters")
 parse_command_r.__doc__ = "Command R/R+: ``Action: ```json [{\"tool_name\", \"parameters\"}, ...] ````."
 
 

@@ -126,8 +126,25 @@ def test_history_rewriting_template_strict_refuses_keep_seen_runs_and_records_dr
         traj = play(tok, replies, "<|im_start|>assistant", LoopConfig(history_mode="keep_seen"))
     assert sum("keep_seen" in str(w.message) for w in caught) == 1
     assert traj.finish_reason == "stop" and traj.reward == 1.0
-    assert not traj.metrics["template_exact"] and traj.metrics["template_drift"] == 2
+    # two observations and the final answer (its <think> generation prompt is not how the answer renders)
+    assert not traj.metrics["template_exact"] and traj.metrics["template_drift"] == 3
     assert traj.metrics["template_mismatch"] == 0 and traj.metrics["template_first_diff"]["turn"] == 0
     # the model's own reasoning tokens are kept; each observation is the template's text after the episode's messages
     text = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     assert text.count("I think.") == 2 and text.count("<tool_response>\na\n</tool_response>") == 2
+
+
+def test_mismatch_setting_makes_it_an_error_and_is_validated(qwen_tokenizer):
+    """on_template_mismatch="error": the finished episode's one-go render is checked too (here QwQ, whose
+    generation prompt opens <think> that the rendered final answer drops: recorded by default, an error on request)."""
+    with pytest.raises(ValueError, match="on_template_mismatch"):
+        LoopConfig(on_template_mismatch="ignore")
+    with pytest.raises(ValueError, match="history_mode"):
+        LoopConfig(history_mode="lenient")
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tok.chat_template = read_template("qwq-32b.jinja")  # refused up front in strict mode ...
+    reply = "</think>\n\ndone<|im_end|>"  # ... but a chat with no tool call never reaches the probe
+    traj = play(tok, [reply], "<|im_start|>assistant")
+    assert traj.metrics["template_mismatch"] == 1 and traj.metrics["template_first_diff"]["turn"] == 0
+    with pytest.raises(TemplateError, match="differs from the tokens the model saw"):
+        play(tok, [reply], "<|im_start|>assistant", LoopConfig(on_template_mismatch="error"))
