@@ -135,7 +135,7 @@ class ChatFormatter:
         In the family's own format where the template shows one (Kimi K2: ``functions.NAME:IDX``), else
         ``call`` + 5 digits: 9 alphanumerics, which Mistral templates require.
         """
-        if "functions." in self.template_text and "tool_calls_section" in self.template_text:
+        if "<|tool_calls_section_begin|>" in self.template_text:  # Kimi K2: vLLM's parser reads the name from the id
             return f"functions.{name}:{index}"
         return default_call_id(index)
 

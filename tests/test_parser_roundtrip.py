@@ -35,8 +35,9 @@ LOSSY = {
 }
 
 
-def _calls(pairs, string_args: bool):
-    return [{"id": f"call{i:05d}", "type": "function",
+def _calls(formatter, pairs, string_args: bool):
+    """The calls as an assistant message holds them, with ids in the family's format (Kimi reads names from them)."""
+    return [{"id": formatter.call_id(n, i), "type": "function",
              "function": {"name": n, "arguments": json.dumps(a) if string_args else a}} for i, (n, a) in enumerate(pairs)]
 
 
@@ -44,7 +45,7 @@ def rendered_turn(formatter: ChatFormatter, pairs, string_args: bool, content) -
     """The text of the assistant turn: from where it differs from a plain-text turn (the generation prompt
     may differ from the rendered turn's opening), up to its end-of-turn marker."""
     head = [{"role": "user", "content": "Compute."}]
-    full = formatter.render_text(head + [{"role": "assistant", "content": content, "tool_calls": _calls(pairs, string_args)}])
+    full = formatter.render_text(head + [{"role": "assistant", "content": content, "tool_calls": _calls(formatter, pairs, string_args)}])
     plain = formatter.render_text(head + [{"role": "assistant", "content": "\u2603"}])
     start = first_difference(full, plain[: plain.index("\u2603") + 1])
     tail = formatter.render_text(head, add_generation_prompt=True).rstrip()[-12:]  # a tool-call turn's own header
@@ -71,7 +72,7 @@ def test_template_tool_calls_round_trip(tokenizer, name):  # noqa: F811
     except TemplateError:  # no end-of-turn token (ChatGLM rounds): the render still shows whether calls come back
         formatter = ChatFormatter.__new__(ChatFormatter)
         formatter.tokenizer, formatter.tools, formatter.chat_template, formatter.template_kwargs = tokenizer, [CALCULATOR], template, kwargs
-        formatter._stop_texts = {}
+        formatter._stop_texts, formatter.template_text = {}, template
     got, texts = None, []
     attempts = [(pairs, string_args, content) for pairs in (CALLS, ONE_CALL)  # Llama 3.x, harmony: one call per turn
                 for string_args in (False, True)  # some templates want JSON-string arguments

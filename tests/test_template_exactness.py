@@ -92,10 +92,45 @@ def test_call_ids_are_unique_in_the_episode(qwen_tokenizer):
     assert [c["id"] for m in traj.messages for c in m.get("tool_calls", [])] == ids
 
 
-def test_kimi_style_template_gets_functions_name_idx_ids(qwen_tokenizer):
-    kimi_like = read_template("qwen2.5-7b-instruct.jinja") + "{# <|tool_calls_section_begin|> functions. #}"
-    formatter = ChatFormatter(qwen_tokenizer, chat_template=kimi_like)
-    assert [formatter.call_id("search", i) for i in (0, 1)] == ["functions.search:0", "functions.search:1"]
+def test_kimi_k2_ids_are_functions_name_idx_and_shown_to_the_model():
+    """Kimi K2 shows each result's id ("## Return of ID"): ids are unique in the episode, in Kimi's format."""
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    kimi = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+    tok.add_special_tokens({"additional_special_tokens": kimi}, replace_extra_special_tokens=False)
+    tok.chat_template = read_template("kimi-k2-thinking.jinja")
+
+    def call(i, text):
+        return (f"<|tool_call_begin|>functions.echo:{i}<|tool_call_argument_begin|>{json.dumps({'text': text})}"
+                "<|tool_call_end|>")
+    replies = [f"<think></think><|tool_calls_section_begin|>{call(0, 'a')}{call(1, 'b')}<|tool_calls_section_end|><|im_end|>",
+               f"<think></think><|tool_calls_section_begin|>{call(2, 'c')}<|tool_calls_section_end|><|im_end|>",
+               "<think></think>done<|im_end|>"]
+    traj = play(tok, replies, "<|im_assistant|>assistant<|im_middle|>")
+    assert traj.finish_reason == "stop" and traj.metrics["template_exact"]
+    assert [r.call_id for r in traj.tool_calls] == ["functions.echo:0", "functions.echo:1", "functions.echo:2"]
+    text = tok.decode(traj.response_ids, skip_special_tokens=False)
+    assert [text.count(f"## Return of functions.echo:{i}\n") for i in range(3)] == [1, 1, 1]
+
+
+def test_glm_turn_ends_on_the_next_roles_token_kept_in_the_assistant_span():
+    """GLM-4.5/4.6 write no end-of-turn token: the model stops on <|observation|> (tool call) or <|user|>;
+    that token is sampled, so it is ASSISTANT; the observation starts right after it."""
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tok.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]},
+                           replace_extra_special_tokens=False)
+    tok.chat_template = read_template("glm-4.6.jinja")
+    formatter = ChatFormatter(tok, tools=ToolExecutor([echo]).schemas)
+    stops = tok.convert_ids_to_tokens(formatter.end_of_turn_ids)
+    assert stops[:2] == ["<|user|>", "<|observation|>"] and formatter.stop_opens_next_turn
+    call = "\n<think></think>\n<tool_call>echo\n<arg_key>text</arg_key>\n<arg_value>a</arg_value>\n</tool_call><|observation|>"
+    traj = play(tok, [call, "\n<think></think>\ndone<|user|>"], "<|assistant|>")
+    assert traj.finish_reason == "stop" and traj.reward == 1.0 and traj.metrics["template_exact"]
+    observation_token = tok.convert_tokens_to_ids("<|observation|>")
+    at = traj.response_ids.index(observation_token)
+    assert traj.spans[at] == 1 and traj.spans[at + 1] == 2  # ASSISTANT stop token, then OBSERVATION
+    obs = tok.decode([i for i, s in zip(traj.response_ids, traj.spans) if s == 2], skip_special_tokens=False)
+    assert obs == "\n<tool_response>\na\n</tool_response><|assistant|>"
 
 
 def test_mismatch_names_the_first_differing_position(qwen_tokenizer):
