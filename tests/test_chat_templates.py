@@ -20,7 +20,7 @@ from masking.spans import SpanKind
 
 # Special markers of the other families, added to the Qwen vocabulary (see tokenizers/README.md).
 MARKER = re.compile(r"<\|[A-Za-z0-9_.▁-]+\|>|<｜[^｜]*｜>|\[/?[A-Z_]{3,}\]|</?(?:start|end)_[a-z_]+>|<escape>"
-                    r"|<turn\|>|<\|turn>|</?s>")
+                    r"|<\|[a-z_]+>|<[a-z_]+\|>|</?s>")  # Gemma 4: <|turn>, <turn|>, <|tool_call>, <|tool_response>, ...
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
