@@ -232,7 +232,7 @@ async def run_episode(
     prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(
         backend=backend, tokenizer=tokenizer, formatter=formatter,
-        parser=parser_for_template(formatter.chat_template or tokenizer.chat_template), toolbox=toolbox,
+        parser=parser_for_template(formatter.chat_template or tokenizer.chat_template, toolbox.schemas), toolbox=toolbox,
         config=config, prompt_ids=prompt_ids,
         session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
         seed=seed, index=index,

@@ -28,6 +28,7 @@ the loop can answer them with an error observation.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -128,6 +129,16 @@ def _blocks(text: str, start: str, end: str) -> tuple[list[str], str]:
     return [m.group(1) for m in pattern.finditer(text)], pattern.sub("", text)
 
 
+def _string_params(schemas: list[dict] | None, name: str) -> set[str]:
+    """The parameters of tool ``name`` whose schema type is string (their text is kept as written)."""
+    for schema in schemas or []:
+        function = schema.get("function", schema)
+        if function.get("name") == name:
+            properties = function.get("parameters", {}).get("properties", {})
+            return {k for k, v in properties.items() if v.get("type") == "string"}
+    return set()
+
+
 def _value(text: str):
     """A parameter value written as plain text: JSON where it parses (numbers, objects, ...), else the string."""
     if text in ("None", "True", "False"):  # Python spellings some templates write
@@ -151,10 +162,11 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOT
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
-def parse_qwen3_xml(text: str) -> ParsedTurn:
+def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
 
-    Values are JSON where they parse (numbers, booleans, objects, lists), else strings, as vLLM does without a schema.
+    Values of string-typed parameters (per the tool ``schemas``) are kept as written; other values are JSON
+    where they parse (numbers, booleans, objects, lists), else strings, as vLLM's parser does.
     """
     bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
     items: list[Item] = []
@@ -163,15 +175,19 @@ def parse_qwen3_xml(text: str) -> ParsedTurn:
         if m is None:
             items.append(ParseError(body, "a tool call must be <function=NAME>...</function>"))
             continue
-        items.append(ParsedCall(m.group(1).strip(), {k.strip(): _value(v) for k, v in _XML_PARAMETER.findall(m.group(2))}))
+        name = m.group(1).strip()
+        strings = _string_params(schemas, name)
+        items.append(ParsedCall(name, {k.strip(): v if k.strip() in strings else _value(v)
+                                       for k, v in _XML_PARAMETER.findall(m.group(2))}))
     return _turn(content, items)
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def parse_glm45(text: str) -> ParsedTurn:
-    """GLM-4.5/4.6/4.7: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``."""
+def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """GLM-4.5/4.6/4.7: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``
+    (values typed as in :func:`parse_qwen3_xml`)."""
     bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
     items: list[Item] = []
     for body in bodies:
@@ -179,7 +195,8 @@ def parse_glm45(text: str) -> ParsedTurn:
         if not name or "\n" in name or "{" in name:
             items.append(ParseError(body, "a tool call must start with the function name"))
             continue
-        items.append(ParsedCall(name, {k.strip(): _value(v) for k, v in _GLM_ARG.findall(body)}))
+        strings = _string_params(schemas, name)
+        items.append(ParsedCall(name, {k.strip(): v if k.strip() in strings else _value(v) for k, v in _GLM_ARG.findall(body)}))
     return _turn(content, items)
 
 
@@ -464,10 +481,16 @@ PARSERS: list[tuple[tuple[str, ...], object]] = [
 ]
 
 
-def parser_for_template(template: str):
-    """The parser matching a chat template's tool-call format (see :data:`PARSERS`); ValueError if none fits."""
+def parser_for_template(template: str, tools: list[dict] | None = None):
+    """The parser matching a chat template's tool-call format (see :data:`PARSERS`); ValueError if none fits.
+
+    With ``tools`` (JSON schemas), parsers of formats that write values as bare text (Qwen3 XML, GLM-4.5)
+    keep string-typed parameters as strings.
+    """
     for markers, parser in PARSERS:
         if all(m in template for m in markers):
+            if tools and parser in (parse_qwen3_xml, parse_glm45):
+                return functools.partial(parser, schemas=tools)
             return parser
     known = "; ".join(" + ".join(m) for m, _ in PARSERS)
     raise ValueError("no tool-call parser fits this chat template: it contains none of the tool-call markers "

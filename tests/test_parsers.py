@@ -154,3 +154,14 @@ def test_malformed_call_becomes_malformed_json_record():
     turn = P.parse_kimi_k2('<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{"query": <|tool_call_end|>')
     records = asyncio.run(ToolExecutor([]).execute(turn.calls + turn.errors))
     assert [r.error_kind for r in records] == ["malformed_json"]
+
+
+def test_xml_formats_keep_string_typed_parameters_as_written():
+    """Qwen3 XML and GLM-4.5 write values as bare text: with the tool schemas, a string parameter "5" stays "5"."""
+    schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    xml = "<tool_call>\n<function=f>\n<parameter=code>\n5\n</parameter>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>"
+    glm = "<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>5</arg_value>\n<arg_key>n</arg_key>\n<arg_value>5</arg_value>\n</tool_call>"
+    for template, text in (("<function=x><parameter=y>", xml), ("<arg_key>", glm)):
+        assert parser_for_template(template)(text).calls == [ParsedCall("f", {"code": 5, "n": 5})]  # untyped
+        assert parser_for_template(template, schema)(text).calls == [ParsedCall("f", {"code": "5", "n": 5})]
