@@ -20,7 +20,7 @@ from masking.spans import SpanKind
 
 # Special markers of the other families, added to the Qwen vocabulary (see tokenizers/README.md).
 MARKER = re.compile(r"<\|[A-Za-z0-9_.▁-]+\|>|<｜[^｜]*｜>|\[/?[A-Z_]{3,}\]|</?(?:start|end)_[a-z_]+>|<escape>"
-                    r"|<\|[a-z_]+>|<[a-z_]+\|>|</?s>")  # Gemma 4: <|turn>, <turn|>, <|tool_call>, <|tool_response>, ...
+                    r"|<\|[a-z_]+>|<[a-z_]+\|>|</?s>|<SPECIAL_\d+>|</?TOOLCALL>")  # Gemma 4: <|turn>, <turn|>, <|tool_call>, <|tool_response>, ...
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -39,6 +39,8 @@ NOT_APPEND_ONLY = {
     # the generation prompt opens <think>, which the template strips from rendered assistant turns
     "deepseek-r1-distill-llama-8b.jinja": REWRITES_REASONING,
     "deepseek-r1-distill-qwen-32b.jinja": REWRITES_REASONING,
+    # the generation prompt opens <think>\n\n, which the turn loses once messages follow it
+    "nemotron-nano-v2.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
     # the reasoning of a tool-calling turn is dropped once its results follow
     "qwq-32b.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
     # harmony: the analysis channel of a tool-calling turn is dropped once the final answer follows

@@ -48,6 +48,8 @@ def rendered_turn(formatter: ChatFormatter, pairs, string_args: bool, content) -
     full = formatter.render_text(head + [{"role": "assistant", "content": content, "tool_calls": _calls(formatter, pairs, string_args)}])
     plain = formatter.render_text(head + [{"role": "assistant", "content": "\u2603"}])
     start = first_difference(full, plain[: plain.index("\u2603") + 1])
+    offsets = formatter.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = next((s for s, e in offsets if s <= start < e), start)  # the start of the token it falls in (<TOOLCALL>)
     tail = formatter.render_text(head, add_generation_prompt=True).rstrip()[-12:]  # a tool-call turn's own header
     if tail and (found := full.find(tail, start, start + 80)) >= 0:
         start = found + len(tail)
