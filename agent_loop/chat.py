@@ -330,20 +330,20 @@ class ChatFormatter:
 
     def _specials_after(self, text: str, end: int, lo: int = 0) -> tuple[list[int], set[int]]:
         """The run of adjacent special tokens that starts with the first special token at or after ``end``,
-        and the special tokens of ``text[lo:end]``."""
+        and the special tokens of ``text[lo:end]`` but its first (which closes the message before ``lo``)."""
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        run, last_end, before = [], None, set()
+        run, last_end, before = [], None, []
         for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
             if s < end:
                 if s >= lo and tid in self._special_ids:
-                    before.add(tid)
+                    before.append(tid)
                 continue
             if tid in self._special_ids and (last_end is None or s == last_end):
                 run.append(tid)
                 last_end = e
             elif run:
                 break
-        return run, before
+        return run, set(before[1:])
 
     def _find_end_of_turn_ids(self) -> list[int]:
         """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
@@ -353,8 +353,9 @@ class ChatFormatter:
         text = self.render_text(head + [assistant])
         end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
         run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
-        # the turn ends with the last of the run, up to where the run opens the next turn (a token that also
-        # opened this one, e.g. <|eot_id|><|start_header_id|> from templates that always add the header)
+        # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
+        # the next turn (a token that also opened this one after the user's closing token, e.g.
+        # <|eot_id|><|start_header_id|> from templates that always add the header)
         closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
         ids = closing[-1:]
         if not ids:  # GLM-4 style: the model ends its turn by opening the next one

@@ -328,8 +328,16 @@ def parse_functools(text: str) -> ParsedTurn:
     if "functools" not in text and text.strip().startswith("{"):
         return _turn("", _json_sequence(text.strip(), "arguments"))
     return _functools_list(text)
-parse_command_r = _marker_then_list("parse_command_r", "Action:", None, "tool_name", "parameters")
-parse_command_r.__doc__ = "Command R/R+: ``Action: ```json [{\"tool_name\", \"parameters\"}, ...] ````."
+_command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_name", "parameters")
+_command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
+
+
+def parse_command_r(text: str) -> ParsedTurn:
+    """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
+    (the plan in ``<|START_THINKING|>`` is content); Command R/R+: ``Action: ```json [{"tool_name", "parameters"}] ````."""
+    if "<|START_ACTION|>" in text:
+        return _command_r7b_action(text)
+    return _command_r_action(text)
 
 
 def parse_granite_20b_fc(text: str) -> ParsedTurn:
@@ -472,6 +480,7 @@ PARSERS: list[tuple[tuple[str, ...], object]] = [
     (("<start_function_call>",), parse_gemma),
     (("functools",), parse_functools),
     ((">>>all",), parse_functionary),
+    (("<|START_ACTION|>",), parse_command_r),
     (("Action:", "tool_name"), parse_command_r),
     (("<|python_tag|>",), parse_llama3_json),
     (("[func_name",), parse_pythonic),

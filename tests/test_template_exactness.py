@@ -183,3 +183,29 @@ def test_mismatch_setting_makes_it_an_error_and_is_validated(qwen_tokenizer):
     assert traj.metrics["template_mismatch"] == 1 and traj.metrics["template_first_diff"]["turn"] == 0
     with pytest.raises(TemplateError, match="differs from the tokens the model saw"):
         play(tok, [reply], "<|im_start|>assistant", LoopConfig(on_template_mismatch="error"))
+
+
+def test_command_r7b_numbers_calls_across_the_chat_and_looks_results_up_by_id():
+    """Command R7B numbers calls over the whole chat and finds each result's number by its call id: with ids
+    unique in the episode the second turn's result is "2" (ids restarting per turn would make it "0")."""
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    cohere = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|USER_TOKEN|>", "<|SYSTEM_TOKEN|>",
+              "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>",
+              "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]
+    tok.add_special_tokens({"bos_token": "<BOS_TOKEN>", "additional_special_tokens": cohere}, replace_extra_special_tokens=False)
+    tok.chat_template = read_template("command-r7b-12-2024-tool_use.jinja")
+    formatter = ChatFormatter(tok, tools=ToolExecutor([echo]).schemas)
+    # two special tokens after a turn: the stop token is the last one the model writes (class 4)
+    assert tok.convert_ids_to_tokens(formatter.end_of_turn_ids[:1]) == ["<|END_OF_TURN_TOKEN|>"]
+
+    def action(*texts):
+        calls = ",\n".join(f'    {{"tool_call_id": "{i}", "tool_name": "echo", "parameters": {{"text": "{t}"}}}}'
+                           for i, t in enumerate(texts))
+        return f"<|START_THINKING|><|END_THINKING|><|START_ACTION|>[\n{calls}\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>"
+    replies = [action("a", "b"), action("c"), "<|START_RESPONSE|>done<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"]
+    traj = play(tok, replies, "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+    assert traj.finish_reason == "stop" and traj.reward == 1.0 and traj.metrics["template_exact"]
+    assert [r.call_id for r in traj.tool_calls] == ["call00000", "call00001", "call00002"]
+    second = tok.decode([i for i, s, t in zip(traj.response_ids, traj.spans, traj.turn_ids) if s == 2 and t == 1],
+                        skip_special_tokens=False)
+    assert '"tool_call_id": "2"' in second and '"0": "c"' in second
