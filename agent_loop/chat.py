@@ -112,7 +112,10 @@ class ChatFormatter:
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs)
         except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. dict arguments where the template wants a string
             roles = [m.get("role") for m in messages]
-            raise TemplateError(f"chat template failed to render messages with roles {roles}: {e}") from e
+            raise TemplateError(
+                f"chat template failed to render messages with roles {roles}: {e}. Check what this template accepts "
+                "(some want tool-call arguments as a JSON string, reject content next to tool calls, a system role, "
+                "or need template variables: pass them as ChatFormatter keyword arguments), or pass chat_template=") from e
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
