@@ -2,14 +2,31 @@
 
 The prompt is rendered once with the tokenizer's chat template. Assistant tokens are kept as sampled
 and never re-encoded. What follows an assistant turn (tool results, user or environment turns, the
-next generation prompt, and the template tokens after the model's end-of-turn token) is the
-template's *delta*: a fixed synthetic conversation is rendered with and without the new messages,
-the longer render must start with the shorter one token for token, and the suffix is the
-observation. Templates that rewrite earlier turns (e.g. drop the reasoning of earlier assistant
-turns) fail that check with a :class:`TemplateError` instead of silently desynchronising.
+next generation prompt, and the template text after the model's end-of-turn token) is derived from
+the *episode's own messages*: the conversation so far plus the new messages is rendered in one go,
+the render must start with the text the model has already seen (the previous one-go render, up to
+its generation prompt), and the text after the assistant turn's end-of-turn marker is encoded on its
+own as the observation. So templates that keep conversation-global state (numbered calls, a flag
+set once) are exact by construction, and a template that rewrites earlier text is detected at the
+turn where it does (:class:`Observation.mismatch`), never silently wrong.
+
+Exactness is checked on text, and ids are encoded segment by segment as the model saw them: a BPE
+merge across the generation prompt (``"\\n"`` + ``"\\n"``) is not a refusal. End of turn: the last
+special token of the run the template writes after an assistant's content (``<|eot|><|x|>`` -> ``<|x|>``),
+or, for families with none (GLM-4), the next role's token (``<|observation|>``, ``<|user|>``), which
+the model samples and which is kept in the assistant span.
+
+Templates that fail the up-front probe (their generation prompt is not how they render the assistant
+turn, or appending a message rewrites earlier turns) raise :class:`TemplateError` naming the cause,
+unless ``history_mode="keep_seen"``: then the episode keeps the tokens the model saw, the observation
+is what the template renders after the episode's own messages, the drift from a fresh render is
+recorded, and a warning is given once per formatter.
 """
 
 from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
 
 import jinja2
 
@@ -20,30 +37,70 @@ _SYNTHETIC_USER = "What is 2 + 3?"
 _SYNTHETIC_REASONING = "I should use a tool."
 _SYNTHETIC_CONTENT = "Let me check."
 _EOT_PROBE = "The answer is 5."
+_SENTINEL = "\u2063\u2063SENTINEL\u2063\u2063"  # marks where a new message's content lands in a render
+
+HISTORY_MODES = ("strict", "keep_seen")
+_KEEP_SEEN_FIX = ("pass history_mode='keep_seen' (LoopConfig.history_mode) to train on the tokens the model saw "
+                  "with the drift from a fresh render recorded, or pass chat_template= a template that renders "
+                  "append-only")
 
 
 class TemplateError(ValueError):
     """The chat template cannot be used for token-in, token-out rollouts (or failed to render)."""
 
 
-class ChatFormatter:
-    """Renders prompts and observation deltas with a chat template, as token ids.
+@dataclass
+class Observation:
+    """The tokens to append after an assistant turn, and how they relate to a fresh one-go render.
 
-    ``tools`` are JSON schemas (``transformers.utils.get_json_schema`` output) passed to the template;
-    ``chat_template`` overrides the tokenizer's; ``template_kwargs`` are extra template variables
-    (e.g. ``enable_thinking=False``).
+    ``rendered``: the one-go render of the episode's messages up to and including the next generation
+    prompt (pass it to the next :meth:`ChatFormatter.observation`). ``mismatch``: ``None`` when the
+    text the model has seen is a prefix of that render; else where they first differ
+    (``{"char", "token", "seen", "fresh"}``: offsets in the fresh render and the text around them).
     """
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None,
-                 **template_kwargs):
+    ids: list[int]
+    rendered: str
+    mismatch: dict | None = None
+
+
+def default_call_id(index: int) -> str:
+    """``call`` + 5 digits: 9 alphanumerics, which Mistral templates require (the one default id format)."""
+    return f"call{index:05d}"
+
+
+def first_difference(a: str, b: str) -> int:
+    """Index of the first differing character of ``a`` and ``b`` (the shorter length if one is a prefix)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class ChatFormatter:
+    """Renders prompts and observations with a chat template, as token ids.
+
+    ``tools`` are JSON schemas (``transformers.utils.get_json_schema`` output) passed to the template;
+    ``chat_template`` overrides the tokenizer's; ``history_mode`` is ``"strict"`` (refuse templates that
+    are not append-only) or ``"keep_seen"`` (run them, recording the drift); ``template_kwargs`` are
+    extra template variables (e.g. ``enable_thinking=False``).
+    """
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None, *,
+                 history_mode: str = "strict", **template_kwargs):
+        if history_mode not in HISTORY_MODES:
+            raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.chat_template = chat_template
+        self.history_mode = history_mode
         self.template_kwargs = template_kwargs
+        self.template_text = chat_template or getattr(tokenizer, "chat_template", None) or ""
         self._special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-        self._prefix_cache: dict[tuple, tuple[list[dict], list[int]]] = {}
-        self._checked_structures: set[tuple] = set()
+        self._probed: dict[tuple, TemplateError | None] = {}
+        self._synthetic: dict[tuple, tuple[list[dict], str]] = {}
+        self.warned = False
+        self.stop_opens_next_turn = False  # True for families whose turn ends on the next role's token (GLM-4)
         self.end_of_turn_ids: list[int] = self._find_end_of_turn_ids()
+        self._stop_texts = {t: tokenizer.decode([t]) for t in self.end_of_turn_ids}
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -55,77 +112,192 @@ class ChatFormatter:
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs)
         except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. dict arguments where the template wants a string
             roles = [m.get("role") for m in messages]
-            raise TemplateError(f"chat template failed to render messages with roles {roles}: {e}") from e
+            raise TemplateError(
+                f"chat template failed to render messages with roles {roles}: {e}. Check what this template accepts "
+                "(some want tool-call arguments as a JSON string, reject content next to tool calls, a system role, "
+                "or need template variables: pass them as ChatFormatter keyword arguments), or pass chat_template=") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         """Token ids of the template's text, encoded as ``apply_chat_template(tokenize=True)`` does."""
-        text = self.render_text(messages, add_generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.encode(self.render_text(messages, add_generation_prompt))
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
+        """The first prompt (ids, text): ``messages`` rendered once, with the tool schemas and the generation prompt."""
+        text = self.render_text(messages, add_generation_prompt=True)
+        return self.encode(text), text
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first prompt: ``messages`` rendered once, with the tool schemas and the generation prompt."""
-        return self.render(messages, add_generation_prompt=True)
+        return self.prompt(messages)[0]
+
+    def call_id(self, name: str, index: int) -> str:
+        """The id of the episode's ``index``-th tool call (0-based, counted over the whole episode).
+
+        In the family's own format where the template shows one (Kimi K2: ``functions.NAME:IDX``), else
+        ``call`` + 5 digits: 9 alphanumerics, which Mistral templates require.
+        """
+        if "<|tool_calls_section_begin|>" in self.template_text:  # Kimi K2: vLLM's parser reads the name from the id
+            return f"functions.{name}:{index}"
+        return default_call_id(index)
+
+    # -- observations ----------------------------------------------------------------------------
+
+    def observation(self, history: list[dict], seen: str, new_messages: list[dict],
+                    stop_id: int | None = None, sampled: str | None = None) -> Observation:
+        """What to append after the assistant turn that ends ``history``, derived from the episode's messages.
+
+        ``seen``: the one-go render the model's context came from (the previous :attr:`Observation.rendered`,
+        or the prompt text), ending with the generation prompt of that assistant turn. ``stop_id``: the
+        end-of-turn token the model sampled; ``None`` if the turn was cut (then the observation starts
+        with the template's end-of-turn marker, so the next turn sees a closed assistant turn). ``sampled``:
+        the text of the assistant turn as sampled (without its stop token); when the fresh render shows
+        the turn exactly so, one render suffices, else the turn's own render (as the last message) is
+        compared too, so a template that rewrites the last turn once more messages follow is caught.
+        """
+        if not new_messages:
+            raise ValueError("an observation needs at least one new message")
+        self._probe(new_messages)
+        messages = list(history) + list(new_messages)
+        fresh = self.render_text(messages, add_generation_prompt=True)
+        mismatch, before = None, seen
+        if fresh.startswith(seen):
+            marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+            if marker is not None and fresh[len(seen): marker[0]] != sampled:
+                alone = self.render_text(history)  # the turn as it rendered when it was the last message
+                end = self._marker(alone, len(seen), len(alone), stop_id, first=True)
+                before = alone[: end[1] if end else len(alone)]
+        if not fresh.startswith(before):
+            pos = first_difference(before, fresh)
+            mismatch = {"char": pos, "token": len(self.encode(fresh[:pos])),
+                        "seen": before[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+            marker = self._marker(fresh, 0, self._new_content_start(history, new_messages, fresh), stop_id, first=False)
+        if marker is None:
+            raise TemplateError(
+                f"no end-of-turn marker {list(self._stop_texts.values())} closes the assistant turn in the render "
+                f"{fresh[len(seen) if mismatch is None else 0:][-300:]!r}; pass chat_template= a template that "
+                "closes assistant turns with a special token")
+        start, end = marker
+        return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch)
+
+    def final_mismatch(self, messages: list[dict], seen: str) -> dict | None:
+        """Check a finished episode that ends with an assistant turn: the one-go render of ``messages`` must
+        start with ``seen`` (the generation prompt the last turn was sampled after); else where they differ."""
+        fresh = self.render_text(messages)
+        if fresh.startswith(seen):
+            return None
+        pos = first_difference(seen, fresh)
+        return {"char": pos, "token": len(self.encode(fresh[:pos])),
+                "seen": seen[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
 
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
-        """Tokens to append after an assistant turn, up to and including the next generation prompt.
+        """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
 
-        ``new_messages``: what follows the assistant turn (tool results, user or environment turns).
-        ``after_stop=True``: the turn ended on the model's end-of-turn token; the observation starts
-        with the template tokens that follow that token (e.g. the ``"\\n"`` after ``<|im_end|>``).
-        ``after_stop=False``: the turn was cut (e.g. ``max_tokens``); the observation also starts with
-        the template's end-of-turn token, so the next turn sees a closed assistant turn.
-        Raises :class:`TemplateError` if appending the messages changes the rendered prefix.
+        The loop uses :meth:`observation` with the episode's own messages instead.
         """
         if not new_messages:
             raise ValueError("observation_ids needs at least one new message")
-        prefix_messages, prefix_ids = self._synthetic_prefix(new_messages)
-        conversation = prefix_messages + list(new_messages)
-        full = self.render(conversation, add_generation_prompt=True)
-        roles = [m.get("role") for m in new_messages]
-        self._check_prefix(prefix_ids, full, what=f"appending messages with roles {roles}")
-        structure = (tuple(roles), self._tool_key(new_messages))
-        if structure not in self._checked_structures:
-            # the generation prompt after these messages must also be how the next assistant turn renders
-            answered = self.render(conversation + [{"role": "assistant", "content": _EOT_PROBE}])
-            self._check_prefix(full, answered, what=f"rendering the next assistant turn after messages with roles {roles}")
-            self._checked_structures.add(structure)
-        delta = full[len(prefix_ids):]
-        return delta if after_stop else [prefix_ids[-1], *delta]
+        history, seen = self._synthetic_history(self._tool_key(new_messages))
+        stop = self.end_of_turn_ids[0] if after_stop else None
+        return self.observation(history, seen, new_messages, stop_id=stop).ids
 
     @staticmethod
     def assistant_message(text: str, tool_calls: list[dict] | None = None) -> dict:
-        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"}`` dicts), for records."""
+        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts)."""
         message = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = [
-                {"id": c.get("id", f"call{i:05d}"), "type": "function",
+                {"id": c.get("id", default_call_id(i)), "type": "function",
                  "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for i, c in enumerate(tool_calls)]
         return message
 
-    # -- the synthetic prefix --------------------------------------------------------------------
+    def _marker(self, text: str, lo: int, hi: int, stop_id: int | None, first: bool) -> tuple[int, int] | None:
+        """(start, end) of the end-of-turn marker closing the assistant turn within ``text[lo:hi]``.
 
-    def _synthetic_prefix(self, new_messages: list[dict]) -> tuple[list[dict], list[int]]:
-        """A fixed conversation ending in an assistant turn that made one call per new tool message.
-
-        Returns the messages and their ids up to and including the end-of-turn token of that turn.
-        Cached per (name, tool_call_id) of the new tool messages: templates that check that tool
-        results answer the preceding calls (Mistral) need matching calls. The generation prompt must
-        be a prefix of the rendered turn.
+        ``first``: the first marker after ``lo`` (the turn starts at ``lo``); else the last before ``hi``
+        (``hi`` is where the new messages' content starts). The model's own stop token is preferred.
         """
-        key = self._tool_key(new_messages)
-        if key not in self._prefix_cache:
-            calls = [{"id": call_id or f"call{i:05d}", "type": "function",
+        texts = [self._stop_texts[stop_id]] if stop_id in self._stop_texts else []
+        texts += [t for t in self._stop_texts.values() if t and t not in texts]
+        for candidates in (texts[:1], texts):
+            found = [(text.find(t, lo, hi), t) if first else (text.rfind(t, lo, hi), t) for t in candidates]
+            found = [(i, t) for i, t in found if i >= 0]
+            if found:
+                i, t = (min if first else max)(found)
+                return i, i + len(t)
+        return None
+
+    def _new_content_start(self, history: list[dict], new_messages: list[dict], fresh: str) -> int:
+        """Where the first new message's content starts in ``fresh`` (a render with it marked differs there)."""
+        marked = [dict(m) for m in new_messages]
+        marked[0]["content"] = _SENTINEL + str(marked[0].get("content") or "")
+        other = self.render_text(list(history) + marked, add_generation_prompt=True)
+        return first_difference(fresh, other)
+
+    # -- the up-front probe ----------------------------------------------------------------------
+
+    def _probe(self, new_messages: list[dict]) -> None:
+        """Check once per message structure that the template is append-only for it (strict mode: raise)."""
+        key = (tuple(m.get("role") for m in new_messages), self._tool_key(new_messages))
+        if key not in self._probed:
+            self._probed[key] = None  # the probe itself calls observation(): do not recurse
+            try:
+                self._probed[key] = self._probe_error(new_messages)
+            except TemplateError as e:
+                self._probed[key] = e
+        error = self._probed[key]
+        if error is None:
+            return
+        if self.history_mode == "strict":
+            raise error
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"history_mode='keep_seen': {error.args[0].split('. ')[0]}; episodes keep the tokens the "
+                          "model saw and record the drift from a fresh render (Trajectory.metrics['template_drift'])",
+                          stacklevel=3)
+
+    def _probe_error(self, new_messages: list[dict]) -> TemplateError | None:
+        roles = [m.get("role") for m in new_messages]
+        history, seen = self._synthetic_history(self._tool_key(new_messages))
+        got = self.observation(history, seen, new_messages, stop_id=self.end_of_turn_ids[0])
+        if got.mismatch is not None:
+            return TemplateError(
+                f"chat template is not append-only: appending messages with roles {roles} rewrites the earlier "
+                f"text at character {got.mismatch['char']}: before {got.mismatch['seen']!r}, after "
+                f"{got.mismatch['fresh']!r} (it drops or rewrites earlier turns, e.g. their reasoning). {_KEEP_SEEN_FIX}")
+        answered = self.render_text(history + list(new_messages) + [{"role": "assistant", "content": _EOT_PROBE}])
+        if not answered.startswith(got.rendered):
+            pos = first_difference(got.rendered, answered)
+            return TemplateError(
+                f"chat template is not append-only: the generation prompt after messages with roles {roles} is not "
+                f"how the next assistant turn renders (at character {pos}: generation prompt "
+                f"{got.rendered[max(0, pos - 40): pos + 20]!r}, rendered turn {answered[max(0, pos - 40): pos + 20]!r}). "
+                f"{_KEEP_SEEN_FIX}")
+        return None
+
+    def _synthetic_history(self, key: tuple) -> tuple[list[dict], str]:
+        """A fixed conversation ending in an assistant turn that made one call per tool message of ``key``,
+        and the render the model would have seen before that turn (its generation prompt).
+
+        Templates that check that tool results answer the preceding calls (Mistral) need matching calls.
+        """
+        if key not in self._synthetic:
+            calls = [{"id": call_id or self.call_id(name or "tool", i), "type": "function",
                       "function": {"name": name or "tool", "arguments": {}}}
                      for i, (name, call_id) in enumerate(key)]
             head = self._synthetic_head()
-            generation_prompt = self.render(head, add_generation_prompt=True)
-            with_turn = self._render_synthetic_turn(head, calls)
-            self._check_prefix(generation_prompt, with_turn[1],
-                               what="rendering the assistant turn after the generation prompt")
-            eot = self._first_end_of_turn(with_turn[1], start=len(generation_prompt))
-            self._prefix_cache[key] = (head + [with_turn[0]], with_turn[1][: eot + 1])
-        return self._prefix_cache[key]
+            seen = self.render_text(head, add_generation_prompt=True)
+            assistant, turn = self._render_synthetic_turn(head, calls)
+            if not turn.startswith(seen) and self.history_mode == "strict":
+                pos = first_difference(seen, turn)
+                raise TemplateError(
+                    "chat template is not append-only: its generation prompt is not how it renders the assistant "
+                    f"turn after the generation prompt (at character {pos}: generation prompt "
+                    f"{seen[max(0, pos - 40):]!r}, rendered turn {turn[max(0, pos - 40): pos + 40]!r}). {_KEEP_SEEN_FIX}")
+            self._synthetic[key] = (head + [assistant], seen)
+        return self._synthetic[key]
 
     @staticmethod
     def _tool_key(messages: list[dict]) -> tuple:
@@ -140,7 +312,7 @@ class ChatFormatter:
         except TemplateError:
             return [user]
 
-    def _render_synthetic_turn(self, head: list[dict], calls: list[dict]) -> tuple[dict, list[int]]:
+    def _render_synthetic_turn(self, head: list[dict], calls: list[dict]) -> tuple[dict, str]:
         """The synthetic assistant turn (with reasoning, text and ``calls``) and the render ending with it.
 
         Falls back to empty content where the template rejects content next to tool calls (Mistral v3),
@@ -152,48 +324,68 @@ class ChatFormatter:
         for n, (content, turn_calls) in enumerate(attempts):
             assistant = {"role": "assistant", "content": content, **({"tool_calls": turn_calls} if turn_calls else {})}
             try:
-                return assistant, self.render(head + [assistant])
+                return assistant, self.render_text(head + [assistant])
             except TemplateError:
                 if n == len(attempts) - 1:
                     raise
 
-    def _first_end_of_turn(self, ids: list[int], start: int) -> int:
-        for i in range(start, len(ids)):
-            if ids[i] in self.end_of_turn_ids:
-                return i
-        raise TemplateError(
-            f"no end-of-turn token {self.end_of_turn_ids} closes the synthetic assistant turn: "
-            f"{self.tokenizer.decode(ids[start:])!r}")
+    # -- end of turn -----------------------------------------------------------------------------
 
-    def _check_prefix(self, before: list[int], after: list[int], what: str) -> None:
-        """Strict append-only check: ``after`` must start with ``before``, token for token."""
-        if after[: len(before)] == before:
-            return
-        pos = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-        lo = max(0, pos - 8)
-        raise TemplateError(
-            f"chat template is not append-only: {what} changes the rendered prefix at token {pos}: "
-            f"before {self.tokenizer.decode(before[lo: pos + 12])!r}, after {self.tokenizer.decode(after[lo: pos + 12])!r}. "
-            "The template rewrites earlier turns (for example it drops the reasoning of earlier assistant turns, "
-            "or its generation prompt is not how it renders the assistant turn); token-in/token-out rollouts "
-            "need an append-only template.")
+    def _specials_after(self, text: str, end: int, lo: int = 0) -> tuple[list[int], set[int]]:
+        """The run of adjacent special tokens that starts with the first special token at or after ``end``,
+        and the special tokens of ``text[lo:end]`` but its first (which closes the message before ``lo``)."""
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        run, last_end, before = [], None, []
+        for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+            if s < end:
+                if s >= lo and tid in self._special_ids:
+                    before.append(tid)
+                continue
+            if tid in self._special_ids and (last_end is None or s == last_end):
+                run.append(tid)
+                last_end = e
+            elif run:
+                break
+        return run, set(before[1:])
 
     def _find_end_of_turn_ids(self) -> list[int]:
-        """The special token the template puts right after an assistant's content, plus eos and ``<|eom_id|>``."""
+        """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
+        ``<|eom_id|>``); for families that write none, the tokens that open the next user or tool turn."""
         head = [{"role": "user", "content": _SYNTHETIC_USER}]
-        text = self.render_text(head + [{"role": "assistant", "content": _EOT_PROBE}])
+        assistant = {"role": "assistant", "content": _EOT_PROBE}
+        text = self.render_text(head + [assistant])
         end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        eot = next((tid for tid, (s, _) in zip(encoded["input_ids"], encoded["offset_mapping"])
-                    if s >= end and tid in self._special_ids), None)
-        if eot is None:
+        run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
+        # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
+        # the next turn (a token that also opened this one after the user's closing token, e.g.
+        # <|eot_id|><|start_header_id|> from templates that always add the header)
+        closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
+        ids = closing[-1:]
+        if not ids:  # GLM-4 style: the model ends its turn by opening the next one
+            followers = [[{"role": "user", "content": _SYNTHETIC_USER}]]
+            if self.tools:
+                followers.append([{"role": "tool", "name": "tool", "tool_call_id": self.call_id("tool", 0), "content": "5"}])
+            for follower in followers:
+                try:
+                    following = self.render_text(head + [assistant] + follower)
+                except TemplateError:
+                    continue
+                if following.startswith(text):
+                    ids += [t for t in self._specials_after(following, len(text))[0][:1] if t not in ids]
+            self.stop_opens_next_turn = bool(ids)
+        if not ids:
+            after = text[end:end + 20] or self.render_text(head + [assistant, head[0]])[end:end + 20]
             raise TemplateError(
-                f"the template's end-of-turn marker {text[end:end + 20]!r} is not a special token of this tokenizer; "
-                "add it with tokenizer.add_special_tokens so generation can stop on it")
-        ids = [eot]
+                f"no special token ends an assistant turn of this template: its content is followed by {after!r}, "
+                "which this tokenizer does not encode as a special token, so generation cannot stop on it; add that "
+                "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
+                "the next turn opens) with a special token")
         extra = [self.tokenizer.eos_token_id]
-        template = self.chat_template or self.tokenizer.chat_template or ""
-        if "<|eom_id|>" in template:  # Llama 3.1: end of a turn that expects a tool result
-            extra.append(self.tokenizer.convert_tokens_to_ids("<|eom_id|>"))
+        # the end of a turn that expects a tool result: Llama 3.1, harmony (gpt-oss), Apertus and Gemma 4
+        # (results rendered inside the model's turn, opened by a token the model writes)
+        for token in ("<|eom_id|>", "<|call|>", "<|tools_suffix|>", "<|tool_response>"):
+            if token in self.template_text:
+                extra.append(self.tokenizer.convert_tokens_to_ids(token))
         ids += [t for t in extra if t is not None and t != self.tokenizer.unk_token_id and t not in ids]
         return ids
+

@@ -80,6 +80,7 @@ def summary_table(trajectories, title: str) -> Table:
         ("tool calls / episode", f"{sum(t.metrics['tool_calls'] for t in trajectories) / n:.2f}"),
         ("finish reasons", ", ".join(f"{k} {v}" for k, v in finish.most_common())),
         ("tool errors", ", ".join(f"{k} {v}" for k, v in errors.most_common()) or "none"),
+        ("template mismatch / drift episodes", f"{sum(bool(t.metrics.get('template_mismatch')) for t in trajectories)} / {sum(bool(t.metrics.get('template_drift')) for t in trajectories)}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

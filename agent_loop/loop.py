@@ -15,7 +15,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
-from agent_loop.chat import ChatFormatter
+from agent_loop.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.parsers import parser_for_template
 from agent_loop.tools import ToolExecutor, tool_messages
 from agent_loop.types import (Backend, Episode, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory,
@@ -40,6 +40,17 @@ class LoopConfig:
     top_k: int = 0
     backend_retries: int = 2  # extra attempts when the backend raises
     retry_backoff_s: float = 0.5
+    # chat templates (docs/templates.md): "strict" refuses templates that rewrite earlier turns; "keep_seen"
+    # runs them on the tokens the model saw and records the drift. "error" makes a mismatch with a fresh
+    # one-go render raise TemplateError instead of being recorded in Trajectory.metrics.
+    history_mode: str = "strict"
+    on_template_mismatch: str = "record"
+
+    def __post_init__(self):
+        if self.history_mode not in ("strict", "keep_seen"):
+            raise ValueError(f"history_mode must be 'strict' or 'keep_seen', got {self.history_mode!r}")
+        if self.on_template_mismatch not in ("record", "error"):
+            raise ValueError(f"on_template_mismatch must be 'record' or 'error', got {self.on_template_mismatch!r}")
 
 
 def request_seed(seed: int, index: int, turn: int) -> int:
@@ -52,11 +63,11 @@ def request_seed(seed: int, index: int, turn: int) -> int:
 _FORMATTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _formatter(tokenizer, schemas: list[dict]) -> ChatFormatter:
+def _formatter(tokenizer, schemas: list[dict], history_mode: str = "strict") -> ChatFormatter:
     by_schemas = _FORMATTERS.setdefault(tokenizer, {})
-    key = json.dumps(schemas, sort_keys=True)
+    key = (json.dumps(schemas, sort_keys=True), history_mode)
     if key not in by_schemas:
-        by_schemas[key] = ChatFormatter(tokenizer, tools=schemas)
+        by_schemas[key] = ChatFormatter(tokenizer, tools=schemas, history_mode=history_mode)
     return by_schemas[key]
 
 
@@ -73,23 +84,28 @@ async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: 
     return None, error
 
 
-def _fit_observation(formatter: ChatFormatter, messages: list[dict], limit: int) -> tuple[list[int], list[dict], bool]:
-    """Observation ids for ``messages``, with the longest tool result cut (and marked) until they fit ``limit``."""
-    ids = formatter.observation_ids(messages)
+def _fit_observation(formatter: ChatFormatter, state: "_EpisodeState", messages: list[dict], stop_id: int | None,
+                     sampled: str, limit: int) -> tuple[Observation, list[dict], bool]:
+    """The observation of ``messages`` after the episode so far, with the longest tool result cut (and marked)
+    until it fits ``limit`` tokens."""
+    def observe(new):
+        return formatter.observation(state.messages, state.seen, new, stop_id, sampled)
+
+    obs = observe(messages)
     truncated = False
     for _ in range(8):  # each pass removes at least the excess; template tokens can shift by a few
-        if len(ids) <= limit:
+        if len(obs.ids) <= limit:
             break
         longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))
         content_ids = formatter.tokenizer.encode(messages[longest]["content"], add_special_tokens=False)
-        keep = max(0, len(content_ids) - (len(ids) - limit) - len(TRUNCATION_MARK))
+        keep = max(0, len(content_ids) - (len(obs.ids) - limit) - len(TRUNCATION_MARK))
         shortened = formatter.tokenizer.decode(content_ids[:keep]) + TRUNCATION_MARK
         if not content_ids or shortened == messages[longest]["content"]:
             break  # nothing left to cut but the template's own tokens
         messages = [dict(m) for m in messages]
         messages[longest]["content"] = shortened
-        ids, truncated = formatter.observation_ids(messages), True
-    return ids, messages, truncated
+        obs, truncated = observe(messages), True
+    return obs, messages, truncated
 
 
 @dataclass
@@ -106,6 +122,9 @@ class _EpisodeState:
     timings: Counter = field(default_factory=Counter)
     observation_truncations: int = 0
     error: str | None = None
+    seen: str = ""  # the one-go render of the messages so far, up to the current generation prompt
+    calls_made: int = 0  # tool calls so far: their ids are unique in the episode
+    template_diffs: list[dict] = field(default_factory=list)  # turns whose fresh render differs from what was seen
 
     def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -130,6 +149,16 @@ class _Context:
     index: int
 
 
+def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
+    """Record where a fresh one-go render differs from what the model saw (an error if the config says so)."""
+    if mismatch is None:
+        return
+    if config.on_template_mismatch == "error" and config.history_mode == "strict":
+        raise TemplateError(f"turn {turn}: the chat template's one-go render of this episode differs from the "
+                            f"tokens the model saw: {mismatch}")
+    state.template_diffs.append({"turn": turn, **mismatch})
+
+
 async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
     """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
     config, formatter = ctx.config, ctx.formatter
@@ -150,11 +179,14 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
     text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
     parsed = ctx.parser(text)
+    ids = [formatter.call_id(c.name, state.calls_made + i) for i, c in enumerate(parsed.calls)]
+    ids += [formatter.call_id("", state.calls_made + len(ids) + i) for i in range(len(parsed.errors))]
+    state.calls_made += len(ids)
     if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
         state.messages.append(formatter.assistant_message(text))
     else:
         state.messages.append(formatter.assistant_message(
-            parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls] or None))
+            parsed.content, [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)] or None))
     if result.finish_reason == "length":
         return "length"
     if not parsed.calls and not parsed.errors:
@@ -166,14 +198,19 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     outcomes = await ctx.toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
                                          max_parallel=config.max_parallel_tool_calls)
     state.timings["tools_s"] += time.perf_counter() - t0
+    for record, call_id in zip(outcomes, ids):
+        record.call_id = call_id
     state.records += outcomes
-    observation, new_messages, cut = _fit_observation(formatter, tool_messages(outcomes), config.max_observation_tokens)
+    obs, new_messages, cut = _fit_observation(formatter, state, tool_messages(outcomes),
+                                              result.token_ids[-1] if stopped else None, text, config.max_observation_tokens)
     state.observation_truncations += cut
     state.messages += new_messages
-    if len(state.response_ids) + len(observation) >= config.max_response_tokens:
+    _template_diff(config, state, turn, obs.mismatch)
+    state.seen = obs.rendered
+    if len(state.response_ids) + len(obs.ids) >= config.max_response_tokens:
         return "observation_overflow"  # no room left for the observation and a next turn
-    state.append(observation, SpanKind.OBSERVATION, turn)
-    state.turn_tokens[-1]["observation"] = len(observation)
+    state.append(obs.ids, SpanKind.OBSERVATION, turn)
+    state.turn_tokens[-1]["observation"] = len(obs.ids)
     return None
 
 
@@ -190,12 +227,13 @@ async def run_episode(
     started = time.perf_counter()
     episode = task.make_episode(index, seed)
     toolbox = ToolExecutor(episode.tools)
-    formatter = _formatter(tokenizer, toolbox.schemas)
+    formatter = _formatter(tokenizer, toolbox.schemas, config.history_mode)
     state = _EpisodeState(messages=[dict(m) for m in episode.messages])
+    prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(
         backend=backend, tokenizer=tokenizer, formatter=formatter,
-        parser=parser_for_template(formatter.chat_template or tokenizer.chat_template), toolbox=toolbox,
-        config=config, prompt_ids=formatter.prompt_ids(state.messages),
+        parser=parser_for_template(formatter.chat_template or tokenizer.chat_template, toolbox.schemas), toolbox=toolbox,
+        config=config, prompt_ids=prompt_ids,
         session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
         seed=seed, index=index,
     )
@@ -210,6 +248,8 @@ async def run_episode(
 def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str,
             elapsed_s: float) -> Trajectory:
     """Score the episode and assemble its Trajectory record."""
+    if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
+        _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
     reward = float(task.reward(episode, state.messages, state.records))
     turn_rewards_fn = getattr(task, "turn_rewards", None)
     turn_rewards = turn_rewards_fn(episode, state.messages, state.records) if turn_rewards_fn else None
@@ -224,6 +264,12 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         "generate_s": state.timings["generate_s"],
         "tools_s": state.timings["tools_s"],
         "total_s": elapsed_s,
+        # template exactness (docs/templates.md): did every observation extend a fresh one-go render of the
+        # episode's messages? Counted as mismatches (strict) or drift (history_mode="keep_seen").
+        "template_exact": not state.template_diffs,
+        "template_mismatch": 0 if ctx.config.history_mode == "keep_seen" else len(state.template_diffs),
+        "template_drift": len(state.template_diffs) if ctx.config.history_mode == "keep_seen" else 0,
+        "template_first_diff": state.template_diffs[0] if state.template_diffs else None,
     }
     if state.error:
         metrics["backend_error"] = state.error

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jsonschema
 from transformers.utils import get_json_schema
 
+from agent_loop.chat import default_call_id
 from agent_loop.parsers import ParseError, ParsedCall
 from agent_loop.types import ToolCallRecord
 
@@ -120,7 +121,8 @@ def _failed(record: ToolCallRecord, kind: str, message: str) -> ToolCallRecord:
 
 
 def tool_messages(records: list[ToolCallRecord]) -> list[dict]:
-    """Chat messages of the tool results, in call order (``tool_call_id`` as in ``ChatFormatter.assistant_message``)."""
-    return [{"role": "tool", "name": r.name, "tool_call_id": f"call{i:05d}",
+    """Chat messages of the tool results, in call order (``tool_call_id``: the record's ``call_id``, set by the
+    loop from ``ChatFormatter.call_id``; by position where unset)."""
+    return [{"role": "tool", "name": r.name, "tool_call_id": r.call_id or default_call_id(i),
              "content": r.result if r.error is None else r.error}
             for i, r in enumerate(records)]

@@ -65,6 +65,7 @@ class ToolCallRecord:
     error_kind: str | None = None  # one of TOOL_ERROR_KINDS, None on success
     error: str | None = None  # human-readable message (also what the model reads)
     latency_s: float = 0.0
+    call_id: str | None = None  # unique in the episode (ChatFormatter.call_id); the tool message's tool_call_id
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The agent loop's own cost per turn, with a scripted backend (no model), on the arithmetic task.
 
 Overhead = episode wall time minus time inside ``backend.generate`` and inside tool calls: chat
-formatting (observation deltas), decoding and parsing the assistant turn, tool dispatch, record keeping.
+formatting (each observation rendered from the episode's own messages in one go and checked against
+what the model saw: docs/templates.md), decoding and parsing the assistant turn, tool dispatch, record keeping.
 Baseline in the same run: re-rendering and re-tokenizing the whole conversation every turn, as a
 loop without token-level deltas does (and which can silently change earlier tokens).
 
@@ -60,9 +61,10 @@ def main() -> None:
             played.append(await run_episode(task, i, backend, tokenizer, config))
         return played
 
-    overheads, totals, turns = [], [], 0
+    overheads, totals, turns, exact = [], [], 0, 0
     for t in asyncio.run(play_all()):
         assert t.reward == 1.0, "the scripted episode must succeed"
+        exact += t.metrics["template_exact"]
         turns += t.metrics["turns"]
         overheads.append((t.metrics["total_s"] - t.metrics["generate_s"] - t.metrics["tools_s"]) / t.metrics["turns"])
         totals.append(t.metrics["total_s"] / t.metrics["turns"])
@@ -91,6 +93,7 @@ def main() -> None:
                   f"{statistics.median(totals) * 1e3 / base:.2f}x")
     table.add_row("baseline: re-render + re-tokenize chat", f"{base:.3f}", "1.00x")
     Console().print(table)
+    Console().print(f"episodes whose tokens match a one-go render of their messages: {exact}/{args.episodes}")
 
 
 if __name__ == "__main__":

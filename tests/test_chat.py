@@ -55,9 +55,9 @@ def test_observation_of_a_real_turn_matches_the_full_render(tokenizer, formatter
 def test_synthetic_prefix_is_cached(formatter):
     tool = [{"role": "tool", "name": "calculator", "content": "1"}]
     formatter.observation_ids(tool)
-    cached = dict(formatter._prefix_cache)
+    cached = dict(formatter._synthetic)
     formatter.observation_ids([{**tool[0], "content": "a different result"}])
-    assert formatter._prefix_cache == cached
+    assert formatter._synthetic == cached
 
 
 def test_empty_observation_is_rejected(formatter):
@@ -75,7 +75,7 @@ def test_qwen3_user_turn_after_reasoning_is_not_append_only(tokenizer):
 
 def test_missing_end_of_turn_special_token_is_a_clear_error(tokenizer):
     llama = read_template("llama-3.1-8b-instruct.jinja")
-    with pytest.raises(TemplateError, match="not a special token of this tokenizer.*add_special_tokens"):
+    with pytest.raises(TemplateError, match="does not encode as a special token.*add_special_tokens"):
         ChatFormatter(tokenizer, chat_template=llama, bos_token="")
 
 

@@ -37,6 +37,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "observation_tokens": sum(t.metrics["observation_tokens"] for t in trajectories) / n,
         "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / n,
         "tool_returned_answer": sum(map(tool_returned_answer, trajectories)) / n,
+        "template_mismatch": float(sum(t.metrics.get("template_mismatch", 0) for t in trajectories)),  # turns, docs/templates.md
+        "template_drift": float(sum(t.metrics.get("template_drift", 0) for t in trajectories)),
     }
     metrics.update({f"finish/{reason}": finish[reason] / n for reason in FINISH_REASONS})
     metrics.update({f"tool_errors/{kind}": float(errors[kind]) for kind in TOOL_ERROR_KINDS})
