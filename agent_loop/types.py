@@ -65,6 +65,7 @@ class ToolCallRecord:
     error_kind: str | None = None  # one of TOOL_ERROR_KINDS, None on success
     error: str | None = None  # human-readable message (also what the model reads)
     latency_s: float = 0.0
+    result_chars: int | None = None  # the result's original length in characters, when it was cut to a budget
 
 
 @dataclass
