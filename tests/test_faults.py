@@ -121,3 +121,52 @@ def test_sigkilled_rollout_resumes_with_every_episode_exactly_once(tiny_agent_di
     assert [t.to_json() for t in final[: len(first)]] == [t.to_json() for t in first]  # the first run's kept as written
     again = subprocess.run(command + ["--resume"], env=ENV, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "nothing to play" in again.stdout
+
+
+# -- trainer checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    from agent_loop.tiny import tiny_agent_path
+    from trainer.checkpoint import CheckpointError, resolve_checkpoint
+    from trainer.config import TrainConfig
+    from trainer.trainer import Trainer
+
+    run = tmp_path / "run"
+    settings = dict(model=str(tiny_agent_path(stage="mid")), steps=3, prompts_per_step=2, group_size=2, concurrency=4,
+                    mini_batches=1, micro_batch_size=4, save_every=1, output_dir=str(run), threads=1)
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--no-progress"]
+    process = subprocess.Popen([sys.executable, "-m", "trainer", *argv], env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    saving = run / "checkpoints" / ".tmp-step_000002"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None and not saving.exists():
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.wait(30)
+    assert process.returncode == -signal.SIGKILL, process.stderr.read()[-2000:]
+    assert saving.exists(), "the kill missed the save of step 2"
+    assert not (run / "checkpoints" / "step_000002").exists()
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2]  # step 2 was logged before its save
+
+    # a half-written checkpoint is refused by name; the run folder resolves to the last complete one
+    (run / "checkpoints" / "step_000001" / "trainer_state.pt").rename(run / "state.bak")
+    with pytest.raises(CheckpointError, match="missing trainer_state.pt"):
+        resolve_checkpoint(run / "checkpoints" / "step_000001")
+    (run / "state.bak").rename(run / "checkpoints" / "step_000001" / "trainer_state.pt")
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step_000001"
+
+    config = TrainConfig(**settings, progress=False, resume=str(run))
+    with pytest.raises(CheckpointError, match=r"lr: 0.0002 -> 0.001"):
+        Trainer(TrainConfig(**{**settings, "lr": 1e-3}, progress=False, resume=str(run)))
+    trainer = Trainer(config)
+    assert trainer.step == 1
+    trainer.train()
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]  # step 2 once, from the resumed run
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step_000003"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert not (run / "checkpoints" / ".tmp-step_000002").exists()
