@@ -170,3 +170,141 @@ def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     assert resolve_checkpoint(run) == run / "checkpoints" / "step_000003"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert not (run / "checkpoints" / ".tmp-step_000002").exists()
+
+
+# -- HTTP servers that die, stall, come back --------------------------------------------------------
+
+
+def _http_stub(name, **kw):
+    from test_http_backend import StubServer
+
+    return StubServer(name, **kw)
+
+
+class StallingStub:
+    """Wraps a stub server: once `stall` is set, every request (models included) hangs, as for a SIGSTOPped server."""
+
+    def __init__(self, stub):
+        self.stub, self.stall, self.release = stub, False, asyncio.Event()
+        for name in ("models", "completions"):
+            handler = getattr(stub, name)
+
+            async def hanging(request, handler=handler):
+                if self.stall:
+                    await self.release.wait()
+                return await handler(request)
+
+            setattr(stub, name, hanging)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_server_is_marked_down_its_sessions_move_and_it_is_probed_back():
+    import contextlib
+
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from test_http_backend import MODEL, sampling
+
+    a, b = _http_stub("a", delay_s=0.02), _http_stub("b", delay_s=0.02)
+    turns, sessions = 5, 8
+
+    async def trajectory(backend, number):
+        prompt = [1000 * (number + 1)]
+        for _ in range(turns):
+            result = await backend.generate(prompt, sampling(max_tokens=2), session_id=f"episode-{number}")
+            prompt = prompt + result.token_ids + [7]
+        return prompt
+
+    async def main():
+        async with b.running():
+            a_alive = contextlib.AsyncExitStack()
+            await a_alive.enter_async_context(a.running())
+            async with OpenAIHTTPBackend([a.url, b.url], MODEL, backoff_s=0.01, probe_interval_s=0.2) as backend:
+                runs = [asyncio.create_task(trajectory(backend, n)) for n in range(sessions)]
+                while len(a.requests) < 8:
+                    await asyncio.sleep(0.005)
+                await a_alive.aclose()  # server a dies mid-run
+                prompts = await asyncio.gather(*runs)
+                assert not backend.servers[0].up and backend.servers[1].up
+                served_before = len(a.requests)
+                async with _http_stub("a-again", port=a.port).running() as again:  # restarted on the same port
+                    for _ in range(100):
+                        await backend.generate([5], sampling(), session_id=None)
+                        if backend.servers[0].up:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert backend.servers[0].up  # probed back in
+                    await asyncio.gather(*(backend.generate([6], sampling()) for _ in range(8)))
+                    assert again.requests  # and it takes new work again
+                return prompts, served_before
+
+    prompts, served_before = asyncio.run(main())
+    assert all(len(p) == 1 + turns * 3 for p in prompts)  # every session finished all its turns
+    firsts = {}
+    for server in (a, b):
+        for body in server.requests:
+            if body["prompt"][0] >= 1000:
+                firsts.setdefault(body["prompt"][0], []).append(len(body["prompt"]))
+    # each turn was generated exactly once (no loss, no duplicate): 5 distinct prompt lengths per session
+    assert {k: sorted(v) for k, v in firsts.items()} == {1000 * (n + 1): [1, 4, 7, 10, 13] for n in range(sessions)}
+    moved = {p[0] for p in (body["prompt"] for body in b.requests)} & {p[0] for p in (body["prompt"] for body in a.requests)}
+    assert moved  # sessions that began on a finished on b
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_server_is_detected_and_the_request_retried_elsewhere(caplog):
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from test_http_backend import MODEL, sampling
+
+    stalling, good = StallingStub(_http_stub("stalls")), _http_stub("good")
+
+    async def main():
+        async with stalling.stub.running(), good.running():
+            async with OpenAIHTTPBackend([stalling.stub.url, good.url], MODEL, stall_timeout_s=0.5,
+                                         backoff_s=0.01) as backend:
+                stalling.stall = True
+                started = time.perf_counter()
+                result = await backend.generate([10], sampling(), session_id="s")
+                elapsed = time.perf_counter() - started
+                stalling.release.set()
+                return result, elapsed, backend.servers[0].up
+
+    with caplog.at_level("WARNING", logger="agent_loop.backends.openai_http"):
+        result, elapsed, stalled_up = asyncio.run(main())
+    assert result.token_ids == [11, 12, 13, 14] and len(good.requests) == 1
+    assert 0.5 <= elapsed < 3 and not stalled_up
+    assert "stalled" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_all_servers_down_past_the_deadline_stops_the_run_and_keeps_finished_episodes(qwen_tokenizer, tmp_path):
+    import contextlib
+
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend, ServersUnavailableError
+    from agent_loop.loop import LoopConfig
+    from agent_loop.runner import run_rollouts
+    from agent_loop.tasks import get_task
+    from test_http_backend import MODEL
+
+    only = _http_stub("only", delay_s=0.01)
+    out = tmp_path / "out.jsonl"
+
+    async def main():
+        alive = contextlib.AsyncExitStack()
+        await alive.enter_async_context(only.running())
+        backend = OpenAIHTTPBackend([only.url], MODEL, retry_deadline_s=1.0, probe_interval_s=0.1, backoff_s=0.01)
+        run = asyncio.create_task(run_rollouts(get_task("arithmetic"), backend, qwen_tokenizer, range(200),
+                                               LoopConfig(max_turns=2, max_tokens=4), concurrency=4, output_path=out,
+                                               progress=False))
+        while len(only.requests) < 12:
+            await asyncio.sleep(0.005)
+        await alive.aclose()
+        killed = time.perf_counter()
+        with pytest.raises(ServersUnavailableError, match="all 1 servers down") as caught:
+            await run
+        assert backend._http is None  # connections closed
+        return time.perf_counter() - killed, caught.value
+
+    waited, error = asyncio.run(main())
+    assert error.fatal and 1.0 <= waited < 5
+    written = read_trajectories(out)
+    assert 0 < len(written) < 200 and all(t.finish_reason != "error" for t in written)

@@ -220,7 +220,9 @@ class OpenAIHTTPBackend:
                 avoid = server
             attempt += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-            if (self.max_retries is not None and attempt > self.max_retries) or time.monotonic() + delay > deadline:
+            all_down = not any(s.up for s in self.servers)  # then the circuit breaker decides, not this request
+            if (self.max_retries is not None and attempt > self.max_retries) or (
+                    not all_down and time.monotonic() + delay > deadline):
                 raise HTTPBackendError(
                     f"{server.url}: still failing after {attempt} attempts over {time.monotonic() - started:.1f} s: "
                     f"{type(last_error).__name__}: {last_error}") from last_error
@@ -266,9 +268,10 @@ class OpenAIHTTPBackend:
                     f"(longer than the {self.retry_deadline_s:g} s retry deadline): "
                     + ", ".join(s.url for s in self.servers)
                     + (f"; last error {type(last_error).__name__}: {last_error}" if last_error else ""))
-            if now >= deadline:
+            if now >= deadline and self._all_down_since is None:
                 raise HTTPBackendError(f"no live server within the {self.retry_deadline_s:g} s retry deadline")
-            await asyncio.sleep(min(self.probe_interval_s / 4, max(0.0, deadline - now)) or 0.01)
+            # every server down: wait for one to come back, or for the circuit breaker to stop the run
+            await asyncio.sleep(self.probe_interval_s / 4)
 
     def _route(self, session_id: str | None, avoid: _Server | None = None) -> _Server | None:
         if session_id is not None and session_id in self._sessions:
