@@ -308,3 +308,67 @@ def test_all_servers_down_past_the_deadline_stops_the_run_and_keeps_finished_epi
     assert error.fatal and 1.0 <= waited < 5
     written = read_trajectories(out)
     assert 0 < len(written) < 200 and all(t.finish_reason != "error" for t in written)
+
+
+# -- a Ray actor killed mid-run ---------------------------------------------------------------------
+
+
+class SlowPidBackend:
+    """The scripted calculator backend, 50 ms per request, logging the serving process id to a file."""
+
+    def __init__(self, script, log_path):
+        from agent_loop.backends.scripted import ScriptedBackend
+
+        self.inner, self.log_path = ScriptedBackend(script), log_path
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        with open(self.log_path, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        await asyncio.sleep(0.05)
+        return await self.inner.generate(prompt_ids, sampling, session_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_ray_actor_is_replaced_and_the_run_completes(qwen_tokenizer, tmp_path):
+    import functools
+    import threading
+
+    ray = pytest.importorskip("ray")
+    import test_ray_runner
+    from agent_loop.ray_runner import run_rollouts_ray
+    from agent_loop.tasks import ArithmeticTask
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for module in (sys.modules[__name__], test_ray_runner):
+            ray.cloudpickle.register_pickle_by_value(module)
+        log, out, killed = tmp_path / "pids.txt", tmp_path / "ray.jsonl", []
+
+        def kill_one_actor():
+            deadline = time.monotonic() + 200
+            while time.monotonic() < deadline:
+                if out.exists() and out.read_bytes().count(b"\n") >= 10:
+                    victim = int(log.read_text().split()[0])
+                    os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
+                    return
+                time.sleep(0.01)
+
+        killer = threading.Thread(target=kill_one_actor, daemon=True)
+        killer.start()
+        script = functools.partial(test_ray_runner.calculator_script, qwen_tokenizer)
+        with pytest.warns(UserWarning, match="died"):
+            got = run_rollouts_ray(ArithmeticTask(), functools.partial(SlowPidBackend, script, log), qwen_tokenizer,
+                                   range(60), test_ray_runner.CONFIG, seed=3, num_workers=2, concurrency_per_worker=4,
+                                   output_path=out, progress=False)
+        killer.join(5)
+    finally:
+        ray.shutdown()
+    assert killed
+    assert [t.info["index"] for t in got] == list(range(60))
+    written = sorted(t.info["index"] for t in read_trajectories(out))
+    assert written == list(range(60))  # every episode written exactly once, the dead actor's finished ones included
+    assert all(t.finish_reason == "stop" and t.reward == 1.0 for t in got)
+    pids = set(map(int, log.read_text().split()))
+    assert killed[0] in pids and len(pids) == 3  # two actors, then the replacement
