@@ -23,6 +23,8 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", action="append", default=[], help="OpenAI-compatible base URL (http backend)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--retry-deadline-s", type=float, default=300.0,
+                        help="http backend: how long one request retries; all servers down this long stops the run")
     defaults = LoopConfig()
     for name in ("max_turns", "max_response_tokens", "max_tokens", "max_observation_tokens",
                  "max_parallel_tool_calls", "tool_timeout_s", "temperature", "top_p", "top_k"):
@@ -57,7 +59,7 @@ def make_backend(args: argparse.Namespace, model_path: str):
 
     if not args.server:
         raise SystemExit("--backend http needs at least one --server URL")
-    return OpenAIHTTPBackend(args.server, model=model_path)
+    return OpenAIHTTPBackend(args.server, model=model_path, retry_deadline_s=args.retry_deadline_s)
 
 
 def summary_table(trajectories, title: str) -> Table:

@@ -88,6 +88,7 @@ def test_torn_tail_is_cut_before_appending_and_new_refuses_existing(tmp_path):
         written_episodes(path, seed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkilled_rollout_resumes_with_every_episode_exactly_once(tiny_agent_dir, tmp_path):
     """The real CLI on the tiny agent: SIGKILL it mid-run, tear its last line, then --resume."""
@@ -440,3 +441,48 @@ def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny
     assert all(t.finish_reason != "error" for t in written), [t.metrics.get("error") for t in written]
     assert [t.response_ids for t in trajectories] == [t.response_ids for t in reference]
     print(f"failover run: {failover_s:.1f} s for {len(episodes)} episodes")
+
+
+# -- the CLI: arguments checked first, clear stops, exit status on errors -------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_cli_checks_the_output_first_and_stops_clearly_when_no_server_answers(tiny_agent_dir, tmp_path, capsys):
+    from agent_loop.backends.openai_http import free_port
+    from agent_loop.cli import main
+
+    base = ["rollout", "--model", str(tiny_agent_dir), "--episodes", "6"]
+    with pytest.raises(SystemExit, match="is a folder"):
+        main(base + ["--out", str(tmp_path)])
+    existing = tmp_path / "old.jsonl"
+    existing.write_text('{"kept": true}\n')
+    with pytest.raises(SystemExit, match="exclude each other"):
+        main(base + ["--out", str(existing), "--resume", "--append"])
+    with pytest.raises(SystemExit, match="already exists"):
+        main(base + ["--out", str(existing)])
+    assert existing.read_text() == '{"kept": true}\n'
+
+    out = tmp_path / "new.jsonl"
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match="(?s)stopped: no server answered.*--resume"):
+        main(base + ["--backend", "http", "--server", f"http://127.0.0.1:{free_port()}", "--retry-deadline-s", "1",
+                     "--out", str(out)])
+    assert time.perf_counter() - started < 60
+    assert not out.exists() or out.read_text() == ""  # no error rows for a run that never reached a server
+
+
+def test_error_status_counts_errors_and_shows_the_first(qwen_tokenizer):
+    from agent_loop.runner import error_status, error_trajectory
+    from agent_loop.tasks import get_task
+
+    task = get_task("arithmetic")
+    ok = error_trajectory(task, 0, 0, "x", qwen_tokenizer)
+    ok.finish_reason = "stop"
+    failed = [error_trajectory(task, i, 0, ValueError(f"bad {i}"), qwen_tokenizer) for i in (7, 3, 5)]
+    assert failed[0].prompt_ids and failed[0].metrics["error"] == "ValueError: bad 7"
+    assert error_status([ok] * 9, 0.1) == (0, [])
+    status, lines = error_status([ok] * 27 + failed, 0.2)
+    assert status == 0 and lines[0].startswith("3 of 30 episodes")
+    status, lines = error_status([ok] * 7 + failed, 0.2)
+    assert status == 1 and lines[1:] == ["episode 3: ValueError: bad 3", "episode 5: ValueError: bad 5",
+                                         "episode 7: ValueError: bad 7"]

@@ -367,9 +367,9 @@ class OpenAIHTTPBackend:
             attempt += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
             if (self.max_retries is not None and attempt > self.max_retries) or time.monotonic() + delay > deadline:
-                raise HTTPBackendError(
-                    f"{server.url}: still failing after {attempt} attempts: {type(error).__name__}: {error}"
-                ) from error
+                raise ServersUnavailableError(  # no server ever answered: the run cannot go on
+                    f"no server answered ({len(self.servers)} tried, {server.url} still failing after {attempt} "
+                    f"attempts): {type(error).__name__}: {error}") from error
             await asyncio.sleep(delay)
 
     @staticmethod
