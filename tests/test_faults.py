@@ -486,3 +486,37 @@ def test_error_status_counts_errors_and_shows_the_first(qwen_tokenizer):
     status, lines = error_status([ok] * 7 + failed, 0.2)
     assert status == 1 and lines[1:] == ["episode 3: ValueError: bad 3", "episode 5: ValueError: bad 5",
                                          "episode 7: ValueError: bad 7"]
+
+
+def test_an_episode_that_raises_is_written_as_an_error_and_the_run_goes_on(qwen_tokenizer, tmp_path):
+    from agent_loop.backends.scripted import ScriptedBackend
+    from agent_loop.cli import summary_table
+    from agent_loop.runner import run_rollouts
+    from agent_loop.tasks import get_task
+
+    arithmetic = get_task("arithmetic")
+
+    class Task:
+        """Arithmetic, but scoring episode 3 raises."""
+
+        name = "breaks"
+
+        def make_episode(self, index, seed=0):
+            episode = arithmetic.make_episode(index, seed)
+            episode.info["breaks"] = index == 3
+            return episode
+
+        def reward(self, episode, messages, tool_calls):
+            if episode.info["breaks"]:
+                raise RuntimeError("reward function crashed")
+            return 1.0
+
+    out = tmp_path / "run.jsonl"
+    backend = ScriptedBackend(lambda prompt: qwen_tokenizer.encode("no tools, just an answer"))
+    got = asyncio.run(run_rollouts(Task(), backend, qwen_tokenizer, range(6), concurrency=3, output_path=out,
+                                   progress=False))
+    assert [t.info["index"] for t in got] == list(range(6))
+    assert [t.finish_reason for t in got] == ["stop"] * 3 + ["error"] + ["stop"] * 2
+    assert got[3].metrics["error"] == "RuntimeError: reward function crashed" and got[3].prompt_ids
+    assert sorted(t.info["index"] for t in read_trajectories(out)) == list(range(6))
+    summary_table(got, "with an error row")  # the summary takes error rows
