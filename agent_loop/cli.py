@@ -23,6 +23,8 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", action="append", default=[], help="OpenAI-compatible base URL (http backend)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--retry-deadline-s", type=float, default=300.0,
+                        help="http backend: how long one request retries; all servers down this long stops the run")
     defaults = LoopConfig()
     for name in ("max_turns", "max_response_tokens", "max_tokens", "max_observation_tokens",
                  "max_parallel_tool_calls", "tool_timeout_s", "temperature", "top_p", "top_k"):
@@ -57,7 +59,7 @@ def make_backend(args: argparse.Namespace, model_path: str):
 
     if not args.server:
         raise SystemExit("--backend http needs at least one --server URL")
-    return OpenAIHTTPBackend(args.server, model=model_path)
+    return OpenAIHTTPBackend(args.server, model=model_path, retry_deadline_s=args.retry_deadline_s)
 
 
 def summary_table(trajectories, title: str) -> Table:
@@ -112,21 +114,32 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from agent_loop.runner import run_rollouts
+    from agent_loop.runner import error_status, plan_output, run_rollouts
     from agent_loop.tasks import get_task
 
     console = Console()
+    out = Path(args.out)
+    try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
+        mode, todo = plan_output(out, range(args.episodes), args.seed, args.task, resume=args.resume, append=args.append)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"agent-loop rollout: {error}") from None
+    if not todo:
+        console.print(f"{out} already holds all {args.episodes} episodes (seed {args.seed}); nothing to play")
+        return 0
     model_path = resolve_model(args)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     backend = make_backend(args, model_path)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")  # a fresh file per run; episodes are appended as they finish
     started = time.perf_counter()
-    trajectories = asyncio.run(run_rollouts(
-        get_task(args.task), backend, tokenizer, range(args.episodes), loop_config_from(args),
-        seed=args.seed, concurrency=args.concurrency, output_path=out,
-    ))
+    try:
+        trajectories = asyncio.run(run_rollouts(
+            get_task(args.task), backend, tokenizer, todo, loop_config_from(args),
+            seed=args.seed, concurrency=args.concurrency, output_path=out, output_mode=mode,
+        ))
+    except Exception as error:
+        if getattr(error, "fatal", False):  # e.g. every server down past the deadline; finished episodes are kept
+            raise SystemExit(f"agent-loop rollout stopped: {error}\n(finished episodes are in {out}; "
+                             "rerun with --resume to play the rest)") from None
+        raise
     elapsed = time.perf_counter() - started
     console.print(summary_table(trajectories, f"{args.task} rollout"))
     assistant_tokens = sum(t.metrics["assistant_tokens"] for t in trajectories)
@@ -134,7 +147,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                   f"({elapsed:.1f} s, concurrency {args.concurrency}, backend {args.backend}, model {model_path})")
     console.print(returns_table(trajectories, tokenizer.pad_token_id or 0, args.gamma))
     console.print(f"wrote {len(trajectories)} trajectories to {out}  (look inside: agent-loop inspect {out})")
-    return 0
+    status, error_lines = error_status(trajectories, args.max_error_fraction)
+    for line in error_lines:
+        console.print(line, markup=False)
+    return status
 
 
 def cmd_inspect(argv: list[str]) -> int:
@@ -163,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--episodes", type=int, default=64)
     rollout.add_argument("--out", default="runs/rollouts.jsonl")
     rollout.add_argument("--gamma", type=float, default=1.0)
+    rollout.add_argument("--resume", action="store_true", help="play only the episodes --out lacks, appending them")
+    rollout.add_argument("--append", action="store_true", help="append to an existing --out")
+    rollout.add_argument("--max-error-fraction", type=float, default=0.1,
+                         help="exit status 1 when more episodes than this fraction end with an error")
     rollout.set_defaults(run=cmd_rollout)
     commands.add_parser("inspect", help="see spans, rewards, returns and advantages token by token (--help)")
     commands.add_parser("train", help="train the policy with RL on a task (--help)")

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 from agent_loop.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.parsers import parser_for_template
-from agent_loop.tools import ToolExecutor, tool_messages
+from agent_loop.tools import TRUNCATION_MARK, ToolExecutor, tool_messages
 from agent_loop.types import (Backend, Episode, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory,
                               task_success)
 from masking import SpanKind
 
-TRUNCATION_MARK = " ...[truncated]"
+# A tool result is cut to this many characters per observation token before it is tokenized, so
+# truncation costs O(max_observation_tokens), not O(the result's size).
+CHARS_PER_TOKEN_BUDGET = 16
 
 
 @dataclass
@@ -74,12 +76,15 @@ def _formatter(tokenizer, schemas: list[dict], history_mode: str = "strict") -> 
 async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams, session_id: str,
                                  config: LoopConfig) -> tuple[GenerationResult | None, str | None]:
     error = None
-    for attempt in range(config.backend_retries + 1):
+    retries = 0 if getattr(backend, "retries_itself", False) else config.backend_retries  # one layer of retries
+    for attempt in range(retries + 1):
         try:
             return await backend.generate(prompt, sampling, session_id=session_id), None
         except Exception as exc:  # any backend failure: retry, then end the episode with "error"
+            if getattr(exc, "fatal", False):
+                raise  # e.g. every server down past the deadline: the run stops (agent_loop.runner)
             error = f"{type(exc).__name__}: {exc}"
-            if attempt < config.backend_retries:
+            if attempt < retries:
                 await asyncio.sleep(config.retry_backoff_s * 2**attempt)
     return None, error
 
@@ -196,7 +201,8 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
 
     t0 = time.perf_counter()
     outcomes = await ctx.toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
-                                         max_parallel=config.max_parallel_tool_calls)
+                                         max_parallel=config.max_parallel_tool_calls,
+                                         max_result_chars=config.max_observation_tokens * CHARS_PER_TOKEN_BUDGET)
     state.timings["tools_s"] += time.perf_counter() - t0
     for record, call_id in zip(outcomes, ids):
         record.call_id = call_id

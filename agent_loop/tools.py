@@ -3,6 +3,13 @@
 The JSON schema comes from the function's type hints and docstring (``transformers.utils.get_json_schema``),
 arguments are validated against it with ``jsonschema``, and every failure (bad JSON, unknown tool, bad
 arguments, an exception, a timeout) becomes an error text the model reads as the tool's response.
+
+A tool can neither take the process down nor keep it alive: any ``BaseException`` it raises
+(``SystemExit``, ``KeyboardInterrupt`` included) becomes an ``exception`` record; sync tools run on
+daemon threads of a bounded pool (:class:`ToolThreads`), so a hung tool is reported as ``timeout``,
+frees its slot for the others, and cannot block interpreter exit; results are cut to a character
+budget before anything tokenizes them (the record keeps the cut text and the original length) and
+invalid Unicode (lone surrogates) is replaced with U+FFFD.
 """
 
 from __future__ import annotations
@@ -10,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,20 +64,116 @@ class Tool:
         return cls(fn, *_checked_schema(fn))
 
 
-def _as_text(result: Any) -> str:
-    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+TRUNCATION_MARK = " ...[truncated]"
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """``text`` with lone surrogates (not encodable as UTF-8) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATES.sub("\ufffd", text)
+
+
+def _as_text(result: Any, max_chars: int | None = None) -> tuple[str, int | None]:
+    """The tool result as text, cut to ``max_chars`` (and marked) before anything else touches it;
+    the original length in characters when cut, else None."""
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    original = None
+    if max_chars is not None and len(text) > max_chars:
+        original, text = len(text), text[:max_chars] + TRUNCATION_MARK
+    return clean_text(text), original
+
+
+class ToolPoolExhausted(RuntimeError):
+    """Too many sync tool calls are hung (timed out but still running) to start another."""
+
+
+class ToolThreads:
+    """Runs sync tools on daemon threads: at most ``max_workers`` at once per event loop; a call that times
+    out gives its slot back at once (its thread is abandoned, still a daemon, so exit never waits for it).
+
+    Abandoned threads still running are counted; past ``max_hung`` new calls fail with
+    :class:`ToolPoolExhausted` instead of piling up threads.
+    """
+
+    def __init__(self, max_workers: int = 32, max_hung: int = 256):
+        self.max_workers, self.max_hung = max_workers, max_hung
+        self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Semaphore
+        self._lock = threading.Lock()
+        self.hung = 0
+
+    def _gate(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = asyncio.Semaphore(self.max_workers)
+        return gate
+
+    async def run(self, fn: Callable, kwargs: dict, timeout_s: float) -> Any:
+        """``fn(**kwargs)`` on a daemon thread; TimeoutError after ``timeout_s``; its BaseException re-raised
+        here wrapped so that nothing but Exception subclasses come out."""
+        if self.hung >= self.max_hung:
+            raise ToolPoolExhausted(f"{self.hung} tool calls are still hung after their timeout; not starting more")
+        loop = asyncio.get_running_loop()
+        async with self._gate():
+            future = loop.create_future()
+            state = {"abandoned": False}
+
+            def deliver(ok: bool, value) -> None:
+                if not future.done():
+                    future.set_result(value) if ok else future.set_exception(value)
+
+            def work() -> None:
+                try:
+                    outcome = (True, fn(**kwargs))
+                except BaseException as error:  # noqa: BLE001 (SystemExit/KeyboardInterrupt of a tool included)
+                    outcome = (False, error if isinstance(error, Exception) else _ToolBaseException(error))
+                with self._lock:
+                    if state["abandoned"]:
+                        self.hung -= 1
+                        return
+                try:
+                    loop.call_soon_threadsafe(deliver, *outcome)
+                except RuntimeError:  # the event loop is closed: nobody waits for this result
+                    pass
+
+            threading.Thread(target=work, name=f"tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await asyncio.shield(future)
+            except BaseException:
+                with self._lock:
+                    if not future.done():
+                        state["abandoned"] = True
+                        self.hung += 1
+                raise
+
+
+class _ToolBaseException(Exception):
+    """A BaseException (SystemExit, KeyboardInterrupt, ...) raised inside a tool, carried as an Exception."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+TOOL_THREADS = ToolThreads()
 
 
 class ToolExecutor:
     """Runs the tool calls of one turn concurrently (at most ``max_parallel`` at once), each with a timeout.
 
-    Sync functions run in a worker thread (``asyncio.to_thread``). A sync tool that hangs past its
-    timeout is reported as ``timeout`` at once, but Python cannot kill its thread: it keeps a worker
-    of the default executor busy until it returns.
+    Sync functions run on the daemon threads of ``threads`` (default: the shared :data:`TOOL_THREADS`).
+    A sync tool that hangs past its timeout is reported as ``timeout`` at once and frees its slot;
+    Python cannot kill its thread, but it is a daemon thread and never keeps the process alive.
     """
 
-    def __init__(self, functions: list[Callable]):
+    def __init__(self, functions: list[Callable], threads: ToolThreads | None = None):
         self.tools = {tool.name: tool for tool in map(Tool.from_function, functions)}
+        self.threads = threads or TOOL_THREADS
 
     @property
     def schemas(self) -> list[dict]:
@@ -75,19 +181,24 @@ class ToolExecutor:
         return [tool.schema for tool in self.tools.values()]
 
     async def execute(self, calls: list[ParsedCall | ParseError], turn: int = 0, timeout_s: float = 10.0,
-                      max_parallel: int = 4) -> list[ToolCallRecord]:
-        """One record per call, in the order given; ``result`` or ``error`` is what the model reads."""
+                      max_parallel: int = 4, max_result_chars: int | None = None) -> list[ToolCallRecord]:
+        """One record per call, in the order given; ``result`` or ``error`` is what the model reads.
+
+        ``max_result_chars`` cuts longer results (and error texts) before anything tokenizes them;
+        the record keeps ``result_chars``, the original length.
+        """
         if max_parallel < 1:
             raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
         limit = asyncio.Semaphore(max_parallel)
 
         async def bounded(call):
             async with limit:
-                return await self._execute_one(call, turn, timeout_s)
+                return await self._execute_one(call, turn, timeout_s, max_result_chars)
 
         return list(await asyncio.gather(*(bounded(c) for c in calls)))
 
-    async def _execute_one(self, call: ParsedCall | ParseError, turn: int, timeout_s: float) -> ToolCallRecord:
+    async def _execute_one(self, call: ParsedCall | ParseError, turn: int, timeout_s: float,
+                           max_result_chars: int | None = None) -> ToolCallRecord:
         if isinstance(call, ParseError):
             return ToolCallRecord(name="", arguments=call.raw, turn=turn, error_kind="malformed_json",
                                   error=f"Error: {call.error}")
@@ -103,14 +214,19 @@ class ToolExecutor:
         start = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(tool.fn):
-                result = await asyncio.wait_for(tool.fn(**call.arguments), timeout_s)
+                async with asyncio.timeout(timeout_s):  # awaited in this task: its SystemExit is caught below
+                    result = await tool.fn(**call.arguments)
             else:
-                result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), timeout_s)
-            record.result = _as_text(result)
+                result = await self.threads.run(tool.fn, call.arguments, timeout_s)
+            record.result, record.result_chars = _as_text(result, max_result_chars)
         except TimeoutError:
             _failed(record, "timeout", f"Error: tool '{call.name}' timed out after {timeout_s:g} s")
-        except Exception as e:  # the tool's own failure is an observation, not a crash of the loop
-            _failed(record, "exception", f"Error: tool '{call.name}' raised {type(e).__name__}: {e}")
+        except BaseException as e:  # the tool's own failure is an observation, not a crash of the loop
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the episode itself is being cancelled
+            e = e.error if isinstance(e, _ToolBaseException) else e
+            message, _ = _as_text(f"Error: tool '{call.name}' raised {type(e).__name__}: {e}", max_result_chars)
+            _failed(record, "exception", message)
         record.latency_s = time.perf_counter() - start
         return record
 

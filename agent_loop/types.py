@@ -66,6 +66,7 @@ class ToolCallRecord:
     error: str | None = None  # human-readable message (also what the model reads)
     latency_s: float = 0.0
     call_id: str | None = None  # unique in the episode (ChatFormatter.call_id); the tool message's tool_call_id
+    result_chars: int | None = None  # the result's original length in characters, when it was cut to a budget
 
 
 @dataclass

@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.trainer import Trainer
 
     started = time.perf_counter()
-    trainer = Trainer(config)
+    from trainer.checkpoint import CheckpointError
+
+    try:
+        trainer = Trainer(config)
+    except CheckpointError as error:  # an incomplete checkpoint or changed settings: a message, not a traceback
+        raise SystemExit(f"agent-loop train: {error}") from None
     history = trainer.train()
     if history:
         first, last = history[0], history[-1]

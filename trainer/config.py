@@ -52,7 +52,8 @@ class TrainConfig:
     save_every: int = 20  # steps between checkpoints (and one at the end)
     eval_every: int = 0  # steps between greedy evaluations on held-out questions; 0 = never
     eval_episodes: int = 100
-    resume: str | None = None  # a checkpoint dir to continue from
+    resume: str | None = None  # a checkpoint dir, or a run dir (its latest complete checkpoint), to continue from
+    allow_config_change: bool = False  # resume even when settings differ from the checkpoint's (listed)
     threads: int = 2  # torch intra-op threads
     progress: bool = True
 

@@ -34,13 +34,13 @@ from agent_loop.collate import trajectories_to_batch
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from agent_loop.tasks import get_task
+from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.grouping import GroupedTask
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
 from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_forward, token_entropy, token_logprobs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
-STATE_FILE = "trainer_state.pt"
 
 # returns_variant -> the registered REINFORCE++ estimator; the two historical return bugs are the ablation.
 RETURN_VARIANTS = {
@@ -87,9 +87,12 @@ class Trainer:
         self.initial_model = resolve_model_path(config)
         policy_path = self.initial_model
         if config.resume:
-            state = torch.load(Path(config.resume) / STATE_FILE, weights_only=False)
+            resume_dir = checkpoint.resolve_checkpoint(config.resume)
+            state = checkpoint.load_state(resume_dir)
+            checkpoint.check_settings(state["config"], config)
             self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
-            policy_path = str(Path(config.resume) / "model")
+            policy_path = str(resume_dir / "model")
+            checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
 
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -292,19 +295,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """``model/`` (a plain transformers model dir with its tokenizer) and ``trainer_state.pt``
-        (optimizer, value head, step, RNG states, config)."""
-        path = self.checkpoint_dir(self.step)
-        self.policy.save_pretrained(path / "model")
-        self.tokenizer.save_pretrained(path / "model")
-        torch.save({
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "value_head": self.value_head.state_dict() if self.value_head else None,
-            "initial_model": self.initial_model,
-            "config": dataclasses.asdict(self.config),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-        }, path / STATE_FILE)
-        return path
+        (optimizer, value head, step, RNG states, config), written atomically (``trainer.checkpoint``)."""
+        return checkpoint.save_checkpoint(self, self.checkpoint_dir(self.step))
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]

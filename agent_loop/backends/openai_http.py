@@ -2,20 +2,31 @@
 
 Talks to vLLM's `/v1/completions` with a token-id prompt and `return_token_ids` (vLLM >= 0.10.2),
 so the loop stays token-in/token-out (docs/design.md sections 4 and 6): nothing is decoded and
-re-encoded on the way. One pooled `aiohttp.ClientSession`; bounded retries with exponential backoff
-on transient failures (connection errors, timeouts, HTTP 5xx and 429); a clear error on a
-model-name mismatch (checked against `/v1/models` at start) or on a server that does not return
-token ids.
+re-encoded on the way. One pooled `aiohttp.ClientSession`; a clear error on a model-name mismatch
+(checked against `/v1/models`) or on a server that does not return token ids.
 
-Several servers: requests that carry the same `session_id` (one trajectory) go to the server that
-served its first turn, so that server's prefix cache holds the conversation so far; a new session,
-or a request without one, goes to the server with the fewest requests in flight.
+Several servers, health-aware: requests that carry the same `session_id` (one trajectory) go to the
+server that served its first turn, so that server's prefix cache holds the conversation so far; a
+new session, or a request without one, goes to the live server with the fewest requests in flight.
+A server that refuses connections, times out or stalls is marked down: its sessions move to a live
+server (each request carries the whole conversation's tokens, so nothing is lost but the cache),
+and it is probed (`/v1/models`) every `probe_interval_s` until it answers again.
+
+Faults: each request retries transient failures (connection errors, timeouts, stalls, HTTP 5xx and
+429) with capped exponential backoff until `retry_deadline_s` (default 300 s: longer than a server
+restart), on another live server where there is one. This is the only layer of retries
+(`retries_itself`: the agent loop does not retry on top). A request with no answer for
+`stall_timeout_s` whose server does not answer a probe either is logged, cancelled and retried
+elsewhere. When every server has been down for longer than `retry_deadline_s`, requests raise
+:class:`ServersUnavailableError` (``fatal``): the runner stops the run instead of writing thousands
+of error episodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -33,34 +44,63 @@ import aiohttp
 from agent_loop.types import GenerationResult, SamplingParams
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+log = logging.getLogger(__name__)
 
 
 class HTTPBackendError(RuntimeError):
     """A server answered, but not with something this backend can use (or it kept failing)."""
 
 
+class ServersUnavailableError(HTTPBackendError):
+    """Every server has been down for longer than the retry deadline: the run should stop."""
+
+    fatal = True
+
+
 class _TransientError(Exception):
     """A failure worth retrying: the server may be starting, overloaded or restarting."""
+
+
+class _Stalled(Exception):
+    """A request got no answer for `stall_timeout_s` and its server does not answer a probe either."""
+
+
+# failures after which a server is marked down (HTTP 5xx/429 only slow it down: the server is there)
+_DOWN_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Stalled)
+_RETRYABLE = (_TransientError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, _Stalled)
 
 
 @dataclass
 class _Server:
     url: str
     in_flight: int = 0
+    down_since: float | None = None  # monotonic time it was marked down; None while up
+    next_probe: float = 0.0
+    probing: bool = False
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
 
 
 class OpenAIHTTPBackend:
     """`Backend` over OpenAI-compatible completion servers (vLLM `api_server`).
 
     base_urls: server roots such as "http://127.0.0.1:8000" (without `/v1`).
-    model: the served model name; `start()` checks every server lists it in `/v1/models`.
-    timeout_s: limit for one request (a whole generation); connect_timeout_s: for opening a connection.
-    max_retries: extra attempts after a transient failure, waiting backoff_s * 2**attempt in between.
+    model: the served model name; every server must list it in `/v1/models`.
+    timeout_s: limit for one attempt (a whole generation); connect_timeout_s: for opening a connection.
+    retry_deadline_s: total time one request may spend retrying (and waiting for a live server).
+    max_retries: at most this many extra attempts (None: as many as fit in the deadline).
+    backoff_s, max_backoff_s: wait backoff_s * 2**attempt, at most max_backoff_s, between attempts.
+    stall_timeout_s: after this long without an answer the server is probed; no answer: retry elsewhere.
+    probe_interval_s: how often a down server is probed.
     max_sessions: how many trajectory-to-server assignments to remember (oldest forgotten first).
 
     Use inside one event loop, as `async with OpenAIHTTPBackend(...) as backend:`, or call
-    `await start()` / `await close()`; `generate` starts it on first use.
+    `await start()` / `await close()`; `generate` (re)starts it on first use in an event loop.
     """
+
+    retries_itself = True  # the agent loop adds no retries of its own
 
     def __init__(
         self,
@@ -69,47 +109,69 @@ class OpenAIHTTPBackend:
         *,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
-        max_retries: int = 4,
+        retry_deadline_s: float = 300.0,
+        max_retries: int | None = None,
         backoff_s: float = 0.5,
+        max_backoff_s: float = 5.0,
+        stall_timeout_s: float = 60.0,
+        probe_interval_s: float = 2.0,
         max_connections: int = 1024,
         max_sessions: int = 100_000,
     ):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("OpenAIHTTPBackend needs at least one server URL")
+        for name, value in (("timeout_s", timeout_s), ("retry_deadline_s", retry_deadline_s),
+                            ("stall_timeout_s", stall_timeout_s), ("probe_interval_s", probe_interval_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self.servers = [_Server(url.rstrip("/")) for url in urls]
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self.probe_timeout = aiohttp.ClientTimeout(total=min(10.0, stall_timeout_s), connect=min(5.0, connect_timeout_s))
+        self.retry_deadline_s = retry_deadline_s
         self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.stall_timeout_s, self.probe_interval_s = stall_timeout_s, probe_interval_s
         self.max_connections = max_connections
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Server] = OrderedDict()
         self._http: aiohttp.ClientSession | None = None
-        self._start_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_lock: asyncio.Lock | None = None
+        self._all_down_since: float | None = None
+        self._probes: set[asyncio.Task] = set()
+
+    # --- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the connection pool and check that every server serves `model`; idempotent."""
+        """Open the connection pool and check that the servers serve `model`; idempotent per event loop.
+
+        A server that cannot be reached is marked down (and probed later) as long as another one
+        answers; while none answers it retries, and raises HTTPBackendError after the retry deadline.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop (e.g. another asyncio.run): the old pool is unusable
+            self._http, self._loop, self._start_lock = None, loop, asyncio.Lock()
         async with self._start_lock:
             if self._http is not None:
                 return
-            http = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=self.max_connections)
-            )
+            http = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=self.max_connections))
             try:
-                for server in self.servers:
-                    served = await self._with_retries(server, lambda s=server: self._served_models(http, s))
-                    if self.model not in served:
-                        raise ValueError(f"model mismatch: {server.url} serves {served}, not {self.model!r}")
+                await self._check_servers(http)
             except BaseException:
                 await http.close()
                 raise
             self._http = http
 
     async def close(self) -> None:
+        for probe in list(self._probes):
+            probe.cancel()
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+    close_connections = close  # what the runners call at the end of a run (the backend reopens on next use)
 
     async def __aenter__(self) -> "OpenAIHTTPBackend":
         await self.start()
@@ -118,11 +180,13 @@ class OpenAIHTTPBackend:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    # --- generation ----------------------------------------------------------------------------------
+
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
     ) -> GenerationResult:
-        """Generate one continuation; `session_id` (e.g. the trajectory's key) pins all its turns to one server."""
-        if self._http is None:
+        """Generate one continuation; `session_id` (e.g. the trajectory's key) keeps all its turns on one live server."""
+        if self._http is None or self._loop is not asyncio.get_running_loop():
             await self.start()
         payload = {
             "model": self.model,
@@ -142,33 +206,171 @@ class OpenAIHTTPBackend:
             "logprobs": 0,  # the sampled token's logprob only
             "return_token_ids": True,
         }
-        server = self._route(session_id)
-        return await self._with_retries(server, lambda: self._complete(server, payload))
+        started = time.monotonic()
+        deadline = started + self.retry_deadline_s
+        attempt, avoid, last_error = 0, None, None
+        while True:
+            server = await self._live_server(session_id, avoid, deadline, last_error)
+            try:
+                return await self._attempt(server, payload)
+            except _RETRYABLE as error:
+                last_error = error
+                if isinstance(error, _DOWN_ERRORS):
+                    self._mark_down(server, error)
+                avoid = server
+            attempt += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            all_down = not any(s.up for s in self.servers)  # then the circuit breaker decides, not this request
+            if (self.max_retries is not None and attempt > self.max_retries) or (
+                    not all_down and time.monotonic() + delay > deadline):
+                raise HTTPBackendError(
+                    f"{server.url}: still failing after {attempt} attempts over {time.monotonic() - started:.1f} s: "
+                    f"{type(last_error).__name__}: {last_error}") from last_error
+            await asyncio.sleep(delay)
 
-    def _route(self, session_id: str | None) -> _Server:
+    async def _attempt(self, server: _Server, payload: dict) -> GenerationResult:
+        """One request, watched: with no answer for `stall_timeout_s`, a probe decides whether to keep waiting."""
+        server.in_flight += 1
+        request = asyncio.ensure_future(self._complete(server, payload))
+        try:
+            while True:
+                done, _ = await asyncio.wait({request}, timeout=self.stall_timeout_s)
+                if done:
+                    return request.result()
+                if not await self._answers(server):
+                    log.warning("%s: no answer for %.0f s and no answer to a probe: stalled; retrying elsewhere",
+                                server.url, self.stall_timeout_s)
+                    raise _Stalled(f"no answer for {self.stall_timeout_s:g} s and none to a probe")
+        finally:
+            server.in_flight -= 1
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+
+    # --- routing and health ----------------------------------------------------------------------------
+
+    async def _live_server(self, session_id: str | None, avoid: _Server | None, deadline: float,
+                           last_error: BaseException | None) -> _Server:
+        """The server for this request: the session's own while it is up, else the least busy live one.
+
+        With none up, waits (probing) until one answers or `deadline`; raises ServersUnavailableError when
+        every server has been down for longer than the retry deadline.
+        """
+        while True:
+            self._probe_due()
+            server = self._route(session_id, avoid)
+            if server is not None:
+                return server
+            now = time.monotonic()
+            if self._all_down_since is not None and now - self._all_down_since >= self.retry_deadline_s:
+                raise ServersUnavailableError(
+                    f"all {len(self.servers)} servers down for {now - self._all_down_since:.0f} s "
+                    f"(longer than the {self.retry_deadline_s:g} s retry deadline): "
+                    + ", ".join(s.url for s in self.servers)
+                    + (f"; last error {type(last_error).__name__}: {last_error}" if last_error else ""))
+            if now >= deadline and self._all_down_since is None:
+                raise HTTPBackendError(f"no live server within the {self.retry_deadline_s:g} s retry deadline")
+            # every server down: wait for one to come back, or for the circuit breaker to stop the run
+            await asyncio.sleep(self.probe_interval_s / 4)
+
+    def _route(self, session_id: str | None, avoid: _Server | None = None) -> _Server | None:
         if session_id is not None and session_id in self._sessions:
-            self._sessions.move_to_end(session_id)
-            return self._sessions[session_id]
-        server = min(self.servers, key=lambda s: s.in_flight)
+            pinned = self._sessions[session_id]
+            if pinned.up and (pinned is not avoid or not self._others_up(pinned)):
+                self._sessions.move_to_end(session_id)
+                return pinned
+        live = [s for s in self.servers if s.up]
+        if not live:
+            return None
+        if avoid is not None and len(live) > 1:
+            live = [s for s in live if s is not avoid]
+        server = min(live, key=lambda s: s.in_flight)
         if session_id is not None:
-            self._sessions[session_id] = server
+            self._sessions[session_id] = server  # a session moves with its tokens: each request carries them all
+            self._sessions.move_to_end(session_id)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
         return server
 
-    async def _with_retries(self, server: _Server, attempt_once):
-        for attempt in range(self.max_retries + 1):
-            server.in_flight += 1
-            try:
-                return await attempt_once()
-            except (_TransientError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
-                if attempt == self.max_retries:
-                    raise HTTPBackendError(
-                        f"{server.url}: still failing after {attempt + 1} attempts: {type(error).__name__}: {error}"
-                    ) from error
-            finally:
-                server.in_flight -= 1
-            await asyncio.sleep(self.backoff_s * 2**attempt)
+    def _others_up(self, server: _Server) -> bool:
+        return any(s.up for s in self.servers if s is not server)
+
+    def _mark_down(self, server: _Server, error: BaseException) -> None:
+        if not server.up:
+            return
+        now = time.monotonic()
+        server.down_since, server.next_probe = now, now + self.probe_interval_s
+        live = sum(s.up for s in self.servers)
+        log.warning("%s marked down (%s: %s); %d of %d servers up", server.url, type(error).__name__, error,
+                    live, len(self.servers))
+        if live == 0 and self._all_down_since is None:
+            self._all_down_since = now
+
+    def _mark_up(self, server: _Server) -> None:
+        if server.up:
+            return
+        log.warning("%s is back up after %.0f s", server.url, time.monotonic() - server.down_since)
+        server.down_since = None
+        self._all_down_since = None
+
+    def _probe_due(self) -> None:
+        """Start a probe of every down server whose next probe is due (in the background)."""
+        now = time.monotonic()
+        for server in self.servers:
+            if not server.up and not server.probing and now >= server.next_probe and self._http is not None:
+                server.probing = True
+                probe = asyncio.ensure_future(self._probe(server))
+                self._probes.add(probe)
+                probe.add_done_callback(self._probes.discard)
+
+    async def _probe(self, server: _Server) -> None:
+        try:
+            served = await self._served_models(self._http, server, self.probe_timeout)
+            if self.model in served:
+                self._mark_up(server)
+            else:
+                log.warning("%s answers but serves %s, not %r: kept down", server.url, served, self.model)
+        except (_RETRYABLE + (aiohttp.ClientError,)):
+            pass
+        finally:
+            server.probing = False
+            server.next_probe = time.monotonic() + self.probe_interval_s
+
+    async def _answers(self, server: _Server) -> bool:
+        try:
+            await self._served_models(self._http, server, self.probe_timeout)
+            return True
+        except (_RETRYABLE + (aiohttp.ClientError,)):
+            return False
+
+    async def _check_servers(self, http: aiohttp.ClientSession) -> None:
+        """Ask every server for its models at once; retry (backoff, deadline) only while none answers.
+
+        Servers that do not answer are marked down when another does; one serving another model is a ValueError.
+        """
+        deadline = time.monotonic() + self.retry_deadline_s
+        attempt = 0
+        while True:
+            outcomes = await asyncio.gather(*(self._served_models(http, s, self.probe_timeout) for s in self.servers),
+                                            return_exceptions=True)
+            for server, served in zip(self.servers, outcomes):
+                if isinstance(served, list) and self.model not in served:
+                    raise ValueError(f"model mismatch: {server.url} serves {served}, not {self.model!r}")
+                if isinstance(served, BaseException) and not isinstance(served, _RETRYABLE + (aiohttp.ClientError,)):
+                    raise served
+            failed = [(s, o) for s, o in zip(self.servers, outcomes) if isinstance(o, BaseException)]
+            if len(failed) < len(self.servers):
+                for server, error in failed:
+                    self._mark_down(server, error)
+                return
+            server, error = failed[0]
+            attempt += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            if (self.max_retries is not None and attempt > self.max_retries) or time.monotonic() + delay > deadline:
+                raise ServersUnavailableError(  # no server ever answered: the run cannot go on
+                    f"no server answered ({len(self.servers)} tried, {server.url} still failing after {attempt} "
+                    f"attempts): {type(error).__name__}: {error}") from error
+            await asyncio.sleep(delay)
 
     @staticmethod
     async def _read_json(response: aiohttp.ClientResponse, url: str) -> dict:
@@ -179,9 +381,9 @@ class OpenAIHTTPBackend:
         return await response.json()
 
     @classmethod
-    async def _served_models(cls, http: aiohttp.ClientSession, server: _Server) -> list[str]:
+    async def _served_models(cls, http: aiohttp.ClientSession, server: _Server, timeout: aiohttp.ClientTimeout) -> list[str]:
         url = f"{server.url}/v1/models"
-        async with http.get(url) as response:
+        async with http.get(url, timeout=timeout) as response:
             body = await cls._read_json(response, url)
         return [entry["id"] for entry in body.get("data", [])]
 
