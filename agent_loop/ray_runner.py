@@ -76,7 +76,7 @@ def run_rollouts_ray(
         if index is not None:
             in_flight[worker.play.remote(index)] = worker
 
-    with TrajectorySink(len(indices), f"rollout {task.name} (ray)", output_path, progress) as sink:
+    with TrajectorySink(len(indices), f"rollout {task.name} (ray)", output_path, progress, keep=True) as sink:
         try:
             for _ in range(concurrency_per_worker):
                 for worker in workers:
