@@ -195,3 +195,20 @@ def check_task(name: str) -> str:
     if name not in TASKS:
         raise ValueError(f"unknown task{closest(name, TASKS)} (choose {task_names()})")
     return name
+
+
+def int_at_least(low: int):
+    """An argparse ``type=`` for parsers not built from a dataclass: an integer >= ``low``, else argparse's
+    usage error (exit 2) saying so."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text}: must be an integer >= {low}")
+        return value
+
+    convert.__name__ = f"integer >= {low}"
+    return convert

@@ -271,6 +271,23 @@ def test_config_file_keys_get_the_same_checks():
         train_validate({"prompts_per_step": 4, "mini_batches": 3}, keys=True)
 
 
+# --- inspect (its parsing; the inspect views own the rest) ----------------------------------------------
+
+INSPECT_CASES = [
+    (["--episode", "-1"], "argument --episode: -1: must be an integer >= 0"),
+    (["--max-episodes", "0"], "argument --max-episodes: 0: must be an integer >= 1"),
+    (["--worst", "0"], "argument --worst: 0: must be an integer >= 1"),
+    (["--width", "5"], "argument --width: 5: must be an integer >= 20"),
+    (["--gamma", "2"], "argument --gamma: gamma must be in [0, 1], got 2.0"),
+]
+
+
+@pytest.mark.parametrize("argv, message", INSPECT_CASES, ids=[" ".join(c[0]) for c in INSPECT_CASES])
+def test_inspect_rejects_bad_option_with_exit_2(capsys, tmp_path, argv, message):
+    code, err = run_cli(capsys, "inspect", str(tmp_path / "r.jsonl"), *argv)
+    assert code == 2 and f"agent-loop inspect: error: {message}" in err
+
+
 # --- help ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("parser, config", [(rollout_parser(), RolloutOptions), (train_parser(), TrainConfig)],

@@ -16,6 +16,7 @@ import argparse
 from rich.console import Console
 
 from agent_loop.inspect.load import load_trajectories
+from agent_loop.options import int_at_least
 from agent_loop.inspect.view import build_view, select
 
 __all__ = ["add_arguments", "main"]
@@ -32,9 +33,9 @@ def discount(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``agent-loop inspect`` (also used by ``python -m agent_loop.inspect``)."""
     parser.add_argument("rollouts", help="JSON Lines file, one Trajectory per line")
-    parser.add_argument("--episode", type=int, action="append", metavar="N",
+    parser.add_argument("--episode", type=int_at_least(0), action="append", metavar="N",
                         help="show episode N (0-based index among the file's trajectories); repeatable")
-    parser.add_argument("--worst", type=int, nargs="?", const=1, metavar="K",
+    parser.add_argument("--worst", type=int_at_least(1), nargs="?", const=1, metavar="K",
                         help="show the K lowest-reward episodes (default 1)")
     parser.add_argument("--failed", action="store_true", help="show only failed episodes")
     parser.add_argument("--values", action="store_true",
@@ -46,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local tokenizer folder (default: each trajectory's info['model_path'])")
     parser.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     parser.add_argument("--png", metavar="OUT.png", help="write matplotlib figures to a PNG")
-    parser.add_argument("--max-episodes", type=int, default=100, metavar="N",
+    parser.add_argument("--max-episodes", type=int_at_least(1), default=100, metavar="N",
                         help="render at most N of the selected episodes (default 100; the batch overview covers all)")
-    parser.add_argument("--width", type=int, help="terminal width (default: detected)")
+    parser.add_argument("--width", type=int_at_least(20), help="terminal width, at least 20 (default: detected)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no terminal view (with --html/--png)")
 
 
