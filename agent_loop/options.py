@@ -175,11 +175,6 @@ def validate(cls, values: dict[str, Any], *, keys: bool = False):
         raise UsageError(f"{where}: {reason}") from None
 
 
-def parse(cls, parser: argparse.ArgumentParser, argv: list[str] | None):
-    """Parse ``argv`` with ``parser`` (made by :func:`build_parser`) and :func:`validate` the result."""
-    return validate(cls, vars(parser.parse_args(argv)))
-
-
 # --- value checks shared by commands (pydantic AfterValidators: return the value or raise ValueError) ---
 
 def task_names() -> str:
