@@ -109,7 +109,7 @@ def main() -> None:
                       f"{row['episodes_per_s'] / base:.2f}", f"{row['cpu_ms_per_episode']:.2f}",
                       f"{base_cpu / row['cpu_ms_per_episode']:.2f}", f"{row['peak_rss_mb']:.0f}", f"{row['file_mb']:.0f}",
                       f"{row['success']:.3f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
