@@ -7,12 +7,12 @@ from typing import Sequence
 import torch
 
 from agent_loop.types import Trajectory
-from masking import collate
+from masking import Batch, collate
 
 
 def trajectories_to_batch(
     trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
+) -> Batch:
     """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``)."""
     return collate(
         prompt_ids=[t.prompt_ids for t in trajectories],

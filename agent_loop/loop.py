@@ -13,13 +13,14 @@ import json
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent_loop.chat import ChatFormatter
 from agent_loop.parsers import parser_for_template
 from agent_loop.tools import ToolExecutor, tool_messages
-from agent_loop.types import Backend, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory
-from masking.spans import SpanKind
+from agent_loop.types import (Backend, Episode, GenerationResult, SamplingParams, Task, ToolCallRecord, Trajectory,
+                              task_success)
+from masking import SpanKind
 
 TRUNCATION_MARK = " ...[truncated]"
 
@@ -91,6 +92,91 @@ def _fit_observation(formatter: ChatFormatter, messages: list[dict], limit: int)
     return ids, messages, truncated
 
 
+@dataclass
+class _EpisodeState:
+    """What an episode has built so far: the response tokens with their spans, turns and logprobs."""
+
+    messages: list[dict]
+    response_ids: list[int] = field(default_factory=list)
+    spans: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    records: list[ToolCallRecord] = field(default_factory=list)
+    turn_tokens: list[dict] = field(default_factory=list)  # per turn: assistant and observation token counts
+    timings: Counter = field(default_factory=Counter)
+    observation_truncations: int = 0
+    error: str | None = None
+
+    def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.spans += [int(kind)] * len(ids)
+        self.turn_ids += [turn] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+@dataclass
+class _Context:
+    """The fixed parts of one episode: who generates, how chat is formatted and parsed, which tools run."""
+
+    backend: Backend
+    tokenizer: object
+    formatter: ChatFormatter
+    parser: object
+    toolbox: ToolExecutor
+    config: LoopConfig
+    prompt_ids: list[int]
+    session_id: str
+    seed: int
+    index: int
+
+
+async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
+    """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
+    config, formatter = ctx.config, ctx.formatter
+    sampling = SamplingParams(
+        max_tokens=min(config.max_tokens, config.max_response_tokens - len(state.response_ids)),
+        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(ctx.seed, ctx.index, turn),
+    )
+    t0 = time.perf_counter()
+    result, state.error = await _generate_with_retries(
+        ctx.backend, ctx.prompt_ids + state.response_ids, sampling, ctx.session_id, config)
+    state.timings["generate_s"] += time.perf_counter() - t0
+    if result is None:
+        return "error"
+    state.append(result.token_ids, SpanKind.ASSISTANT, turn, result.logprobs)
+    state.turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
+
+    stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
+    text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
+    parsed = ctx.parser(text)
+    if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
+        state.messages.append(formatter.assistant_message(text))
+    else:
+        state.messages.append(formatter.assistant_message(
+            parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls] or None))
+    if result.finish_reason == "length":
+        return "length"
+    if not parsed.calls and not parsed.errors:
+        return "stop"
+    if turn == config.max_turns - 1:
+        return "max_turns"  # no turn left to read the results
+
+    t0 = time.perf_counter()
+    outcomes = await ctx.toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
+                                         max_parallel=config.max_parallel_tool_calls)
+    state.timings["tools_s"] += time.perf_counter() - t0
+    state.records += outcomes
+    observation, new_messages, cut = _fit_observation(formatter, tool_messages(outcomes), config.max_observation_tokens)
+    state.observation_truncations += cut
+    state.messages += new_messages
+    if len(state.response_ids) + len(observation) >= config.max_response_tokens:
+        return "observation_overflow"  # no room left for the observation and a next turn
+    state.append(observation, SpanKind.OBSERVATION, turn)
+    state.turn_tokens[-1]["observation"] = len(observation)
+    return None
+
+
 async def run_episode(
     task: Task,
     index: int,
@@ -105,99 +191,50 @@ async def run_episode(
     episode = task.make_episode(index, seed)
     toolbox = ToolExecutor(episode.tools)
     formatter = _formatter(tokenizer, toolbox.schemas)
-    parser = parser_for_template(formatter.chat_template or tokenizer.chat_template)
-    messages = [dict(m) for m in episode.messages]
-    prompt_ids = formatter.prompt_ids(messages)
-    session_id = f"{task.name}:{seed}:{index}"  # one per episode: multi-server backends keep it on one server
-
-    response_ids: list[int] = []
-    spans: list[int] = []
-    turn_ids: list[int] = []
-    logprobs: list[float] = []
-    records: list[ToolCallRecord] = []
-    turn_tokens: list[dict] = []
-    timings = Counter()
-    finish_reason, truncated, error = "max_turns", False, None
-    observation_truncations = 0
-
+    state = _EpisodeState(messages=[dict(m) for m in episode.messages])
+    ctx = _Context(
+        backend=backend, tokenizer=tokenizer, formatter=formatter,
+        parser=parser_for_template(formatter.chat_template or tokenizer.chat_template), toolbox=toolbox,
+        config=config, prompt_ids=formatter.prompt_ids(state.messages),
+        session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
+        seed=seed, index=index,
+    )
+    finish_reason = "max_turns"
     for turn in range(config.max_turns):
-        budget = config.max_response_tokens - len(response_ids)
-        sampling = SamplingParams(
-            max_tokens=min(config.max_tokens, budget), temperature=config.temperature, top_p=config.top_p,
-            top_k=config.top_k, stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(seed, index, turn),
-        )
-        t0 = time.perf_counter()
-        result, error = await _generate_with_retries(backend, prompt_ids + response_ids, sampling, session_id, config)
-        timings["generate_s"] += time.perf_counter() - t0
-        if result is None:
-            finish_reason = "error"
+        if (ended := await _play_turn(ctx, state, turn)) is not None:
+            finish_reason = ended
             break
-        response_ids += result.token_ids
-        spans += [SpanKind.ASSISTANT] * len(result.token_ids)
-        turn_ids += [turn] * len(result.token_ids)
-        logprobs += result.logprobs
-        turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
+    return _finish(task, episode, ctx, state, finish_reason, time.perf_counter() - started)
 
-        stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
-        text = tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
-        parsed = parser(text)
-        if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
-            messages.append(formatter.assistant_message(text))
-        else:
-            messages.append(formatter.assistant_message(
-                parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls] or None))
-        if result.finish_reason == "length":
-            finish_reason, truncated = "length", True
-            break
-        if not parsed.calls and not parsed.errors:
-            finish_reason = "stop"
-            break
-        if turn == config.max_turns - 1:
-            break  # no turn left to read the results: finish "max_turns"
 
-        t0 = time.perf_counter()
-        outcomes = await toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
-                                         max_parallel=config.max_parallel_tool_calls)
-        timings["tools_s"] += time.perf_counter() - t0
-        records += outcomes
-        new_messages = tool_messages(outcomes)
-        observation, new_messages, cut = _fit_observation(formatter, new_messages, config.max_observation_tokens)
-        observation_truncations += cut
-        messages += new_messages
-        if len(response_ids) + len(observation) >= config.max_response_tokens:
-            finish_reason = "observation_overflow"  # no room left for the observation and a next turn
-            break
-        response_ids += observation
-        spans += [SpanKind.OBSERVATION] * len(observation)
-        turn_ids += [turn] * len(observation)
-        logprobs += [0.0] * len(observation)
-        turn_tokens[-1]["observation"] = len(observation)
-
-    reward = float(task.reward(episode, messages, records))
+def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str,
+            elapsed_s: float) -> Trajectory:
+    """Score the episode and assemble its Trajectory record."""
+    reward = float(task.reward(episode, state.messages, state.records))
     turn_rewards_fn = getattr(task, "turn_rewards", None)
-    turn_rewards = turn_rewards_fn(episode, messages, records) if turn_rewards_fn else None
-    tool_errors = Counter(r.error_kind for r in records if r.error_kind)
+    turn_rewards = turn_rewards_fn(episode, state.messages, state.records) if turn_rewards_fn else None
     metrics = {
-        "turns": len(turn_tokens),
-        "turn_tokens": turn_tokens,
-        "assistant_tokens": sum(t["assistant"] for t in turn_tokens),
-        "observation_tokens": sum(t["observation"] for t in turn_tokens),
-        "tool_calls": len(records),
-        "tool_errors": dict(tool_errors),
-        "observation_truncations": observation_truncations,
-        "generate_s": timings["generate_s"],
-        "tools_s": timings["tools_s"],
-        "total_s": time.perf_counter() - started,
+        "turns": len(state.turn_tokens),
+        "turn_tokens": state.turn_tokens,
+        "assistant_tokens": sum(t["assistant"] for t in state.turn_tokens),
+        "observation_tokens": sum(t["observation"] for t in state.turn_tokens),
+        "tool_calls": len(state.records),
+        "tool_errors": dict(Counter(r.error_kind for r in state.records if r.error_kind)),
+        "observation_truncations": state.observation_truncations,
+        "generate_s": state.timings["generate_s"],
+        "tools_s": state.timings["tools_s"],
+        "total_s": elapsed_s,
     }
-    if error:
-        metrics["backend_error"] = error
-    info = {"task": task.name, "index": index, "seed": seed, "answer": episode.answer,
-            "success": reward > 0, **episode.info}
-    name_or_path = getattr(tokenizer, "name_or_path", None)
+    if state.error:
+        metrics["backend_error"] = state.error
+    info = {"task": task.name, "index": ctx.index, "seed": ctx.seed, "answer": episode.answer,
+            "success": task_success(task, episode, reward), **episode.info}
+    name_or_path = getattr(ctx.tokenizer, "name_or_path", None)
     if name_or_path:
         info["model_path"] = str(name_or_path)
     return Trajectory(
-        prompt_ids=prompt_ids, response_ids=response_ids, spans=[int(s) for s in spans], turn_ids=turn_ids,
-        logprobs=logprobs, messages=messages, tool_calls=records, reward=reward, turn_rewards=turn_rewards,
-        finish_reason=finish_reason, truncated=truncated, metrics=metrics, info=info,
+        prompt_ids=ctx.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,
+        logprobs=state.logprobs, messages=state.messages, tool_calls=state.records, reward=reward,
+        turn_rewards=turn_rewards, finish_reason=finish_reason, truncated=finish_reason == "length",
+        metrics=metrics, info=info,
     )

@@ -85,6 +85,12 @@ class Trajectory:
     metrics: dict = field(default_factory=dict)  # timings, token counts, tool error counts
     info: dict = field(default_factory=dict)  # task name, episode index, seed, answer, success, model path
 
+    @property
+    def success(self) -> bool:
+        """Whether the task judged the episode a success (recorded by the loop; reward > 0 for old records)."""
+        recorded = self.info.get("success")
+        return bool(recorded) if recorded is not None else self.reward > 0
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
 
@@ -126,3 +132,15 @@ class Task(Protocol):
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
         """Outcome reward of a finished episode (1.0 success, 0.0 failure for the built-in tasks)."""
         ...
+
+    # Optional: ``success(episode, reward) -> bool``; without it an episode succeeds when its reward is > 0.
+
+
+def task_success(task: Task, episode: Episode, reward: float) -> bool:
+    """The one success rule: the task's own ``success`` if it defines one, else a positive outcome reward.
+
+    The loop stores the result in ``Trajectory.info["success"]``; everything downstream reads it from
+    there (:attr:`Trajectory.success`).
+    """
+    rule = getattr(task, "success", None)
+    return bool(rule(episode, reward)) if rule is not None else reward > 0

@@ -1,27 +1,26 @@
-"""Token spans and batch tensors: SpanKind, collation, reward placement, validation. Depends on torch only."""
+"""Token spans and batch tensors: SpanKind, collation, reward placement, validation. Depends on torch only.
 
-from masking.batch import collate, uncollate
-from masking.rewards import last_assistant_index, last_assistant_index_per_turn, place_rewards
-from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans, spans_from_response_mask
-from masking.validate import (
-    check_same_shape,
-    validate_response_mask,
-    validate_spans,
-    validate_token_level_rewards,
-)
+``SpanKind`` (``masking.kinds``) imports without torch, so the rollout side (which only labels tokens) stays
+importable without it; the tensor functions load torch on first use (PEP 562 lazy attributes).
+"""
 
-__all__ = [
-    "SPAN_DTYPE",
-    "SpanKind",
-    "check_same_shape",
-    "collate",
-    "last_assistant_index",
-    "last_assistant_index_per_turn",
-    "place_rewards",
-    "response_mask_from_spans",
-    "spans_from_response_mask",
-    "uncollate",
-    "validate_response_mask",
-    "validate_spans",
-    "validate_token_level_rewards",
-]
+import importlib
+
+from masking.kinds import SpanKind
+
+_LAZY = {
+    "Batch": "masking.batch", "collate": "masking.batch", "uncollate": "masking.batch",
+    "last_assistant_index": "masking.rewards", "last_assistant_index_per_turn": "masking.rewards",
+    "place_rewards": "masking.rewards",
+    "SPAN_DTYPE": "masking.spans", "response_mask_from_spans": "masking.spans", "spans_from_response_mask": "masking.spans",
+    "check_same_shape": "masking.validate", "validate_response_mask": "masking.validate",
+    "validate_spans": "masking.validate", "validate_token_level_rewards": "masking.validate",
+}
+
+__all__ = ["SpanKind", *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'masking' has no attribute {name!r}")

@@ -4,7 +4,9 @@ Prompts are left-padded and responses right-padded, so ``input_ids = cat(prompts
 every sequence's prompt end at the same column, as verl's actor expects.
 """
 
-from typing import Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -12,6 +14,68 @@ from torch.nn.utils.rnn import pad_sequence
 from masking.rewards import place_rewards
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 from masking.validate import validate_spans
+
+
+@dataclass
+class Batch:
+    """The padded batch tensors of one set of trajectories (docs/design.md section 2; verl DataProto names).
+
+    ``b`` rows, ``p`` prompt columns (left-padded), ``t`` response columns (right-padded).
+    """
+
+    responses: torch.Tensor  # (b, t) long, pad id on PAD
+    spans: torch.Tensor  # (b, t) int8 SpanKind
+    response_mask: torch.Tensor  # (b, t) float, == (spans == ASSISTANT)
+    turn_ids: torch.Tensor  # (b, t) int16, -1 on PAD
+    old_logprobs: torch.Tensor  # (b, t) float, sampling logprobs on ASSISTANT tokens, 0 elsewhere
+    token_level_rewards: torch.Tensor  # (b, t) float, rewards on each turn's/the episode's last ASSISTANT token
+    prompts: torch.Tensor  # (b, p) long, left-padded
+    input_ids: torch.Tensor  # (b, p + t) long, cat(prompts, responses)
+    attention_mask: torch.Tensor  # (b, p + t) long
+    position_ids: torch.Tensor  # (b, p + t) long
+    # Filled in by the trainer after collation:
+    index: torch.Tensor | None = None  # (b,) long, the prompt group of each row (group estimators)
+    values: torch.Tensor | None = None  # (b, t) float, value estimates (GAE)
+    advantages: torch.Tensor | None = None  # (b, t) float
+    returns: torch.Tensor | None = None  # (b, t) float
+
+    @property
+    def batch_size(self) -> int:
+        return self.responses.shape[0]
+
+    def to(self, device) -> "Batch":
+        return Batch(**{name: tensor.to(device) for name, tensor in self.items()})
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "Batch":
+        """The sub-batch of ``rows`` (an index tensor or list), same column layout."""
+        return Batch(**{name: tensor[rows] for name, tensor in self.items()})
+
+    # Read (and fill) like a mapping too, so code written for verl's ``batch["responses"]`` keeps working;
+    # the keys are the fields that hold a tensor.
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, getattr(self, name)) for name in self.keys())
+
+    def get(self, name: str, default=None):
+        return getattr(self, name, None) if name in self else default
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in _FIELDS:
+            raise KeyError(f"Batch has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        setattr(self, name, tensor)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _FIELDS and getattr(self, name) is not None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 def _pad(rows: Sequence[Sequence], dtype: torch.dtype, value, side: str = "right") -> torch.Tensor:
@@ -29,10 +93,10 @@ def collate(
     turn_rewards: Sequence[Sequence[float] | None] | None = None,
     pad_token_id: int = 0,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
+) -> Batch:
     """Pad b trajectories into batch tensors.
 
-    Returns a dict with ``responses`` (b, t) long, ``spans`` (b, t) int8, ``response_mask`` (b, t),
+    Returns a :class:`Batch` with ``responses`` (b, t) long, ``spans`` (b, t) int8, ``response_mask`` (b, t),
     ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t), ``token_level_rewards`` (b, t)
     (outcome reward on the last ASSISTANT token, per-turn rewards on each turn's last ASSISTANT
     token), ``prompts`` (b, p) left-padded, ``input_ids`` (b, p + t), ``attention_mask`` (b, p + t)
@@ -68,33 +132,33 @@ def collate(
     )
 
     attention_mask = torch.cat([prompt_attention, (span_tensor != SpanKind.PAD).long()], dim=1)
-    return {
-        "responses": responses,
-        "spans": span_tensor,
-        "response_mask": response_mask_from_spans(span_tensor, dtype),
-        "turn_ids": turn_tensor,
-        "old_logprobs": _pad(logprobs, dtype, 0.0),
-        "token_level_rewards": token_level_rewards,
-        "prompts": prompts,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
-    }
+    return Batch(
+        responses=responses,
+        spans=span_tensor,
+        response_mask=response_mask_from_spans(span_tensor, dtype),
+        turn_ids=turn_tensor,
+        old_logprobs=_pad(logprobs, dtype, 0.0),
+        token_level_rewards=token_level_rewards,
+        prompts=prompts,
+        input_ids=torch.cat([prompts, responses], dim=1),
+        attention_mask=attention_mask,
+        position_ids=(torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
+    )
 
 
-def uncollate(batch: dict[str, torch.Tensor]) -> list[dict[str, list]]:
+def uncollate(batch: Batch) -> list[dict[str, list]]:
     """Inverse of :func:`collate` for the per-token lists: one dict per row with ``prompt_ids``,
     ``response_ids``, ``spans``, ``turn_ids`` and ``logprobs``, padding removed."""
-    prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(1).tolist()
-    response_lengths = (batch["spans"] != SpanKind.PAD).sum(1).tolist()
+    prompt_lengths = batch.attention_mask[:, : batch.prompts.shape[1]].sum(1).tolist()
+    response_lengths = (batch.spans != SpanKind.PAD).sum(1).tolist()
     rows = []
     for row, (p, n) in enumerate(zip(prompt_lengths, response_lengths)):
-        p_start = batch["prompts"].shape[1] - p
+        p_start = batch.prompts.shape[1] - p
         rows.append({
-            "prompt_ids": batch["prompts"][row, p_start:].tolist(),
-            "response_ids": batch["responses"][row, :n].tolist(),
-            "spans": batch["spans"][row, :n].tolist(),
-            "turn_ids": batch["turn_ids"][row, :n].tolist(),
-            "logprobs": batch["old_logprobs"][row, :n].tolist(),
+            "prompt_ids": batch.prompts[row, p_start:].tolist(),
+            "response_ids": batch.responses[row, :n].tolist(),
+            "spans": batch.spans[row, :n].tolist(),
+            "turn_ids": batch.turn_ids[row, :n].tolist(),
+            "logprobs": batch.old_logprobs[row, :n].tolist(),
         })
     return rows

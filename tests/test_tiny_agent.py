@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from agent_loop.tiny import build as tiny_build
 from agent_loop.tiny.data import dialogue, encode_batch, render, task_for
-from agent_loop.tiny.evaluate import evaluate, parse_tool_call
+from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.tokenizer import SPECIAL_TOKENS, chat_template, train_tokenizer
 from agent_loop.tiny.train import (
     BATCH_SIZE,
@@ -172,13 +172,6 @@ def test_learning_rate_schedule():
     assert learning_rate(1000, 1000) == pytest.approx(LEARNING_RATE * FINAL_LR_FRACTION)
     rates = [learning_rate(s, 1000) for s in range(WARMUP_STEPS, 1000)]
     assert all(a >= b for a, b in zip(rates, rates[1:]))
-
-
-def test_parse_tool_call():
-    assert parse_tool_call('<tool_call>\n{"name": "lookup", "arguments": {"key": "river"}}\n</tool_call><|im_end|>') == ("lookup", {"key": "river"})
-    assert parse_tool_call('<tool_call>\n{"name": "lookup", "arguments": {"key": \n</tool_call><|im_end|>') is None
-    assert parse_tool_call("The answer is 4.<|im_end|>") is None
-    assert parse_tool_call('<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call><|im_end|>') is None
 
 
 def test_unknown_stage():

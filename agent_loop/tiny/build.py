@@ -33,7 +33,7 @@ from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
 from agent_loop.tiny.train import train
 
 # Change whenever anything that shapes the built files changes (it names the cache folder).
-RECIPE_VERSION = "v7"
+RECIPE_VERSION = "v8"  # v8: checks (and the "mid" pick) through the real agent loop
 STAGES = ("mid", "final")
 TRAIN_STEPS = 1000
 # "mid": of the checkpoints at these fractions of training, the one whose sampled success on a quick
