@@ -46,7 +46,7 @@ class RolloutStats:
     def add(self, trajectory: Trajectory) -> None:
         metrics = trajectory.metrics
         self.episodes += 1
-        self.successes += bool(trajectory.info.get("success", trajectory.reward > 0))
+        self.successes += trajectory.success
         self.reward_sum += trajectory.reward
         self.turns += metrics.get("turns", 0)
         self.assistant_tokens += metrics.get("assistant_tokens", 0)

@@ -23,7 +23,7 @@ def recount(trajectories) -> dict:
         errors.update(t.metrics["tool_errors"])
     return {
         "episodes": len(trajectories),
-        "successes": sum(bool(t.info["success"]) for t in trajectories),
+        "successes": sum(t.success for t in trajectories),
         "reward_sum": sum(t.reward for t in trajectories),
         "turns": sum(t.metrics["turns"] for t in trajectories),
         "assistant_tokens": sum(t.metrics["assistant_tokens"] for t in trajectories),
