@@ -330,3 +330,22 @@ def test_vllm_rollout_exits_cleanly(tmp_path, tiny_agent_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "EngineDeadError" not in done.stderr, done.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 4
+
+
+@pytest.mark.timeout(30)
+def test_probe_names_a_server_that_never_answers():
+    import socket
+
+    from agent_loop.preflight import probe_servers
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()  # accepts connections (the kernel does) but never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        started = time.perf_counter()
+        with pytest.raises(UsageError, match=rf"^--server {url}: no answer within 0.5 s \(GET /v1/models\)$"):
+            probe_servers([url], timeout_s=0.5)
+        assert time.perf_counter() - started < 5
+    finally:
+        listener.close()
