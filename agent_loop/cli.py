@@ -1,92 +1,178 @@
-"""``agent-loop`` command line: ``rollout``, ``inspect``, ``train``."""
+"""``agent-loop`` command line: ``rollout``, ``inspect``, ``train``.
+
+Every option is declared once (:class:`RolloutOptions` here, ``trainer.config.TrainConfig`` for
+``train``) and checked before anything starts; a bad value is one line on stderr naming the option,
+its value and what is allowed, exit status 2 (docs/errors.md lists the cases).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import sys
 import time
-from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
+from pydantic import AfterValidator, Field
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop import options, preflight
 from agent_loop.loop import LoopConfig
+from agent_loop.options import USAGE_EXIT, UsageError
+
+_LOOP = LoopConfig()
+RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
 
 
-def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that plays episodes."""
-    parser.add_argument("--task", default="arithmetic", help="built-in task (arithmetic, lookup)")
-    parser.add_argument("--model", default=None, help="model dir (default: the built-in tiny agent)")
-    parser.add_argument("--backend", default="hf", choices=["hf", "vllm", "http"])
-    parser.add_argument("--server", action="append", default=[], help="OpenAI-compatible base URL (http backend)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--retry-deadline-s", type=float, default=300.0,
-                        help="http backend: how long one request retries; all servers down this long stops the run")
-    defaults = LoopConfig()
-    for name in ("max_turns", "max_response_tokens", "max_tokens", "max_observation_tokens",
-                 "max_parallel_tool_calls", "tool_timeout_s", "temperature", "top_p", "top_k"):
-        value = getattr(defaults, name)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+@dataclass
+class RolloutOptions:
+    """The options of ``agent-loop rollout`` (and the keys of its config file)."""
+
+    __pydantic_config__ = options.STRICT_NUMBERS
+
+    task: Annotated[str, AfterValidator(options.check_task),
+                    Field(description="task to play", json_schema_extra={"allowed": options.task_names})] = "arithmetic"
+    model: Annotated[str | None, Field(description="local model folder (config.json, tokenizer, chat template); "
+                                       "unset: the built-in tiny agent", json_schema_extra={"allowed": "a folder"})] = None
+    backend: Annotated[Literal["hf", "vllm", "http"],
+                       Field(description="hf: transformers in-process; vllm: vLLM engine in-process; "
+                                         "http: OpenAI-compatible server(s) given by --server")] = "hf"
+    server: Annotated[list[Annotated[str, AfterValidator(preflight.check_url)]],
+                      Field(description="server root URL for --backend http; repeat for several servers "
+                                        "(probed with GET /v1/models at start)",
+                            json_schema_extra={"allowed": "an http(s) URL, repeatable"})] = field(default_factory=list)
+    episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
+    out: Annotated[str, Field(description="JSON Lines file the episodes are appended to as they finish",
+                              json_schema_extra={"allowed": "a file path (not a folder)"})] = "runs/rollouts.jsonl"
+    seed: Annotated[int, Field(ge=0, description="seed of the questions and of each request's sampling")] = 0
+    concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once")] = 16
+    gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns in the summary table")] = 1.0
+    max_turns: Annotated[int, Field(ge=1, description="assistant turns per episode")] = _LOOP.max_turns
+    max_response_tokens: Annotated[int, Field(ge=1, description="assistant + observation tokens per episode")] = \
+        _LOOP.max_response_tokens
+    max_tokens: Annotated[int, Field(ge=1, description="tokens per assistant turn")] = _LOOP.max_tokens
+    max_observation_tokens: Annotated[int, Field(ge=1, description="tokens per tool observation; longer results "
+                                                 "are truncated and marked")] = _LOOP.max_observation_tokens
+    max_parallel_tool_calls: Annotated[int, Field(ge=1, description="tool calls run at once within a turn")] = \
+        _LOOP.max_parallel_tool_calls
+    tool_timeout_s: Annotated[float, Field(gt=0, description="seconds a tool call may run before it ends in a "
+                                           "timeout error observation")] = _LOOP.tool_timeout_s
+    temperature: Annotated[float, Field(ge=0, description="sampling temperature; 0 = greedy")] = _LOOP.temperature
+    top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass; 1 = off")] = _LOOP.top_p
+    top_k: Annotated[int, Field(ge=0, description="sample among the k likeliest tokens; 0 = off")] = _LOOP.top_k
+    resume: Annotated[bool, Field(description="play only the episodes --out lacks (same seed and task), "
+                                  "appending them; a torn last line is repaired first")] = False
+    append: Annotated[bool, Field(description="append to an existing --out (without --resume/--append an "
+                                  "existing non-empty --out is refused, never emptied)")] = False
+    max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
+                                               "this fraction end with an error")] = 0.1
+    retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
+                                             "all servers down this long stops the run")] = 300.0
+
+    def loop_config(self) -> LoopConfig:
+        names = LoopConfig.__dataclass_fields__
+        return LoopConfig(**{k: getattr(self, k) for k in names if hasattr(self, k)})
 
 
-def loop_config_from(args: argparse.Namespace) -> LoopConfig:
-    names = LoopConfig.__dataclass_fields__
-    return LoopConfig(**{k: v for k, v in vars(args).items() if k in names})
+def build_parser(prog: str = "agent-loop rollout") -> argparse.ArgumentParser:
+    """The parser of ``agent-loop rollout``: one option per field of :class:`RolloutOptions`."""
+    return options.build_parser(RolloutOptions, prog, "Play episodes of a task with a model and write them as "
+                                "JSON Lines; print a summary and the batch's carry-through REINFORCE++ returns.")
 
 
-def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
+def validate(values: dict, *, keys: bool = False) -> RolloutOptions:
+    """Check ``values`` (flags by default; ``keys=True`` for a config file's keys) and the rules that tie
+    options together; UsageError (one line) on the first problem. Touches nothing outside."""
+    opts = options.validate(RolloutOptions, values, keys=keys)
+    if opts.backend == "http" and not opts.server:
+        raise UsageError("--backend http: needs at least one --server URL (e.g. --server http://127.0.0.1:8000)")
+    if opts.resume and opts.append:
+        raise UsageError("--resume and --append exclude each other: --resume appends only the missing episodes")
+    if opts.server and opts.backend != "http":
+        raise UsageError(f"--server {opts.server[0]}: used by --backend http only (got --backend {opts.backend})")
+    return opts
+
+
+def preflight_rollout(opts: RolloutOptions) -> str:
+    """Check the model folder, the output path and the servers; return the model path. Reads only."""
+    if opts.model is not None:
+        preflight.check_model_dir(opts.model, opts.backend)
+    preflight.check_output_file(opts.out)
+    model_path = resolve_model(opts)
+    if opts.backend == "http":
+        preflight.probe_servers(opts.server, model=model_path)
+    return model_path
+
+
+def resolve_model(opts) -> str:
+    if opts.model:
+        return opts.model
     from agent_loop.tiny import tiny_agent_path
 
     return str(tiny_agent_path())
 
 
-def make_backend(args: argparse.Namespace, model_path: str):
+def make_backend(opts: RolloutOptions, model_path: str):
     """The backend named by ``--backend``, built over ``model_path``."""
-    if args.backend == "hf":
+    if opts.backend == "hf":
         from agent_loop.backends.hf import TransformersBackend
 
         return TransformersBackend(model_path)
-    if args.backend == "vllm":
+    if opts.backend == "vllm":
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
 
         return VLLMEngineBackend(model_path)
     from agent_loop.backends.openai_http import OpenAIHTTPBackend
 
-    if not args.server:
-        raise SystemExit("--backend http needs at least one --server URL")
-    return OpenAIHTTPBackend(args.server, model=model_path, retry_deadline_s=args.retry_deadline_s)
+    return OpenAIHTTPBackend(opts.server, model=model_path, retry_deadline_s=opts.retry_deadline_s)
 
 
-def summary_table(trajectories, title: str) -> Table:
-    """Success, reward, turns, token counts, finish reasons and tool errors of a batch of episodes."""
-    n = len(trajectories)
-    finish = Counter(t.finish_reason for t in trajectories)
-    errors = Counter()
-    for t in trajectories:
-        errors.update(t.metrics.get("tool_errors", {}))
+async def close_backend(backend) -> None:
+    """Shut a backend down if it has ``close()`` (the vLLM engine's process, the HTTP connection pool)."""
+    close = getattr(backend, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
+
+
+def summary_table(stats, title: str) -> Table:
+    """Success, reward, turns, token counts, finish reasons and tool errors of a run (its RolloutStats)."""
     table = Table(title=title, show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("episodes", f"{n}"),
-        ("success rate", f"{sum(bool(t.info.get('success')) for t in trajectories) / n:.3f}"),
-        ("mean reward", f"{sum(t.reward for t in trajectories) / n:.3f}"),
-        ("mean turns", f"{sum(t.metrics['turns'] for t in trajectories) / n:.2f}"),
-        ("assistant tokens / episode", f"{sum(t.metrics['assistant_tokens'] for t in trajectories) / n:.1f}"),
-        ("observation tokens / episode", f"{sum(t.metrics['observation_tokens'] for t in trajectories) / n:.1f}"),
-        ("tool calls / episode", f"{sum(t.metrics['tool_calls'] for t in trajectories) / n:.2f}"),
-        ("finish reasons", ", ".join(f"{k} {v}" for k, v in finish.most_common())),
-        ("tool errors", ", ".join(f"{k} {v}" for k, v in errors.most_common()) or "none"),
-        ("template mismatch / drift episodes", f"{sum(bool(t.metrics.get('template_mismatch')) for t in trajectories)} / {sum(bool(t.metrics.get('template_drift')) for t in trajectories)}"),
+        ("episodes", f"{stats.episodes}"),
+        ("success rate", f"{stats.success_rate:.3f}"),
+        ("mean reward", f"{stats.mean('reward_sum'):.3f}"),
+        ("mean turns", f"{stats.mean('turns'):.2f}"),
+        ("assistant tokens / episode", f"{stats.mean('assistant_tokens'):.1f}"),
+        ("observation tokens / episode", f"{stats.mean('observation_tokens'):.1f}"),
+        ("tool calls / episode", f"{stats.mean('tool_calls'):.2f}"),
+        ("finish reasons", ", ".join(f"{k} {v}" for k, v in stats.finish_reasons.most_common())),
+        ("tool errors", ", ".join(f"{k} {v}" for k, v in stats.tool_errors.most_common()) or "none"),
+        ("template mismatch / drift episodes", f"{stats.template_mismatches} / {stats.template_drifts}"),
     ]
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def failure_summary(stats) -> str | None:
+    """Why a run has nothing to summarize (every episode errored, or no assistant token was sampled), from the
+    episodes' own records; None when there is something to summarize."""
+    errors = stats.finish_reasons.get("error", 0)
+    if stats.episodes and errors == stats.episodes:
+        first = "; ".join(f"episode {i}: {message}" for i, message in stats.first_errors)
+        return f"every episode ({errors}) ended in a backend error; first: {first}"
+    if stats.assistant_tokens < 2:
+        return (f"the {stats.episodes} episodes sampled {stats.assistant_tokens} assistant tokens in all "
+                f"(finish reasons: {dict(stats.finish_reasons)}); nothing to compute returns on")
+    return None
 
 
 def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
@@ -97,7 +183,8 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     adv, returns = reinforce_plus_plus(batch["token_level_rewards"], batch["response_mask"], gamma, spans=batch["spans"])
     mask = batch["response_mask"].bool()
-    table = Table(title=f"batch tensors and REINFORCE++ (carry-through, gamma={gamma})")
+    table = Table(title=f"batch tensors and REINFORCE++ (carry-through, gamma={gamma}), "
+                        f"episodes {trajectories[0].info['index']}-{trajectories[-1].info['index']}")
     table.add_column("tensor")
     table.add_column("value", justify="right")
     table.add_row("responses shape (b, t)", str(tuple(batch["responses"].shape)))
@@ -111,43 +198,60 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
     return table
 
 
-def cmd_rollout(args: argparse.Namespace) -> int:
+def cmd_rollout(opts: RolloutOptions) -> int:
+    """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well."""
+    model_path = preflight_rollout(opts)
     from transformers import AutoTokenizer
 
-    from agent_loop.runner import error_status, plan_output, run_rollouts
+    from agent_loop.jsonl import OutputExistsError
+    from agent_loop.runner import error_status, plan_output, stream_rollouts
     from agent_loop.tasks import get_task
 
     console = Console()
-    out = Path(args.out)
+    out = Path(opts.out)
     try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
-        mode, todo = plan_output(out, range(args.episodes), args.seed, args.task, resume=args.resume, append=args.append)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"agent-loop rollout: {error}") from None
+        mode, todo = plan_output(out, range(opts.episodes), opts.seed, opts.task, resume=opts.resume,
+                                 append=opts.append)
+    except (OSError, ValueError, OutputExistsError) as error:
+        raise UsageError(f"--out {out}: {error}") from None
     if not todo:
-        console.print(f"{out} already holds all {args.episodes} episodes (seed {args.seed}); nothing to play")
+        console.print(f"{out} already holds all {opts.episodes} episodes (seed {opts.seed}); nothing to play")
         return 0
-    model_path = resolve_model(args)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    backend = make_backend(args, model_path)
+    task = get_task(opts.task)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    backend = make_backend(opts, model_path)
+
+    async def play():
+        try:
+            return await stream_rollouts(task, backend, tokenizer, todo, opts.loop_config(), seed=opts.seed,
+                                         concurrency=opts.concurrency, output_path=out, output_mode=mode,
+                                         sample_size=RETURNS_SAMPLE)
+        finally:
+            await close_backend(backend)  # vLLM: stop the engine now, not in a half-torn-down interpreter
+
     started = time.perf_counter()
     try:
-        trajectories = asyncio.run(run_rollouts(
-            get_task(args.task), backend, tokenizer, todo, loop_config_from(args),
-            seed=args.seed, concurrency=args.concurrency, output_path=out, output_mode=mode,
-        ))
+        stats, _ = asyncio.run(play())
     except Exception as error:
         if getattr(error, "fatal", False):  # e.g. every server down past the deadline; finished episodes are kept
             raise SystemExit(f"agent-loop rollout stopped: {error}\n(finished episodes are in {out}; "
                              "rerun with --resume to play the rest)") from None
         raise
     elapsed = time.perf_counter() - started
-    console.print(summary_table(trajectories, f"{args.task} rollout"))
-    assistant_tokens = sum(t.metrics["assistant_tokens"] for t in trajectories)
-    console.print(f"{len(trajectories) / elapsed:.2f} episodes/s, {assistant_tokens / elapsed:.0f} assistant tokens/s "
-                  f"({elapsed:.1f} s, concurrency {args.concurrency}, backend {args.backend}, model {model_path})")
-    console.print(returns_table(trajectories, tokenizer.pad_token_id or 0, args.gamma))
-    console.print(f"wrote {len(trajectories)} trajectories to {out}  (look inside: agent-loop inspect {out})")
-    status, error_lines = error_status(trajectories, args.max_error_fraction)
+    console.print(summary_table(stats, f"{opts.task} rollout"))
+    console.print(f"{stats.episodes / elapsed:.2f} episodes/s, {stats.assistant_tokens / elapsed:.0f} assistant "
+                  f"tokens/s ({elapsed:.1f} s, concurrency {opts.concurrency}, backend {opts.backend}, "
+                  f"model {model_path})")
+    problem = failure_summary(stats)
+    if problem is None:
+        sample = sorted(stats.sample, key=lambda t: t.info["index"])
+        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma))
+    console.print(f"wrote {stats.episodes} trajectories to {out}  (look inside: agent-loop inspect {out})")
+    if problem is not None:
+        Console(stderr=True).print(f"[red]error:[/red] {problem}", highlight=False, soft_wrap=True)
+        return 1
+    status, error_lines = error_status(stats, opts.max_error_fraction)
     for line in error_lines:
         console.print(line, markup=False)
     return status
@@ -166,29 +270,26 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``agent-loop COMMAND ...``; returns the exit status (2: a usage error, reported in one line)."""
     argv = sys.argv[1:] if argv is None else argv
     # inspect and train own their options; hand them the rest of the command line unchanged
     delegated = {"inspect": cmd_inspect, "train": cmd_train}
     if argv and argv[0] in delegated:
         return delegated[argv[0]](argv[1:])
-    parser = argparse.ArgumentParser(prog="agent-loop", description=__doc__)
+    parser = argparse.ArgumentParser(prog="agent-loop", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
-    rollout = commands.add_parser("rollout", help="play episodes and write them as JSON Lines")
-    add_loop_arguments(rollout)
-    rollout.add_argument("--episodes", type=int, default=64)
-    rollout.add_argument("--out", default="runs/rollouts.jsonl")
-    rollout.add_argument("--gamma", type=float, default=1.0)
-    rollout.add_argument("--resume", action="store_true", help="play only the episodes --out lacks, appending them")
-    rollout.add_argument("--append", action="store_true", help="append to an existing --out")
-    rollout.add_argument("--max-error-fraction", type=float, default=0.1,
-                         help="exit status 1 when more episodes than this fraction end with an error")
-    rollout.set_defaults(run=cmd_rollout)
+    commands.add_parser("rollout", help="play episodes and write them as JSON Lines (--help)", add_help=False)
     commands.add_parser("inspect", help="see spans, rewards, returns and advantages token by token (--help)")
     commands.add_parser("train", help="train the policy with RL on a task (--help)")
-
-    args = parser.parse_args(argv)
-    return args.run(args)
+    if not argv or argv[0] != "rollout":
+        parser.parse_args(argv)  # usage, --help, or an unknown command (exit 2)
+    prog = "agent-loop rollout"
+    try:
+        opts = validate(vars(build_parser(prog).parse_args(argv[1:])))
+        return cmd_rollout(opts)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT
 
 
 if __name__ == "__main__":

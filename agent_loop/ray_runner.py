@@ -120,7 +120,8 @@ def run_rollouts_ray(
         else:
             todo.appendleft(index)
 
-    with TrajectorySink(len(indices), f"rollout {task.name} (ray)", output_path, progress, output_mode) as sink:
+    with TrajectorySink(len(indices), f"rollout {task.name} (ray)", output_path, progress, output_mode,
+                        keep=True) as sink:
         try:
             for _ in range(concurrency_per_worker):  # round-robin start, so the first episodes go to every actor
                 for slot in range(len(workers)):

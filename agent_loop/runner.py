@@ -5,12 +5,19 @@ backend that kept failing) becomes a Trajectory with finish "error" and the erro
 ``metrics["error"]``, and the run goes on. Only an exception marked ``fatal`` (the HTTP backend's
 circuit breaker: every server down for longer than its retry deadline) stops the run; the episodes
 already written stay, and ``agent-loop rollout --resume`` plays the rest later.
+
+Memory stays flat however many episodes a run plays: finished episodes go to the file and into
+:class:`RolloutStats` (O(1) running counts), and are kept in memory only when asked
+(:func:`run_rollouts` asks; :func:`stream_rollouts` keeps nothing but a bounded sample).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import traceback
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -72,35 +79,87 @@ def episode_error(trajectory: Trajectory) -> str | None:
     return trajectory.metrics.get("error") or trajectory.metrics.get("backend_error") or "error"
 
 
-def first_errors(trajectories: Iterable[Trajectory], limit: int = 3) -> list[str]:
-    """``"episode I: error"`` for the first ``limit`` episodes (by index) that ended with an error."""
-    failed = sorted((t for t in trajectories if t.finish_reason == "error"), key=lambda t: t.info.get("index", 0))
-    return [f"episode {t.info.get('index')}: {episode_error(t)[:300]}" for t in failed[:limit]]
+@dataclass
+class RolloutStats:
+    """Running totals of a rollout, updated per finished episode in O(1) time and memory.
+
+    ``first_errors`` keeps the first ``max_errors`` backend errors (index, message), so a run whose
+    episodes all failed can say why; ``sample`` keeps the episodes whose index is in ``sample_indices``
+    (for a summary of the batch tensors without holding the whole run).
+    """
+
+    episodes: int = 0
+    successes: int = 0
+    reward_sum: float = 0.0
+    turns: int = 0
+    assistant_tokens: int = 0
+    observation_tokens: int = 0
+    tool_calls: int = 0
+    template_mismatches: int = 0  # episodes whose tokens differ from a one-go render of their messages
+    template_drifts: int = 0  # episodes that ran in history_mode="keep_seen" and drifted from a fresh render
+    finish_reasons: Counter = field(default_factory=Counter)
+    tool_errors: Counter = field(default_factory=Counter)
+    first_errors: list[tuple[int, str]] = field(default_factory=list)
+    max_errors: int = 3
+    sample_indices: frozenset = frozenset()
+    sample: list[Trajectory] = field(default_factory=list)
+
+    def add(self, trajectory: Trajectory) -> None:
+        metrics = trajectory.metrics
+        self.episodes += 1
+        self.successes += trajectory.success
+        self.reward_sum += trajectory.reward
+        self.turns += metrics.get("turns", 0)
+        self.assistant_tokens += metrics.get("assistant_tokens", 0)
+        self.observation_tokens += metrics.get("observation_tokens", 0)
+        self.tool_calls += metrics.get("tool_calls", 0)
+        self.template_mismatches += bool(metrics.get("template_mismatch"))
+        self.template_drifts += bool(metrics.get("template_drift"))
+        self.finish_reasons[trajectory.finish_reason] += 1
+        self.tool_errors.update(metrics.get("tool_errors", {}))
+        if trajectory.finish_reason == "error" and len(self.first_errors) < self.max_errors:
+            self.first_errors.append((trajectory.info.get("index", -1), episode_error(trajectory)))
+        if trajectory.info.get("index") in self.sample_indices:
+            self.sample.append(trajectory)
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / self.episodes if self.episodes else 0.0
+
+    def mean(self, name: str) -> float:
+        """Per-episode mean of a running total (``reward_sum``, ``turns``, ``assistant_tokens``, ...)."""
+        return getattr(self, name) / self.episodes if self.episodes else 0.0
 
 
 class TrajectorySink:
     """Where finished episodes go, in finishing order: a JSON line each (one whole-line write, so an
-    interrupted run keeps what had finished; see ``agent_loop.jsonl``) and a progress bar with the
-    running success rate.
+    interrupted run keeps what had finished; see ``agent_loop.jsonl``), running statistics, and a
+    progress bar with the running success rate.
 
     ``output_mode``: "new" refuses an existing non-empty file, "append"/"resume" add to it (a torn last
-    line is cut first).
+    line is cut first). Memory: ``stats`` (O(1)); the trajectories themselves only with ``keep=True``.
     """
 
     def __init__(self, total: int, description: str, output_path: str | Path | None = None, progress: bool = True,
-                 output_mode: str = "new"):
-        self.results: dict[int, Trajectory] = {}
+                 output_mode: str = "new", *, keep: bool = False, stats: RolloutStats | None = None):
+        self.results: dict[int, Trajectory] | None = {} if keep else None
+        self.stats = stats if stats is not None else RolloutStats()
         self.file = JsonlWriter(output_path, output_mode) if output_path else None
         self.bar = tqdm(total=total, desc=description, unit="ep", disable=not progress)
 
     def add(self, trajectory: Trajectory) -> None:
-        self.results[trajectory.info["index"]] = trajectory
+        if self.results is not None:
+            self.results[trajectory.info["index"]] = trajectory
+        self.stats.add(trajectory)
         if self.file:
             self.file.write_line(trajectory.to_json())
+        if not self.bar.disable:  # the postfix is redrawn with the bar (tqdm rate-limits that), not per episode
+            self.bar.set_postfix_str(f"success={self.stats.success_rate:.2f}", refresh=False)
         self.bar.update()
-        self.bar.set_postfix(success=f"{sum(t.reward > 0 for t in self.results.values()) / len(self.results):.2f}")
 
     def in_order(self, indices: list[int]) -> list[Trajectory]:
+        if self.results is None:
+            raise RuntimeError("TrajectorySink(keep=False) keeps no trajectories; pass keep=True to get them back")
         return [self.results[i] for i in indices]
 
     def __enter__(self) -> "TrajectorySink":
@@ -118,6 +177,73 @@ async def _close_connections(backend: Backend) -> None:
         await close()
 
 
+async def stream_rollouts(
+    task: Task,
+    backend: Backend,
+    tokenizer,
+    episodes: Iterable[int],
+    config: LoopConfig | None = None,
+    seed: int = 0,
+    concurrency: int = 16,
+    output_path: str | Path | None = None,
+    progress: bool = True,
+    output_mode: str = "new",
+    *,
+    keep: bool = False,
+    sample_size: int = 0,
+    total: int | None = None,
+) -> tuple[RolloutStats, list[Trajectory] | None]:
+    """Play ``episodes`` with at most ``concurrency`` in flight; return running statistics (and, with
+    ``keep=True``, the trajectories in index order).
+
+    ``concurrency`` worker tasks pull the next index from ``episodes`` when one finishes, so a run of
+    any length holds ``concurrency`` episodes in flight and no more (``episodes`` may be a lazy
+    iterable; ``total`` sizes the progress bar then). Without ``keep``, memory does not grow with the
+    run: each Trajectory goes to ``output_path`` (``output_mode`` as in :class:`TrajectorySink`; written
+    at once, so an interrupted run keeps every episode that had finished) and into the
+    :class:`RolloutStats`, whose ``sample`` holds the first ``sample_size`` episodes of ``episodes``.
+    An episode that raises is recorded with finish "error"; a fatal backend error cancels the rest and
+    is raised. The backend's connections (if it has ``close_connections``) are closed before returning.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    if total is None:
+        episodes = list(episodes)
+        total = len(episodes)
+    todo = iter(episodes)
+    if keep or sample_size:
+        order: list[int] = []
+
+        def tracked(iterator):
+            for index in iterator:
+                if keep:
+                    order.append(index)
+                yield index
+
+        head = list(itertools.islice(todo, sample_size))
+        todo = tracked(itertools.chain(head, todo))
+    stats = RolloutStats(sample_indices=frozenset(head) if sample_size else frozenset())
+
+    try:
+        with TrajectorySink(total, f"rollout {task.name}", output_path, progress, output_mode, keep=keep,
+                            stats=stats) as sink:
+            async def worker() -> None:
+                for index in todo:  # one shared iterator: each index is played once
+                    sink.add(await play_episode(task, index, backend, tokenizer, config, seed))
+
+            workers = [asyncio.ensure_future(worker()) for _ in range(min(concurrency, max(total, 1)))]
+            try:
+                await asyncio.gather(*workers)
+            except BaseException:  # a fatal error, or we were cancelled: stop the rest, raise the first error
+                for task_ in workers:
+                    task_.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                raise
+    finally:
+        await _close_connections(backend)
+    return stats, (sink.in_order(order) if keep else None)
+
+
 async def run_rollouts(
     task: Task,
     backend: Backend,
@@ -132,31 +258,13 @@ async def run_rollouts(
 ) -> list[Trajectory]:
     """Play ``episodes`` (episode indices) with at most ``concurrency`` in flight; return them in index order.
 
-    With ``output_path``, each finished Trajectory is appended at once (``output_mode`` as in
-    :class:`TrajectorySink`), so an interrupted run keeps every episode that had finished. An episode
-    that raises is recorded with finish "error"; a fatal backend error cancels the rest and is raised.
-    The backend's connections (if it has ``close_connections``) are closed before returning.
+    Keeps every Trajectory in memory (what a training step needs); for long runs use
+    :func:`stream_rollouts`, which keeps only running statistics. With ``output_path``, each finished
+    Trajectory is appended and flushed at once, so an interrupted run keeps every episode that had finished.
     """
-    indices = list(episodes)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def play(index: int) -> Trajectory:
-        async with gate:
-            return await play_episode(task, index, backend, tokenizer, config, seed)
-
-    try:
-        with TrajectorySink(len(indices), f"rollout {task.name}", output_path, progress, output_mode) as sink:
-            tasks = [asyncio.ensure_future(play(i)) for i in indices]
-            try:
-                for finished in asyncio.as_completed(tasks):
-                    sink.add(await finished)
-            finally:
-                for pending in tasks:
-                    pending.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        await _close_connections(backend)
-    return sink.in_order(indices)
+    _, trajectories = await stream_rollouts(task, backend, tokenizer, episodes, config, seed, concurrency,
+                                            output_path, progress, output_mode, keep=True)
+    return trajectories
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
@@ -185,11 +293,12 @@ def plan_output(path: str | Path, episodes: Iterable[int], seed: int, task_name:
     return mode, indices
 
 
-def error_status(trajectories: list[Trajectory], max_error_fraction: float) -> tuple[int, list[str]]:
+def error_status(stats: RolloutStats, max_error_fraction: float) -> tuple[int, list[str]]:
     """Exit status (0, or 1 when more than ``max_error_fraction`` of the episodes ended with an error) and
-    lines to print about the errors (their count and the first ones)."""
-    failed = sum(t.finish_reason == "error" for t in trajectories)
+    lines to print about the errors (their count and the first ones, by episode index)."""
+    failed = stats.finish_reasons.get("error", 0)
     if not failed:
         return 0, []
-    lines = [f"{failed} of {len(trajectories)} episodes ended with an error; the first:", *first_errors(trajectories)]
-    return int(failed > max_error_fraction * len(trajectories)), lines
+    lines = [f"{failed} of {stats.episodes} episodes ended with an error; the first:",
+             *(f"episode {index}: {message[:300]}" for index, message in sorted(stats.first_errors))]
+    return int(failed > max_error_fraction * stats.episodes), lines

@@ -472,18 +472,24 @@ def test_cli_checks_the_output_first_and_stops_clearly_when_no_server_answers(ti
 
 
 def test_error_status_counts_errors_and_shows_the_first(qwen_tokenizer):
-    from agent_loop.runner import error_status, error_trajectory
+    from agent_loop.runner import RolloutStats, error_status, error_trajectory
     from agent_loop.tasks import get_task
+
+    def stats(trajectories):
+        totals = RolloutStats()
+        for t in trajectories:
+            totals.add(t)
+        return totals
 
     task = get_task("arithmetic")
     ok = error_trajectory(task, 0, 0, "x", qwen_tokenizer)
     ok.finish_reason = "stop"
     failed = [error_trajectory(task, i, 0, ValueError(f"bad {i}"), qwen_tokenizer) for i in (7, 3, 5)]
     assert failed[0].prompt_ids and failed[0].metrics["error"] == "ValueError: bad 7"
-    assert error_status([ok] * 9, 0.1) == (0, [])
-    status, lines = error_status([ok] * 27 + failed, 0.2)
+    assert error_status(stats([ok] * 9), 0.1) == (0, [])
+    status, lines = error_status(stats([ok] * 27 + failed), 0.2)
     assert status == 0 and lines[0].startswith("3 of 30 episodes")
-    status, lines = error_status([ok] * 7 + failed, 0.2)
+    status, lines = error_status(stats([ok] * 7 + failed), 0.2)
     assert status == 1 and lines[1:] == ["episode 3: ValueError: bad 3", "episode 5: ValueError: bad 5",
                                          "episode 7: ValueError: bad 7"]
 

@@ -1,39 +1,60 @@
-"""``agent-loop train``: every ``TrainConfig`` field is an option (``--prompts-per-step 16``, ``--no-progress``)."""
+"""``agent-loop train``: every ``TrainConfig`` field is an option (``--prompts-per-step 16``, ``--no-progress``).
+
+Options are checked first (values, then the model folder, ``--resume`` and ``--output-dir``); a bad one
+is one line on stderr naming the option, exit status 2, before any model is loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import sys
 import time
+from pathlib import Path
 
-from trainer.config import TrainConfig
+from agent_loop import options, preflight
+from agent_loop.options import USAGE_EXIT, UsageError
+from trainer.config import TrainConfig, validate_values
+
+STATE_FILE = "trainer_state.pt"  # trainer.trainer.STATE_FILE (not imported: that module loads torch and transformers)
 
 
 def build_parser(prog: str = "agent-loop train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train an agent with multi-turn tool-calling rollouts and PPO-clip "
-        "(defaults: the built-in tiny agent's middling warm start on the arithmetic task, 2 CPU threads).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            kind = str if field.default is None else type(field.default)
-            parser.add_argument(flag, type=kind, default=field.default, metavar=field.name.upper())
-    return parser
+    return options.build_parser(
+        TrainConfig, prog,
+        "Train an agent with multi-turn tool-calling rollouts and PPO-clip "
+        "(defaults: the built-in tiny agent's middling warm start on the arithmetic task, 2 CPU threads).")
+
+
+def validate(values: dict, *, keys: bool = False) -> TrainConfig:
+    """A checked TrainConfig (see :func:`trainer.config.validate_values`)."""
+    return validate_values(values, keys=keys)
+
+
+def preflight_train(config: TrainConfig) -> None:
+    """The model folder, the checkpoint to resume and the output folder are usable. Reads only."""
+    if config.model is not None:
+        preflight.check_model_dir(config.model, "hf")
+    if config.resume is not None:
+        resume = Path(config.resume)
+        if not resume.is_dir():
+            raise UsageError(f"--resume {config.resume}: no such folder (give a checkpoint folder, "
+                             "OUTPUT_DIR/checkpoints/step_NNNNNN)")
+        if not (resume / STATE_FILE).is_file():
+            raise UsageError(f"--resume {config.resume}: not a checkpoint (no {STATE_FILE}; give "
+                             "OUTPUT_DIR/checkpoints/step_NNNNNN)")
+        preflight.check_model_dir(str(resume / "model"), "hf", option="--resume")
+    preflight.check_output_dir(config.output_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, train, print where the metrics and checkpoints went; exit status 0."""
-    args = build_parser().parse_args(argv)
-    config = TrainConfig(**vars(args))
+    """Parse and check ``argv``, train, print where the metrics and checkpoints went; exit status 0 (2: usage)."""
+    prog = "agent-loop train"
     try:
-        config.validate()
-    except ValueError as error:
-        raise SystemExit(f"agent-loop train: {error}") from None
+        config = validate(vars(build_parser(prog).parse_args(argv)))
+        preflight_train(config)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT
 
     from trainer.trainer import Trainer
 

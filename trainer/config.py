@@ -1,61 +1,117 @@
-"""Training settings: one dataclass, whose defaults train the built-in tiny agent on the arithmetic task on 2 CPU cores."""
+"""Training settings: one dataclass, whose defaults train the built-in tiny agent on the arithmetic task on 2 CPU cores.
+
+Each field is declared with its allowed values and help (``Annotated[type, Field(...)]``), the one
+place ``agent-loop train`` (and a config file) reads options, help text and checks from
+(``agent_loop.options``). Building a ``TrainConfig`` in code does not check; ``validate_values`` and
+``TrainConfig.validate`` do.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from agent_loop import options
 
 from advantages import KL_PENALTY_MODES, get_estimator
+
+# sampled-token modes of advantages.kl_penalty ("full" needs whole-vocabulary log-probs)
+KL_KINDS = tuple(m for m in KL_PENALTY_MODES if m != "full")
+
+
+def estimator_names() -> str:
+    from advantages import ESTIMATORS
+
+    return options.one_of(sorted(ESTIMATORS))
+
+
+def check_estimator(name: str) -> str:
+    """A name in advantages' registry."""
+    from advantages import ESTIMATORS
+
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator{options.closest(name, ESTIMATORS)} (choose {estimator_names()})")
+    return name
+
+
+def check_kl_kind(name: str) -> str:
+    if name not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator{options.closest(name, KL_KINDS)} (choose {options.one_of(KL_KINDS)})")
+    return name
+
+
+def _int(low: int, text: str):
+    return Annotated[int, Field(ge=low, description=text)]
 
 
 @dataclass
 class TrainConfig:
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
 
+    __pydantic_config__ = options.STRICT_NUMBERS
+
     # what to train
-    model: str | None = None  # model dir; None = the built-in tiny agent at ``tiny_stage``
-    tiny_stage: str = "mid"  # "mid": a middling warm start for RL; "final": the fully trained tiny agent
-    task: str = "arithmetic"
-    seed: int = 0
+    model: Annotated[str | None, Field(description="model folder to start from; unset: the built-in tiny agent "
+                                       "at --tiny-stage", json_schema_extra={"allowed": "a folder"})] = None
+    tiny_stage: Annotated[Literal["mid", "final"], Field(
+        description="built-in tiny agent: mid = a middling warm start for RL, final = fully trained")] = "mid"
+    task: Annotated[str, AfterValidator(options.check_task),
+                    Field(description="task to train on", json_schema_extra={"allowed": options.task_names})] = "arithmetic"
+    seed: _int(0, "seed of the questions and of sampling") = 0
 
     # rollouts: each step plays prompts_per_step * group_size episodes with the current policy
-    steps: int = 150
-    prompts_per_step: int = 64
-    group_size: int = 1  # samples per prompt; GRPO, RLOO and REINFORCE++-baseline need 2 or more (e.g. 16 x 4)
-    concurrency: int = 64  # episodes in flight (the transformers backend batches them)
-    max_turns: int = 3
-    max_tokens: int = 48  # per assistant turn
-    max_response_tokens: int = 256
-    temperature: float = 1.0
+    steps: _int(1, "training steps") = 150
+    prompts_per_step: _int(1, "questions per step") = 64
+    group_size: _int(1, "samples per question; grpo, rloo and reinforce_plus_plus_baseline need 2 or more") = 1
+    concurrency: _int(1, "episodes in flight (the transformers backend batches them)") = 64
+    max_turns: _int(1, "assistant turns per episode") = 3
+    max_tokens: _int(1, "tokens per assistant turn") = 48
+    max_response_tokens: _int(1, "assistant + observation tokens per episode") = 256
+    temperature: Annotated[float, Field(gt=0, description="sampling temperature of the rollouts")] = 1.0
 
     # rewards and advantages
-    estimator: str = "reinforce_plus_plus"  # any name in advantages' registry
-    returns_variant: str = "carry_through"  # ablation only: "reset_at_observation" or "ignore_mask" (pre-fix bugs)
-    gamma: float = 1.0
-    lam: float = 0.95  # GAE only
-    kl_coef: float = 0.0  # KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards
-    kl_kind: str = "k1"  # a sampled-token mode of advantages.kl_penalty: k1/kl, abs, k2/mse, k3/low_var_kl
+    estimator: Annotated[str, AfterValidator(check_estimator),
+                         Field(description="advantage estimator",
+                               json_schema_extra={"allowed": estimator_names})] = "reinforce_plus_plus"
+    returns_variant: Annotated[Literal["carry_through", "reset_at_observation", "ignore_mask"], Field(
+        description="returns of reinforce_plus_plus; the other two reproduce pre-fix bugs (ablation only)")] = \
+        "carry_through"
+    gamma: Annotated[float, Field(ge=0, le=1, description="discount")] = 1.0
+    lam: Annotated[float, Field(ge=0, le=1, description="GAE lambda (estimator gae only)")] = 0.95
+    kl_coef: Annotated[float, Field(ge=0, description="KL penalty to the frozen initial policy, subtracted from "
+                                    "ASSISTANT token rewards; 0 = off")] = 0.0
+    kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(
+        description="KL estimator (a sampled-token mode of advantages.kl_penalty)",
+        json_schema_extra={"allowed": lambda: options.one_of(KL_KINDS)})] = "k1"
 
     # PPO update
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    ppo_epochs: int = 1
-    mini_batches: int = 2  # optimizer steps per epoch
-    micro_batch_size: int = 16  # rows per forward/backward (gradient accumulation within a mini-batch)
-    clip_ratio: float = 0.2
-    max_grad_norm: float = 1.0
-    entropy_coef: float = 0.0
-    value_coef: float = 0.5  # GAE only: weight of the value head's loss
-    recompute_old_logprobs: bool = True  # False: use the sampler's logprobs as the PPO reference
+    lr: Annotated[float, Field(gt=0, description="AdamW learning rate")] = 2e-4
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay")] = 0.0
+    ppo_epochs: _int(1, "passes over each step's episodes") = 1
+    mini_batches: _int(1, "optimizer steps per epoch; must divide prompts_per_step * group_size") = 2
+    micro_batch_size: _int(1, "rows per forward/backward (gradient accumulation within a mini-batch)") = 16
+    clip_ratio: Annotated[float, Field(gt=0, description="PPO clip range epsilon")] = 0.2
+    max_grad_norm: Annotated[float, Field(gt=0, description="gradient clipping norm")] = 1.0
+    entropy_coef: Annotated[float, Field(ge=0, description="entropy bonus weight")] = 0.0
+    value_coef: Annotated[float, Field(ge=0, description="weight of the value head's loss (gae only)")] = 0.5
+    recompute_old_logprobs: Annotated[bool, Field(
+        description="recompute the PPO reference logprobs with the policy (off: use the sampler's)")] = True
 
     # output
-    output_dir: str = "runs/train"
-    save_every: int = 20  # steps between checkpoints (and one at the end)
-    eval_every: int = 0  # steps between greedy evaluations on held-out questions; 0 = never
-    eval_episodes: int = 100
-    resume: str | None = None  # a checkpoint dir, or a run dir (its latest complete checkpoint), to continue from
-    allow_config_change: bool = False  # resume even when settings differ from the checkpoint's (listed)
-    threads: int = 2  # torch intra-op threads
-    progress: bool = True
+    output_dir: Annotated[str, Field(description="metrics.jsonl and checkpoints/ go here",
+                                     json_schema_extra={"allowed": "a folder path"})] = "runs/train"
+    save_every: _int(1, "steps between checkpoints (and one at the end)") = 20
+    eval_every: _int(0, "steps between greedy evaluations on held-out questions; 0 = never") = 0
+    eval_episodes: _int(1, "held-out questions per evaluation") = 100
+    resume: Annotated[str | None, Field(description="checkpoint folder (OUTPUT_DIR/checkpoints/step_NNNNNN), or a run "
+                                        "folder (its latest complete checkpoint), to continue from",
+                                        json_schema_extra={"allowed": "a checkpoint or run folder"})] = None
+    allow_config_change: Annotated[bool, Field(
+        description="resume even when settings differ from the checkpoint's (the differences are listed)")] = False
+    threads: _int(1, "torch intra-op threads") = 2
+    progress: Annotated[bool, Field(description="progress bar")] = True
 
     @property
     def episodes_per_step(self) -> int:
@@ -67,8 +123,30 @@ class TrainConfig:
             raise ValueError(f"episodes per step ({self.episodes_per_step}) must divide into {self.mini_batches} mini-batches")
         if get_estimator(self.estimator).needs_index and self.group_size < 2:
             raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
-        if self.kl_kind not in KL_PENALTY_MODES or self.kl_kind == "full":  # full needs whole-vocabulary log-probs
-            raise ValueError(f"kl_kind must be one of {[m for m in KL_PENALTY_MODES if m != 'full']}, got {self.kl_kind!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}")
         for name in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def validate_values(values: dict, *, keys: bool = False) -> TrainConfig:
+    """A checked TrainConfig from ``values`` (parsed flags, or a config file's keys with ``keys=True``):
+    every field against its declaration, then the rules that tie fields together. UsageError (one line)."""
+    config = options.validate(TrainConfig, values, keys=keys)
+    name = (lambda n: n) if keys else options.flag
+    if config.episodes_per_step % config.mini_batches:
+        raise options.UsageError(
+            f"{name('mini_batches')} {config.mini_batches}: must divide the episodes per step, {name('prompts_per_step')}"
+            f" x {name('group_size')} = {config.prompts_per_step} x {config.group_size} = {config.episodes_per_step}")
+    if get_estimator(config.estimator).needs_index and config.group_size < 2:
+        raise options.UsageError(f"{name('estimator')} {config.estimator}: compares samples of the same question; "
+                                 f"needs {name('group_size')} 2 or more (got {config.group_size})")
+    if config.returns_variant != "carry_through" and config.estimator != "reinforce_plus_plus":
+        raise options.UsageError(f"{name('returns_variant')} {config.returns_variant}: applies to "
+                                 f"{name('estimator')} reinforce_plus_plus only (got {config.estimator})")
+    try:
+        config.validate()
+    except ValueError as error:
+        raise options.UsageError(str(error)) from None
+    return config

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from agent_loop.inspect.load import InputError
 from agent_loop.inspect.view import INFORMATIVE, Selection, build_view, scan
+from agent_loop.options import int_at_least
 
 __all__ = ["add_arguments", "main"]
 
@@ -37,24 +38,13 @@ def discount(text: str) -> float:
     return value
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``agent-loop inspect`` (also used by ``python -m agent_loop.inspect``)."""
     parser.add_argument("rollouts", nargs="+", metavar="ROLLOUTS.jsonl",
                         help="JSON Lines file, one Trajectory per line; give two files to compare two runs")
     parser.add_argument("--episode", type=int, action="append", metavar="N",
                         help="show the episode whose info.index is N; repeatable")
-    parser.add_argument("--worst", type=positive, nargs="?", const=1, metavar="K",
+    parser.add_argument("--worst", type=int_at_least(1), nargs="?", const=1, metavar="K",
                         help="show the K lowest-reward episodes (default K: 1)")
     parser.add_argument("--failed", action="store_true", help="only failed episodes")
     parser.add_argument("--all", action="store_true",
@@ -69,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local tokenizer folder (default: each trajectory's info['model_path'])")
     parser.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     parser.add_argument("--png", metavar="OUT.png", help="write matplotlib figures to a PNG")
-    parser.add_argument("--max-episodes", type=positive, default=100, metavar="N",
+    parser.add_argument("--max-episodes", type=int_at_least(1), default=100, metavar="N",
                         help="the most episodes kept for --all and the HTML page (default 100; the summary covers all)")
-    parser.add_argument("--width", type=positive, help="terminal width (default: detected)")
+    parser.add_argument("--width", type=int_at_least(20), help="terminal width, at least 20 (default: detected)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no terminal view (with --html/--png)")
 
 
