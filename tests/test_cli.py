@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from advantages import ESTIMATORS
+
 from agent_loop.cli import RolloutOptions
 from agent_loop.cli import build_parser as rollout_parser
 from agent_loop.cli import main
@@ -223,15 +225,15 @@ def test_probe_reports_a_model_the_server_does_not_serve(capsys, tmp_path, tiny_
 
 TRAIN_CASES = [
     (["--resume", "/nonexistent"], "--resume /nonexistent: no such folder"),
-    (["--estimator", "nope"], "--estimator nope: unknown advantage estimator (choose one of gae, grpo, "
-                              "reinforce_plus_plus, reinforce_plus_plus_baseline, rloo)"),
+    (["--estimator", "nope"], "--estimator nope: unknown advantage estimator "
+                              f"(choose one of {', '.join(sorted(ESTIMATORS))})"),
     (["--estimator", "rloo_"], "did you mean rloo?"),
     (["--save-every", "0"], "--save-every 0: must be an integer >= 1"),
     (["--lr", "-1"], "--lr -1: must be a number > 0"),
     (["--lr", "inf"], "--lr inf: must be a number > 0"),
     (["--steps", "0"], "--steps 0: must be an integer >= 1"),
     (["--eval-every", "-1"], "--eval-every -1: must be an integer >= 0"),
-    (["--kl-kind", "k4"], "--kl-kind k4: must be one of k1, k2, k3"),
+    (["--kl-kind", "k4"], "--kl-kind k4: unknown KL estimator"),
     (["--tiny-stage", "late"], "--tiny-stage late: must be one of mid, final"),
     (["--task", "nope"], "--task nope: unknown task"),
     (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
@@ -278,7 +280,7 @@ INSPECT_CASES = [
     (["--max-episodes", "0"], "argument --max-episodes: 0: must be an integer >= 1"),
     (["--worst", "0"], "argument --worst: 0: must be an integer >= 1"),
     (["--width", "5"], "argument --width: 5: must be an integer >= 20"),
-    (["--gamma", "2"], "argument --gamma: gamma must be in [0, 1], got 2.0"),
+    (["--gamma", "2"], "argument --gamma: must be in [0, 1], got 2.0"),
 ]
 
 
@@ -313,7 +315,7 @@ def test_help_exits_0_and_lists_allowed_values(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "a number > 0; default: 0.0002" in text
-    assert "one of gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo; default: reinforce_plus_plus" in text
+    assert f"one of {', '.join(sorted(ESTIMATORS))}; default: reinforce_plus_plus" in text
 
 
 # --- a good run with the vLLM engine ends cleanly -----------------------------------------------------------

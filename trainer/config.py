@@ -36,6 +36,10 @@ def check_estimator(name: str) -> str:
     return name
 
 
+def kl_kind_names() -> str:
+    return options.one_of(KL_KINDS)
+
+
 def check_kl_kind(name: str) -> str:
     if name not in KL_KINDS:
         raise ValueError(f"unknown KL estimator{options.closest(name, KL_KINDS)} (choose {options.one_of(KL_KINDS)})")
@@ -84,7 +88,7 @@ class TrainConfig:
                                     "ASSISTANT token rewards; 0 = off")] = 0.0
     kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(
         description="KL estimator (a sampled-token mode of advantages.kl_penalty)",
-        json_schema_extra={"allowed": lambda: options.one_of(KL_KINDS)})] = "k1"
+        json_schema_extra={"allowed": kl_kind_names})] = "k1"
 
     # PPO update
     lr: Annotated[float, Field(gt=0, description="AdamW learning rate")] = 2e-4

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``agent-loop inspect`` (also used by ``python -m agent_loop.inspect``)."""
     parser.add_argument("rollouts", nargs="+", metavar="ROLLOUTS.jsonl",
                         help="JSON Lines file, one Trajectory per line; give two files to compare two runs")
-    parser.add_argument("--episode", type=int, action="append", metavar="N",
+    parser.add_argument("--episode", type=int_at_least(0), action="append", metavar="N",
                         help="show the episode whose info.index is N; repeatable")
     parser.add_argument("--worst", type=int_at_least(1), nargs="?", const=1, metavar="K",
                         help="show the K lowest-reward episodes (default K: 1)")
