@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages relative to a prompt's group
 
 
@@ -53,8 +54,13 @@ class TrainConfig:
     eval_every: int = 0  # steps between greedy evaluations on held-out questions; 0 = never
     eval_episodes: int = 100
     resume: str | None = None  # a checkpoint dir to continue from
-    threads: int = 2  # torch intra-op threads
+    threads: int = 2  # torch intra-op threads (per process)
     progress: bool = True
+
+    # hardware and processes (trainer/distributed.py)
+    device: str = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK under torchrun), else "cpu"; or "cpu", "cuda", "cuda:1"
+    dtype: str = "fp32"  # "fp32", or "bf16": forward passes under bf16 autocast, fp32 master weights and AdamW state
+    nproc: int = 1  # data-parallel processes; > 1 relaunches ``agent-loop train`` under torchrun (gloo on CPU, NCCL on CUDA)
 
     @property
     def episodes_per_step(self) -> int:
@@ -68,6 +74,10 @@ class TrainConfig:
             raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_kind must be k1, k2 or k3, got {self.kl_kind!r}")
-        for name in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.split(":")[0] == "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("nproc", "steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
