@@ -178,7 +178,17 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     returns 0, or raises torchrun's ChildFailedError naming the failed rank."""
     from torch.distributed.run import main as torchrun
 
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", *argv])
+    # the workers need no --nproc (WORLD_SIZE tells them), and torchrun's own parser would take it for an
+    # abbreviation of its --nproc-per-node
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", *rest])
     return 0
 
 
