@@ -48,7 +48,7 @@ def run(name: str, nproc: int, threads: int, args, scratch: Path) -> list[dict]:
 
 def main() -> int:
     args = parse_args()
-    console = Console(record=True)
+    console = Console(record=True, width=120)
     configs = (("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2), ("2 processes, 1 thread each", 2, 1))
     with tempfile.TemporaryDirectory(prefix="dp-bench-") as scratch:
         runs = {name: run(f"run{i}", nproc, threads, args, Path(scratch)) for i, (name, nproc, threads) in enumerate(configs)}

@@ -48,6 +48,11 @@ class TrainConfig:
     value_coef: float = 0.5  # GAE only: weight of the value head's loss
     recompute_old_logprobs: bool = True  # False: use the sampler's logprobs as the PPO reference
 
+    # LoRA (trainer/lora.py, the ``lora`` extra): rank 0 = train every weight
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: str = "all-linear"  # or comma-separated module names: "q_proj,v_proj"
+
     # output
     output_dir: str = "runs/train"
     save_every: int = 20  # steps between checkpoints (and one at the end)
@@ -78,6 +83,8 @@ class TrainConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.split(":")[0] == "cuda"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be 0 (no LoRA) or positive, got {self.lora_rank}")
         for name in ("nproc", "steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import random
 import time
@@ -50,6 +49,7 @@ from agent_loop.tasks import get_task
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import NullLogger, init_data_parallel, resolve_device
 from trainer.grouping import GroupedTask
+from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, save_merged, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
 from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_forward, token_entropy, token_logprobs
 
@@ -109,17 +109,24 @@ class Trainer:
             state = torch.load(Path(config.resume) / STATE_FILE, weights_only=False, map_location="cpu")
             self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
             policy_path = str(Path(config.resume) / "model")
+            if config.lora_rank:  # the frozen base is the run's starting model; the adapter is in adapter/
+                policy_path = self.initial_model
 
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(self.device).train()
+        if config.lora_rank:
+            self.policy = wrap_with_lora(self.policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+            if config.resume:
+                load_adapter_weights(self.policy, Path(config.resume) / "adapter")
         self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
         self.reference = None
         if config.kl_coef > 0:
             self.reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype)
             self.reference = self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
-        self.trained_parameters = list(self.policy.parameters()) + (list(self.value_head.parameters()) if self.value_head else [])
+        self.trained_parameters = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.trained_parameters += list(self.value_head.parameters()) if self.value_head else []
         self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.lr, weight_decay=config.weight_decay)
         if state is not None:
             self._load_state(state)
@@ -127,7 +134,7 @@ class Trainer:
         if backend is None:
             from agent_loop.backends.hf import TransformersBackend
 
-            backend = TransformersBackend(copy.deepcopy(self.policy), device=self.device, dtype=self.dtype,
+            backend = TransformersBackend(plain_copy(self.policy), device=self.device, dtype=self.dtype,
                                           max_batch_size=config.concurrency, pad_token_id=self.pad_token_id)
         self.backend = backend
         self.weight_sync = weight_sync
@@ -296,7 +303,7 @@ class Trainer:
         """The policy's weights to this rank's rollout backend, then (rank 0) to the shared rollout servers.
 
         A failed push raises (the next rollouts would otherwise sample from a stale policy)."""
-        state = self.policy.state_dict()
+        state = merged_state_dict(self.policy)
         self.backend.update_weights(state)
         if self.weight_sync is not None and self.dp.is_main:
             self.weight_sync.update_weights(state)
@@ -359,7 +366,7 @@ class Trainer:
         if not self.dp.is_main:
             self.dp.barrier()
             return path
-        self.policy.save_pretrained(path / "model")
+        save_merged(self.policy, path / "model")
         self.tokenizer.save_pretrained(path / "model")
         torch.save({
             "step": self.step,
