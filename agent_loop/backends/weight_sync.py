@@ -148,3 +148,30 @@ class VLLMServerWeightSync:
         if self._temporary is not None:
             self._temporary.cleanup()
             self._temporary = None
+
+
+def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_dir: str | Path | None = None) -> float:
+    """New weights into an in-process ``VLLMEngineBackend`` in place: the engine's ``collective_rpc("reload_weights")``
+    from a safetensors file, then a prefix-cache reset; no engine restart (its ``update_weights`` restarts the
+    engine). Returns the seconds it took; raises ``WeightSyncError`` if the engine did not take the weights.
+    Call it between rollouts, not during one."""
+    import asyncio
+
+    engine = getattr(backend, "_engine", None)
+    if engine is None:
+        raise WeightSyncError("the vLLM engine backend is closed")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="agent-loop-reload-", dir=weights_dir) as folder:
+        save_weights(state_dict, folder)
+
+        async def reload():
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            return await engine.reset_prefix_cache()
+
+        try:
+            reset = asyncio.run_coroutine_threadsafe(reload(), backend._loop).result()
+        except Exception as error:
+            raise WeightSyncError(f"the vLLM engine did not reload the weights: {error}") from error
+    if reset is False:
+        raise WeightSyncError("the vLLM engine's prefix cache could not be reset after the reload")
+    return time.perf_counter() - started
