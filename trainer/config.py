@@ -65,6 +65,10 @@ class TrainConfig:
     # hardware and processes (trainer/distributed.py)
     device: str = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK under torchrun), else "cpu"; or "cpu", "cuda", "cuda:1"
     dtype: str = "fp32"  # "fp32", or "bf16": forward passes under bf16 autocast, fp32 master weights and AdamW state
+    # rollouts on running vLLM servers (started with VLLM_SERVER_DEV_MODE=1, same machine or a shared
+    # filesystem): comma-separated URLs; rank 0 pushes the new weights to every one after each step
+    rollout_servers: str | None = None
+    served_model_name: str = "policy"
     nproc: int = 1  # data-parallel processes; > 1 relaunches ``agent-loop train`` under torchrun (gloo on CPU, NCCL on CUDA)
 
     @property

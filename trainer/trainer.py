@@ -131,6 +131,12 @@ class Trainer:
         if state is not None:
             self._load_state(state)
 
+        if backend is None and config.rollout_servers:
+            from agent_loop.backends.weight_sync import PerRunHTTPBackend, VLLMServerWeightSync
+
+            urls = [url for url in config.rollout_servers.split(",") if url]
+            backend = PerRunHTTPBackend(urls, config.served_model_name)
+            weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
         if backend is None:
             from agent_loop.backends.hf import TransformersBackend
 
@@ -154,10 +160,17 @@ class Trainer:
         """The episodes of ``step``: questions ``step * P ... (step + 1) * P - 1``, ``group_size`` samples each
         (with several ranks, each plays its share and all get every episode, in order)."""
         n = self.config.episodes_per_step
-        return self.dp.gather_trajectories(asyncio.run(run_rollouts(
-            self.task, self.backend, self.tokenizer, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config,
-            seed=self.config.seed, concurrency=self.config.concurrency, progress=False,
-        )))
+        return self.dp.gather_trajectories(asyncio.run(self._play(
+            self.task, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config, self.config.seed)))
+
+    async def _play(self, task, episodes, loop_config, seed):
+        """``run_rollouts`` on the backend, then its ``aclose()`` if it has one (HTTP sessions live in one run)."""
+        try:
+            return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
+                                      concurrency=self.config.concurrency, progress=False)
+        finally:
+            if hasattr(self.backend, "aclose"):
+                await self.backend.aclose()
 
     def make_batch(self, trajectories) -> dict[str, torch.Tensor]:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
@@ -312,10 +325,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy success on ``eval_episodes`` held-out questions (the same questions every time)."""
         loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
-        trajectories = self.dp.gather_trajectories(asyncio.run(run_rollouts(
-            get_task(self.config.task), self.backend, self.tokenizer, self.dp.shard(range(self.config.eval_episodes)),
-            loop_config, seed=self.config.seed + EVAL_SEED_OFFSET, concurrency=self.config.concurrency, progress=False,
-        )))
+        trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
+            get_task(self.config.task), self.dp.shard(range(self.config.eval_episodes)), loop_config,
+            self.config.seed + EVAL_SEED_OFFSET)))
         metrics = rollout_metrics(trajectories)
         self.eval_history.append((self.step, metrics["success"]))
         return {"eval/success": metrics["success"], "eval/turns": metrics["turns"]}

@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class VLLMServerWeightSync:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.version = 0
+        self.run_id = uuid.uuid4().hex[:8]  # weight-version labels are unique to this pusher
         self.current: Path | None = None
         self.timings: list[float] = []
 
@@ -122,7 +124,7 @@ class VLLMServerWeightSync:
             shutil.rmtree(folder)
         save_weights(state_dict, folder, self.dtype)
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
-            list(pool.map(lambda url: self._reload(url, folder, f"agent-loop-v{version}"), self.base_urls))
+            list(pool.map(lambda url: self._reload(url, folder, f"agent-loop-{self.run_id}-v{version}"), self.base_urls))
         previous, self.current, self.version = self.current, folder, version
         if previous is not None and previous != folder:
             shutil.rmtree(previous, ignore_errors=True)
@@ -175,3 +177,29 @@ def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_
     if reset is False:
         raise WeightSyncError("the vLLM engine's prefix cache could not be reset after the reload")
     return time.perf_counter() - started
+
+
+class PerRunHTTPBackend:
+    """Rollouts on OpenAI-compatible servers for a caller that runs each batch of rollouts in its own
+    ``asyncio.run`` (the trainer): an ``OpenAIHTTPBackend`` is opened on first use in a run and closed by
+    ``aclose()`` at its end. ``update_weights`` does nothing: the servers are shared by every trainer rank,
+    so rank 0 pushes to them through ``VLLMServerWeightSync`` (``Trainer(..., weight_sync=...)``)."""
+
+    def __init__(self, base_urls: list[str] | str, model: str, **http_kwargs):
+        self.base_urls, self.model, self.http_kwargs = base_urls, model, http_kwargs
+        self._backend = None
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        if self._backend is None:
+            from agent_loop.backends.openai_http import OpenAIHTTPBackend
+
+            self._backend = OpenAIHTTPBackend(self.base_urls, self.model, **self.http_kwargs)
+        return await self._backend.generate(prompt_ids, sampling, session_id)
+
+    async def aclose(self) -> None:
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
+
+    def update_weights(self, state_dict) -> None:
+        pass
