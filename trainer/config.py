@@ -47,6 +47,9 @@ class TrainConfig:
     entropy_coef: float = 0.0
     value_coef: float = 0.5  # GAE only: weight of the value head's loss
     recompute_old_logprobs: bool = True  # False: use the sampler's logprobs as the PPO reference
+    # one-step off-policy: step k+1's rollouts play while step k trains; the sampler's logprobs are the
+    # behaviour policy in the ratio of those steps; metric ``policy_lag``. One process, in-process backend only
+    off_policy: bool = False
 
     # LoRA (trainer/lora.py, the ``lora`` extra): rank 0 = train every weight
     lora_rank: int = 0

@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +97,9 @@ class Trainer:
             raise ValueError("returns_variant applies to the reinforce_plus_plus estimator only")
         torch.set_num_threads(config.threads)
         self.config = config
+        if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
+                             "no --rollout-servers): its background rollouts would race the collectives / the server sync")
         self.dp = init_data_parallel(config.device)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
@@ -153,6 +158,9 @@ class Trainer:
         else:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
+        # off_policy: the next step's rollouts, played in a background thread while this step trains
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if config.off_policy else None
+        self._prefetch = None  # (step, Future)
 
     # --- one step ------------------------------------------------------------------------------------
 
@@ -190,11 +198,12 @@ class Trainer:
             logprobs, values = batch_logprobs(model, batch, self.config.micro_batch_size, value_head, shard=self.dp.shard_of)
         return self.dp.sum_rows_(logprobs), self.dp.sum_rows_(values)
 
-    def score(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def score(self, batch: dict[str, torch.Tensor], *, sampler_is_behaviour: bool = False) -> dict[str, float]:
         """Fill in ``old_logprobs`` (recomputed), ``values``, ``token_level_rewards`` (with KL), ``advantages``, ``returns``.
 
         Returns metrics: logprob mismatch between sampler and trainer, KL to the reference, advantage
-        and return statistics.
+        and return statistics. ``sampler_is_behaviour`` (off-policy steps) keeps the sampler's logprobs as
+        ``old_logprobs`` whatever ``recompute_old_logprobs`` says: the policy has moved since they were sampled.
         """
         config, mask = self.config, batch["response_mask"]
         metrics = {}
@@ -202,7 +211,7 @@ class Trainer:
         mismatch = (recomputed - batch["old_logprobs"]).abs()
         metrics["logprob_mismatch/mean_abs"] = masked_mean(mismatch, mask).item()
         metrics["logprob_mismatch/max_abs"] = torch.where(mask.bool(), mismatch, 0.0).max().item()
-        if config.recompute_old_logprobs:
+        if config.recompute_old_logprobs and not sampler_is_behaviour:
             batch["old_logprobs"] = recomputed
         if values is not None:
             batch["values"] = values
@@ -295,11 +304,21 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Run one step (rollouts, scoring, updates, weight push); return its metrics."""
         started = time.perf_counter()
-        trajectories = self.rollouts(self.step)
+        lag = 0
+        if self._prefetch is not None and self._prefetch[0] == self.step:
+            trajectories, lag = self._prefetch[1].result(), 1
+        else:
+            trajectories = self.rollouts(self.step)
+        self._prefetch = None
+        if self._executor is not None and self.step + 1 < self.config.steps:
+            self._prefetch = (self.step + 1, self._executor.submit(self.rollouts, self.step + 1))
         rolled = time.perf_counter()
         batch = self.make_batch(trajectories)
         metrics = rollout_metrics(trajectories)
-        metrics.update(self.score(batch))
+        # off-policy: sampled while the previous step trained, with its weights until its push, then with
+        # the pushed ones (each token's logprob is that of the weights that sampled it): a lag of at most 1
+        metrics["policy_lag"] = float(lag)
+        metrics.update(self.score(batch, sampler_is_behaviour=lag > 0))
         metrics.update(self.update(batch, self.step))
         pushed = time.perf_counter()
         self.push_weights()
@@ -324,6 +343,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy success on ``eval_episodes`` held-out questions (the same questions every time)."""
+        if self._prefetch is not None:
+            self._prefetch[1].result()  # one backend, one run of rollouts at a time
         loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
         trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
             get_task(self.config.task), self.dp.shard(range(self.config.eval_episodes)), loop_config,
