@@ -14,7 +14,9 @@ One step (``Trainer.train_step``):
 7. push the new weights to the rollout backend.
 
 ``config.device`` / ``config.dtype`` put the whole step on a GPU (bf16 autocast, fp32 master weights);
-with several processes (``torchrun``), trainer/distributed.py says how the step is split.
+with several processes (``torchrun``), trainer/distributed.py says how the step is split. Rollouts can
+run on vLLM servers that take the weights in place (``rollout_servers``, agent_loop/backends/weight_sync.py);
+``lora_rank`` trains LoRA adapters (trainer/lora.py); ``off_policy`` plays step k+1 while step k trains.
 """
 
 from __future__ import annotations
