@@ -273,3 +273,61 @@ def test_grouped_task_gives_each_group_one_question_and_each_sample_its_own_inde
         assert e.messages == plain.make_episode(e.info["group"], 7).messages
     assert episodes[0].messages != episodes[3].messages
     assert task.name == "arithmetic"
+
+
+@pytest.mark.slow
+def test_bf16_step_keeps_fp32_master_weights_and_pushes_bf16_to_the_sampler(tiny_mid, tmp_path):
+    trainer = Trainer(small_config(tiny_mid, tmp_path, dtype="bf16", device="cpu", entropy_coef=0.01))
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    metrics = trainer.train_step()
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())  # master weights and AdamW in fp32
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.policy.named_parameters())
+    rollout_weights = trainer.backend.model.state_dict()
+    for name, p in trainer.policy.state_dict().items():
+        assert rollout_weights[name].dtype == torch.bfloat16
+        assert torch.equal(rollout_weights[name], p.to(torch.bfloat16)), name
+    # bf16 forward passes: sampler and trainer agree to bf16 precision, not fp32's
+    assert metrics["logprob_mismatch/mean_abs"] < 0.1
+    assert "time/weight_sync_s" in metrics
+
+
+def test_device_and_dtype_are_checked(tmp_path):
+    with pytest.raises(SystemExit, match="dtype"):
+        train_main(["--dtype", "fp16"])
+    with pytest.raises(SystemExit, match="device"):
+        train_main(["--device", "tpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            Trainer(TrainConfig(device="cuda", output_dir=str(tmp_path)))
+        assert not (tmp_path / "metrics.jsonl").exists()  # refused before touching the output folder
+
+
+@pytest.mark.slow
+def test_off_policy_plays_the_next_step_while_training_and_uses_the_sampler_as_behaviour(tiny_mid, tmp_path):
+    config = small_config(tiny_mid, tmp_path, steps=2, off_policy=True, lr=5e-3, entropy_coef=0.01, save_every=100)
+    trainer = Trainer(config)
+    history = trainer.train()
+    assert [m["policy_lag"] for m in history] == [0.0, 1.0]
+    # step 1 is on-policy: what an on-policy run plays and computes
+    on_policy = Trainer(dataclasses.replace(config, off_policy=False, output_dir=str(tmp_path / "on"))).train_step()
+    for name in ("success", "reward", "assistant_tokens"):
+        assert on_policy[name] == history[0][name], name
+    assert on_policy["loss/first"] == pytest.approx(history[0]["loss/first"], abs=1e-6)
+    # step 2 was sampled (at least until the push) by the step-1 weights: the trained policy has moved away
+    assert history[1]["logprob_mismatch/mean_abs"] > 10 * max(history[0]["logprob_mismatch/mean_abs"], 1e-6)
+    # on such a step the ratio's denominator is the sampler's logprobs, not a recomputation
+    batch = trainer.make_batch(trainer.rollouts(0))
+    sampled = batch["old_logprobs"].clone()
+    trainer.score(batch, sampler_is_behaviour=True)
+    assert torch.equal(batch["old_logprobs"], sampled)
+    trainer.score(batch)
+    assert not torch.equal(batch["old_logprobs"], sampled)
+
+
+def test_off_policy_refuses_shared_servers_and_several_ranks(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="off_policy"):
+        Trainer(TrainConfig(off_policy=True, rollout_servers="http://127.0.0.1:1", output_dir=str(tmp_path)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="off_policy"):
+        Trainer(TrainConfig(off_policy=True, output_dir=str(tmp_path)))

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.lora import save_merged
+
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
 LATEST = "latest"
@@ -66,7 +68,7 @@ def save_checkpoint(trainer, path: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-    trainer.policy.save_pretrained(tmp / "model")
+    save_merged(trainer.policy, tmp / "model")  # LoRA: merged weights, the adapter alone in adapter/
     trainer.tokenizer.save_pretrained(tmp / "model")
     torch.save(trainer_state(trainer), tmp / STATE_FILE)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -155,7 +157,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_state(path: Path) -> dict:
     """``trainer_state.pt`` of a validated checkpoint; a clear error if it cannot be read."""
     try:
-        state = torch.load(Path(path) / STATE_FILE, weights_only=False)
+        state = torch.load(Path(path) / STATE_FILE, weights_only=False, map_location="cpu")
     except Exception as error:  # noqa: BLE001 (torch raises many kinds for a damaged file)
         raise CheckpointError(f"resume: cannot read {Path(path) / STATE_FILE}: {type(error).__name__}: {error}") from None
     missing = {"step", "optimizer", "initial_model", "config", "rng"} - set(state)

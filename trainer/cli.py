@@ -7,6 +7,7 @@ is one line on stderr naming the option, exit status 2, before any model is load
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,25 +48,38 @@ def preflight_train(config: TrainConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and check ``argv``, train, print where the metrics and checkpoints went; exit status 0 (2: usage)."""
+    """Parse and check ``argv``, train, print where the metrics and checkpoints went; exit status 0 (2: usage).
+
+    ``--nproc N`` (N > 1) outside torchrun relaunches this command in N processes under torchrun;
+    under torchrun (``WORLD_SIZE`` set) every process trains its share and rank 0 prints."""
     prog = "agent-loop train"
+    argv = sys.argv[1:] if argv is None else argv
     try:
         config = validate(vars(build_parser(prog).parse_args(argv)))
         preflight_train(config)
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return USAGE_EXIT
+    if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from trainer.distributed import relaunch_under_torchrun
 
+        return relaunch_under_torchrun(config.nproc, list(argv))
+
+    from trainer.checkpoint import CheckpointError
+    from trainer.distributed import close_data_parallel
     from trainer.trainer import Trainer
 
     started = time.perf_counter()
-    from trainer.checkpoint import CheckpointError
-
     try:
-        trainer = Trainer(config)
-    except CheckpointError as error:  # an incomplete checkpoint or changed settings: a message, not a traceback
-        raise SystemExit(f"agent-loop train: {error}") from None
-    history = trainer.train()
+        try:
+            trainer = Trainer(config)
+        except CheckpointError as error:  # an incomplete checkpoint or changed settings: a message, not a traceback
+            raise SystemExit(f"agent-loop train: {error}") from None
+        history = trainer.train()
+    finally:
+        close_data_parallel()
+    if not trainer.dp.is_main:
+        return 0
     if history:
         first, last = history[0], history[-1]
         print(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in {time.perf_counter() - started:.0f} s: "

@@ -17,6 +17,7 @@ from agent_loop import options
 
 from advantages import KL_PENALTY_MODES, get_estimator
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 # sampled-token modes of advantages.kl_penalty ("full" needs whole-vocabulary log-probs)
 KL_KINDS = tuple(m for m in KL_PENALTY_MODES if m != "full")
 
@@ -43,6 +44,12 @@ def kl_kind_names() -> str:
 def check_kl_kind(name: str) -> str:
     if name not in KL_KINDS:
         raise ValueError(f"unknown KL estimator{options.closest(name, KL_KINDS)} (choose {options.one_of(KL_KINDS)})")
+    return name
+
+
+def check_device(name: str) -> str:
+    if not (name in ("auto", "cpu") or name.split(":")[0] == "cuda"):
+        raise ValueError("must be auto, cpu, cuda or cuda:N")
     return name
 
 
@@ -102,6 +109,15 @@ class TrainConfig:
     value_coef: Annotated[float, Field(ge=0, description="weight of the value head's loss (gae only)")] = 0.5
     recompute_old_logprobs: Annotated[bool, Field(
         description="recompute the PPO reference logprobs with the policy (off: use the sampler's)")] = True
+    off_policy: Annotated[bool, Field(
+        description="one-step off-policy: step k+1's rollouts play while step k trains, the sampler's logprobs "
+                    "are the behaviour policy (metric policy_lag); one process, in-process backend only")] = False
+
+    # LoRA (trainer/lora.py, the ``lora`` extra)
+    lora_rank: _int(0, "LoRA rank; 0 = train every weight") = 0
+    lora_alpha: Annotated[float, Field(gt=0, description="LoRA alpha")] = 16.0
+    lora_target_modules: Annotated[str, Field(
+        description='"all-linear" or comma-separated module names, e.g. "q_proj,v_proj"')] = "all-linear"
 
     # output
     output_dir: Annotated[str, Field(description="metrics.jsonl and checkpoints/ go here",
@@ -114,8 +130,21 @@ class TrainConfig:
                                         json_schema_extra={"allowed": "a checkpoint or run folder"})] = None
     allow_config_change: Annotated[bool, Field(
         description="resume even when settings differ from the checkpoint's (the differences are listed)")] = False
-    threads: _int(1, "torch intra-op threads") = 2
+    threads: _int(1, "torch intra-op threads (per process)") = 2
     progress: Annotated[bool, Field(description="progress bar")] = True
+
+    # hardware and processes (trainer/distributed.py)
+    device: Annotated[str, AfterValidator(check_device), Field(
+        description="auto: CUDA when available (cuda:LOCAL_RANK under torchrun), else cpu",
+        json_schema_extra={"allowed": "auto, cpu, cuda or cuda:N"})] = "auto"
+    dtype: Annotated[Literal["fp32", "bf16"], Field(
+        description="bf16: forward passes under bf16 autocast, fp32 master weights and AdamW state")] = "fp32"
+    rollout_servers: Annotated[str | None, Field(
+        description="comma-separated URLs of vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to roll out on; "
+                    "rank 0 pushes the new weights to each after every step",
+        json_schema_extra={"allowed": "comma-separated http(s) URLs"})] = None
+    served_model_name: Annotated[str, Field(description="model name the rollout servers serve")] = "policy"
+    nproc: _int(1, "data-parallel processes; > 1 relaunches under torchrun (gloo on CPU, NCCL on CUDA)") = 1
 
     @property
     def episodes_per_step(self) -> int:
@@ -129,7 +158,10 @@ class TrainConfig:
             raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
         if self.kl_kind not in KL_KINDS:
             raise ValueError(f"kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}")
-        for name in ("steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_device(self.device)
+        for name in ("nproc", "steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 

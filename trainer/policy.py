@@ -35,7 +35,7 @@ def shared_prefix_length(batch: dict[str, torch.Tensor]) -> int:
     width = prompts.shape[1]
     lengths = batch["attention_mask"][:, :width].sum(1)
     shortest = int(lengths.min())
-    columns = (width - lengths).unsqueeze(1) + torch.arange(max(shortest - 1, 0))
+    columns = (width - lengths).unsqueeze(1) + torch.arange(max(shortest - 1, 0), device=prompts.device)
     aligned = prompts.gather(1, columns)  # (b, shortest - 1): each row's prompt, left-aligned
     same = (aligned == aligned[:1]).all(0)
     return int(same.long().cumprod(0).sum())
@@ -98,14 +98,21 @@ RESPONSE_KEYS = ("responses", "spans", "response_mask", "turn_ids", "old_logprob
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int):
+def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int, *, shard: tuple[int, int] = (0, 1)):
     """Yield ``(part, micro)``: the rows ``rows`` of ``batch`` in micro-batches of at most ``size`` rows,
     shortest responses first, each cut to its own longest response (less padding through the model).
-    ``part`` holds the micro-batch's row numbers in ``batch``."""
+    ``part`` holds the micro-batch's row numbers in ``batch``.
+
+    ``shard=(rank, world_size)`` yields only the micro-batches ``rank, rank + world_size, ...`` of that
+    sequence: data-parallel ranks split the work into the very micro-batches one process would run, so
+    every micro-batch's numbers are the same whatever the number of ranks (trainer/distributed.py)."""
+    rank, world_size = shard
     lengths = (batch["spans"] != SpanKind.PAD).sum(1)
     rows = rows[torch.argsort(lengths[rows], stable=True)]
     prompt_width = batch["prompts"].shape[1]
-    for part in rows.split(size):
+    for number, part in enumerate(rows.split(size)):
+        if number % world_size != rank:
+            continue
         t = int(lengths[part].max())
         micro = {}
         for name, value in batch.items():
@@ -120,14 +127,17 @@ def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int)
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: dict[str, torch.Tensor], micro_batch_size: int, value_head: ValueHead | None = None
+    model, batch: dict[str, torch.Tensor], micro_batch_size: int, value_head: ValueHead | None = None,
+    *, shard: tuple[int, int] = (0, 1),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``(b, t)`` of the ASSISTANT tokens (and values ``(b, t)`` with a value head), in micro-batches,
-    without gradient; 0 elsewhere, as the sampler's ``old_logprobs``."""
+    without gradient; 0 elsewhere, as the sampler's ``old_logprobs``. With ``shard=(rank, world_size)``
+    only that rank's micro-batches (``micro_batches``) are filled in, the other rows are 0."""
     b, t = batch["responses"].shape
-    logprobs = torch.zeros(b, t)
-    values = torch.zeros(b, t) if value_head is not None else None
-    for part, micro in micro_batches(batch, torch.arange(b), micro_batch_size):
+    device = batch["responses"].device
+    logprobs = torch.zeros(b, t, device=device)
+    values = torch.zeros(b, t, device=device) if value_head is not None else None
+    for part, micro in micro_batches(batch, torch.arange(b, device=device), micro_batch_size, shard=shard):
         logits, micro_values = response_forward(model, micro, value_head)
         width = micro["responses"].shape[1]
         assistant = micro["spans"] == SpanKind.ASSISTANT

@@ -12,16 +12,23 @@ One step (``Trainer.train_step``):
 6. PPO-clip loss over ASSISTANT tokens only, ``ppo_epochs`` passes over shuffled mini-batches,
    gradient accumulation over micro-batches, gradient clipping, AdamW;
 7. push the new weights to the rollout backend.
+
+``config.device`` / ``config.dtype`` put the whole step on a GPU (bf16 autocast, fp32 master weights);
+with several processes (``torchrun``), trainer/distributed.py says how the step is split. Rollouts can
+run on vLLM servers that take the weights in place (``rollout_servers``, agent_loop/backends/weight_sync.py);
+``lora_rank`` trains LoRA adapters (trainer/lora.py); ``off_policy`` plays step k+1 while step k trains.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import dataclasses
+import os
 import random
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +42,10 @@ from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from agent_loop.tasks import get_task
 from trainer import checkpoint
-from trainer.config import TrainConfig
+from trainer.config import DTYPES, TrainConfig
+from trainer.distributed import NullLogger, init_data_parallel, resolve_device
 from trainer.grouping import GroupedTask
+from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
 from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_forward, token_entropy, token_logprobs
 
@@ -68,9 +77,12 @@ class Trainer:
 
     ``backend`` defaults to an in-process ``TransformersBackend`` over a copy of the policy; any
     backend with ``update_weights(state_dict)`` works (the trainer pushes weights after each step).
+    Under torchrun every rank has its own ``backend``; ``weight_sync`` (for example
+    ``agent_loop.backends.weight_sync.VLLMServerWeightSync``, rollout servers shared by the ranks) is
+    called by rank 0 only, after the backend's push, and every rank waits for it.
     """
 
-    def __init__(self, config: TrainConfig, backend=None):
+    def __init__(self, config: TrainConfig, backend=None, weight_sync=None):
         config.validate()
         if config.returns_variant not in RETURN_VARIANTS:
             raise ValueError(f"unknown returns_variant {config.returns_variant!r}; choose one of {sorted(RETURN_VARIANTS)}")
@@ -78,6 +90,12 @@ class Trainer:
             raise ValueError("returns_variant applies to the reinforce_plus_plus estimator only")
         torch.set_num_threads(config.threads)
         self.config = config
+        if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
+                             "no --rollout-servers): its background rollouts would race the collectives / the server sync")
+        self.dp = init_data_parallel(config.device)
+        self.device = resolve_device(config.device, self.dp.local_rank)
+        self.dtype = getattr(torch, DTYPES[config.dtype])
         self.estimator = get_estimator(
             config.estimator if config.returns_variant == "carry_through" else RETURN_VARIANTS[config.returns_variant])
         self.output_dir = Path(config.output_dir)
@@ -92,70 +110,113 @@ class Trainer:
             checkpoint.check_settings(state["config"], config)
             self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
             policy_path = str(resume_dir / "model")
-            checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
+            if config.lora_rank:  # the frozen base is the run's starting model; the adapter is in adapter/
+                policy_path = self.initial_model
+            if self.dp.is_main:
+                checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
 
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).train()
-        self.value_head = ValueHead(self.policy.config.hidden_size) if config.estimator == "gae" else None
+        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(self.device).train()
+        if config.lora_rank:
+            self.policy = wrap_with_lora(self.policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+            if config.resume:
+                load_adapter_weights(self.policy, resume_dir / "adapter")
+        self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
         self.reference = None
         if config.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=torch.float32).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype)
+            self.reference = self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
-        self.trained_parameters = list(self.policy.parameters()) + (list(self.value_head.parameters()) if self.value_head else [])
+        self.trained_parameters = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.trained_parameters += list(self.value_head.parameters()) if self.value_head else []
         self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.lr, weight_decay=config.weight_decay)
         if state is not None:
             self._load_state(state)
 
+        if backend is None and config.rollout_servers:
+            from agent_loop.backends.weight_sync import PerRunHTTPBackend, VLLMServerWeightSync
+
+            urls = [url for url in config.rollout_servers.split(",") if url]
+            backend = PerRunHTTPBackend(urls, config.served_model_name)
+            weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
         if backend is None:
             from agent_loop.backends.hf import TransformersBackend
 
-            backend = TransformersBackend(copy.deepcopy(self.policy), max_batch_size=config.concurrency,
-                                          pad_token_id=self.pad_token_id)
+            backend = TransformersBackend(plain_copy(self.policy), device=self.device, dtype=self.dtype,
+                                          max_batch_size=config.concurrency, pad_token_id=self.pad_token_id)
         self.backend = backend
-        self.backend.update_weights(self.policy.state_dict())
+        self.weight_sync = weight_sync
+        self.push_weights()
         self.task = GroupedTask(get_task(config.task), config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
                                       max_response_tokens=config.max_response_tokens, temperature=config.temperature)
-        self.logger = MetricsLogger(self.output_dir, fresh=not config.resume)
+        if self.dp.is_main:
+            self.logger = MetricsLogger(self.output_dir, fresh=not config.resume)
+        else:
+            self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
+        # off_policy: the next step's rollouts, played in a background thread while this step trains
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if config.off_policy else None
+        self._prefetch = None  # (step, Future)
 
     # --- one step ------------------------------------------------------------------------------------
 
     def rollouts(self, step: int):
-        """The episodes of ``step``: questions ``step * P ... (step + 1) * P - 1``, ``group_size`` samples each."""
+        """The episodes of ``step``: questions ``step * P ... (step + 1) * P - 1``, ``group_size`` samples each
+        (with several ranks, each plays its share and all get every episode, in order)."""
         n = self.config.episodes_per_step
-        return asyncio.run(run_rollouts(
-            self.task, self.backend, self.tokenizer, range(step * n, (step + 1) * n), self.loop_config,
-            seed=self.config.seed, concurrency=self.config.concurrency, progress=False,
-        ))
+        return self.dp.gather_trajectories(asyncio.run(self._play(
+            self.task, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config, self.config.seed)))
+
+    async def _play(self, task, episodes, loop_config, seed):
+        """``run_rollouts`` on the backend, then its ``aclose()`` if it has one (HTTP sessions live in one run)."""
+        try:
+            return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
+                                      concurrency=self.config.concurrency, progress=False)
+        finally:
+            if hasattr(self.backend, "aclose"):
+                await self.backend.aclose()
 
     def make_batch(self, trajectories) -> dict[str, torch.Tensor]:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
         batch = trajectories_to_batch(trajectories, pad_token_id=self.pad_token_id)
         batch["index"] = torch.tensor([t.info["group"] for t in trajectories], dtype=torch.long)
-        return batch
+        return {name: value.to(self.device) for name, value in batch.items()}
 
-    def score(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def autocast(self):
+        """bf16 autocast for forward passes when ``dtype`` is bf16 (weights and optimizer stay fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def batch_logprobs(self, model, batch: dict[str, torch.Tensor], value_head: ValueHead | None = None):
+        """``trainer.policy.batch_logprobs`` of the whole batch; with several ranks each scores its micro-batches."""
+        with self.autocast():
+            logprobs, values = batch_logprobs(model, batch, self.config.micro_batch_size, value_head, shard=self.dp.shard_of)
+        return self.dp.sum_rows_(logprobs), self.dp.sum_rows_(values)
+
+    def score(self, batch: dict[str, torch.Tensor], *, sampler_is_behaviour: bool = False) -> dict[str, float]:
         """Fill in ``old_logprobs`` (recomputed), ``values``, ``token_level_rewards`` (with KL), ``advantages``, ``returns``.
 
         Returns metrics: logprob mismatch between sampler and trainer, KL to the reference, advantage
-        and return statistics.
+        and return statistics. ``sampler_is_behaviour`` (off-policy steps) keeps the sampler's logprobs as
+        ``old_logprobs`` whatever ``recompute_old_logprobs`` says: the policy has moved since they were sampled.
         """
         config, mask = self.config, batch["response_mask"]
         metrics = {}
-        recomputed, values = batch_logprobs(self.policy, batch, config.micro_batch_size, self.value_head)
+        recomputed, values = self.batch_logprobs(self.policy, batch, self.value_head)
         mismatch = (recomputed - batch["old_logprobs"]).abs()
         metrics["logprob_mismatch/mean_abs"] = masked_mean(mismatch, mask).item()
         metrics["logprob_mismatch/max_abs"] = torch.where(mask.bool(), mismatch, 0.0).max().item()
-        if config.recompute_old_logprobs:
+        if config.recompute_old_logprobs and not sampler_is_behaviour:
             batch["old_logprobs"] = recomputed
         if values is not None:
             batch["values"] = values
 
         rewards = batch["token_level_rewards"]
         if self.reference is not None:
-            ref_logprobs, _ = batch_logprobs(self.reference, batch, config.micro_batch_size)
+            ref_logprobs, _ = self.batch_logprobs(self.reference, batch)
             kl = kl_penalty(batch["old_logprobs"], ref_logprobs, config.kl_kind, response_mask=mask)
             metrics["ref_kl"] = masked_mean(kl, mask).item()
             rewards = rewards - config.kl_coef * kl
@@ -175,7 +236,8 @@ class Trainer:
     def micro_batch_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO-clip loss (plus the value loss for GAE, minus an entropy bonus) of one micro-batch, token-mean over its ASSISTANT tokens."""
         config, mask = self.config, micro["response_mask"]
-        logits, values = response_forward(self.policy, micro, self.value_head)
+        with self.autocast():
+            logits, values = response_forward(self.policy, micro, self.value_head)
         logprobs = token_logprobs(logits, micro["responses"])
         loss, stats = ppo_clip_policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], mask,
                                            clip_ratio=config.clip_ratio)
@@ -193,13 +255,14 @@ class Trainer:
     def mini_batch_step(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, float]:
         """One AdamW step on the rows ``rows`` of ``batch``: the loss is the token-mean over all their
         ASSISTANT tokens, accumulated over micro-batches; the gradient is clipped. Returns its stats
-        (empty if the rows have no ASSISTANT token)."""
+        (empty if the rows have no ASSISTANT token). With several ranks each runs its share of ``rows``
+        and the gradients and stats are summed over the ranks (trainer/distributed.py)."""
         tokens = batch["response_mask"][rows].sum()
         if tokens == 0:
             return {}
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = defaultdict(float)
-        for _, micro in micro_batches(batch, rows, self.config.micro_batch_size):
+        for _, micro in micro_batches(batch, rows, self.config.micro_batch_size, shard=self.dp.shard_of):
             weight = micro["response_mask"].sum() / tokens
             if weight == 0:
                 continue
@@ -207,6 +270,8 @@ class Trainer:
             (loss * weight).backward()
             for name, value in {"loss": loss.detach(), **micro_stats}.items():
                 stats[name] += (value * weight).item()
+        self.dp.sum_gradients_(self.trained_parameters)
+        stats = self.dp.sum_stats(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm)
         skipped = bool(grad_norm == 0)  # all-zero advantages carry no signal, but AdamW would still move along its momentum
         if not skipped:
@@ -221,7 +286,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
-            for rows in torch.randperm(batch["responses"].shape[0], generator=generator).chunk(config.mini_batches):
+            order = torch.randperm(batch["responses"].shape[0], generator=generator).to(self.device)
+            for rows in order.chunk(config.mini_batches):
                 for name, value in self.mini_batch_step(batch, rows).items():
                     history[name].append(value)
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
@@ -233,13 +299,25 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Run one step (rollouts, scoring, updates, weight push); return its metrics."""
         started = time.perf_counter()
-        trajectories = self.rollouts(self.step)
+        lag = 0
+        if self._prefetch is not None and self._prefetch[0] == self.step:
+            trajectories, lag = self._prefetch[1].result(), 1
+        else:
+            trajectories = self.rollouts(self.step)
+        self._prefetch = None
+        if self._executor is not None and self.step + 1 < self.config.steps:
+            self._prefetch = (self.step + 1, self._executor.submit(self.rollouts, self.step + 1))
         rolled = time.perf_counter()
         batch = self.make_batch(trajectories)
         metrics = rollout_metrics(trajectories)
-        metrics.update(self.score(batch))
+        # off-policy: sampled while the previous step trained, with its weights until its push, then with
+        # the pushed ones (each token's logprob is that of the weights that sampled it): a lag of at most 1
+        metrics["policy_lag"] = float(lag)
+        metrics.update(self.score(batch, sampler_is_behaviour=lag > 0))
         metrics.update(self.update(batch, self.step))
-        self.backend.update_weights(self.policy.state_dict())
+        pushed = time.perf_counter()
+        self.push_weights()
+        metrics["time/weight_sync_s"] = time.perf_counter() - pushed
         self.step += 1
         done = time.perf_counter()
         metrics["time/rollout_s"] = rolled - started
@@ -248,13 +326,24 @@ class Trainer:
         metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
         return metrics
 
+    def push_weights(self) -> None:
+        """The policy's weights to this rank's rollout backend, then (rank 0) to the shared rollout servers.
+
+        A failed push raises (the next rollouts would otherwise sample from a stale policy)."""
+        state = merged_state_dict(self.policy)
+        self.backend.update_weights(state)
+        if self.weight_sync is not None and self.dp.is_main:
+            self.weight_sync.update_weights(state)
+        self.dp.barrier()
+
     def evaluate(self) -> dict[str, float]:
         """Greedy success on ``eval_episodes`` held-out questions (the same questions every time)."""
+        if self._prefetch is not None:
+            self._prefetch[1].result()  # one backend, one run of rollouts at a time
         loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
-        trajectories = asyncio.run(run_rollouts(
-            get_task(self.config.task), self.backend, self.tokenizer, range(self.config.eval_episodes), loop_config,
-            seed=self.config.seed + EVAL_SEED_OFFSET, concurrency=self.config.concurrency, progress=False,
-        ))
+        trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
+            get_task(self.config.task), self.dp.shard(range(self.config.eval_episodes)), loop_config,
+            self.config.seed + EVAL_SEED_OFFSET)))
         metrics = rollout_metrics(trajectories)
         self.eval_history.append((self.step, metrics["success"]))
         return {"eval/success": metrics["success"], "eval/turns": metrics["turns"]}
@@ -269,8 +358,10 @@ class Trainer:
         if config.eval_every and self.step == 0:
             initial = self.evaluate()
             self.logger.log(0, initial)
-            tqdm.write(f"step    0 | eval {initial['eval/success']:.3f}")
-        bar = tqdm(total=config.steps, initial=self.step, desc="train", unit="step", disable=not config.progress)
+            if self.dp.is_main:
+                tqdm.write(f"step    0 | eval {initial['eval/success']:.3f}")
+        bar = tqdm(total=config.steps, initial=self.step, desc="train", unit="step",
+                   disable=not (config.progress and self.dp.is_main))
         try:
             while self.step < config.steps:
                 metrics = self.train_step()
@@ -278,7 +369,8 @@ class Trainer:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
-                tqdm.write(compact_line(self.step, metrics))
+                if self.dp.is_main:
+                    tqdm.write(compact_line(self.step, metrics))
                 bar.update()
                 bar.set_postfix(success=f"{metrics['success']:.3f}")
                 if self.step % config.save_every == 0 or self.step == config.steps:
@@ -295,8 +387,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """``model/`` (a plain transformers model dir with its tokenizer) and ``trainer_state.pt``
-        (optimizer, value head, step, RNG states, config), written atomically (``trainer.checkpoint``)."""
-        return checkpoint.save_checkpoint(self, self.checkpoint_dir(self.step))
+        (optimizer, value head, step, RNG states, config), written atomically (``trainer.checkpoint``).
+        With several ranks, rank 0 writes it (the replicas are checked equal first) and every rank returns
+        once it is written."""
+        path = self.checkpoint_dir(self.step)
+        self.dp.check_replicas_equal(self.trained_parameters)
+        if self.dp.is_main:
+            checkpoint.save_checkpoint(self, path)
+        self.dp.barrier()
+        return path
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]

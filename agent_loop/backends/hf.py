@@ -41,17 +41,20 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 class TransformersBackend:
-    """``Backend`` over a local causal LM (CPU by default).
+    """``Backend`` over a local causal LM (CPU and float32 by default; ``device="cuda"``, ``dtype=torch.bfloat16``
+    on a GPU; ``update_weights`` casts the pushed weights to ``dtype``).
 
     Logprobs are those of the model's own distribution (temperature 1, before top-k/top-p), which is
     what vLLM returns by default (``raw_logprobs``) and what the trainer recomputes.
     """
 
-    def __init__(self, model, device: str = "cpu", max_batch_size: int = 64, pad_token_id: int = 0):
+    def __init__(self, model, device: str | torch.device = "cpu", max_batch_size: int = 64, pad_token_id: int = 0,
+                 dtype: torch.dtype = torch.float32):
         if isinstance(model, str) or hasattr(model, "__fspath__"):
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        self.model = model.to(device).eval()
-        self.device = device
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
         self._pending: list[_Request] = []

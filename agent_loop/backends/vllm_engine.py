@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import shutil
-import tempfile
 import threading
 
 from agent_loop.types import GenerationResult, SamplingParams
@@ -52,7 +50,6 @@ class VLLMEngineBackend:
         kwargs.update(engine_kwargs)
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
-        self._weights_dir: tempfile.TemporaryDirectory | None = None
         self._start()
 
     def _start(self) -> None:
@@ -113,26 +110,13 @@ class VLLMEngineBackend:
         return GenerationResult(token_ids, logprobs, completion.finish_reason)
 
     def update_weights(self, state_dict: dict) -> None:
-        """Load new policy weights (the trainer's push after each step) by a reload.
+        """Load new policy weights (the trainer's push after each step) in place: vLLM's ``reload_weights``
+        on the running engine, then a prefix-cache reset (``weight_sync.reload_engine_weights``; a fraction
+        of a second for the tiny agent, where a restart took about a minute). Call it between rollouts,
+        not during one; raises ``WeightSyncError`` if the engine did not take the weights."""
+        from agent_loop.backends.weight_sync import reload_engine_weights
 
-        The weights are saved next to a copy of the model folder's config and tokenizer files and the
-        engine restarts on them (seconds for a small model). Call it between rollouts, not during one.
-        """
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="auto")
-        model.load_state_dict(state_dict)
-        weights_dir = tempfile.TemporaryDirectory(prefix="agent-loop-weights-")
-        for name in os.listdir(self.model_path):  # tokenizer, template, generation config
-            source = os.path.join(self.model_path, name)
-            if os.path.isfile(source) and not name.endswith((".safetensors", ".bin")):
-                shutil.copy(source, weights_dir.name)
-        model.save_pretrained(weights_dir.name)
-        self.close()
-        if self._weights_dir is not None:
-            self._weights_dir.cleanup()
-        self.model_path, self._weights_dir = weights_dir.name, weights_dir
-        self._start()
+        reload_engine_weights(self, state_dict)
 
     def close(self) -> None:
         """Shut the engine process and the loop thread down; idempotent."""

@@ -1,0 +1,205 @@
+"""New policy weights into running vLLM servers, in place, without a restart.
+
+What vLLM (0.32) offers, and what this module uses:
+
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` runs
+  ``Worker.reload_weights`` on every worker of the server: the model's weights are reloaded in place
+  from the safetensors files in ``DIR`` (vLLM's own loader, so its name mapping, fused QKV/gate-up
+  layouts, tied embeddings and dtype casts apply), without rebuilding the engine, the KV cache or the
+  compiled graphs. Its LoRA, encoder and multimodal caches are reset by the worker.
+- ``POST /reset_prefix_cache``: KV blocks computed with the old weights must not be reused.
+- ``POST /update_weight_version`` / ``GET /weight_info``: a label for the loaded weights; the sync
+  sets it and reads it back, so a server that did not take the weights is caught, not trusted.
+
+These are development endpoints: start the servers with ``VLLM_SERVER_DEV_MODE=1``. The weights go
+through a filesystem the servers can read (the same machine, or a shared volume): ``weights_dir``.
+vLLM also has NCCL/IPC weight-transfer engines (``/init_weight_transfer_engine``,
+``/update_weights``) for GPU servers; they need a CUDA trainer and GPU servers in one NCCL group, so
+they are not used here (see docs/design.md).
+
+Any failure (connection refused, an HTTP error, a worker that raised, a version that did not change)
+raises ``WeightSyncError``: the next rollouts would otherwise sample from a stale policy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class WeightSyncError(RuntimeError):
+    """A rollout server did not take the new weights."""
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``state_dict`` as one safetensors file in ``directory`` (created), in ``dtype`` if given.
+
+    Tensors that share memory (tied input and output embeddings) are written as copies, which vLLM's
+    loader accepts (it skips the output head of a tied model)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        tensor = tensor.to("cpu").contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    path = directory / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _post(url: str, body: dict | None, timeout_s: float) -> dict:
+    data = json.dumps(body if body is not None else {}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    return _send(request, timeout_s)
+
+
+def _send(request: urllib.request.Request, timeout_s: float) -> dict:
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            payload = response.read()
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:2000]
+        raise WeightSyncError(f"{request.full_url} answered HTTP {error.code}: {detail}") from error
+    except (urllib.error.URLError, OSError) as error:
+        raise WeightSyncError(f"{request.full_url} unreachable: {error}") from error
+    return json.loads(payload) if payload else {}
+
+
+class VLLMServerWeightSync:
+    """Pushes policy weights to vLLM OpenAI-compatible servers (``VLLM_SERVER_DEV_MODE=1``) after each step.
+
+    base_urls: the servers' roots ("http://127.0.0.1:8000"), all serving the policy's architecture.
+    weights_dir: a folder every server can read; each push writes a fresh subfolder and deletes the
+    previous one once every server has loaded the new one (default: a temporary folder on this machine).
+    dtype: the dtype the weights are written in (default: as given; bf16 halves the bytes for bf16 servers).
+    timeout_s: limit for one server's reload.
+
+    ``update_weights(state_dict)`` has the signature of a backend's, so the trainer calls it as one
+    (rank 0 only, ``Trainer(..., weight_sync=...)``). ``timings`` keeps the seconds of each push.
+    """
+
+    def __init__(self, base_urls: list[str] | str, *, weights_dir: str | Path | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 600.0):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("VLLMServerWeightSync needs at least one server URL")
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self._temporary = None
+        if weights_dir is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix="agent-loop-sync-")
+            weights_dir = self._temporary.name
+        self.weights_dir = Path(weights_dir)
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.run_id = uuid.uuid4().hex[:8]  # weight-version labels are unique to this pusher
+        self.current: Path | None = None
+        self.timings: list[float] = []
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> float:
+        """Write ``state_dict``, have every server reload it, reset their prefix caches and check their
+        weight version; returns the seconds it took. Raises ``WeightSyncError`` if any server did not take it."""
+        started = time.perf_counter()
+        version = self.version + 1
+        folder = self.weights_dir / f"v{version:06d}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        save_weights(state_dict, folder, self.dtype)
+        with ThreadPoolExecutor(len(self.base_urls)) as pool:
+            list(pool.map(lambda url: self._reload(url, folder, f"agent-loop-{self.run_id}-v{version}"), self.base_urls))
+        previous, self.current, self.version = self.current, folder, version
+        if previous is not None and previous != folder:
+            shutil.rmtree(previous, ignore_errors=True)
+        elapsed = time.perf_counter() - started
+        self.timings.append(elapsed)
+        return elapsed
+
+    def _reload(self, url: str, folder: Path, label: str) -> None:
+        answer = _post(f"{url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)},
+                                                 "timeout": self.timeout_s}, self.timeout_s)
+        for result in answer.get("results", []):
+            if result is not None:  # reload_weights returns None on every worker; anything else is an error text
+                raise WeightSyncError(f"{url}: reload_weights returned {result!r}")
+        if not _post(f"{url}/reset_prefix_cache", None, self.timeout_s).get("success", True):
+            raise WeightSyncError(f"{url}: the prefix cache could not be reset (requests still running?)")
+        _post(f"{url}/update_weight_version", {"new_version": label}, self.timeout_s)
+        request = urllib.request.Request(f"{url}/weight_info", method="GET")
+        loaded = _send(request, self.timeout_s).get("weight_version")
+        if loaded != label:
+            raise WeightSyncError(f"{url}: weight version is {loaded!r} after the sync, expected {label!r}")
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            self._temporary.cleanup()
+            self._temporary = None
+
+
+def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_dir: str | Path | None = None) -> float:
+    """New weights into an in-process ``VLLMEngineBackend`` in place: the engine's ``collective_rpc("reload_weights")``
+    from a safetensors file, then a prefix-cache reset; no engine restart (its ``update_weights`` restarts the
+    engine). Returns the seconds it took; raises ``WeightSyncError`` if the engine did not take the weights.
+    Call it between rollouts, not during one."""
+    import asyncio
+
+    engine = getattr(backend, "_engine", None)
+    if engine is None:
+        raise WeightSyncError("the vLLM engine backend is closed")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="agent-loop-reload-", dir=weights_dir) as folder:
+        save_weights(state_dict, folder)
+
+        async def reload():
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            return await engine.reset_prefix_cache()
+
+        try:
+            reset = asyncio.run_coroutine_threadsafe(reload(), backend._loop).result()
+        except Exception as error:
+            raise WeightSyncError(f"the vLLM engine did not reload the weights: {error}") from error
+    if reset is False:
+        raise WeightSyncError("the vLLM engine's prefix cache could not be reset after the reload")
+    return time.perf_counter() - started
+
+
+class PerRunHTTPBackend:
+    """Rollouts on OpenAI-compatible servers for a caller that runs each batch of rollouts in its own
+    ``asyncio.run`` (the trainer): an ``OpenAIHTTPBackend`` is opened on first use in a run and closed by
+    ``aclose()`` at its end. ``update_weights`` does nothing: the servers are shared by every trainer rank,
+    so rank 0 pushes to them through ``VLLMServerWeightSync`` (``Trainer(..., weight_sync=...)``)."""
+
+    def __init__(self, base_urls: list[str] | str, model: str, **http_kwargs):
+        self.base_urls, self.model, self.http_kwargs = base_urls, model, http_kwargs
+        self._backend = None
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        if self._backend is None:
+            from agent_loop.backends.openai_http import OpenAIHTTPBackend
+
+            self._backend = OpenAIHTTPBackend(self.base_urls, self.model, **self.http_kwargs)
+        return await self._backend.generate(prompt_ids, sampling, session_id)
+
+    async def aclose(self) -> None:
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
+
+    def update_weights(self, state_dict) -> None:
+        pass

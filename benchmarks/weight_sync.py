@@ -1,0 +1,126 @@
+"""Seconds to push new policy weights into each rollout backend (the trainer's push after every step).
+
+    python benchmarks/weight_sync.py                 # the tiny agent (1.1 M parameters)
+    python benchmarks/weight_sync.py --reps 3 --out weight_sync.md
+
+Backends: the in-process transformers backend (``load_state_dict``); the in-process vLLM engine in
+place (``VLLMEngineBackend.update_weights`` = ``weight_sync.reload_engine_weights``,
+``collective_rpc("reload_weights")``; it restarted the engine before, about 54 s here); a vLLM OpenAI server on 127.0.0.1 in place
+(``VLLMServerWeightSync``: ``/collective_rpc`` reload, prefix-cache reset, weight version check).
+Each in-place push is checked: after it, the backend's greedy tokens for a fixed prompt equal the
+transformers model's with the pushed weights. Median of ``--reps`` pushes of perturbed weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agent_loop.backends.hf import TransformersBackend  # noqa: E402
+from agent_loop.types import SamplingParams  # noqa: E402
+
+
+def perturbed(model, seed: int):
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=generator) * p.std() * 0.1)
+    return other
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=())
+
+
+def greedy(backend, prompt) -> list[int]:
+    async def go():
+        return (await backend.generate(prompt, GREEDY)).token_ids
+    return asyncio.run(go())
+
+
+async def http_greedy(url, prompt) -> list[int]:
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+
+    async with OpenAIHTTPBackend([url], "policy") as backend:
+        return (await backend.generate(prompt, GREEDY)).token_ids
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from agent_loop.tiny import tiny_agent_path
+
+    model_dir = str(tiny_agent_path(stage="final"))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    versions = [perturbed(base, seed) for seed in range(args.reps)]
+    prompt = list(range(100, 140))
+    rows = []
+
+    def record(name, seconds, agree):
+        rows.append((name, statistics.median(seconds), min(seconds), agree))
+
+    hf = TransformersBackend(copy.deepcopy(base))
+    seconds = []
+    for model in versions:
+        started = time.perf_counter()
+        hf.update_weights(model.state_dict())
+        seconds.append(time.perf_counter() - started)
+    record("transformers (in process)", seconds, "exact (same weights)")
+
+    from agent_loop.backends.vllm_engine import VLLMEngineBackend
+    from agent_loop.backends.weight_sync import VLLMServerWeightSync, reload_engine_weights
+
+    with VLLMEngineBackend(model_dir, seed=0) as engine:
+        seconds, agree = [], True
+        for model in versions:
+            seconds.append(reload_engine_weights(engine, model.state_dict()))
+            agree &= greedy(engine, prompt) == greedy(TransformersBackend(model), prompt)
+        record("vLLM engine, in place (reload_weights)", seconds, "yes" if agree else "NO")
+
+    from agent_loop.backends.openai_http import local_vllm_server
+
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    with local_vllm_server(model_dir, "policy") as url:
+        sync = VLLMServerWeightSync(url)
+        seconds, agree = [], True
+        for model in versions:
+            seconds.append(sync.update_weights(model.state_dict()))
+            agree &= asyncio.run(http_greedy(url, prompt)) == greedy(TransformersBackend(model), prompt)
+        record("vLLM server over HTTP, in place", seconds, "yes" if agree else "NO")
+        sync.close()
+
+    console = Console(record=True, width=120)
+    parameters = sum(p.numel() for p in base.parameters())
+    table = Table(title=f"weight push per step, tiny agent ({parameters / 1e6:.1f} M parameters, fp32), "
+                        f"median of {args.reps}")
+    for column in ("backend", "median s", "min s", "greedy tokens = transformers after push"):
+        table.add_column(column)
+    for name, median, fastest, agree in rows:
+        table.add_row(name, f"{median:.3f}", f"{fastest:.3f}", agree)
+    console.print(table)
+    if args.out:
+        args.out.write_text(console.export_text())
+    return 0 if all(r[3] != "NO" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

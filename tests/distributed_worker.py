@@ -1,0 +1,40 @@
+"""One training step, with its intermediate tensors saved, for tests/test_distributed.py.
+
+Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON``) or under torchrun; every rank
+writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns, recomputed old logprobs,
+the step's metrics and the parameters after the update.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer import TrainConfig, Trainer
+from trainer.distributed import close_data_parallel
+from trainer.metrics import rollout_metrics
+
+
+def main(out: str, config_json: str) -> None:
+    trainer = Trainer(TrainConfig(**json.loads(config_json)))
+    try:
+        trajectories = trainer.rollouts(0)
+        batch = trainer.make_batch(trajectories)
+        metrics = rollout_metrics(trajectories)
+        metrics.update(trainer.score(batch))
+        metrics.update(trainer.update(batch, 0))
+        torch.save({
+            "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
+            "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],
+            "old_logprobs": batch["old_logprobs"], "metrics": metrics,
+            "parameters": {name: p.detach().clone() for name, p in trainer.policy.named_parameters()},
+        }, Path(out) / f"rank{trainer.dp.rank}.pt")
+    finally:
+        close_data_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
