@@ -12,12 +12,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop.config import add_config_argument, parse_with_config
 from agent_loop.loop import LoopConfig
 
 
 def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that plays episodes."""
-    parser.add_argument("--task", default="arithmetic", help="built-in task (arithmetic, lookup)")
+    parser.add_argument("--task", default=None,
+                        help="built-in task (arithmetic, default; lookup), package.module:Name or file.py[:Name]")
+    add_plugin_arguments(parser)
     parser.add_argument("--model", default=None, help="model dir (default: the built-in tiny agent)")
     parser.add_argument("--backend", default="hf", choices=["hf", "vllm", "http"])
     parser.add_argument("--server", action="append", default=[], help="OpenAI-compatible base URL (http backend)")
@@ -28,6 +31,37 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
                  "max_parallel_tool_calls", "tool_timeout_s", "temperature", "top_p", "top_k"):
         value = getattr(defaults, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+
+
+def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompts/--reward/--reward-weights/--tools/--system: a task from data (agent_loop.plugins)."""
+    parser.add_argument("--prompts", default=None, help="prompts file: .jsonl, .parquet or a saved HF dataset folder")
+    parser.add_argument("--reward", action="append", default=[],
+                        help="reward of --prompts: exact, number, contains, regex:PATTERN or module:function (repeatable)")
+    parser.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per --reward")
+    parser.add_argument("--tools", default=None, help="tools of --prompts: a module or .py file of functions")
+    parser.add_argument("--system", default=None, help="system prompt for --prompts episodes")
+
+
+def task_from_args(args: argparse.Namespace):
+    """The task the options name; exits with the reason if it cannot be loaded."""
+    from agent_loop.plugins import PluginError, task_from_options
+
+    try:
+        return task_from_options(args.task, args.prompts, args.tools, args.reward, args.reward_weights, args.system)
+    except PluginError as error:
+        raise SystemExit(f"agent-loop: {error}") from None
+
+
+def check_model(model_path: str, backend: str):
+    """The model's tokenizer, after checking the folder (agent_loop.models); exits with every problem found
+    before anything expensive starts."""
+    from agent_loop.models import ModelError, check_model_dir
+
+    try:
+        return check_model_dir(model_path, backend).tokenizer
+    except ModelError as error:
+        raise SystemExit(f"agent-loop: {error}") from None
 
 
 def loop_config_from(args: argparse.Namespace) -> LoopConfig:
@@ -111,28 +145,31 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from agent_loop.config import save_resolved_config
     from agent_loop.runner import run_rollouts
-    from agent_loop.tasks import get_task
 
     console = Console()
+    task = task_from_args(args)
     model_path = resolve_model(args)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = check_model(model_path, args.backend) if args.model else AutoTokenizer.from_pretrained(model_path)
     backend = make_backend(args, model_path)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")  # a fresh file per run; episodes are appended as they finish
+    saved = save_resolved_config(args, args.parser, out.with_name(out.stem + ".config.yaml"))
     started = time.perf_counter()
     trajectories = asyncio.run(run_rollouts(
-        get_task(args.task), backend, tokenizer, range(args.episodes), loop_config_from(args),
+        task, backend, tokenizer, range(args.episodes), loop_config_from(args),
         seed=args.seed, concurrency=args.concurrency, output_path=out,
     ))
     elapsed = time.perf_counter() - started
-    console.print(summary_table(trajectories, f"{args.task} rollout"))
+    console.print(summary_table(trajectories, f"{task.name} rollout"))
     assistant_tokens = sum(t.metrics["assistant_tokens"] for t in trajectories)
     console.print(f"{len(trajectories) / elapsed:.2f} episodes/s, {assistant_tokens / elapsed:.0f} assistant tokens/s "
                   f"({elapsed:.1f} s, concurrency {args.concurrency}, backend {args.backend}, model {model_path})")
     console.print(returns_table(trajectories, tokenizer.pad_token_id or 0, args.gamma))
-    console.print(f"wrote {len(trajectories)} trajectories to {out}  (look inside: agent-loop inspect {out})")
+    console.print(f"wrote {len(trajectories)} trajectories to {out}  (look inside: agent-loop inspect {out}); "
+                  f"settings: {saved}")
     return 0
 
 
@@ -162,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     rollout.add_argument("--episodes", type=int, default=64)
     rollout.add_argument("--out", default="runs/rollouts.jsonl")
     rollout.add_argument("--gamma", type=float, default=1.0)
-    rollout.set_defaults(run=cmd_rollout)
+    add_config_argument(rollout)
+    rollout.set_defaults(run=cmd_rollout, parser=rollout)
     commands.add_parser("inspect", help="see spans, rewards, returns and advantages token by token (--help)")
     commands.add_parser("train", help="train the policy with RL on a task (--help)")
 
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv, target=rollout)
     return args.run(args)
 
 

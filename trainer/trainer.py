@@ -42,7 +42,6 @@ from advantages import (
 from agent_loop.collate import trajectories_to_batch
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
-from agent_loop.tasks import get_task
 from trainer.config import TrainConfig
 from trainer.grouping import GroupedTask
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
@@ -79,7 +78,7 @@ class Trainer:
     backend with ``update_weights(state_dict)`` works (the trainer pushes weights after each step).
     """
 
-    def __init__(self, config: TrainConfig, backend=None):
+    def __init__(self, config: TrainConfig, backend=None, task=None):
         config.validate()
         if config.returns_variant not in RETURN_VARIANTS:
             raise ValueError(f"unknown returns_variant {config.returns_variant!r}; choose one of {sorted(RETURN_VARIANTS)}")
@@ -119,7 +118,12 @@ class Trainer:
                                           pad_token_id=self.pad_token_id)
         self.backend = backend
         self.backend.update_weights(self.policy.state_dict())
-        self.task = GroupedTask(get_task(config.task), config.group_size, question_seed=config.seed)
+        if task is None:  # ``task`` may be any task object; else config.task names one (agent_loop.plugins)
+            from agent_loop.plugins import load_task
+
+            task = load_task(config.task)
+        self.base_task = task
+        self.task = GroupedTask(task, config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
                                       max_response_tokens=config.max_response_tokens, temperature=config.temperature)
         self.logger = MetricsLogger(self.output_dir, fresh=not config.resume)
@@ -260,7 +264,7 @@ class Trainer:
         """Greedy success on ``eval_episodes`` held-out questions (the same questions every time)."""
         loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
         trajectories = asyncio.run(run_rollouts(
-            get_task(self.config.task), self.backend, self.tokenizer, range(self.config.eval_episodes), loop_config,
+            self.base_task, self.backend, self.tokenizer, range(self.config.eval_episodes), loop_config,
             seed=self.config.seed + EVAL_SEED_OFFSET, concurrency=self.config.concurrency, progress=False,
         ))
         metrics = rollout_metrics(trajectories)
