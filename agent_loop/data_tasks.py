@@ -406,7 +406,7 @@ class DatasetTask:
         if self.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system})
         return Episode(messages=messages, tools=list(self.tools), answer=row["answer"],
-                       info={"task": self.name, "index": index, "seed": seed, "row_index": row_index, "row": row["row"]})
+                       info={"row_index": row_index, "row": row["row"]})
 
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
         """The weighted sum of the reward functions; 0.0 with ``info["reward_error"]`` if any of them fails."""
@@ -466,7 +466,7 @@ class Environment:
         if self.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system})
         return Episode(messages=messages, tools=self.episode_tools(raw if isinstance(raw, dict) else {"prompt": raw}),
-                       answer=row["answer"], info={"task": self.name, "index": index, "seed": seed, "row": row["row"]})
+                       answer=row["answer"], info={"row": row["row"]})
 
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
         return score_episode(self._rewards, episode, messages, tool_calls)

@@ -30,13 +30,15 @@ class PluginError(ValueError):
     """A plug-in (task, tools, reward) named on the command line or in a config cannot be used."""
 
 
-def import_module(spec: str, option: str):
-    """A module by dotted name or ``.py`` file path; PluginError with the reason if it does not import."""
+def import_module(spec: str, option: str, shown: str | None = None):
+    """A module by dotted name or ``.py`` file path; PluginError with the reason if it does not import
+    (naming ``option`` and ``shown``, the string the user gave; default ``spec``)."""
+    shown = shown or spec
     path = Path(spec)
     try:
         if spec.endswith(".py") or path.is_file():
             if not path.is_file():
-                raise PluginError(f"{option} {spec!r}: file not found")
+                raise PluginError(f"{option} {shown!r}: file not found")
             name = f"agent_loop_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
             if name in sys.modules:
                 return sys.modules[name]
@@ -53,16 +55,16 @@ def import_module(spec: str, option: str):
     except PluginError:
         raise
     except ModuleNotFoundError as error:
-        raise PluginError(f"{option} {spec!r} does not import: {error} "
+        raise PluginError(f"{option} {shown!r} does not import: {error} "
                           "(a dotted module on the Python path, or a path to a .py file)") from None
     except Exception as error:
-        raise PluginError(f"{option} {spec!r} does not import: {type(error).__name__}: {error}") from error
+        raise PluginError(f"{option} {shown!r} does not import: {type(error).__name__}: {error}") from error
 
 
 def import_object(spec: str, option: str) -> tuple[Any, Any]:
     """``module:Name`` -> ``(module, object)``; ``module`` alone -> ``(module, None)``."""
     module_part, _, attribute = spec.rpartition(":") if ":" in spec and not _is_drive(spec) else (spec, "", "")
-    module = import_module(module_part, option)
+    module = import_module(module_part, option, shown=spec)
     if not attribute:
         return module, None
     if not hasattr(module, attribute):
