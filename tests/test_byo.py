@@ -429,14 +429,15 @@ def test_rollout_from_config_file_flags_override_and_resolved_config_saved(tmp_p
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {a}*3?", "answer": a * 3}) + "\n" for a in range(2, 9))
                        + "this line is broken\n")
+    (tmp_path / "calc_tools.py").write_text("from agent_loop.tasks import calculator\n\nTOOLS = [calculator]\n")
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"prompts": str(prompts), "reward": ["number"], "tools": "agent_loop.tasks",
+    config.write_text(yaml.safe_dump({"prompts": str(prompts), "reward": ["number"], "tools": str(tmp_path / "calc_tools.py"),
                                       "episodes": 50, "max-turns": 2, "concurrency": 4, "model": str(tiny_agent_dir),
                                       "out": str(tmp_path / "from_file.jsonl")}))
     out = tmp_path / "run" / "rollouts.jsonl"
     with pytest.warns(UserWarning, match=f"{prompts}:8: not JSON"):
         assert main(["rollout", "--config", str(config), "--episodes", "3", "--out", str(out), "--temperature", "0"]) == 0
-    trajectories = read_trajectories(out)
+    trajectories = sorted(read_trajectories(out), key=lambda t: t.info["index"])  # the file is in finishing order
     assert len(trajectories) == 3 and not (tmp_path / "from_file.jsonl").exists()
     assert [t.info["answer"] for t in trajectories] == [6, 9, 12] and all(t.metrics["turns"] <= 2 for t in trajectories)
     saved = yaml.safe_load((out.parent / "rollouts.config.yaml").read_text())
@@ -445,4 +446,5 @@ def test_rollout_from_config_file_flags_override_and_resolved_config_saved(tmp_p
     # the saved file reproduces the run
     rerun = tmp_path / "rerun.jsonl"
     assert main(["rollout", "--config", str(out.parent / "rollouts.config.yaml"), "--out", str(rerun)]) == 0
-    assert [t.response_ids for t in read_trajectories(rerun)] == [t.response_ids for t in trajectories]
+    rerun_trajectories = sorted(read_trajectories(rerun), key=lambda t: t.info["index"])
+    assert [t.response_ids for t in rerun_trajectories] == [t.response_ids for t in trajectories]
