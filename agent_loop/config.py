@@ -38,7 +38,7 @@ def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
         return value
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") or isinstance(action.nargs, int):
         values = value if isinstance(value, list) else [value]
         return [_convert_one(action, key, v, where) for v in values]
     return _convert_one(action, key, value, where)
