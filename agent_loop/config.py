@@ -93,12 +93,18 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None,
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--config", default=None)
     known, _ = probe.parse_known_args(argv)
+    settings = {}
     if known.config:
         try:
-            target.set_defaults(**read_config(known.config, target))
+            settings = read_config(known.config, target)
         except ConfigError as error:
             target.error(str(error))
-    return parser.parse_args(argv)
+        target.set_defaults(**settings)
+    args = parser.parse_args(argv)
+    for dest, action in _options(target).items():  # a repeatable flag given here replaces the file's list
+        if isinstance(action, argparse._AppendAction) and isinstance(settings.get(dest), list):
+            setattr(args, dest, getattr(args, dest)[len(settings[dest]):] or settings[dest])
+    return args
 
 
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:

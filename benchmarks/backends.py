@@ -54,7 +54,12 @@ async def measure(task, backend, tokenizer, episodes: int, concurrency: int, con
 
 async def sweep(task, backend, tokenizer, args, config) -> dict[int, dict]:
     await measure(task, backend, tokenizer, 4, 4, config)  # warm-up: first requests allocate and cache
-    return {c: await measure(task, backend, tokenizer, max(args.episodes, c), c, config) for c in args.concurrency}
+    results = {}
+    for c in args.concurrency:
+        results[c] = await measure(task, backend, tokenizer, max(args.episodes, c), c, config)
+        print(f"  concurrency {c}: {results[c]['episodes_per_s']:.2f} episodes/s, {results[c]['tokens_per_s']:.0f} "
+              f"assistant tok/s ({results[c]['seconds']:.1f} s)", flush=True)  # partial results survive a timeout
+    return results
 
 
 def run_backend(name: str, model_path: Path, task, tokenizer, args, config) -> dict[int, dict]:
@@ -124,6 +129,7 @@ def main() -> None:
     config = LoopConfig(temperature=1.0, max_tokens=args.max_tokens)
     results = {}
     for name in args.backends:
+        print(f"{name}:", flush=True)
         results[name] = run_backend(name, model_path, task, tokenizer, args, config)
         print(f"{name}: done", flush=True)
     print(f"\nmodel {model_path}, task {args.task}, temperature 1.0, max_tokens {args.max_tokens}, "

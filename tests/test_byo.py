@@ -396,6 +396,23 @@ def test_config_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     assert not (tmp_path / "r.jsonl").exists()  # nothing written before the settings are checked
 
 
+def test_config_flags_override_the_file_lists_included(tmp_path):
+    import argparse
+
+    from agent_loop.cli import add_loop_arguments
+    from agent_loop.config import add_config_argument, parse_with_config
+
+    parser = argparse.ArgumentParser()
+    add_loop_arguments(parser)
+    add_config_argument(parser)
+    path = tmp_path / "run.yaml"
+    path.write_text("reward: [number, exact]\nmax_turns: 2\ntemperature: 0.5\n")
+    args = parse_with_config(parser, ["--config", str(path), "--reward", "contains", "--max-turns", "5"])
+    assert (args.reward, args.max_turns, args.temperature) == (["contains"], 5, 0.5)
+    args = parse_with_config(parser, ["--config", str(path)])
+    assert (args.reward, args.max_turns) == (["number", "exact"], 2)
+
+
 def test_config_values_are_checked_with_the_options_types(tmp_path):
     import argparse
 
