@@ -52,10 +52,25 @@ async def measure(task, backend, tokenizer, episodes: int, concurrency: int, con
     }
 
 
+def prefill_logits_gib(task, tokenizer, concurrency: int) -> float:
+    """Memory of the transformers backend's first forward: it keeps logits for every prompt position
+    (``concurrency x prompt tokens x vocab`` floats), 15 GiB for Qwen2.5's vocabulary at concurrency 64."""
+    from agent_loop.loop import _formatter
+    from agent_loop.tools import ToolExecutor
+
+    episode = task.make_episode(0)
+    prompt = _formatter(tokenizer, ToolExecutor(episode.tools).schemas).prompt_ids(episode.messages)
+    return concurrency * len(prompt) * len(tokenizer) * 4 / 2**30
+
+
 async def sweep(task, backend, tokenizer, args, config) -> dict[int, dict]:
     await measure(task, backend, tokenizer, 4, 4, config)  # warm-up: first requests allocate and cache
     results = {}
     for c in args.concurrency:
+        if isinstance(backend, TransformersBackend) and (gib := prefill_logits_gib(task, tokenizer, c)) > args.max_logits_gib:
+            print(f"  concurrency {c}: skipped, its prefill would hold {gib:.1f} GiB of logits "
+                  f"(> --max-logits-gib {args.max_logits_gib:g})", flush=True)
+            continue
         results[c] = await measure(task, backend, tokenizer, max(args.episodes, c), c, config)
         print(f"  concurrency {c}: {results[c]['episodes_per_s']:.2f} episodes/s, {results[c]['tokens_per_s']:.0f} "
               f"assistant tok/s ({results[c]['seconds']:.1f} s)", flush=True)  # partial results survive a timeout
@@ -104,8 +119,11 @@ def print_table(results: dict[str, dict[int, dict]], concurrency: list[int]) -> 
     baseline = results.get("transformers", {})
     for name, by_level in results.items():
         for c in concurrency:
-            r = by_level[c]
-            ratio = f"{r['episodes_per_s'] / baseline[c]['episodes_per_s']:.2f}x" if c in baseline else "-"
+            r = by_level.get(c)
+            if r is None:
+                print(f"| {name} | {c} | skipped (memory) | | | |")
+                continue
+            ratio = f"{r['episodes_per_s'] / baseline[c]['episodes_per_s']:.2f}x" if baseline.get(c) else "-"
             print(f"| {name} | {c} | {r['episodes_per_s']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['success']:.2f} |")
 
 
@@ -119,6 +137,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the transformers backend")
     parser.add_argument("--random-model", default=None, choices=sorted(ARCHITECTURES),
                         help="benchmark a random-weight model of this shape (agent_loop.models.ARCHITECTURES)")
+    parser.add_argument("--max-logits-gib", type=float, default=4.0,
+                        help="skip transformers levels whose prefill logits would need more memory")
     parser.add_argument("--max-tokens", type=int, default=LoopConfig.max_tokens, help="per assistant turn")
     args = parser.parse_args()
 
