@@ -78,10 +78,50 @@ class RolloutOptions:
         return LoopConfig(**{k: getattr(self, k) for k in names if hasattr(self, k)})
 
 
+PLUGIN_OPTIONS = ("prompts", "reward", "reward_weights", "tools", "system")  # a task from data (agent_loop.plugins)
+
+
+def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompts/--reward/--reward-weights/--tools/--system: a task from data (agent_loop.plugins)."""
+    parser.add_argument("--prompts", default=None, help="prompts file: .jsonl, .parquet or a saved HF dataset folder")
+    parser.add_argument("--reward", action="append", default=[],
+                        help="reward of --prompts: exact, number, contains, regex:PATTERN or module:function (repeatable)")
+    parser.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per --reward")
+    parser.add_argument("--tools", default=None, help="tools of --prompts: a module or .py file of functions")
+    parser.add_argument("--system", default=None, help="system prompt for --prompts episodes")
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str], default_task: str, check):
+    """Parse ``argv`` (with its ``--config`` file, if any), check the values with ``check(values) -> options``,
+    then load the task they name; returns (parsed args, options, task).
+
+    The task comes from ``--task`` (a registered name, ``package.module:Name`` or ``file.py[:Name]``) or from
+    ``--prompts`` with ``--reward``/``--tools``; a plug-in that cannot load is a UsageError."""
+    from agent_loop.config import parse_with_config
+    from agent_loop.plugins import PluginError, task_from_options
+
+    args = parse_with_config(parser, argv)
+    values = {k: v for k, v in vars(args).items() if k not in (*PLUGIN_OPTIONS, "config")}
+    plugin = {k: getattr(args, k) for k in PLUGIN_OPTIONS}
+    task_given = any(a == "--task" or a.startswith("--task=") for a in argv) or values["task"] != default_task
+    checked = check(values)
+    try:
+        task = task_from_options(values["task"] if task_given else None, default_task=default_task, **plugin)
+    except PluginError as error:
+        raise UsageError(str(error)) from None
+    return args, checked, task
+
+
 def build_parser(prog: str = "agent-loop rollout") -> argparse.ArgumentParser:
-    """The parser of ``agent-loop rollout``: one option per field of :class:`RolloutOptions`."""
-    return options.build_parser(RolloutOptions, prog, "Play episodes of a task with a model and write them as "
-                                "JSON Lines; print a summary and the batch's carry-through REINFORCE++ returns.")
+    """The parser of ``agent-loop rollout``: one option per field of :class:`RolloutOptions`, plus the
+    plug-in options and ``--config``."""
+    from agent_loop.config import add_config_argument
+
+    parser = options.build_parser(RolloutOptions, prog, "Play episodes of a task with a model and write them as "
+                                  "JSON Lines; print a summary and the batch's carry-through REINFORCE++ returns.")
+    add_plugin_arguments(parser)
+    add_config_argument(parser)
+    return parser
 
 
 def validate(values: dict, *, keys: bool = False) -> RolloutOptions:
@@ -198,19 +238,20 @@ def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
     return table
 
 
-def cmd_rollout(opts: RolloutOptions) -> int:
+def cmd_rollout(opts: RolloutOptions, task=None, save_config=None) -> int:
     """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well."""
     model_path = preflight_rollout(opts)
     from transformers import AutoTokenizer
 
     from agent_loop.jsonl import OutputExistsError
+    from agent_loop.plugins import load_task
     from agent_loop.runner import error_status, plan_output, stream_rollouts
-    from agent_loop.tasks import get_task
 
     console = Console()
+    task = task if task is not None else load_task(opts.task)
     out = Path(opts.out)
     try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
-        mode, todo = plan_output(out, range(opts.episodes), opts.seed, opts.task, resume=opts.resume,
+        mode, todo = plan_output(out, range(opts.episodes), opts.seed, task.name, resume=opts.resume,
                                  append=opts.append)
     except (OSError, ValueError, OutputExistsError) as error:
         raise UsageError(f"--out {out}: {error}") from None
@@ -218,8 +259,9 @@ def cmd_rollout(opts: RolloutOptions) -> int:
         console.print(f"{out} already holds all {opts.episodes} episodes (seed {opts.seed}); nothing to play")
         return 0
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    task = get_task(opts.task)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if save_config is not None:
+        save_config(out.with_name(out.stem + ".config.yaml"))  # the resolved settings: rerun with --config
     backend = make_backend(opts, model_path)
 
     async def play():
@@ -239,7 +281,7 @@ def cmd_rollout(opts: RolloutOptions) -> int:
                              "rerun with --resume to play the rest)") from None
         raise
     elapsed = time.perf_counter() - started
-    console.print(summary_table(stats, f"{opts.task} rollout"))
+    console.print(summary_table(stats, f"{task.name} rollout"))
     console.print(f"{stats.episodes / elapsed:.2f} episodes/s, {stats.assistant_tokens / elapsed:.0f} assistant "
                   f"tokens/s ({elapsed:.1f} s, concurrency {opts.concurrency}, backend {opts.backend}, "
                   f"model {model_path})")
@@ -285,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # usage, --help, or an unknown command (exit 2)
     prog = "agent-loop rollout"
     try:
-        opts = validate(vars(build_parser(prog).parse_args(argv[1:])))
-        return cmd_rollout(opts)
+        from agent_loop.config import save_resolved_config
+
+        parser = build_parser(prog)
+        args, opts, task = parse_command(parser, argv[1:], RolloutOptions.task, validate)
+        return cmd_rollout(opts, task, lambda path: save_resolved_config(args, parser, path))
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return USAGE_EXIT

@@ -184,9 +184,11 @@ def task_names() -> str:
 
 
 def check_task(name: str) -> str:
-    """A registered task name."""
+    """A registered task name, or a plug-in (``package.module:Name``, ``file.py[:Name]``: loaded later)."""
     from agent_loop.tasks import TASKS
 
+    if ":" in name or name.endswith(".py"):
+        return name
     if name not in TASKS:
         raise ValueError(f"unknown task{closest(name, TASKS)} (choose {task_names()})")
     return name

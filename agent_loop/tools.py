@@ -38,10 +38,14 @@ _CHECKED: dict[tuple, tuple[dict, jsonschema.Draft202012Validator]] = {}
 
 
 def _checked_schema(fn: Callable) -> tuple[dict, jsonschema.Draft202012Validator]:
+    given = getattr(fn, "json_schema", None)  # a schema given with the function (data_tasks.tools_from_schemas)
     code = getattr(fn, "__code__", None)
-    key = (code, fn.__doc__, repr(getattr(fn, "__annotations__", None))) if code else (fn,)
+    if given is not None:
+        key = (json.dumps(given, sort_keys=True),)
+    else:
+        key = (code, fn.__doc__, repr(getattr(fn, "__annotations__", None))) if code else (fn,)
     if key not in _CHECKED:
-        schema = get_json_schema(fn)
+        schema = given if given is not None else get_json_schema(fn)
         jsonschema.Draft202012Validator.check_schema(schema["function"]["parameters"])
         _CHECKED[key] = schema, jsonschema.Draft202012Validator(schema["function"]["parameters"])
     return _CHECKED[key]

@@ -20,10 +20,17 @@ STATE_FILE = "trainer_state.pt"  # trainer.trainer.STATE_FILE (not imported: tha
 
 
 def build_parser(prog: str = "agent-loop train") -> argparse.ArgumentParser:
-    return options.build_parser(
+    """One option per TrainConfig field, plus the plug-in options (a task from data) and ``--config``."""
+    from agent_loop.cli import add_plugin_arguments
+    from agent_loop.config import add_config_argument
+
+    parser = options.build_parser(
         TrainConfig, prog,
         "Train an agent with multi-turn tool-calling rollouts and PPO-clip "
         "(defaults: the built-in tiny agent's middling warm start on the arithmetic task, 2 CPU threads).")
+    add_plugin_arguments(parser)
+    add_config_argument(parser)
+    return parser
 
 
 def validate(values: dict, *, keys: bool = False) -> TrainConfig:
@@ -40,10 +47,13 @@ def preflight_train(config: TrainConfig) -> None:
         if not resume.is_dir():
             raise UsageError(f"--resume {config.resume}: no such folder (give a checkpoint folder, "
                              "OUTPUT_DIR/checkpoints/step_NNNNNN)")
-        if not (resume / STATE_FILE).is_file():
+        if (resume / "checkpoints").is_dir():
+            pass  # a run folder: the trainer picks its latest complete checkpoint (trainer.checkpoint)
+        elif not (resume / STATE_FILE).is_file():
             raise UsageError(f"--resume {config.resume}: not a checkpoint (no {STATE_FILE}; give "
-                             "OUTPUT_DIR/checkpoints/step_NNNNNN)")
-        preflight.check_model_dir(str(resume / "model"), "hf", option="--resume")
+                             "OUTPUT_DIR/checkpoints/step_NNNNNN or a run's OUTPUT_DIR)")
+        else:
+            preflight.check_model_dir(str(resume / "model"), "hf", option="--resume")
     preflight.check_output_dir(config.output_dir)
 
 
@@ -55,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = "agent-loop train"
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config = validate(vars(build_parser(prog).parse_args(argv)))
+        from agent_loop.cli import parse_command
+
+        parser = build_parser(prog)
+        args, config, task = parse_command(parser, list(argv), TrainConfig.task, validate)
         preflight_train(config)
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
@@ -72,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         try:
-            trainer = Trainer(config)
+            trainer = Trainer(config, task=task)
         except CheckpointError as error:  # an incomplete checkpoint or changed settings: a message, not a traceback
             raise SystemExit(f"agent-loop train: {error}") from None
+        if trainer.dp.is_main:
+            from agent_loop.config import save_resolved_config
+
+            save_resolved_config(args, parser, trainer.output_dir / "config.yaml")  # rerun with --config
         history = trainer.train()
     finally:
         close_data_parallel()

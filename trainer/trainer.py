@@ -40,7 +40,6 @@ from advantages import aggregate_loss, get_estimator, kl_penalty, masked_mean, p
 from agent_loop.collate import trajectories_to_batch
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
-from agent_loop.tasks import get_task
 from trainer import checkpoint
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import NullLogger, init_data_parallel, resolve_device
@@ -82,7 +81,7 @@ class Trainer:
     called by rank 0 only, after the backend's push, and every rank waits for it.
     """
 
-    def __init__(self, config: TrainConfig, backend=None, weight_sync=None):
+    def __init__(self, config: TrainConfig, backend=None, weight_sync=None, task=None):
         config.validate()
         if config.returns_variant not in RETURN_VARIANTS:
             raise ValueError(f"unknown returns_variant {config.returns_variant!r}; choose one of {sorted(RETURN_VARIANTS)}")
@@ -148,7 +147,12 @@ class Trainer:
         self.backend = backend
         self.weight_sync = weight_sync
         self.push_weights()
-        self.task = GroupedTask(get_task(config.task), config.group_size, question_seed=config.seed)
+        if task is None:  # ``task`` may be any task object; else config.task names one (agent_loop.plugins)
+            from agent_loop.plugins import load_task
+
+            task = load_task(config.task)
+        self.base_task = task
+        self.task = GroupedTask(task, config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
                                       max_response_tokens=config.max_response_tokens, temperature=config.temperature)
         if self.dp.is_main:
@@ -342,7 +346,7 @@ class Trainer:
             self._prefetch[1].result()  # one backend, one run of rollouts at a time
         loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
         trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
-            get_task(self.config.task), self.dp.shard(range(self.config.eval_episodes)), loop_config,
+            self.base_task, self.dp.shard(range(self.config.eval_episodes)), loop_config,
             self.config.seed + EVAL_SEED_OFFSET)))
         metrics = rollout_metrics(trajectories)
         self.eval_history.append((self.step, metrics["success"]))

