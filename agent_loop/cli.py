@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import inspect
 import sys
 import time
@@ -110,7 +111,8 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str], default_task
         task = task_from_options(given if task_given else None, default_task=default_task, **plugin)
     except PluginError as error:
         raise UsageError(str(error)) from None
-    return args, checked, task
+    resolved = argparse.Namespace(**{**vars(args), **dataclasses.asdict(checked)})  # checked values, typed
+    return resolved, checked, task
 
 
 def build_parser(prog: str = "agent-loop rollout") -> argparse.ArgumentParser:

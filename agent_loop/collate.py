@@ -13,7 +13,13 @@ from masking import Batch, collate
 def trajectories_to_batch(
     trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32
 ) -> Batch:
-    """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``)."""
+    """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``);
+    each is checked first (:meth:`Trajectory.check`), a ValueError naming its row."""
+    for row, trajectory in enumerate(trajectories):
+        try:
+            trajectory.check()
+        except ValueError as error:
+            raise ValueError(f"row {row}: {error}") from None
     return collate(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],

@@ -259,6 +259,7 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
     reward = float(task.reward(episode, state.messages, state.records))
     turn_rewards_fn = getattr(task, "turn_rewards", None)
     turn_rewards = turn_rewards_fn(episode, state.messages, state.records) if turn_rewards_fn else None
+    task_metrics_fn = getattr(task, "episode_metrics", None)
     metrics = {
         "turns": len(state.turn_tokens),
         "turn_tokens": state.turn_tokens,
@@ -277,6 +278,8 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         "template_drift": len(state.template_diffs) if ctx.config.history_mode == "keep_seen" else 0,
         "template_first_diff": state.template_diffs[0] if state.template_diffs else None,
     }
+    if task_metrics_fn is not None:  # the task's own numbers about the episode, averaged by the trainer
+        metrics["task"] = task_metrics_fn(episode, state.messages, state.records)
     if state.error:
         metrics["backend_error"] = state.error
     info = {"task": task.name, "index": ctx.index, "seed": ctx.seed, "answer": episode.answer,

@@ -97,6 +97,7 @@ class RolloutStats:
     tool_calls: int = 0
     template_mismatches: int = 0  # episodes whose tokens differ from a one-go render of their messages
     template_drifts: int = 0  # episodes that ran in history_mode="keep_seen" and drifted from a fresh render
+    task_metrics: Counter = field(default_factory=Counter)  # sums of the task's own per-episode numbers
     finish_reasons: Counter = field(default_factory=Counter)
     tool_errors: Counter = field(default_factory=Counter)
     first_errors: list[tuple[int, str]] = field(default_factory=list)
@@ -117,6 +118,7 @@ class RolloutStats:
         self.template_drifts += bool(metrics.get("template_drift"))
         self.finish_reasons[trajectory.finish_reason] += 1
         self.tool_errors.update(metrics.get("tool_errors", {}))
+        self.task_metrics.update(metrics.get("task", {}))
         if trajectory.finish_reason == "error" and len(self.first_errors) < self.max_errors:
             self.first_errors.append((trajectory.info.get("index", -1), episode_error(trajectory)))
         if trajectory.info.get("index") in self.sample_indices:

@@ -91,6 +91,23 @@ def last_number(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def tool_returned_answer(answer: int | float, tool_calls: list[ToolCallRecord]) -> bool:
+    """Whether some tool call returned the answer: the action before the observation was right (the
+    calculator got the right expression, the lookup the right key)."""
+    return any(c.result is not None and last_number(c.result) == float(answer) for c in tool_calls)
+
+
+class _AnswerTask:
+    """What the built-in tasks share: the reward is the final answer's last number, and each episode
+    reports whether a tool returned that answer (``Trajectory.metrics["task"]``)."""
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        return answer_reward(messages, episode.answer)
+
+    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
+        return {"tool_returned_answer": float(tool_returned_answer(episode.answer, tool_calls))}
+
+
 def answer_reward(messages: list[dict], answer: int | float) -> float:
     """1.0 if the last assistant message is a final answer whose last number equals ``answer``."""
     replies = [m for m in messages if m.get("role") == "assistant"]
@@ -103,7 +120,7 @@ def answer_reward(messages: list[dict], answer: int | float) -> float:
     return float(last_number(text) == float(answer))
 
 
-class ArithmeticTask:
+class ArithmeticTask(_AnswerTask):
     """Multi-step integer arithmetic that the model is meant to solve with the ``calculator`` tool.
 
     Expressions have two operators drawn from + - * on numbers 2..99, for example "37*12+5".
@@ -124,9 +141,6 @@ class ArithmeticTask:
             answer=int(calculator(expression)),
             info={"task": self.name, "index": index, "seed": seed, "expression": expression},
         )
-
-    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        return answer_reward(messages, episode.answer)
 
 
 # Keys are short common words: the tiny tokenizer learns each as one piece the model can copy
@@ -155,7 +169,7 @@ def make_lookup_tool(table: dict[str, str]) -> Callable[[str], str]:
     return lookup
 
 
-class LookupTask:
+class LookupTask(_AnswerTask):
     """Key-value lookup: a per-episode table of word keys and random 3-digit codes behind a ``lookup`` tool.
 
     The model cannot know the code without calling ``lookup`` with the key named in the question.
@@ -175,9 +189,6 @@ class LookupTask:
             answer=int(table[key]),
             info={"task": self.name, "index": index, "seed": seed, "key": key, "table": table},
         )
-
-    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        return answer_reward(messages, episode.answer)
 
 
 TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask}

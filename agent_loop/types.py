@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
+from masking.kinds import SpanKind
+
 # finish_reason values of a Trajectory (docs/design.md section 5)
 FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error")
 
@@ -87,6 +89,23 @@ class Trajectory:
     metrics: dict = field(default_factory=dict)  # timings, token counts, tool error counts
     info: dict = field(default_factory=dict)  # task name, episode index, seed, answer, success, model path
 
+    def check(self) -> None:
+        """Raise ValueError if the per-token lists disagree in length, hold a span kind other than
+        ASSISTANT/OBSERVATION, or a reward has no ASSISTANT token to sit on (it would be lost)."""
+        n = len(self.response_ids)
+        for name in ("spans", "turn_ids", "logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries but response_ids has {n}")
+        for pos, kind in enumerate(self.spans):
+            if kind not in (SpanKind.ASSISTANT, SpanKind.OBSERVATION):
+                raise ValueError(f"spans[{pos}] = {kind!r}, expected 1 (ASSISTANT) or 2 (OBSERVATION)")
+        if (self.reward or any(self.turn_rewards or [])) and SpanKind.ASSISTANT not in self.spans:
+            raise ValueError("a nonzero reward but no ASSISTANT token to put it on")
+        if self.turn_rewards is not None:
+            turns = {t for t, s in zip(self.turn_ids, self.spans) if s == SpanKind.ASSISTANT}
+            if len(self.turn_rewards) != len(turns):
+                raise ValueError(f"turn_rewards has {len(self.turn_rewards)} entries for {len(turns)} assistant turns")
+
     @property
     def success(self) -> bool:
         """Whether the task judged the episode a success (recorded by the loop; reward > 0 for old records)."""
@@ -136,6 +155,8 @@ class Task(Protocol):
         ...
 
     # Optional: ``success(episode, reward) -> bool``; without it an episode succeeds when its reward is > 0.
+    # Optional: ``turn_rewards(episode, messages, tool_calls) -> list[float]`` (one per assistant turn), and
+    # ``episode_metrics(episode, messages, tool_calls) -> dict[str, float]`` (``Trajectory.metrics["task"]``).
 
 
 def task_success(task: Task, episode: Episode, reward: float) -> bool:

@@ -17,8 +17,9 @@ class GroupedTask:
         self.group_size = group_size
         self.question_seed = question_seed
         self.name = task.name
-        if hasattr(task, "turn_rewards"):  # the loop looks this optional method up by name
-            self.turn_rewards = task.turn_rewards
+        for optional in ("turn_rewards", "episode_metrics", "success"):  # the loop looks these up by name
+            if hasattr(task, optional):
+                setattr(self, optional, getattr(task, optional))
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         group = index // self.group_size

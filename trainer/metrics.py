@@ -3,45 +3,32 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from agent_loop.tasks import last_number
+from agent_loop.runner import RolloutStats
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory
 
 
-def tool_returned_answer(trajectory: Trajectory) -> bool:
-    """Whether some tool call returned the episode's answer: the action before the observation was right
-    (for the built-in tasks: the calculator got the right expression, the lookup the right key)."""
-    answer = trajectory.info.get("answer")
-    if answer is None:
-        return False
-    return any(c.result is not None and last_number(c.result) == float(answer) for c in trajectory.tool_calls)
-
-
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Reward, success rate, turns, token counts, finish reasons and tool errors of one batch of episodes."""
-    n = len(trajectories)
-    finish = Counter(t.finish_reason for t in trajectories)
-    errors = Counter()
+    """Reward, success rate, turns, token counts, finish reasons, tool errors and the task's own metrics of
+    one batch of episodes: the same running totals the rollout CLI summarises (``RolloutStats``)."""
+    stats = RolloutStats()
     for t in trajectories:
-        errors.update(t.metrics.get("tool_errors", {}))
+        stats.add(t)
     metrics = {
-        "reward": sum(t.reward for t in trajectories) / n,
-        "success": sum(bool(t.info.get("success")) for t in trajectories) / n,
-        "turns": sum(t.metrics["turns"] for t in trajectories) / n,
-        "assistant_tokens": sum(t.metrics["assistant_tokens"] for t in trajectories) / n,
-        "observation_tokens": sum(t.metrics["observation_tokens"] for t in trajectories) / n,
-        "tool_calls": sum(t.metrics["tool_calls"] for t in trajectories) / n,
-        "tool_returned_answer": sum(map(tool_returned_answer, trajectories)) / n,
-        "template_mismatch": float(sum(t.metrics.get("template_mismatch", 0) for t in trajectories)),  # turns, docs/templates.md
+        "reward": stats.mean("reward_sum"),
+        "success": stats.success_rate,
+        **{name: stats.mean(name) for name in ("turns", "assistant_tokens", "observation_tokens", "tool_calls")},
+        **{name: total / stats.episodes for name, total in stats.task_metrics.items()},  # e.g. tool_returned_answer
+        # template exactness, in turns (docs/templates.md)
+        "template_mismatch": float(sum(t.metrics.get("template_mismatch", 0) for t in trajectories)),
         "template_drift": float(sum(t.metrics.get("template_drift", 0) for t in trajectories)),
     }
-    metrics.update({f"finish/{reason}": finish[reason] / n for reason in FINISH_REASONS})
-    metrics.update({f"tool_errors/{kind}": float(errors[kind]) for kind in TOOL_ERROR_KINDS})
+    metrics.update({f"finish/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})
+    metrics.update({f"tool_errors/{kind}": float(stats.tool_errors[kind]) for kind in TOOL_ERROR_KINDS})
     return metrics
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from masking import SpanKind
+from masking import Batch, SpanKind
 
 
 class ValueHead(nn.Module):
@@ -25,15 +25,15 @@ class ValueHead(nn.Module):
         return self.linear(hidden).squeeze(-1)
 
 
-def shared_prefix_length(batch: dict[str, torch.Tensor]) -> int:
+def shared_prefix_length(batch: Batch) -> int:
     """How many leading prompt tokens every row shares (the system prompt with the tool schemas, for
     example), capped at the shortest prompt minus one so that each row's last prompt token is its own.
 
     ``prompts`` (b, p) are left-padded; ``attention_mask`` (b, p + t) tells where each prompt starts.
     """
-    prompts = batch["prompts"]
+    prompts = batch.prompts
     width = prompts.shape[1]
-    lengths = batch["attention_mask"][:, :width].sum(1)
+    lengths = batch.attention_mask[:, :width].sum(1)
     shortest = int(lengths.min())
     columns = (width - lengths).unsqueeze(1) + torch.arange(max(shortest - 1, 0), device=prompts.device)
     aligned = prompts.gather(1, columns)  # (b, shortest - 1): each row's prompt, left-aligned
@@ -42,7 +42,7 @@ def shared_prefix_length(batch: dict[str, torch.Tensor]) -> int:
 
 
 def response_forward(
-    model, batch: dict[str, torch.Tensor], value_head: ValueHead | None = None, share_prefix: bool = True
+    model, batch: Batch, value_head: ValueHead | None = None, share_prefix: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits predicting each response token, and the value of the state before it.
 
@@ -56,24 +56,24 @@ def response_forward(
     (up to float rounding), for a fraction of the work when the shared prefix is long. The output
     head runs only on the t positions that predict response tokens.
     """
-    t = batch["responses"].shape[1]
+    t = batch.responses.shape[1]
     decoder = model.get_decoder()
     prefix = shared_prefix_length(batch) if share_prefix else 0
     if prefix == 0:
-        hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids, use_cache=False).last_hidden_state
     else:
-        prompts, attention = batch["prompts"], batch["attention_mask"]
+        prompts, attention = batch.prompts, batch.attention_mask
         width = prompts.shape[1]
         lengths = attention[:, :width].sum(1)
         first = width - int(lengths[0])
         cache = decoder(input_ids=prompts[:1, first : first + prefix], use_cache=True).past_key_values
         cache.batch_repeat_interleave(prompts.shape[0])
         start = width - (int(lengths.max()) - prefix)  # the columns holding every row's unshared prompt tokens
-        positions = batch["position_ids"][:, start:]
+        positions = batch.position_ids[:, start:]
         own = attention[:, start:] * (positions >= prefix)  # a row's copy of the shared prefix is masked out
         hidden = decoder(
-            input_ids=batch["input_ids"][:, start:], position_ids=positions, past_key_values=cache, use_cache=True,
+            input_ids=batch.input_ids[:, start:], position_ids=positions, past_key_values=cache, use_cache=True,
             attention_mask=torch.cat([torch.ones_like(attention[:, :prefix]), own], dim=1),
         ).last_hidden_state
     hidden = hidden[:, -t - 1 : -1]  # position i predicts token i + 1
@@ -98,7 +98,7 @@ RESPONSE_KEYS = ("responses", "spans", "response_mask", "turn_ids", "old_logprob
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int, *, shard: tuple[int, int] = (0, 1)):
+def micro_batches(batch: Batch, rows: torch.Tensor, size: int, *, shard: tuple[int, int] = (0, 1)):
     """Yield ``(part, micro)``: the rows ``rows`` of ``batch`` in micro-batches of at most ``size`` rows,
     shortest responses first, each cut to its own longest response (less padding through the model).
     ``part`` holds the micro-batch's row numbers in ``batch``.
@@ -107,41 +107,41 @@ def micro_batches(batch: dict[str, torch.Tensor], rows: torch.Tensor, size: int,
     sequence: data-parallel ranks split the work into the very micro-batches one process would run, so
     every micro-batch's numbers are the same whatever the number of ranks (trainer/distributed.py)."""
     rank, world_size = shard
-    lengths = (batch["spans"] != SpanKind.PAD).sum(1)
+    lengths = (batch.spans != SpanKind.PAD).sum(1)
     rows = rows[torch.argsort(lengths[rows], stable=True)]
-    prompt_width = batch["prompts"].shape[1]
+    prompt_width = batch.prompts.shape[1]
     for number, part in enumerate(rows.split(size)):
         if number % world_size != rank:
             continue
         t = int(lengths[part].max())
-        micro = {}
+        fields = {}
         for name, value in batch.items():
             value = value[part]
             if name in RESPONSE_KEYS:
                 value = value[:, :t]
             elif name in SEQUENCE_KEYS:
                 value = value[:, : prompt_width + t]
-            micro[name] = value
-        yield part, micro
+            fields[name] = value
+        yield part, Batch(**fields)
 
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: dict[str, torch.Tensor], micro_batch_size: int, value_head: ValueHead | None = None,
+    model, batch: Batch, micro_batch_size: int, value_head: ValueHead | None = None,
     *, shard: tuple[int, int] = (0, 1),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``(b, t)`` of the ASSISTANT tokens (and values ``(b, t)`` with a value head), in micro-batches,
     without gradient; 0 elsewhere, as the sampler's ``old_logprobs``. With ``shard=(rank, world_size)``
     only that rank's micro-batches (``micro_batches``) are filled in, the other rows are 0."""
-    b, t = batch["responses"].shape
-    device = batch["responses"].device
+    b, t = batch.responses.shape
+    device = batch.responses.device
     logprobs = torch.zeros(b, t, device=device)
     values = torch.zeros(b, t, device=device) if value_head is not None else None
     for part, micro in micro_batches(batch, torch.arange(b, device=device), micro_batch_size, shard=shard):
         logits, micro_values = response_forward(model, micro, value_head)
-        width = micro["responses"].shape[1]
-        assistant = micro["spans"] == SpanKind.ASSISTANT
-        logprobs[part, :width] = torch.where(assistant, token_logprobs(logits, micro["responses"]), 0.0)
+        width = micro.responses.shape[1]
+        assistant = micro.spans == SpanKind.ASSISTANT
+        logprobs[part, :width] = torch.where(assistant, token_logprobs(logits, micro.responses), 0.0)
         if values is not None:
             values[part, :width] = torch.where(assistant, micro_values, 0.0)
     return logprobs, values

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from advantages import aggregate_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from agent_loop.collate import trajectories_to_batch
+from masking import Batch
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from trainer import checkpoint
@@ -182,11 +183,11 @@ class Trainer:
             if hasattr(self.backend, "aclose"):
                 await self.backend.aclose()
 
-    def make_batch(self, trajectories) -> dict[str, torch.Tensor]:
+    def make_batch(self, trajectories) -> Batch:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
         batch = trajectories_to_batch(trajectories, pad_token_id=self.pad_token_id)
-        batch["index"] = torch.tensor([t.info["group"] for t in trajectories], dtype=torch.long)
-        return {name: value.to(self.device) for name, value in batch.items()}
+        batch.index = torch.tensor([t.info["group"] for t in trajectories], dtype=torch.long)
+        return batch.to(self.device)
 
     def autocast(self):
         """bf16 autocast for forward passes when ``dtype`` is bf16 (weights and optimizer stay fp32)."""
@@ -194,56 +195,56 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def batch_logprobs(self, model, batch: dict[str, torch.Tensor], value_head: ValueHead | None = None):
+    def batch_logprobs(self, model, batch: Batch, value_head: ValueHead | None = None):
         """``trainer.policy.batch_logprobs`` of the whole batch; with several ranks each scores its micro-batches."""
         with self.autocast():
             logprobs, values = batch_logprobs(model, batch, self.config.micro_batch_size, value_head, shard=self.dp.shard_of)
         return self.dp.sum_rows_(logprobs), self.dp.sum_rows_(values)
 
-    def score(self, batch: dict[str, torch.Tensor], *, sampler_is_behaviour: bool = False) -> dict[str, float]:
+    def score(self, batch: Batch, *, sampler_is_behaviour: bool = False) -> dict[str, float]:
         """Fill in ``old_logprobs`` (recomputed), ``values``, ``token_level_rewards`` (with KL), ``advantages``, ``returns``.
 
         Returns metrics: logprob mismatch between sampler and trainer, KL to the reference, advantage
         and return statistics. ``sampler_is_behaviour`` (off-policy steps) keeps the sampler's logprobs as
         ``old_logprobs`` whatever ``recompute_old_logprobs`` says: the policy has moved since they were sampled.
         """
-        config, mask = self.config, batch["response_mask"]
+        config, mask = self.config, batch.response_mask
         metrics = {}
         recomputed, values = self.batch_logprobs(self.policy, batch, self.value_head)
-        mismatch = (recomputed - batch["old_logprobs"]).abs()
+        mismatch = (recomputed - batch.old_logprobs).abs()
         metrics["logprob_mismatch/mean_abs"] = masked_mean(mismatch, mask).item()
         metrics["logprob_mismatch/max_abs"] = torch.where(mask.bool(), mismatch, 0.0).max().item()
         if config.recompute_old_logprobs and not sampler_is_behaviour:
-            batch["old_logprobs"] = recomputed
+            batch.old_logprobs = recomputed
         if values is not None:
-            batch["values"] = values
+            batch.values = values
 
-        rewards = batch["token_level_rewards"]
+        rewards = batch.token_level_rewards
         if self.reference is not None:
             ref_logprobs, _ = self.batch_logprobs(self.reference, batch)
-            kl = kl_penalty(batch["old_logprobs"], ref_logprobs, config.kl_kind, response_mask=mask)
+            kl = kl_penalty(batch.old_logprobs, ref_logprobs, config.kl_kind, response_mask=mask)
             metrics["ref_kl"] = masked_mean(kl, mask).item()
             rewards = rewards - config.kl_coef * kl
-            batch["token_level_rewards"] = rewards
+            batch.token_level_rewards = rewards
 
         estimator = self.estimator
-        needs = {"index": batch["index"]} if estimator.needs_index else {}
+        needs = {"index": batch.index} if estimator.needs_index else {}
         if estimator.needs_values:
-            needs["values"] = batch.get("values")
+            needs["values"] = batch.values
         settings = {name: getattr(config, name) for name in estimator.hyperparameters if hasattr(config, name)}
-        advantages, returns = estimator(rewards, mask, spans=batch["spans"], **needs, **settings)
-        batch["advantages"], batch["returns"] = advantages, returns
+        advantages, returns = estimator(rewards, mask, spans=batch.spans, **needs, **settings)
+        batch.advantages, batch.returns = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))
         return metrics
 
-    def micro_batch_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def micro_batch_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO-clip loss (plus the value loss for GAE, minus an entropy bonus) of one micro-batch, token-mean over its ASSISTANT tokens."""
-        config, mask = self.config, micro["response_mask"]
+        config, mask = self.config, micro.response_mask
         with self.autocast():
             logits, values = response_forward(self.policy, micro, self.value_head)
-        logprobs = token_logprobs(logits, micro["responses"])
-        loss, stats = ppo_clip_policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], mask,
+        logprobs = token_logprobs(logits, micro.responses)
+        loss, stats = ppo_clip_policy_loss(micro.old_logprobs, logprobs, micro.advantages, mask,
                                            clip_ratio=config.clip_ratio)
         entropy = token_entropy(logits)
         stats["pg_loss"] = loss.detach()
@@ -251,23 +252,23 @@ class Trainer:
         if config.entropy_coef:
             loss = loss - config.entropy_coef * aggregate_loss(entropy, mask)
         if values is not None:
-            value_loss = 0.5 * aggregate_loss((values - micro["returns"]).square(), mask)
+            value_loss = 0.5 * aggregate_loss((values - micro.returns).square(), mask)
             stats["value_loss"] = value_loss.detach()
             loss = loss + config.value_coef * value_loss
         return loss, stats
 
-    def mini_batch_step(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, float]:
+    def mini_batch_step(self, batch: Batch, rows: torch.Tensor) -> dict[str, float]:
         """One AdamW step on the rows ``rows`` of ``batch``: the loss is the token-mean over all their
         ASSISTANT tokens, accumulated over micro-batches; the gradient is clipped. Returns its stats
         (empty if the rows have no ASSISTANT token). With several ranks each runs its share of ``rows``
         and the gradients and stats are summed over the ranks (trainer/distributed.py)."""
-        tokens = batch["response_mask"][rows].sum()
+        tokens = batch.response_mask[rows].sum()
         if tokens == 0:
             return {}
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = defaultdict(float)
         for _, micro in micro_batches(batch, rows, self.config.micro_batch_size, shard=self.dp.shard_of):
-            weight = micro["response_mask"].sum() / tokens
+            weight = micro.response_mask.sum() / tokens
             if weight == 0:
                 continue
             loss, micro_stats = self.micro_batch_loss(micro)
@@ -282,7 +283,7 @@ class Trainer:
             self.optimizer.step()
         return {**stats, "grad_norm": grad_norm.item(), "skipped_updates": float(skipped)}
 
-    def update(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over the batch in shuffled mini-batches, one AdamW step each; returns the
         mean of their stats and ``loss/first``, the first mini-batch's loss (before any step: a function of
         the weights and the batch only)."""
@@ -290,7 +291,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
-            order = torch.randperm(batch["responses"].shape[0], generator=generator).to(self.device)
+            order = torch.randperm(batch.responses.shape[0], generator=generator).to(self.device)
             for rows in order.chunk(config.mini_batches):
                 for name, value in self.mini_batch_step(batch, rows).items():
                     history[name].append(value)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 import json
 
-from agent_loop.inspect.tokens import is_success, show_whitespace, turns
+from agent_loop.inspect.tokens import show_whitespace, turns
 from agent_loop.inspect.view import InspectView
 from masking.spans import SpanKind
 
@@ -235,7 +235,7 @@ def row_data(view: InspectView, row: int, compare: bool) -> dict:
 
 def episode_attrs(view: InspectView, row: int) -> str:
     traj = view.trajectories[row]
-    return (f'data-row="{row}" data-id="{view.ids[row]}" data-ok="{int(is_success(traj))}" '
+    return (f'data-row="{row}" data-id="{view.ids[row]}" data-ok="{int(traj.success)}" '
             f'data-finish="{esc(traj.finish_reason)}" data-toolerr="{sum(1 for c in traj.tool_calls if c.error_kind)}" '
             f'data-reward="{traj.reward:g}"')
 
@@ -243,7 +243,7 @@ def episode_attrs(view: InspectView, row: int) -> str:
 def episode_head(view: InspectView, row: int) -> str:
     traj = view.trajectories[row]
     n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
-    ok = is_success(traj)
+    ok = traj.success
     why = f' · <i>{esc(view.reasons[row])}</i>' if view.reasons[row] else ""
     return (f'<h2>episode {view.ids[row]} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
             f"reward {traj.reward:g} · finish {esc(traj.finish_reason)}{' (truncated)' if traj.truncated else ''} · "

@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from agent_loop.types import Trajectory
-from masking.spans import SpanKind
 
-PER_TOKEN_FIELDS = ("spans", "turn_ids", "logprobs")
 MAX_PROBLEMS = 20  # messages kept per file; further bad lines are counted
 SNIFF_BYTES = 8192  # the start of the file checked for binary data
 NOT_JSON_LINES = 3  # this many lines that are not even damaged JSON objects, before any good one: not JSON Lines
@@ -58,24 +56,6 @@ class Record:
     offset: int
 
 
-def check_trajectory(traj: Trajectory) -> None:
-    """Raise ValueError if the per-token lists disagree in length or hold unknown span kinds."""
-    n = len(traj.response_ids)
-    for name in PER_TOKEN_FIELDS:
-        if len(getattr(traj, name)) != n:
-            raise ValueError(f"{name} has {len(getattr(traj, name))} entries but response_ids has {n}")
-    allowed = {SpanKind.ASSISTANT, SpanKind.OBSERVATION}
-    for pos, kind in enumerate(traj.spans):
-        if kind not in allowed:
-            raise ValueError(f"spans[{pos}] = {kind!r}, expected 1 (ASSISTANT) or 2 (OBSERVATION)")
-    if (traj.reward or any(traj.turn_rewards or [])) and SpanKind.ASSISTANT not in traj.spans:
-        raise ValueError("a nonzero reward but no ASSISTANT token to put it on")
-    if traj.turn_rewards is not None:
-        turns = {t for t, s in zip(traj.turn_ids, traj.spans) if s == SpanKind.ASSISTANT}
-        if len(traj.turn_rewards) != len(turns):
-            raise ValueError(f"turn_rewards has {len(traj.turn_rewards)} entries for {len(turns)} assistant turns")
-
-
 def parse_line(raw: bytes) -> Trajectory:
     """One line -> a checked Trajectory; raises ValueError (json.JSONDecodeError, UnicodeDecodeError included)."""
     data = json.loads(raw.decode("utf-8"))
@@ -85,7 +65,7 @@ def parse_line(raw: bytes) -> Trajectory:
         traj = Trajectory.from_dict(data)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
-    check_trajectory(traj)
+    traj.check()
     return traj
 
 

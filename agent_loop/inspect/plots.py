@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from agent_loop.inspect.tokens import is_success, segments  # noqa: E402
+from agent_loop.inspect.tokens import segments  # noqa: E402
 from agent_loop.inspect.values import carried  # noqa: E402
 from agent_loop.inspect.view import InspectView  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
@@ -81,7 +81,7 @@ def episode_axes(ax, view: InspectView, row: int, compare: bool) -> None:
     ax.scatter(hits.numpy(), rewards[hits].numpy(), marker="*", s=70, color="black", zorder=3, label="reward")
     ax.axhline(0, color="#888", lw=0.5)
     ax.set_xlim(-0.5, max(n, 1) - 0.5)
-    ok = is_success(traj)
+    ok = traj.success
     ax.set_title(f"episode {view.ids[row]} (line {view.lines[row]}): {'success' if ok else 'FAILED'}, "
                  f"reward {traj.reward:g}, finish {traj.finish_reason}", fontsize=9, loc="left",
                  color="black" if ok else "#b00020")

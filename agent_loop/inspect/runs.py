@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent_loop.inspect.load import InputError, Problems, iter_records, read_at
-from agent_loop.inspect.tokens import TokenText, is_success, show_whitespace
+from agent_loop.inspect.tokens import TokenText, show_whitespace
 from agent_loop.inspect.view import episode_id
 from masking.spans import SpanKind
 
@@ -54,7 +54,7 @@ def briefs(path: str | Path, problems: Problems) -> list[Brief]:
     for ordinal, record in enumerate(iter_records(path, problems)):
         t = record.trajectory
         digest = hashlib.blake2b(repr(t.response_ids).encode(), digest_size=8).hexdigest()
-        out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), is_success(t),
+        out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), t.success,
                          t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest))
     return out
 

@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from agent_loop.inspect.tokens import Segment, is_success, show_whitespace, turns
+from agent_loop.inspect.tokens import Segment, show_whitespace, turns
 from agent_loop.inspect.values import ESTIMATORS
 from agent_loop.inspect.values import carried as carried_runs
 from agent_loop.inspect.view import InspectView
@@ -40,7 +40,7 @@ def legend() -> Text:
 def episode_header(view: InspectView, row: int) -> Text:
     traj = view.trajectories[row]
     n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
-    status = Text("success", style="bold green") if is_success(traj) else Text("failed", style="bold red")
+    status = Text("success", style="bold green") if traj.success else Text("failed", style="bold red")
     header = Text.assemble(
         (f"episode {view.ids[row]}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
         f" · finish {traj.finish_reason}{' (truncated)' if traj.truncated else ''}",

@@ -87,12 +87,6 @@ def turns(traj: Trajectory) -> list[tuple[int, list[Segment]]]:
     return [(turn, list(segs)) for turn, segs in groupby(segments(traj), key=lambda s: s.turn)]
 
 
-def is_success(traj: Trajectory) -> bool:
-    """``info["success"]`` when the task recorded it, else a positive outcome reward."""
-    success = traj.info.get("success")
-    return bool(success) if success is not None else traj.reward > 0
-
-
 def show_whitespace(text: str) -> str:
     """Make newlines inside a token visible (↵) while keeping the line break."""
     return text.replace("\n", "↵\n")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent_loop.inspect.load import Problems, Record, iter_records
-from agent_loop.inspect.tokens import TokenText, is_success
+from agent_loop.inspect.tokens import TokenText
 from agent_loop.inspect.values import BatchValues, FileStats, compute_values
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
@@ -46,7 +46,7 @@ class Selection:
     keep_first: int = 0  # informative mode: also keep the first N matching episodes (for the HTML page)
 
     def matches(self, traj: Trajectory, eid: int) -> bool:
-        if self.failed and is_success(traj) and traj.finish_reason != "error":
+        if self.failed and traj.success and traj.finish_reason != "error":
             return False
         return self.mode != "ids" or eid in self.ids
 
@@ -71,7 +71,7 @@ class Summary:
 
     def add(self, traj: Trajectory) -> None:
         self.episodes += 1
-        self.successes += is_success(traj)
+        self.successes += traj.success
         self.reward_sum += traj.reward
         self.turns_sum += len(set(traj.turn_ids))
         self.finish[traj.finish_reason] += 1
@@ -120,11 +120,11 @@ class Keeper:
                 self.first.append((record, eid))
             turns = len(set(traj.turn_ids))
             candidates = {
-                "the lowest-reward failure": ((traj.reward, self.seq),) if not is_success(traj) else None,
+                "the lowest-reward failure": ((traj.reward, self.seq),) if not traj.success else None,
                 "a tool error": ((self.seq,),) if has_tool_error(traj) else None,
                 "an unusual finish": ((self.seq,),) if traj.finish_reason != "stop" else None,
-                "the success with the most turns": ((-turns, -traj.reward, self.seq),) if is_success(traj) else None,
-                "the shortest success": ((len(traj.response_ids), self.seq),) if is_success(traj) else None,
+                "the success with the most turns": ((-turns, -traj.reward, self.seq),) if traj.success else None,
+                "the shortest success": ((len(traj.response_ids), self.seq),) if traj.success else None,
             }
             for why, key in candidates.items():
                 if key is not None and (why not in self.picks or key < self.picks[why][0]):
