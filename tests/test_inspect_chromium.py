@@ -21,7 +21,7 @@ from test_inspect import (  # noqa: F401 (fixtures)
 )
 
 from agent_loop.inspect import html
-from agent_loop.inspect.tokens import is_success, segments
+from agent_loop.inspect.tokens import segments
 from masking.spans import SpanKind
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -120,7 +120,7 @@ def test_filters_hide_episodes(chromium, page, view, tmp_path):  # noqa: F811
     out, _ = drive(chromium, tmp_path, page, script)
     ids = [t.info["index"] for t in view.trajectories]
     assert out["all"] == ids
-    assert out["failed"] == [t.info["index"] for t in view.trajectories if not is_success(t)] == [11]
+    assert out["failed"] == [t.info["index"] for t in view.trajectories if not t.success] == [11]
     assert out["count"] == f"showing 1 of {len(ids)} episodes in this page"
     assert out["tools"] == [t.info["index"] for t in view.trajectories if any(c.error_kind for c in t.tool_calls)]
     assert out["stop"] == [t.info["index"] for t in view.trajectories if t.finish_reason == "stop"]
