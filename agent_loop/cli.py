@@ -26,6 +26,7 @@ from agent_loop.loop import LoopConfig
 from agent_loop.options import USAGE_EXIT, UsageError
 
 _LOOP = LoopConfig()
+DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
 
 
@@ -47,8 +48,10 @@ class RolloutOptions:
                                         "(probed with GET /v1/models at start)",
                             json_schema_extra={"allowed": "an http(s) URL, repeatable"})] = field(default_factory=list)
     episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
-    out: Annotated[str, Field(description="JSON Lines file the episodes are appended to as they finish",
-                              json_schema_extra={"allowed": "a file path (not a folder)"})] = "runs/rollouts.jsonl"
+    out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
+                                     f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
+                                     "when that exists (an existing file is only added to with --resume/--append)",
+                                     json_schema_extra={"allowed": "a file path (not a folder)"})] = None
     seed: Annotated[int, Field(ge=0, description="seed of the questions and of each request's sampling")] = 0
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns in the summary table")] = 1.0
@@ -137,7 +140,19 @@ def validate(values: dict, *, keys: bool = False) -> RolloutOptions:
         raise UsageError("--resume and --append exclude each other: --resume appends only the missing episodes")
     if opts.server and opts.backend != "http":
         raise UsageError(f"--server {opts.server[0]}: used by --backend http only (got --backend {opts.backend})")
+    if opts.out is None:  # README's command runs again without touching the last run's file
+        opts.out = DEFAULT_OUT if opts.resume or opts.append else free_path(DEFAULT_OUT)
     return opts
+
+
+def free_path(path: str) -> str:
+    """``path`` if nothing is there, else the first free ``stem-N.suffix`` beside it (N = 2, 3, ...)."""
+    target = Path(path)
+    number = 2
+    while target.exists():
+        target = Path(path).with_name(f"{Path(path).stem}-{number}{Path(path).suffix}")
+        number += 1
+    return str(target)
 
 
 def preflight_rollout(opts: RolloutOptions) -> str:

@@ -353,3 +353,16 @@ def test_probe_names_a_server_that_never_answers():
         assert time.perf_counter() - started < 5
     finally:
         listener.close()
+
+
+def test_default_out_never_touches_an_earlier_run(tmp_path, monkeypatch):
+    from agent_loop.cli import validate
+
+    monkeypatch.chdir(tmp_path)
+    assert validate({}).out == "runs/rollouts.jsonl"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "rollouts.jsonl").write_text("{}\n")
+    (tmp_path / "runs" / "rollouts-2.jsonl").write_text("{}\n")
+    assert validate({}).out == "runs/rollouts-3.jsonl"  # README's command, run again: a new file
+    assert validate({"resume": True}).out == "runs/rollouts.jsonl"  # --resume continues the default file
+    assert validate({"out": "mine.jsonl"}).out == "mine.jsonl"

@@ -329,3 +329,19 @@ def test_off_policy_refuses_shared_servers_and_several_ranks(tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="off_policy"):
         Trainer(TrainConfig(off_policy=True, output_dir=str(tmp_path)))
+
+
+def test_closing_line_compares_means_of_the_first_and_last_steps():
+    from trainer.metrics import progress_summary
+
+    history = [{"success": s} for s in (0.2, 0.4, 0.3, 0.1, 0.5, 0.5, 0.6, 0.2, 0.4, 0.7, 0.3)]
+    assert progress_summary(history) == ("success 0.300 (mean of the first 5 steps) -> "
+                                         "0.440 (mean of the last 5 steps)")
+    assert progress_summary(history[:3]) == "success 0.200 (mean of the first step) -> 0.300 (mean of the last step)"
+
+
+def test_an_unstable_learning_rate_for_the_batch_is_flagged():
+    assert TrainConfig().unstable_learning_rate() is None  # the defaults: 64 prompts, 2 mini-batches, lr 2e-4
+    warning = TrainConfig(prompts_per_step=16).unstable_learning_rate()
+    assert "8 episodes per AdamW step" in warning and "lr <= 0.0001" in warning
+    assert TrainConfig(prompts_per_step=16, lr=5e-5).unstable_learning_rate() is None

@@ -98,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if not trainer.dp.is_main:
         return 0
     if history:
-        first, last = history[0], history[-1]
+        from trainer.metrics import progress_summary
+
         print(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in {time.perf_counter() - started:.0f} s: "
-              f"success {first['success']:.3f} -> {last['success']:.3f}")
+              f"{progress_summary(history)}")
     print(f"metrics: {trainer.logger.path}")
     print(f"checkpoint: {trainer.checkpoint_dir(trainer.step)}")
     return 0

@@ -32,6 +32,16 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return metrics
 
 
+def progress_summary(history: Sequence[dict[str, float]], window: int = 5) -> str:
+    """Sampled success as the mean over the first and the last steps (up to ``window`` each, never
+    overlapping), so one noisy step does not decide the closing line of a run."""
+    k = max(1, min(window, len(history) // 2))
+    first = sum(m["success"] for m in history[:k]) / k
+    last = sum(m["success"] for m in history[-k:]) / k
+    steps = "step" if k == 1 else f"{k} steps"
+    return f"success {first:.3f} (mean of the first {steps}) -> {last:.3f} (mean of the last {steps})"
+
+
 def masked_summary(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Mean, std, min and max of ``values`` (b, t) over positions where ``mask`` (b, t) is true (host sync: metrics only)."""
     selected = values[mask.bool()].double()

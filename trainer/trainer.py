@@ -27,6 +27,7 @@ import dataclasses
 import os
 import random
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,6 +85,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, backend=None, weight_sync=None, task=None):
         config.validate()
+        if unstable := config.unstable_learning_rate():
+            warnings.warn(unstable, stacklevel=2)
         if config.returns_variant not in RETURN_VARIANTS:
             raise ValueError(f"unknown returns_variant {config.returns_variant!r}; choose one of {sorted(RETURN_VARIANTS)}")
         if config.returns_variant != "carry_through" and config.estimator != "reinforce_plus_plus":
@@ -288,6 +291,8 @@ class Trainer:
         mean of their stats and ``loss/first``, the first mini-batch's loss (before any step: a function of
         the weights and the batch only)."""
         config = self.config
+        for group in self.optimizer.param_groups:  # linear warm-up, by trainer step (resumes with the step)
+            group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
