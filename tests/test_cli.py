@@ -78,6 +78,11 @@ ROLLOUT_CASES = [
     (["--top-p", "nan"], "--top-p nan: must be a number > 0 and <= 1"),
     (["--top-k", "-1"], "--top-k -1: must be an integer >= 0"),
     (["--gamma", "1.5"], "--gamma 1.5: must be a number >= 0 and <= 1"),
+    (["--estimator", "grpo"], "--estimator grpo: needs group ids or critic values, which a file of rollouts lacks "
+                              "(choose one of reinforce_plus_plus, reinforce_plus_plus_ignore_mask, "
+                              "reinforce_plus_plus_reset_at_observation)"),
+    (["--estimator", "reinforce_plus_pls"], "--estimator reinforce_plus_pls: unknown advantage estimator; "
+                                            "did you mean reinforce_plus_plus?"),
     (["--seed", "x"], "--seed x: must be an integer >= 0"),
     (["--backend", "vllm", "--task", "nope"], "--task nope: unknown task"),  # found before the engine starts
 ]
@@ -238,8 +243,6 @@ TRAIN_CASES = [
     (["--task", "nope"], "--task nope: unknown task"),
     (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
     (["--estimator", "grpo"], "--estimator grpo: compares samples of the same question; needs --group-size 2"),
-    (["--returns-variant", "ignore_mask", "--estimator", "gae"],
-     "--returns-variant ignore_mask: applies to --estimator reinforce_plus_plus only"),
 ]
 
 
@@ -249,6 +252,12 @@ def test_train_rejects_bad_option_in_one_line_with_exit_2(capsys, argv, message)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("agent-loop train: error: ")
     assert message in err
+
+
+def test_train_refuses_wandb_when_it_is_not_installed(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    code, err = run_cli(capsys, "train", "--wandb-project", "p")
+    assert code == 2 and "--wandb-project p: wandb is not installed (pip install wandb)" in err
 
 
 def test_train_checks_resume_and_output_dir(capsys, tmp_path):
@@ -366,3 +375,31 @@ def test_default_out_never_touches_an_earlier_run(tmp_path, monkeypatch):
     assert validate({}).out == "runs/rollouts-3.jsonl"  # README's command, run again: a new file
     assert validate({"resume": True}).out == "runs/rollouts.jsonl"  # --resume continues the default file
     assert validate({"out": "mine.jsonl"}).out == "mine.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus_reset_at_observation", "reinforce_plus_plus_ignore_mask"])
+def test_rollout_summary_shows_the_chosen_estimator(capsys, tmp_path, tiny_agent_dir, estimator):
+    """The returns table is computed by the estimator named on the command line, checked against the
+    serial references (tests/reference_returns.py) on the episodes written."""
+    import re
+
+    from agent_loop.collate import trajectories_to_batch
+    from agent_loop.runner import read_trajectories
+    from reference_returns import discounted_returns_ref, returns_ignore_mask_ref, returns_reset_at_observation_ref
+
+    out = tmp_path / "r.jsonl"
+    assert main(["rollout", "--model", str(tiny_agent_dir), "--episodes", "6", "--gamma", "0.5",
+                 "--estimator", estimator, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"batch tensors and {estimator} (gamma=0.5)" in printed
+    batch = trajectories_to_batch(sorted(read_trajectories(out), key=lambda t: t.info["index"]))
+    if estimator.endswith("reset_at_observation"):
+        expected = returns_reset_at_observation_ref(batch.token_level_rewards, batch.response_mask, 0.5)
+    else:
+        expected = returns_ignore_mask_ref(batch.token_level_rewards, 0.5)
+    assistant = batch.response_mask.bool()
+    carry_through = discounted_returns_ref(batch.token_level_rewards, batch.spans, 0.5)[assistant].mean().item()
+    assert expected[assistant].mean().item() != pytest.approx(carry_through, abs=1e-3)  # the choice shows
+    shown = float(re.search(r"mean return on ASSISTANT tokens\D*([-\d.]+)", printed).group(1))
+    assert shown == pytest.approx(expected[assistant].mean().item(), abs=1e-4)

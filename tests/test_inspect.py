@@ -3,6 +3,7 @@ trajectories made of real token ids (the shared Qwen2.5 tokenizer and its real c
 
 from __future__ import annotations
 
+import argparse
 import html as html_module
 import io
 import json
@@ -20,6 +21,7 @@ from rich.console import Console
 
 from agent_loop.chat import ChatFormatter
 import advantages
+import agent_loop.inspect as inspect_cli
 from agent_loop.inspect import html, main, plots, terminal, view as view_module
 from agent_loop.inspect.load import Problems, iter_records
 from agent_loop.inspect.tokens import segments, turns
@@ -413,6 +415,31 @@ def test_values_match_the_serial_reference(view):
     expected = [[(float(r) - mean) / math.sqrt(var + 1e-8) if s == SpanKind.ASSISTANT else 0.0
                  for r, s in zip(rr, ss)] for rr, ss in zip(v.returns, spans)]
     torch.testing.assert_close(v.advantages, torch.tensor(expected), **close)
+
+
+@pytest.mark.parametrize("estimator, label", [("reinforce_plus_plus_ignore_mask", "ignore-mask"),
+                                              ("reinforce_plus_plus_reset_at_observation", "reset-at-observation")])
+def test_estimator_option_picks_the_returns_and_advantages_shown(rollouts, estimator, label):
+    """``--estimator``: the returns shown are that registry entry's (serial references), whitened with the
+    whole file's moments of those same returns; the terminal says which."""
+    from reference_returns import returns_ignore_mask_ref, returns_reset_at_observation_ref, whiten_ref
+
+    parser = argparse.ArgumentParser()
+    inspect_cli.add_arguments(parser)
+    args = parser.parse_args([str(rollouts), "--estimator", estimator, "--gamma", "0.9"])
+    scanned = scan(rollouts, Selection("all", 100), gamma=0.9, estimator=inspect_cli.LABEL[args.estimator])
+    v = build_view(scanned).values
+    rewards, spans = v.token_level_rewards, v.batch["spans"]
+    assistant = spans == SpanKind.ASSISTANT
+    if label == "ignore-mask":
+        expected = returns_ignore_mask_ref(rewards, 0.9)
+    else:
+        expected = returns_reset_at_observation_ref(rewards, assistant, 0.9)
+    close = dict(rtol=1e-5, atol=1e-6, check_dtype=False)
+    torch.testing.assert_close(v.returns, expected, **close)
+    assert (v.returns - v.compare["carry-through"])[assistant].abs().max() > 1e-3  # the choice shows
+    torch.testing.assert_close(v.advantages, whiten_ref(expected, spans), **close)  # every row kept: file moments
+    assert re.search(rf"returns[\s│]+{label}", render_text(build_view(scanned)))
 
 
 def test_gamma_recorded_in_the_file_is_the_default(batch, tmp_path):

@@ -39,7 +39,7 @@ def validate(values: dict, *, keys: bool = False) -> TrainConfig:
 
 
 def preflight_train(config: TrainConfig) -> None:
-    """The model folder, the checkpoint to resume and the output folder are usable. Reads only."""
+    """The model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
     if config.model is not None:
         preflight.check_model_dir(config.model, "hf")
     if config.resume is not None:
@@ -55,6 +55,11 @@ def preflight_train(config: TrainConfig) -> None:
         else:
             preflight.check_model_dir(str(resume / "model"), "hf", option="--resume")
     preflight.check_output_dir(config.output_dir)
+    if config.wandb_project is not None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--wandb-project {config.wandb_project}: wandb is not installed (pip install wandb)") from None
 
 
 def main(argv: list[str] | None = None) -> int:

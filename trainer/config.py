@@ -17,24 +17,13 @@ from agent_loop import options
 
 from advantages import KL_PENALTY_MODES, get_estimator
 
+# The learning rate measured stable on the tiny agent at 32 episodes per AdamW step; smaller batches scale it
+# down in proportion (their gradients are noisier, and Adam's steps do not shrink with the signal).
+BASE_LR = 2e-4
+BASE_EPISODES_PER_ADAM_STEP = 32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 # sampled-token modes of advantages.kl_penalty ("full" needs whole-vocabulary log-probs)
 KL_KINDS = tuple(m for m in KL_PENALTY_MODES if m != "full")
-
-
-def estimator_names() -> str:
-    from advantages import ESTIMATORS
-
-    return options.one_of(sorted(ESTIMATORS))
-
-
-def check_estimator(name: str) -> str:
-    """A name in advantages' registry."""
-    from advantages import ESTIMATORS
-
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator{options.closest(name, ESTIMATORS)} (choose {estimator_names()})")
-    return name
 
 
 def kl_kind_names() -> str:
@@ -83,12 +72,10 @@ class TrainConfig:
     temperature: Annotated[float, Field(gt=0, description="sampling temperature of the rollouts")] = 1.0
 
     # rewards and advantages
-    estimator: Annotated[str, AfterValidator(check_estimator),
-                         Field(description="advantage estimator",
-                               json_schema_extra={"allowed": estimator_names})] = "reinforce_plus_plus"
-    returns_variant: Annotated[Literal["carry_through", "reset_at_observation", "ignore_mask"], Field(
-        description="returns of reinforce_plus_plus; the other two reproduce pre-fix bugs (ablation only)")] = \
-        "carry_through"
+    estimator: Annotated[str, AfterValidator(options.check_estimator),
+                         Field(description="advantage estimator (the two reinforce_plus_plus_* variants reproduce "
+                                           "pre-PR #7300 return bugs: ablation only)",
+                               json_schema_extra={"allowed": options.estimator_names})] = "reinforce_plus_plus"
     gamma: Annotated[float, Field(ge=0, le=1, description="discount")] = 1.0
     lam: Annotated[float, Field(ge=0, le=1, description="GAE lambda (estimator gae only)")] = 0.95
     kl_coef: Annotated[float, Field(ge=0, description="KL penalty to the frozen initial policy, subtracted from "
@@ -98,7 +85,8 @@ class TrainConfig:
         json_schema_extra={"allowed": kl_kind_names})] = "k1"
 
     # PPO update
-    lr: Annotated[float, Field(gt=0, description="AdamW learning rate")] = 2e-4
+    lr: Annotated[float | None, Field(gt=0, description=f"AdamW learning rate; unset: {BASE_LR:g} x (episodes per "
+                                      f"AdamW step / {BASE_EPISODES_PER_ADAM_STEP}), at most {BASE_LR:g}")] = None
     warmup_steps: _int(0, "steps over which the learning rate rises linearly to --lr; Adam's first, "
                           "bias-corrected steps are full-size sign steps, which noisy small batches turn into "
                           "random moves of every weight (0 = off)") = 10
@@ -125,6 +113,10 @@ class TrainConfig:
     # output
     output_dir: Annotated[str, Field(description="metrics.jsonl and checkpoints/ go here",
                                      json_schema_extra={"allowed": "a folder path"})] = "runs/train"
+    tensorboard: Annotated[bool, Field(description="write TensorBoard event files to OUTPUT_DIR/tensorboard")] = True
+    wandb_project: Annotated[str | None, Field(description="also log each step to this Weights & Biases project "
+                                               "(needs `pip install wandb`; WANDB_MODE=offline works without "
+                                               "an account)")] = None
     save_every: _int(1, "steps between checkpoints (and one at the end)") = 20
     eval_every: _int(0, "steps between greedy evaluations on held-out questions; 0 = never") = 0
     eval_episodes: _int(1, "held-out questions per evaluation") = 100
@@ -153,18 +145,30 @@ class TrainConfig:
     def episodes_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
+    @property
+    def episodes_per_adam_step(self) -> float:
+        return self.episodes_per_step / self.mini_batches
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr`` when set, else BASE_LR scaled to the batch (BENCHMARKS.md, issue 17)."""
+        if self.lr is not None:
+            return self.lr
+        return BASE_LR * min(1.0, self.episodes_per_adam_step / BASE_EPISODES_PER_ADAM_STEP)
+
     def unstable_learning_rate(self) -> str | None:
-        """A warning when ``lr`` is known to wreck the policy at this batch size, else None.
+        """A warning when the learning rate is known to wreck the policy at this batch size, else None.
 
         Measured on the tiny agent (BENCHMARKS.md, issue 17): 8 episodes per AdamW step at lr 2e-4 took
         held-out success from 0.45 to 0.05 in 4 steps; 32 per step at 2e-4, or 8 at 5e-5, held it. The
-        bound keeps lr x 32 / (episodes per AdamW step) at or under 4e-4."""
-        per_adam_step = self.episodes_per_step / self.mini_batches
-        if self.lr * 32 / per_adam_step <= 4e-4:
+        bound keeps lr x 32 / (episodes per AdamW step) at or under 4e-4 (twice the default's)."""
+        per_adam_step = self.episodes_per_adam_step
+        if self.learning_rate * BASE_EPISODES_PER_ADAM_STEP / per_adam_step <= 2 * BASE_LR:
             return None
-        return (f"lr {self.lr:g} with {per_adam_step:g} episodes per AdamW step is known to be unstable (noisy "
-                f"sign-like steps wreck the policy); use lr <= {4e-4 * per_adam_step / 32:.2g}, or more "
-                "episodes per step, or fewer mini-batches")
+        return (f"lr {self.learning_rate:g} with {per_adam_step:g} episodes per AdamW step is known to be unstable "
+                f"(noisy sign-like steps wreck the policy); use lr <= "
+                f"{2 * BASE_LR * per_adam_step / BASE_EPISODES_PER_ADAM_STEP:.2g} (unset --lr scales it to the batch), "
+                "or more episodes per step, or fewer mini-batches")
 
     def validate(self) -> None:
         """Raise ValueError for settings that cannot work together."""
@@ -194,9 +198,6 @@ def validate_values(values: dict, *, keys: bool = False) -> TrainConfig:
     if get_estimator(config.estimator).needs_index and config.group_size < 2:
         raise options.UsageError(f"{name('estimator')} {config.estimator}: compares samples of the same question; "
                                  f"needs {name('group_size')} 2 or more (got {config.group_size})")
-    if config.returns_variant != "carry_through" and config.estimator != "reinforce_plus_plus":
-        raise options.UsageError(f"{name('returns_variant')} {config.returns_variant}: applies to "
-                                 f"{name('estimator')} reinforce_plus_plus only (got {config.estimator})")
     try:
         config.validate()
     except ValueError as error:

@@ -1,8 +1,9 @@
-"""Per-step metrics: what the episodes did, and where they go (stdout, a JSON Lines file, TensorBoard if installed)."""
+"""Per-step metrics: what the episodes did, and where they go (stdout, a JSON Lines file, TensorBoard, Weights & Biases)."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -58,23 +59,35 @@ def masked_summary(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[
 def _tensorboard_writer(log_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
+    except ImportError:  # the set-up installs tensorboard; a bare `pip install` may not have it
+        warnings.warn("tensorboard is not installed: no TensorBoard event files (pip install tensorboard, or "
+                      "--no-tensorboard to silence this)", stacklevel=3)
         return None
     return SummaryWriter(log_dir=str(log_dir))
 
 
+def _wandb_run(project: str, output_dir: Path, run_config: dict, resume: bool):
+    import wandb  # preflight checked that it is installed
+
+    return wandb.init(project=project, dir=str(output_dir), config=run_config, name=output_dir.name,
+                      resume="allow" if resume else None)
+
+
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard when installed.
+    """Appends one JSON object per step to ``metrics.jsonl``, and mirrors the scalars to TensorBoard
+    (``OUTPUT_DIR/tensorboard``, on by default) and to a Weights & Biases run when ``wandb_project`` is set.
 
     ``fresh`` starts the file empty (a new run); a resumed run appends to it.
     """
 
-    def __init__(self, output_dir: str | Path, fresh: bool = True, tensorboard: bool = True):
+    def __init__(self, output_dir: str | Path, fresh: bool = True, tensorboard: bool = True,
+                 wandb_project: str | None = None, run_config: dict | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
             self.path.write_text("")
         self.writer = _tensorboard_writer(self.path.parent / "tensorboard") if tensorboard else None
+        self.wandb = _wandb_run(wandb_project, self.path.parent, run_config or {}, not fresh) if wandb_project else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -83,10 +96,14 @@ class MetricsLogger:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def compact_line(step: int, metrics: dict[str, float]) -> str:

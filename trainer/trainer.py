@@ -52,14 +52,6 @@ from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_fo
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
 
-# returns_variant -> the registered REINFORCE++ estimator; the two historical return bugs are the ablation.
-RETURN_VARIANTS = {
-    "carry_through": "reinforce_plus_plus",
-    "reset_at_observation": "reinforce_plus_plus_reset_at_observation",
-    "ignore_mask": "reinforce_plus_plus_ignore_mask",
-}
-
-
 def resolve_model_path(config: TrainConfig) -> str:
     """``config.model``, or the built-in tiny agent (built and cached on first use)."""
     if config.model:
@@ -87,10 +79,6 @@ class Trainer:
         config.validate()
         if unstable := config.unstable_learning_rate():
             warnings.warn(unstable, stacklevel=2)
-        if config.returns_variant not in RETURN_VARIANTS:
-            raise ValueError(f"unknown returns_variant {config.returns_variant!r}; choose one of {sorted(RETURN_VARIANTS)}")
-        if config.returns_variant != "carry_through" and config.estimator != "reinforce_plus_plus":
-            raise ValueError("returns_variant applies to the reinforce_plus_plus estimator only")
         torch.set_num_threads(config.threads)
         self.config = config
         if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
@@ -99,8 +87,7 @@ class Trainer:
         self.dp = init_data_parallel(config.device)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
-        self.estimator = get_estimator(
-            config.estimator if config.returns_variant == "carry_through" else RETURN_VARIANTS[config.returns_variant])
+        self.estimator = get_estimator(config.estimator)
         self.output_dir = Path(config.output_dir)
         self.step = 0
 
@@ -133,7 +120,7 @@ class Trainer:
             self.reference.requires_grad_(False)
         self.trained_parameters = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.trained_parameters += list(self.value_head.parameters()) if self.value_head else []
-        self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         if state is not None:
             self._load_state(state)
 
@@ -160,7 +147,8 @@ class Trainer:
         self.loop_config = LoopConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
                                       max_response_tokens=config.max_response_tokens, temperature=config.temperature)
         if self.dp.is_main:
-            self.logger = MetricsLogger(self.output_dir, fresh=not config.resume)
+            self.logger = MetricsLogger(self.output_dir, fresh=not config.resume, tensorboard=config.tensorboard,
+                                        wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
         else:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
@@ -292,7 +280,8 @@ class Trainer:
         the weights and the batch only)."""
         config = self.config
         for group in self.optimizer.param_groups:  # linear warm-up, by trainer step (resumes with the step)
-            group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
+            group["lr"] = config.learning_rate * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps \
+                else config.learning_rate
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
@@ -346,17 +335,21 @@ class Trainer:
             self.weight_sync.update_weights(state)
         self.dp.barrier()
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy success on ``eval_episodes`` held-out questions (the same questions every time)."""
+    def evaluate(self, *, sampled: bool = False) -> dict[str, float]:
+        """Success on ``eval_episodes`` held-out questions (the same questions, and with ``sampled`` the same
+        sampling seeds, every time): greedy (``eval/success``, kept in ``eval_history``), or sampled at the
+        rollouts' temperature (``eval/sampled_success``)."""
         if self._prefetch is not None:
             self._prefetch[1].result()  # one backend, one run of rollouts at a time
-        loop_config = dataclasses.replace(self.loop_config, temperature=0.0)
+        loop_config = self.loop_config if sampled else dataclasses.replace(self.loop_config, temperature=0.0)
         trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
             self.base_task, self.dp.shard(range(self.config.eval_episodes)), loop_config,
             self.config.seed + EVAL_SEED_OFFSET)))
         metrics = rollout_metrics(trajectories)
-        self.eval_history.append((self.step, metrics["success"]))
-        return {"eval/success": metrics["success"], "eval/turns": metrics["turns"]}
+        if not sampled:
+            self.eval_history.append((self.step, metrics["success"]))
+        prefix = "eval/sampled_" if sampled else "eval/"
+        return {f"{prefix}success": metrics["success"], f"{prefix}turns": metrics["turns"]}
 
     # --- the run -------------------------------------------------------------------------------------
 

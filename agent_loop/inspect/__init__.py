@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from agent_loop.inspect.load import InputError
+from agent_loop.inspect.values import LABEL
 from agent_loop.inspect.view import INFORMATIVE, Selection, build_view, scan
 from agent_loop.options import int_at_least
 
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="terminal: a table per turn with each token's logprob, reward, return and advantage")
     parser.add_argument("--compare", action="store_true",
                         help="returns under carry-through, reset-at-observation and ignore-mask side by side")
+    parser.add_argument("--estimator", choices=list(LABEL), default="reinforce_plus_plus",
+                        help="registered estimator whose returns and (whitened) advantages are shown "
+                             "(default: reinforce_plus_plus, carry-through)")
     parser.add_argument("--gamma", type=discount, default=None,
                         help="discount of the returns, in [0, 1] (default: info['gamma'] of the file, else 1.0)")
     parser.add_argument("--tokenizer", metavar="DIR",
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         return runs.run(args, console, err)
     path = args.rollouts[0]
     try:
-        scanned = scan(path, selection_of(args), args.gamma, args.compare)
+        scanned = scan(path, selection_of(args), args.gamma, args.compare, estimator=LABEL[args.estimator])
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2

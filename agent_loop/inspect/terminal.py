@@ -143,6 +143,7 @@ def batch_summary(view: InspectView, shown: str) -> Group:
         ("tool calls", f"{s.tool_calls} ({sum(s.tool_errors.values())} errors: {errors})"),
         ("tokens", f"{s.assistant_tokens} assistant / {s.observation_tokens} observation"),
         ("gamma", f"{view.stats.gamma:g} ({view.gamma_note})"),
+        ("returns", view.stats.estimator),
         ("shown", shown),
     ):
         table.add_row(name, value)

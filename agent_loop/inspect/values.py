@@ -34,6 +34,7 @@ REGISTERED = {
     "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
     "ignore-mask": "reinforce_plus_plus_ignore_mask",
 }
+LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> ESTIMATORS name
 
 
 def token_values(batch, name: str, gamma: float) -> torch.Tensor:
@@ -105,18 +106,21 @@ class FileStats:
 
     gamma: float
     compare: bool = False
-    returns: Moments = field(default_factory=Moments)  # carry-through returns on ASSISTANT tokens
+    estimator: str = "carry-through"  # the ESTIMATORS name whose returns are shown and whitened
+    returns: Moments = field(default_factory=Moments)  # ``estimator``'s returns on ASSISTANT tokens
     sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of returns, differing, sum |diff|]
 
     def add(self, trajectories: list[Trajectory]) -> None:
         batch = reward_tensors(trajectories)
         assistant = batch["spans"] == SpanKind.ASSISTANT
-        carry = token_values(batch, "carry-through", self.gamma)
-        self.returns.add(carry[assistant])
+        compared = ESTIMATORS if self.compare else (self.estimator,)
+        returns = {name: token_values(batch, name, self.gamma) for name in {"carry-through", *compared}}
+        self.returns.add(returns[self.estimator][assistant])
         if not self.compare:
             return
+        carry = returns["carry-through"]
         for name in ESTIMATORS:
-            diff = (token_values(batch, name, self.gamma) - carry)[assistant]
+            diff = (returns[name] - carry)[assistant]
             acc = self.sums.setdefault(name, [0.0, 0, 0.0])
             acc[0] += float((carry[assistant] + diff).double().sum())
             acc[1] += int((diff.abs() > DIFFERS).sum())
@@ -135,8 +139,8 @@ class BatchValues:
     """The values of the rows a view shows, as (b, t) CPU tensors (t = longest shown response)."""
 
     batch: dict[str, torch.Tensor]  # trajectories_to_batch output: responses, spans, turn_ids, old_logprobs, ...
-    returns: torch.Tensor  # carry-through discounted returns
-    advantages: torch.Tensor  # REINFORCE++ advantages, whitened with the whole file's statistics
+    returns: torch.Tensor  # discounted returns of the shown estimator (carry-through unless --estimator)
+    advantages: torch.Tensor  # those returns whitened with the whole file's statistics (REINFORCE++)
     compare: dict[str, torch.Tensor]  # ESTIMATORS name -> discounted returns under that estimator
     gamma: float
 
@@ -150,10 +154,10 @@ class BatchValues:
 
 
 def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_moments: Moments | None = None,
-                   pad_token_id: int = 0) -> BatchValues:
+                   pad_token_id: int = 0, estimator: str = "carry-through") -> BatchValues:
     """Rewards, returns (every estimator) and advantages of ``trajectories``.
 
-    Advantages are the carry-through returns whitened over ASSISTANT tokens, ``(R - mean) /
+    Advantages are ``estimator``'s returns whitened over ASSISTANT tokens, ``(R - mean) /
     sqrt(var + 1e-8)`` as ``advantages.reinforce_plus_plus``; ``returns_moments`` gives the mean and
     variance of the whole file (default: of these trajectories). Fewer than 2 ASSISTANT tokens in all:
     the advantages are the raw returns (nothing to whiten with).
@@ -161,7 +165,7 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     assistant = batch["spans"] == SpanKind.ASSISTANT
     compare = {name: token_values(batch, name, gamma) for name in ESTIMATORS}
-    returns = compare["carry-through"]
+    returns = compare[estimator]
     if returns_moments is None:
         returns_moments = Moments()
         returns_moments.add(returns[assistant])

@@ -184,7 +184,7 @@ def resolve_gamma(given: float | None, first: Trajectory) -> tuple[float, str]:
 
 
 def scan(path: str | Path, selection: Selection | None = None, gamma: float | None = None, compare: bool = False,
-         problems: Problems | None = None) -> Scan:
+         problems: Problems | None = None, estimator: str = "carry-through") -> Scan:
     """Read ``path`` once: summarise every episode, gather value statistics, keep what ``selection`` asks for.
 
     Raises load.InputError when the file is not JSON Lines (nothing is read past that point).
@@ -198,7 +198,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
         traj = record.trajectory
         if stats is None:
             resolved, note = resolve_gamma(gamma, traj)
-            stats = FileStats(resolved, compare)
+            stats = FileStats(resolved, compare, estimator)
         summary.add(traj)
         eid = episode_id(traj, ordinal)
         summary.first_id = eid if summary.first_id is None else min(summary.first_id, eid)
@@ -212,7 +212,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
             stats.add(chunk)
             chunk = []
     if stats is None:
-        stats = FileStats(1.0 if gamma is None else gamma, compare)
+        stats = FileStats(1.0 if gamma is None else gamma, compare, estimator)
     if chunk:
         stats.add(chunk)
     missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
@@ -271,7 +271,8 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
         lines=lines,
         ids=ids,
         reasons=reasons or [""] * len(trajectories),
-        values=compute_values(trajectories, gamma, scanned.stats.returns) if trajectories else None,
+        values=compute_values(trajectories, gamma, scanned.stats.returns, estimator=scanned.stats.estimator)
+        if trajectories else None,
         pieces=[text.pieces(t, t.response_ids) for t in trajectories],
         prompts=[text.text(t, t.prompt_ids) for t in trajectories],
         selected=list(range(len(trajectories))) if selected is None else selected,
