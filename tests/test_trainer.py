@@ -238,10 +238,11 @@ def test_resume_reproduces_the_next_step(tiny_mid, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_writes_metrics_and_checkpoint(tiny_mid, tmp_path, capsys):
+def test_cli_writes_metrics_and_checkpoint(tiny_mid, tmp_path, capsys, monkeypatch):
     out = tmp_path / "cli"
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a real wandb run, written locally
     status = train_main(["--model", tiny_mid, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
-                         "--mini-batches", "1", "--output-dir", str(out), "--no-progress"])
+                         "--mini-batches", "1", "--output-dir", str(out), "--no-progress", "--wandb-project", "test"])
     assert status == 0
     (line,) = (out / "metrics.jsonl").read_text().splitlines()
     record = json.loads(line)
@@ -252,6 +253,18 @@ def test_cli_writes_metrics_and_checkpoint(tiny_mid, tmp_path, capsys):
     checkpoint = out / "checkpoints" / "step_000001"
     assert (checkpoint / "model" / "config.json").exists() and (checkpoint / "trainer_state.pt").exists()
     assert "step    1 | success" in capsys.readouterr().out
+    # the same numbers in TensorBoard's event file (on by default) and in wandb's offline run file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for key in ("success", "loss", "grad_norm"):
+        (scalar,) = events.Scalars(key)
+        assert (scalar.step, scalar.value) == (1, pytest.approx(record[key], rel=1e-6)), key
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = run_file.read_bytes()
+    for key in ("success", "loss", "grad_norm"):
+        assert key.encode() in logged and json.dumps(record[key]).encode() in logged, key
 
 
 def test_cli_and_trainer_reject_bad_settings(tmp_path, capsys):
