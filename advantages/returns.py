@@ -116,7 +116,7 @@ def discounted_returns(
     if kernels is not None:
         return kernels.triton_discounted_returns(rewards, _spans(response_mask, spans), gamma)
     steps = assistant_steps(response_mask, rewards)
-    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma), rewards, steps)
+    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), rewards, steps)
 
 
 def whitened_discounted_returns(
@@ -149,7 +149,7 @@ def whitened_discounted_returns(
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(returns, steps, mean, var), returns
-    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma), token_level_rewards, steps)
+    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), token_level_rewards, steps)
     return whiten_zero_off_mask(returns, steps, count), returns
 
 
@@ -192,9 +192,10 @@ def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.T
     return torch.addcmul(work, steps, mean.to(steps.dtype), value=-1).mul_(scale).to(values.dtype)
 
 
-def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask."""
-    return carry_scan(rewards.to(steps.dtype), steps, gamma).to(rewards.dtype)
+def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
+    """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask; ``masked``:
+    the rewards are validated, hence 0 off the steps (the scan then skips zeroing them)."""
+    return carry_scan(rewards.to(steps.dtype), steps, gamma, masked).to(rewards.dtype)
 
 
 def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
