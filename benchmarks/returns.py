@@ -25,6 +25,7 @@ skips the warm-up to measure that case. Usage::
 
     python benchmarks/returns.py            # the four shapes of issue 2, one thread, CPU time
     python benchmarks/returns.py --quick    # two small shapes, a few seconds
+    python benchmarks/returns.py --shapes 8x4096,64x8192 --gammas 0.99    # the shapes of issue 20's targets
     python benchmarks/returns.py --threads 2
     python benchmarks/returns.py --cold-allocator
 """
@@ -168,11 +169,18 @@ def copy_bandwidth(repeats: int, clock) -> float:
     return 2 * source.numel() * source.element_size() / seconds
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"8x4096,64x8192"`` -> ``[(8, 4096), (64, 8192)]``."""
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="only the two small shapes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of the scans (default 20, quick 7)")
+    parser.add_argument("--shapes", type=_shapes, default=None, help="comma-separated BxT shapes (default: all four)")
+    parser.add_argument("--gammas", type=lambda text: [float(g) for g in text.split(",")], default=GAMMAS, help="comma-separated")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
     parser.add_argument("--cold-allocator", action="store_true", help="skip warm_allocator (see the docstring)")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (for BENCHMARKS.md)")
@@ -195,10 +203,10 @@ def main() -> None:
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "estimator" else "right")
-    for b, t in QUICK_SHAPES if args.quick else SHAPES:
+    for b, t in args.shapes or (QUICK_SHAPES if args.quick else SHAPES):
         rewards, values, mask, spans = multi_turn_batch(b, t)
         loop_repeats = 1 if b * t >= 2**22 else 3
-        for gamma in GAMMAS:
+        for gamma in args.gammas:
             cases = {
                 # bytes per token: rewards, mask (+ values) and spans in; returns (+ advantages) out
                 "REINFORCE++ returns": (

@@ -186,12 +186,13 @@ def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tenso
             checks += [(extreme, 0, 2) for extreme in spans.aminmax()]
             spans8 = spans.to(torch.int8)
         if spans.shape[-1] > 1:  # for known spans, s[t + 1] - 2 s[t] > 0 exactly where a PAD precedes a non-PAD
-            checks.append((torch.sub(spans8[:, 1:], spans8[:, :-1], alpha=2).amax(), -4, 0))
+            later, earlier = spans8.narrow(-1, 1, spans.shape[-1] - 1), spans8.narrow(-1, 0, spans.shape[-1] - 1)
+            checks.append((torch.sub(later, earlier, alpha=2).amax(), -4, 0))
         is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
     else:
         is_assistant = None
     numeric = None if spans is None and mask.dtype == torch.bool else mask  # a bool mask is 0/1
-    mask_r = mask.to(token_level_rewards.dtype)
+    mask_r = mask if mask.dtype == token_level_rewards.dtype else mask.to(token_level_rewards.dtype)
     if numeric is not None and numeric.dtype == token_level_rewards.dtype:  # both residuals in one buffer, one reduction
         residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
         mask_residual, rewards_residual = residuals
