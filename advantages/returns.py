@@ -71,7 +71,13 @@ def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch
     scans need only the mask."""
     if not rewards.dtype.is_floating_point:
         raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
-    return response_mask.to(torch.promote_types(rewards.dtype, torch.float32))
+    return _as(response_mask, torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call when ``x`` has it (a no-op ``to`` costs a few microseconds,
+    which add up in a small batch's call)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _spans(response_mask: torch.Tensor, spans: torch.Tensor | None) -> torch.Tensor:
@@ -173,14 +179,14 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     scales the centred values. ``count`` (the number of steps, when known on the host) saves a
     reduction. No host sync.
     """
-    work = values.to(steps.dtype)
+    work = _as(values, steps.dtype)
     n = steps.sum() if count is None else count
     mean = work.sum() / n
     centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
     flat = centred.view(-1, 1, centred.shape[-1]) if centred.numel() else centred.view(-1, 1, 0)
     m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
     scale = torch.rsqrt(m2 / (n - 1) + WHITEN_EPS).to(centred.dtype)
-    return centred.mul_(scale).to(values.dtype)
+    return _as(centred.mul_(scale), values.dtype)
 
 
 def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -195,7 +201,7 @@ def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.T
 def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
     """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask; ``masked``:
     the rewards are validated, hence 0 off the steps (the scan then skips zeroing them)."""
-    return carry_scan(rewards.to(steps.dtype), steps, gamma, masked).to(rewards.dtype)
+    return _as(carry_scan(_as(rewards, steps.dtype), steps, gamma, masked), rewards.dtype)
 
 
 def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -292,7 +298,7 @@ def _gae_scan(rewards, values, steps, gamma, lam):
     ``V_next`` is needed. Its rounding grows like ``1 / lam``; below the threshold ``V_next`` comes
     from a fill from the right and ``delta`` is scanned as written.
     """
-    rewards_, values_ = rewards.to(steps.dtype), values.to(steps.dtype)
+    rewards_, values_ = _as(rewards, steps.dtype), _as(values, steps.dtype)
     if lam >= GAE_ONE_SCAN_MIN_LAM:
         advantages = carry_scan(torch.add(rewards_, values_, alpha=(1 - lam) / lam), steps, gamma * lam)
         advantages.addcmul_(values_, steps, value=-1 / lam)
@@ -300,4 +306,4 @@ def _gae_scan(rewards, values, steps, gamma, lam):
         next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
         advantages = carry_scan(rewards_ + gamma * next_value - values_, steps, gamma * lam)
     returns = (advantages + values_).mul_(steps)
-    return advantages.to(rewards.dtype), returns.to(rewards.dtype)
+    return _as(advantages, rewards.dtype), _as(returns, rewards.dtype)

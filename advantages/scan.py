@@ -127,7 +127,6 @@ def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: i
         x = torch.nn.functional.pad(x, (0, n * length - t))
         steps = torch.nn.functional.pad(steps, (0, n * length - t))
     x, steps = x.view(b, n, length), steps.view(b, n, length)
-    powers = _powers(decay, length * max_count + 1, torch.float64, x.device)
     if one_block:
         before = steps.cumsum(-1).sub_(steps)  # e_t, exact (integers)
     else:
@@ -142,6 +141,7 @@ def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: i
     state = reverse_cumsum(weighted) if one_block else weighted @ ones.tril()  # sum_{s >= t} w_s x_s
     if n > 1:
         starts = _power_scan(state[..., 0].double(), block_steps.double(), decay, length * max_count)
+        powers = _powers(decay, length * max_count + 1, torch.float64, x.device)
         right = torch.nn.functional.pad(starts[..., 1:], (0, 1))  # the last block has nothing to its right
         state += right.mul_(powers.index_select(0, block_steps.view(-1)).view_as(right)).to(x.dtype).unsqueeze(-1)
     return state.div_(weights).view(b, n * length)[..., :t].contiguous()  # copies only if zeros were appended
