@@ -144,7 +144,8 @@ def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: i
         powers = _powers(decay, length * max_count + 1, torch.float64, x.device)
         right = torch.nn.functional.pad(starts[..., 1:], (0, 1))  # the last block has nothing to its right
         state += right.mul_(powers.index_select(0, block_steps.view(-1)).view_as(right)).to(x.dtype).unsqueeze(-1)
-    return state.div_(weights).view(b, n * length)[..., :t].contiguous()  # copies only if zeros were appended
+    state = state.div_(weights).view(b, n * length)
+    return state if n * length == t else state[..., :t].contiguous()  # copies only if zeros were appended
 
 
 def carry_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, masked: bool = False) -> torch.Tensor:

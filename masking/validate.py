@@ -181,7 +181,7 @@ def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tenso
     if spans is not None:
         if spans.dtype in (torch.int8, torch.uint8):
             checks.append((spans.view(torch.uint8).amax(), 0, 2))
-            spans8 = spans.view(torch.int8)
+            spans8 = spans if spans.dtype == torch.int8 else spans.view(torch.int8)
         else:
             checks += [(extreme, 0, 2) for extreme in spans.aminmax()]
             spans8 = spans.to(torch.int8)
