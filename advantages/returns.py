@@ -27,7 +27,7 @@ import torch
 
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
-from masking.validate import check_same_shape, validate_batch
+from masking.validate import as_dtype, check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon
@@ -71,13 +71,7 @@ def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch
     scans need only the mask."""
     if not rewards.dtype.is_floating_point:
         raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
-    return _as(response_mask, torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, skipping the call when ``x`` has it (a no-op ``to`` costs a few microseconds,
-    which add up in a small batch's call)."""
-    return x if x.dtype == dtype else x.to(dtype)
+    return as_dtype(response_mask, torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
 def _spans(response_mask: torch.Tensor, spans: torch.Tensor | None) -> torch.Tensor:
@@ -179,14 +173,14 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     scales the centred values. ``count`` (the number of steps, when known on the host) saves a
     reduction. No host sync.
     """
-    work = _as(values, steps.dtype)
+    work = as_dtype(values, steps.dtype)
     n = steps.sum() if count is None else count
     mean = work.sum().div_(n)
     centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
     flat = centred.view(-1, 1, centred.shape[-1]) if centred.numel() else centred.view(-1, 1, 0)
     m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
     scale = m2.div_(n - 1).add_(WHITEN_EPS).rsqrt_().to(centred.dtype)  # in place: 0-d temporaries cost too
-    return _as(centred.mul_(scale), values.dtype)
+    return as_dtype(centred.mul_(scale), values.dtype)
 
 
 def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -201,7 +195,7 @@ def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.T
 def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
     """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask; ``masked``:
     the rewards are validated, hence 0 off the steps (the scan then skips zeroing them)."""
-    return _as(carry_scan(_as(rewards, steps.dtype), steps, gamma, masked), rewards.dtype)
+    return as_dtype(carry_scan(as_dtype(rewards, steps.dtype), steps, gamma, masked), rewards.dtype)
 
 
 def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -298,7 +292,7 @@ def _gae_scan(rewards, values, steps, gamma, lam):
     ``V_next`` is needed. Its rounding grows like ``1 / lam``; below the threshold ``V_next`` comes
     from a fill from the right and ``delta`` is scanned as written.
     """
-    rewards_, values_ = _as(rewards, steps.dtype), _as(values, steps.dtype)
+    rewards_, values_ = as_dtype(rewards, steps.dtype), as_dtype(values, steps.dtype)
     if lam >= GAE_ONE_SCAN_MIN_LAM:
         advantages = carry_scan(torch.add(rewards_, values_, alpha=(1 - lam) / lam), steps, gamma * lam)
         advantages.addcmul_(values_, steps, value=-1 / lam)
@@ -306,4 +300,4 @@ def _gae_scan(rewards, values, steps, gamma, lam):
         next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
         advantages = carry_scan(rewards_ + gamma * next_value - values_, steps, gamma * lam)
     returns = (advantages + values_).mul_(steps)
-    return _as(advantages, rewards.dtype), _as(returns, rewards.dtype)
+    return as_dtype(advantages, rewards.dtype), as_dtype(returns, rewards.dtype)

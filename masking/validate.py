@@ -21,6 +21,12 @@ def _first_bad(bad: torch.Tensor) -> tuple[int, int] | None:
     return row, pos
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call when ``x`` has it (a no-op ``to`` costs a few microseconds,
+    which add up in a small batch's call)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def check_same_shape(name: str, tensor: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
     """Raise ValueError unless ``tensor`` is 2-D and has the shape of ``reference``."""
     if tensor.dim() != 2 or tensor.shape != reference.shape:
@@ -158,8 +164,8 @@ def validate_batch(
         ]
     if count:  # exact for 0/1 values
         exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
-        mask_r = response_mask.to(token_level_rewards.dtype)
-        checks.append((mask_r.sum(dtype=None if exact else torch.float64), 0, float("inf")))
+        tokens = as_dtype(response_mask, token_level_rewards.dtype).sum(dtype=None if exact else torch.float64)
+        checks.append((tokens, 0, float("inf")))
     values = _to_host([value for value, _, _ in checks])
     total = int(values[-1]) if count else None
     bad = not all(low <= value <= high for value, (_, low, high) in zip(values, checks))  # NaN is never within
@@ -192,7 +198,7 @@ def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tenso
     else:
         is_assistant = None
     numeric = None if spans is None and mask.dtype == torch.bool else mask  # a bool mask is 0/1
-    mask_r = mask if mask.dtype == token_level_rewards.dtype else mask.to(token_level_rewards.dtype)
+    mask_r = as_dtype(mask, token_level_rewards.dtype)
     if numeric is not None and numeric.dtype == token_level_rewards.dtype:  # both residuals in one buffer, one reduction
         residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
         mask_residual, rewards_residual = residuals
