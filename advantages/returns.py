@@ -103,8 +103,9 @@ def discounted_returns(
         gamma: discount in ``[0, 1]``, applied once per ASSISTANT token (observations cost no step).
         spans: optional ``(b, t)`` SpanKind; without it every 0 of the mask is an OBSERVATION
             (verl after PR #7300).
-        validate: check spans, mask and rewards first (ValueError naming row and position; one host
-            sync per check). Pass False in the hot path.
+        validate: check spans, mask and rewards first (ValueError naming row and position; one fused
+            pass, one host sync); the scan then skips zeroing the rewards off the mask. Pass False in
+            the hot path.
 
     Returns:
         ``(b, t)`` returns in the rewards' dtype and device: the running return ``R`` on ASSISTANT

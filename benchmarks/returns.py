@@ -12,8 +12,10 @@ default call (``validate=True``: the fused checks, one sync) and the hot path (`
 "speedup" is verl's time over ours (default call, and hot path); "valid. cost" is default over hot.
 A large tensor copy gives the memory floor of a single pass over the inputs and outputs (bytes in
 + out / copy bandwidth): "% of floor" for the hot path (100% = bandwidth bound). The outputs are
-compared (max |difference| against verl's). Medians of ``--repeats`` runs; verl's loops run fewer
-times on the big shapes. Times are the process's CPU time by default (robust on a
+compared (max |difference| against verl's). Medians of ``--repeats`` rounds, the three calls timed
+in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then one
+untimed call of each of ours, as the loop leaves the caches cold), so that a busy spell on a
+shared machine falls on ours and verl's alike. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
 measures wall-clock time instead. The "faults" column counts the page faults per call of ours.
 
@@ -135,17 +137,31 @@ def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def interleaved_seconds(fns, repeats: int, clock) -> tuple[list[float], list[object]]:
+def interleaved_seconds(fns, repeats: int, clock, slow=None, slow_repeats: int = 1):
     """Medians of ``fns`` timed in turn, ``repeats`` rounds (so a busy spell on a shared machine
-    falls on all of them alike), and each one's output."""
+    falls on all of them alike), each one's output and page faults per call; and, if given, the
+    median and output of ``slow``, timed at the start of ``slow_repeats`` evenly spread rounds and
+    followed by an untimed call of each of ``fns`` (it leaves the caches cold)."""
     results = [fn() for fn in fns]  # warm-up, and the outputs to compare
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
+    slow_result = None if slow is None else slow()
+    times, faults, slow_times = [[] for _ in fns], [0] * len(fns), []
+    stride = -(-repeats // slow_repeats)
+    for round_ in range(repeats):
+        if slow is not None and round_ % stride == 0:
+            start = clock()
+            slow()
+            slow_times.append(clock() - start)
+            for fn in fns:
+                fn()
+        for fn, samples, i in zip(fns, times, range(len(fns))):
+            faults_before = page_faults()
             start = clock()
             fn()
             samples.append(clock() - start)
-    return [statistics.median(samples) for samples in times], results
+            faults[i] += page_faults() - faults_before
+    medians = [statistics.median(samples) for samples in times]
+    slow_median = statistics.median(slow_times) if slow_times else None
+    return medians, results, [count / repeats for count in faults], (slow_median, slow_result)
 
 
 def page_faults() -> int:
@@ -205,7 +221,7 @@ def main() -> None:
         table.add_column(column, justify="left" if column == "estimator" else "right")
     for b, t in args.shapes or (QUICK_SHAPES if args.quick else SHAPES):
         rewards, values, mask, spans = multi_turn_batch(b, t)
-        loop_repeats = 1 if b * t >= 2**22 else 3
+        loop_repeats = 3 if b * t >= 2**22 else 7  # verl's loop runs in every few rounds of ours
         for gamma in args.gammas:
             cases = {
                 # bytes per token: rewards, mask (+ values) and spans in; returns (+ advantages) out
@@ -231,10 +247,10 @@ def main() -> None:
                 ),
             }
             for name, (ours, loop, bytes_per_token) in cases.items():
-                faults_before = page_faults()
-                (default_s, hot_s), (ours_out, _) = interleaved_seconds([lambda: ours(True), lambda: ours(False)], repeats, clock)
-                faults = (page_faults() - faults_before) / (2 * repeats + 2)
-                loop_s, loop_out = median_seconds(loop, loop_repeats, clock)
+                (default_s, hot_s), (ours_out, _), (default_faults, hot_faults), (loop_s, loop_out) = interleaved_seconds(
+                    [lambda: ours(True), lambda: ours(False)], repeats, clock, loop, loop_repeats
+                )
+                faults = (default_faults + hot_faults) / 2
                 floor_s = b * t * bytes_per_token / bandwidth
                 pairs = zip(ours_out, loop_out) if isinstance(ours_out, tuple) else [(ours_out, loop_out)]
                 diff = max(float((x - y).abs().max()) for x, y in pairs)
