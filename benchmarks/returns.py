@@ -13,8 +13,8 @@ default call (``validate=True``: the fused checks, one sync) and the hot path (`
 A large tensor copy gives the memory floor of a single pass over the inputs and outputs (bytes in
 + out / copy bandwidth): "% of floor" for the hot path (100% = bandwidth bound). The outputs are
 compared (max |difference| against verl's). Medians of ``--repeats`` rounds, the three calls timed
-in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then one
-untimed call of each of ours, as the loop leaves the caches cold), so that a busy spell on a
+in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then two
+untimed calls of each of ours, as the loop leaves the caches cold), so that a busy spell on a
 shared machine falls on ours and verl's alike. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
 measures wall-clock time instead. The "faults" column counts the page faults per call of ours.
@@ -141,7 +141,7 @@ def interleaved_seconds(fns, repeats: int, clock, slow=None, slow_repeats: int =
     """Medians of ``fns`` timed in turn, ``repeats`` rounds (so a busy spell on a shared machine
     falls on all of them alike), each one's output and page faults per call; and, if given, the
     median and output of ``slow``, timed at the start of ``slow_repeats`` evenly spread rounds and
-    followed by an untimed call of each of ``fns`` (it leaves the caches cold)."""
+    followed by two untimed calls of each of ``fns`` (it leaves the caches cold)."""
     results = [fn() for fn in fns]  # warm-up, and the outputs to compare
     slow_result = None if slow is None else slow()
     times, faults, slow_times = [[] for _ in fns], [0] * len(fns), []
@@ -152,6 +152,7 @@ def interleaved_seconds(fns, repeats: int, clock, slow=None, slow_repeats: int =
             slow()
             slow_times.append(clock() - start)
             for fn in fns:
+                fn()
                 fn()
         for fn, samples, i in zip(fns, times, range(len(fns))):
             faults_before = page_faults()
