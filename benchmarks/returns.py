@@ -12,8 +12,8 @@ default call (``validate=True``: the fused checks, one sync) and the hot path (`
 "speedup" is verl's time over ours (default call, and hot path); "valid. cost" is default over hot.
 A large tensor copy gives the memory floor of a single pass over the inputs and outputs (bytes in
 + out / copy bandwidth): "% of floor" for the hot path (100% = bandwidth bound). The outputs are
-compared (max |difference| against verl's). Medians of ``--repeats`` rounds, the three calls timed
-in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then two
+compared (max |difference| against verl's). Medians of ``--repeats`` rounds, the default call and
+the hot path timed in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then two
 untimed calls of each of ours, as the loop leaves the caches cold), so that a busy spell on a
 shared machine falls on ours and verl's alike. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
