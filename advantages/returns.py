@@ -27,7 +27,7 @@ import torch
 
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
-from masking.validate import check_same_shape, validate_batch
+from masking.validate import as_dtype, check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon
@@ -71,7 +71,7 @@ def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch
     scans need only the mask."""
     if not rewards.dtype.is_floating_point:
         raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
-    return response_mask.to(torch.promote_types(rewards.dtype, torch.float32))
+    return as_dtype(response_mask, torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
 def _spans(response_mask: torch.Tensor, spans: torch.Tensor | None) -> torch.Tensor:
@@ -103,8 +103,9 @@ def discounted_returns(
         gamma: discount in ``[0, 1]``, applied once per ASSISTANT token (observations cost no step).
         spans: optional ``(b, t)`` SpanKind; without it every 0 of the mask is an OBSERVATION
             (verl after PR #7300).
-        validate: check spans, mask and rewards first (ValueError naming row and position; one host
-            sync per check). Pass False in the hot path.
+        validate: check spans, mask and rewards first (ValueError naming row and position; one fused
+            pass, one host sync); the scan then skips zeroing the rewards off the mask. Pass False in
+            the hot path.
 
     Returns:
         ``(b, t)`` returns in the rewards' dtype and device: the running return ``R`` on ASSISTANT
@@ -116,7 +117,7 @@ def discounted_returns(
     if kernels is not None:
         return kernels.triton_discounted_returns(rewards, _spans(response_mask, spans), gamma)
     steps = assistant_steps(response_mask, rewards)
-    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma), rewards, steps)
+    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), rewards, steps)
 
 
 def whitened_discounted_returns(
@@ -149,7 +150,7 @@ def whitened_discounted_returns(
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(returns, steps, mean, var), returns
-    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma), token_level_rewards, steps)
+    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), token_level_rewards, steps)
     return whiten_zero_off_mask(returns, steps, count), returns
 
 
@@ -173,14 +174,14 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     scales the centred values. ``count`` (the number of steps, when known on the host) saves a
     reduction. No host sync.
     """
-    work = values.to(steps.dtype)
+    work = as_dtype(values, steps.dtype)
     n = steps.sum() if count is None else count
-    mean = work.sum() / n
+    mean = work.sum().div_(n)
     centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
     flat = centred.view(-1, 1, centred.shape[-1]) if centred.numel() else centred.view(-1, 1, 0)
     m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
-    scale = torch.rsqrt(m2 / (n - 1) + WHITEN_EPS).to(centred.dtype)
-    return centred.mul_(scale).to(values.dtype)
+    scale = m2.div_(n - 1).add_(WHITEN_EPS).rsqrt_().to(centred.dtype)  # in place: 0-d temporaries cost too
+    return as_dtype(centred.mul_(scale), values.dtype)
 
 
 def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -192,9 +193,10 @@ def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.T
     return torch.addcmul(work, steps, mean.to(steps.dtype), value=-1).mul_(scale).to(values.dtype)
 
 
-def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask."""
-    return carry_scan(rewards.to(steps.dtype), steps, gamma).to(rewards.dtype)
+def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
+    """Carry-through returns with the torch scan; ``steps`` is the float ASSISTANT mask; ``masked``:
+    the rewards are validated, hence 0 off the steps (the scan then skips zeroing them)."""
+    return as_dtype(carry_scan(as_dtype(rewards, steps.dtype), steps, gamma, masked), rewards.dtype)
 
 
 def returns_reset_at_observation(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -291,7 +293,7 @@ def _gae_scan(rewards, values, steps, gamma, lam):
     ``V_next`` is needed. Its rounding grows like ``1 / lam``; below the threshold ``V_next`` comes
     from a fill from the right and ``delta`` is scanned as written.
     """
-    rewards_, values_ = rewards.to(steps.dtype), values.to(steps.dtype)
+    rewards_, values_ = as_dtype(rewards, steps.dtype), as_dtype(values, steps.dtype)
     if lam >= GAE_ONE_SCAN_MIN_LAM:
         advantages = carry_scan(torch.add(rewards_, values_, alpha=(1 - lam) / lam), steps, gamma * lam)
         advantages.addcmul_(values_, steps, value=-1 / lam)
@@ -299,4 +301,4 @@ def _gae_scan(rewards, values, steps, gamma, lam):
         next_value = torch.nn.functional.pad(fill_from_right(values_ * steps, steps)[:, 1:], (0, 1))
         advantages = carry_scan(rewards_ + gamma * next_value - values_, steps, gamma * lam)
     returns = (advantages + values_).mul_(steps)
-    return advantages.to(rewards.dtype), returns.to(rewards.dtype)
+    return as_dtype(advantages, rewards.dtype), as_dtype(returns, rewards.dtype)

@@ -100,9 +100,10 @@ def _doubling_scan(x: torch.Tensor, decays: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: int) -> torch.Tensor:
+def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: int, masked: bool = False) -> torch.Tensor:
     """``state_t = x_t + decay**steps_t * state_{t+1}`` (``state_T = 0``), ``(b, t)``, where ``steps``
-    holds integer counts in ``[0, max_count]`` (floats of ``x``'s dtype; 0/1 for tokens).
+    holds integer counts in ``[0, max_count]`` (floats of ``x``'s dtype; 0/1 for tokens). ``masked``:
+    ``x`` is already 0 off the steps (validated), so the scan need not zero it.
 
     The count-power scan: with ``e_t`` the count before ``t`` in its block and ``w_t = decay**e_t``
     (looked up in a float64 table of powers, so correctly rounded),
@@ -126,7 +127,6 @@ def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: i
         x = torch.nn.functional.pad(x, (0, n * length - t))
         steps = torch.nn.functional.pad(steps, (0, n * length - t))
     x, steps = x.view(b, n, length), steps.view(b, n, length)
-    powers = _powers(decay, length * max_count + 1, torch.float64, x.device)
     if one_block:
         before = steps.cumsum(-1).sub_(steps)  # e_t, exact (integers)
     else:
@@ -136,24 +136,29 @@ def _power_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, max_count: i
         block_steps = (before[..., -1] + steps[..., -1]).int()  # E
     weights = _powers(decay, length * max_count + 1, x.dtype, x.device).index_select(0, before.view(-1).int()).view_as(x)
     weighted = torch.mul(x, weights, out=before)  # before is no longer needed: reuse its memory
-    if max_count == 1:  # tokens: x off the steps is ignored (one level up, x is 0 wherever E is)
+    if max_count == 1 and not masked:  # tokens: x off the steps is ignored (one level up, x is 0 wherever E is)
         weighted.mul_(steps)
     state = reverse_cumsum(weighted) if one_block else weighted @ ones.tril()  # sum_{s >= t} w_s x_s
     if n > 1:
         starts = _power_scan(state[..., 0].double(), block_steps.double(), decay, length * max_count)
+        powers = _powers(decay, length * max_count + 1, torch.float64, x.device)
         right = torch.nn.functional.pad(starts[..., 1:], (0, 1))  # the last block has nothing to its right
         state += right.mul_(powers.index_select(0, block_steps.view(-1)).view_as(right)).to(x.dtype).unsqueeze(-1)
-    return state.div_(weights).view(b, n * length)[..., :t].contiguous()  # copies only if zeros were appended
+    state = state.div_(weights).view(b, n * length)
+    return state if n * length == t else state[..., :t].contiguous()  # copies only if zeros were appended
 
 
-def carry_scan(x: torch.Tensor, steps: torch.Tensor, decay: float) -> torch.Tensor:
+def carry_scan(x: torch.Tensor, steps: torch.Tensor, decay: float, masked: bool = False) -> torch.Tensor:
     """State of the carry-through recurrence (module docstring) on the steps, 0 elsewhere, ``(b, t)``.
+
+    ``masked`` promises that ``x`` is already 0 off the steps (validated rewards), which saves a
+    pass; the result is the same.
 
     ``decay = 1`` is a plain reversed cumsum and ``decay = 0`` a fill from the right, both exact;
     other decays run the blocked count-power scan (:func:`_power_scan`) with 0/1 counts.
     """
     if x.shape[-1] == 0 or decay == 1.0:
-        return reverse_cumsum(x * steps).mul_(steps)
+        return reverse_cumsum(x if masked else x * steps).mul_(steps)
     if decay == 0.0:
-        return fill_from_right(x * steps, steps).mul_(steps)
-    return _power_scan(x, steps, decay, 1).mul_(steps)
+        return fill_from_right(x if masked else x * steps, steps).mul_(steps)
+    return _power_scan(x, steps, decay, 1, masked).mul_(steps)

@@ -12,8 +12,10 @@ default call (``validate=True``: the fused checks, one sync) and the hot path (`
 "speedup" is verl's time over ours (default call, and hot path); "valid. cost" is default over hot.
 A large tensor copy gives the memory floor of a single pass over the inputs and outputs (bytes in
 + out / copy bandwidth): "% of floor" for the hot path (100% = bandwidth bound). The outputs are
-compared (max |difference| against verl's). Medians of ``--repeats`` runs; verl's loops run fewer
-times on the big shapes. Times are the process's CPU time by default (robust on a
+compared (max |difference| against verl's). Medians of ``--repeats`` rounds, the default call and
+the hot path timed in turn; verl's loop at the start of a few of those rounds (7, 3 on the biggest shape; then two
+untimed calls of each of ours, as the loop leaves the caches cold), so that a busy spell on a
+shared machine falls on ours and verl's alike. Times are the process's CPU time by default (robust on a
 shared machine, where wall time also counts the time other processes hold the core); ``--wall``
 measures wall-clock time instead. The "faults" column counts the page faults per call of ours.
 
@@ -25,6 +27,7 @@ skips the warm-up to measure that case. Usage::
 
     python benchmarks/returns.py            # the four shapes of issue 2, one thread, CPU time
     python benchmarks/returns.py --quick    # two small shapes, a few seconds
+    python benchmarks/returns.py --shapes 8x4096,64x8192 --gammas 0.99    # the shapes of issue 20's targets
     python benchmarks/returns.py --threads 2
     python benchmarks/returns.py --cold-allocator
 """
@@ -134,17 +137,32 @@ def median_seconds(fn, repeats: int, clock) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def interleaved_seconds(fns, repeats: int, clock) -> tuple[list[float], list[object]]:
+def interleaved_seconds(fns, repeats: int, clock, slow=None, slow_repeats: int = 1):
     """Medians of ``fns`` timed in turn, ``repeats`` rounds (so a busy spell on a shared machine
-    falls on all of them alike), and each one's output."""
+    falls on all of them alike), each one's output and page faults per call; and, if given, the
+    median and output of ``slow``, timed at the start of ``slow_repeats`` evenly spread rounds and
+    followed by two untimed calls of each of ``fns`` (it leaves the caches cold)."""
     results = [fn() for fn in fns]  # warm-up, and the outputs to compare
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
+    slow_result = None if slow is None else slow()
+    times, faults, slow_times = [[] for _ in fns], [0] * len(fns), []
+    stride = -(-repeats // slow_repeats)
+    for round_ in range(repeats):
+        if slow is not None and round_ % stride == 0:
+            start = clock()
+            slow()
+            slow_times.append(clock() - start)
+            for fn in fns:
+                fn()
+                fn()
+        for fn, samples, i in zip(fns, times, range(len(fns))):
+            faults_before = page_faults()
             start = clock()
             fn()
             samples.append(clock() - start)
-    return [statistics.median(samples) for samples in times], results
+            faults[i] += page_faults() - faults_before
+    medians = [statistics.median(samples) for samples in times]
+    slow_median = statistics.median(slow_times) if slow_times else None
+    return medians, results, [count / repeats for count in faults], (slow_median, slow_result)
 
 
 def page_faults() -> int:
@@ -168,11 +186,18 @@ def copy_bandwidth(repeats: int, clock) -> float:
     return 2 * source.numel() * source.element_size() / seconds
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"8x4096,64x8192"`` -> ``[(8, 4096), (64, 8192)]``."""
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="only the two small shapes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of the scans (default 20, quick 7)")
+    parser.add_argument("--shapes", type=_shapes, default=None, help="comma-separated BxT shapes (default: all four)")
+    parser.add_argument("--gammas", type=lambda text: [float(g) for g in text.split(",")], default=GAMMAS, help="comma-separated")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
     parser.add_argument("--cold-allocator", action="store_true", help="skip warm_allocator (see the docstring)")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (for BENCHMARKS.md)")
@@ -195,10 +220,10 @@ def main() -> None:
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "estimator" else "right")
-    for b, t in QUICK_SHAPES if args.quick else SHAPES:
+    for b, t in args.shapes or (QUICK_SHAPES if args.quick else SHAPES):
         rewards, values, mask, spans = multi_turn_batch(b, t)
-        loop_repeats = 1 if b * t >= 2**22 else 3
-        for gamma in GAMMAS:
+        loop_repeats = 3 if b * t >= 2**22 else 7  # verl's loop runs in every few rounds of ours
+        for gamma in args.gammas:
             cases = {
                 # bytes per token: rewards, mask (+ values) and spans in; returns (+ advantages) out
                 "REINFORCE++ returns": (
@@ -223,10 +248,10 @@ def main() -> None:
                 ),
             }
             for name, (ours, loop, bytes_per_token) in cases.items():
-                faults_before = page_faults()
-                (default_s, hot_s), (ours_out, _) = interleaved_seconds([lambda: ours(True), lambda: ours(False)], repeats, clock)
-                faults = (page_faults() - faults_before) / (2 * repeats + 2)
-                loop_s, loop_out = median_seconds(loop, loop_repeats, clock)
+                (default_s, hot_s), (ours_out, _), (default_faults, hot_faults), (loop_s, loop_out) = interleaved_seconds(
+                    [lambda: ours(True), lambda: ours(False)], repeats, clock, loop, loop_repeats
+                )
+                faults = (default_faults + hot_faults) / 2
                 floor_s = b * t * bytes_per_token / bandwidth
                 pairs = zip(ours_out, loop_out) if isinstance(ours_out, tuple) else [(ours_out, loop_out)]
                 diff = max(float((x - y).abs().max()) for x, y in pairs)

@@ -21,6 +21,12 @@ def _first_bad(bad: torch.Tensor) -> tuple[int, int] | None:
     return row, pos
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call when ``x`` has it (a no-op ``to`` costs a few microseconds,
+    which add up in a small batch's call)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def check_same_shape(name: str, tensor: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
     """Raise ValueError unless ``tensor`` is 2-D and has the shape of ``reference``."""
     if tensor.dim() != 2 or tensor.shape != reference.shape:
@@ -125,15 +131,18 @@ def validate_batch(
     reductions reach the host together (one synchronisation on CUDA):
 
     * ``max(spans as uint8) <= 2`` iff every span is known (a negative int8 is >= 128 as uint8);
-    * ``min(spans, 1)`` never rises along a row iff PAD only trails;
+    * for known spans, ``spans[t + 1] - 2 spans[t]`` (in {-4, .., 2}) is positive exactly where a
+      PAD precedes a non-PAD, so its max is <= 0 iff PAD only trails;
     * ``(spans & 1) - mask`` (``spans & 1`` is the ASSISTANT indicator of a known span) is 0 iff the
       mask is 0/1 and equals ``spans == ASSISTANT``; without spans ``mask - mask * mask`` is 0 iff it is 0/1;
     * ``rewards - rewards * mask`` is 0 iff every reward is finite (``inf - inf`` and NaN are NaN)
       and 0 off the mask.
 
-    Only a nonzero residual runs the single checks, which raise with their messages. On CPU, rows
-    are checked in blocks of :data:`CPU_BLOCK_ELEMENTS` (the temporaries stay in the cache); the
-    whole costs 0.2-0.6x of a returns scan (BENCHMARKS.md, issue 20).
+    The two float residuals share one buffer, reduced by an integer min and max of its bits (+0.0
+    is the only float whose bits are all 0). Only a nonzero residual runs the single checks, which
+    raise with their messages. On CPU, rows are checked in blocks of :data:`CPU_BLOCK_ELEMENTS`;
+    the estimators then skip zeroing the rewards off the mask (validated), which the rewards
+    residual paid for (BENCHMARKS.md, issue 20).
     """
     if spans is not None:
         validate_spans_dtype(spans)
@@ -141,19 +150,22 @@ def validate_batch(
         return 0 if count else None
     b, t = token_level_rewards.shape
     rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
-    checks = [  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
-        check
-        for start in range(0, b, rows)
-        for check in _residual_checks(
-            token_level_rewards[start : start + rows],
-            response_mask[start : start + rows],
-            None if spans is None else spans[start : start + rows],
-        )
-    ]
+    if b <= rows:  # one block (no slicing: at small sizes every op counts)
+        checks = _residual_checks(token_level_rewards, response_mask, spans)
+    else:  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
+        checks = [
+            check
+            for start in range(0, b, rows)
+            for check in _residual_checks(
+                token_level_rewards[start : start + rows],
+                response_mask[start : start + rows],
+                None if spans is None else spans[start : start + rows],
+            )
+        ]
     if count:  # exact for 0/1 values
         exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
-        mask_r = response_mask.to(token_level_rewards.dtype)
-        checks.append((mask_r.sum(dtype=None if exact else torch.float64), 0, float("inf")))
+        tokens = as_dtype(response_mask, token_level_rewards.dtype).sum(dtype=None if exact else torch.float64)
+        checks.append((tokens, 0, float("inf")))
     values = _to_host([value for value, _, _ in checks])
     total = int(values[-1]) if count else None
     bad = not all(low <= value <= high for value, (_, low, high) in zip(values, checks))  # NaN is never within
@@ -174,24 +186,28 @@ def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tenso
     checks = []
     if spans is not None:
         if spans.dtype in (torch.int8, torch.uint8):
-            checks.append((spans.view(torch.uint8).max(), 0, 2))
+            checks.append((spans.view(torch.uint8).amax(), 0, 2))
+            spans8 = spans if spans.dtype == torch.int8 else spans.view(torch.int8)
         else:
             checks += [(extreme, 0, 2) for extreme in spans.aminmax()]
-        spans8 = spans.to(torch.int8)
-        if spans.shape[-1] > 1:
-            checks.append((torch.diff(spans8.clamp(max=1)).max(), -1, 0))
+            spans8 = spans.to(torch.int8)
+        if spans.shape[-1] > 1:  # for known spans, s[t + 1] - 2 s[t] > 0 exactly where a PAD precedes a non-PAD
+            later, earlier = spans8.narrow(-1, 1, spans.shape[-1] - 1), spans8.narrow(-1, 0, spans.shape[-1] - 1)
+            checks.append((torch.sub(later, earlier, alpha=2).amax(), -4, 0))
         is_assistant = torch.bitwise_and(spans8, _ONE)  # exact where every span is known (checked above)
-        numeric = mask.to(torch.int8) if mask.dtype == torch.bool else mask
     else:
         is_assistant = None
-        numeric = None if mask.dtype == torch.bool else mask  # a bool mask is 0/1
-    mask_r = mask.to(token_level_rewards.dtype)
+    numeric = None if spans is None and mask.dtype == torch.bool else mask  # a bool mask is 0/1
+    mask_r = as_dtype(mask, token_level_rewards.dtype)
     if numeric is not None and numeric.dtype == token_level_rewards.dtype:  # both residuals in one buffer, one reduction
         residuals = torch.empty((2, *mask.shape), dtype=numeric.dtype, device=mask.device)
-        _mask_residual(numeric, is_assistant, residuals[0])
-        torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=residuals[1])
-        extrema = list(residuals.aminmax())
+        mask_residual, rewards_residual = residuals
+        _mask_residual(numeric, is_assistant, mask_residual)
+        torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1, out=rewards_residual)
+        extrema = list(_bits(residuals).aminmax())
     else:
+        if numeric is not None and numeric.dtype == torch.bool:
+            numeric = numeric.to(torch.int8)
         extrema = [] if numeric is None else list(_mask_residual(numeric, is_assistant).aminmax())
         extrema += torch.addcmul(token_level_rewards, token_level_rewards, mask_r, value=-1).aminmax()
     return checks + [(value, 0, 0) for value in extrema]
@@ -204,7 +220,19 @@ def _mask_residual(mask: torch.Tensor, is_assistant: torch.Tensor | None, out: t
     """0 everywhere iff ``mask`` equals ``is_assistant`` (0/1 int8), or, without it, iff ``mask`` is 0/1."""
     if is_assistant is None:
         return torch.addcmul(mask, mask, mask, value=-1, out=out)
-    return torch.sub(mask, is_assistant, out=out)
+    if out is None:
+        return torch.sub(mask, is_assistant)
+    return out.copy_(is_assistant).sub_(mask)  # one conversion, then a sub of one dtype (faster than a mixed sub)
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(residuals: torch.Tensor) -> torch.Tensor:
+    """The float ``residuals`` viewed as integers of the same size: 0 exactly where a residual is +0.0
+    (a valid input gives +0.0 everywhere; -0.0, rare, only sends the input to the single checks). An
+    integer min and max reduce faster than a float ``aminmax``, and see NaN and inf as nonzero."""
+    return residuals.view(_SAME_SIZE_INT[residuals.element_size()])
 
 
 def _to_host(scalars: list[torch.Tensor]) -> list[float]:

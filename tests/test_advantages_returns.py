@@ -206,6 +206,8 @@ def test_carry_scan_ignores_x_off_the_steps_and_gives_zero_there():
     for decay in (0.0, 1e-30, 0.5, 1.0):  # 1e-30: even decay**1 underflows sqrt(tiny), the doubling fallback
         expected = torch.tensor([[1.0 + decay * 2.0, 0.0, 0.0, 2.0, 0.0]])
         torch.testing.assert_close(carry_scan(x, steps, decay), expected)
+        # masked=True (validated input, x already 0 off the steps) skips zeroing x: the same result
+        torch.testing.assert_close(carry_scan(x * steps, steps, decay, masked=True), expected)
 
 
 def test_empty_inputs():
