@@ -26,7 +26,8 @@ from trainer import TrainConfig, Trainer
 
 
 def run(prompts: int, seed: int, args: argparse.Namespace) -> dict:
-    config = TrainConfig(prompts_per_step=prompts, seed=seed, steps=args.steps, threads=args.threads,
+    config = TrainConfig(prompts_per_step=prompts, seed=seed, steps=args.steps, threads=args.threads, lr=args.lr,
+                         warmup_steps=args.warmup_steps,
                          eval_episodes=args.eval_episodes, save_every=args.steps, progress=False,
                          output_dir=str(Path(args.runs_dir) / f"prompts{prompts}_seed{seed}"))
     started = time.perf_counter()
@@ -44,8 +45,13 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+parser_defaults = {"lr": None, "warmup_steps": TrainConfig.warmup_steps, "name": "stable_defaults"}
+
+
 def table(runs: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"# `agent-loop train` defaults across seeds: {args.steps} steps, {args.eval_episodes} held-out questions",
+    settings = "defaults" if args.lr is None and args.warmup_steps == TrainConfig.warmup_steps else \
+        f"lr {args.lr or 'default'}, warm-up {args.warmup_steps} steps"
+    lines = [f"# `agent-loop train` {settings} across seeds: {args.steps} steps, {args.eval_episodes} held-out questions",
              "",
              "| prompts per step | lr (default) | seed | held-out sampled: start -> end | held-out greedy: start -> end "
              "| training success, first 5 -> last 5 steps | time |",
@@ -65,7 +71,9 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         below = sum(e < s for s, e in zip(start, end))
         lines.append(f"| {prompts} | {spread(start)} | {spread(end)} | {spread([e - s for s, e in zip(start, end)])} "
                      f"| {below} of {len(rs)} |")
-    lines += ["", f"Command: `python examples/stable_defaults.py --steps {args.steps} --seeds "
+    extra = "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("lr", "warmup_steps", "name")
+                    if getattr(args, k) != parser_defaults[k])
+    lines += ["", f"Command: `python examples/stable_defaults.py{extra} --steps {args.steps} --seeds "
               f"{' '.join(map(str, args.seeds))} --prompts-per-step {' '.join(map(str, args.prompts_per_step))} "
               f"--eval-episodes {args.eval_episodes} --threads {args.threads} --parallel {args.parallel}`"]
     return "\n".join(lines) + "\n"
@@ -77,6 +85,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--prompts-per-step", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--eval-episodes", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=parser_defaults["lr"], help="default: scaled to the batch")
+    parser.add_argument("--warmup-steps", type=int, default=parser_defaults["warmup_steps"])
+    parser.add_argument("--name", default=parser_defaults["name"], help="file name of the table (.md) and runs (.json)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (processes)")
     parser.add_argument("--output-dir", default="docs/results", help="where the table goes")
@@ -90,9 +101,9 @@ def main() -> None:
     with ProcessPoolExecutor(args.parallel, mp_context=context) as pool:
         runs = list(pool.map(run, *zip(*grid), itertools.repeat(args)))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stable_defaults.json").write_text(json.dumps(runs, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps(runs, indent=1))
     text = table(runs, args)
-    (out / "stable_defaults.md").write_text(text)
+    (out / f"{args.name}.md").write_text(text)
     print(text)
 
 
