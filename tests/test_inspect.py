@@ -25,7 +25,7 @@ import agent_loop.inspect as inspect_cli
 from agent_loop.inspect import html, main, plots, terminal, view as view_module
 from agent_loop.inspect.load import Problems, iter_records
 from agent_loop.inspect.tokens import segments, turns
-from agent_loop.inspect.values import ESTIMATORS, compute_values
+from agent_loop.inspect.values import COMPARED, compute_values
 from agent_loop.inspect.view import Selection, build_view, scan
 from agent_loop.types import ToolCallRecord, Trajectory
 from masking.spans import SpanKind
@@ -536,7 +536,7 @@ def test_terminal_at_80_columns_tables_do_not_wrap(view):
     for metric in ("success rate", "mean reward", "finish reasons", "tool calls", "tokens", "gamma", "shown"):
         assert sum(1 for line in lines if re.match(rf"│ {metric}\s+│ \S", line)) == 1, metric
     assert re.search(r"│ finish reasons │ stop 2, max_turns 1\s+│", text)
-    for name in ESTIMATORS:
+    for name in COMPARED:
         assert sum(1 for line in lines if line.startswith(f"│ {name} ")) == 1
     # value tables: one line per assistant token
     n_assistant = span_count(view.trajectories, SpanKind.ASSISTANT)
@@ -565,7 +565,7 @@ def test_terminal_compare_shows_where_the_estimators_differ(view):
     v = view.values
     assistant = v.batch["spans"] == SpanKind.ASSISTANT
     n = int(assistant.sum())
-    for name in ESTIMATORS:
+    for name in COMPARED:
         differ = int(((v.compare[name] - v.compare["carry-through"]).abs() > 1e-6)[assistant].sum())
         assert re.search(rf"{name}\s.*\s{differ} / {n}\s", text), name
     # the first turn of episode 12 gets its reward under carry-through only

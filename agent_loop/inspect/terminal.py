@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent_loop.inspect.tokens import Segment, show_whitespace, turns
-from agent_loop.inspect.values import ESTIMATORS
+from agent_loop.inspect.values import COMPARED
 from agent_loop.inspect.values import carried as carried_runs
 from agent_loop.inspect.view import InspectView
 from masking.spans import SpanKind
@@ -172,12 +172,12 @@ def compare_table(view: InspectView, row: int) -> Table:
     table = Table(title=f"episode {view.ids[row]}: returns per segment (first → last token)", title_justify="left")
     for name in ("turn", "span", "positions"):
         table.add_column(name, no_wrap=True)
-    for name in ESTIMATORS:
+    for name in COMPARED:
         table.add_column(name, justify="right", no_wrap=True)
     for _, segs in turns(view.trajectories[row]):
         for seg in segs:
             cells = []
-            for name in ESTIMATORS:
+            for name in COMPARED:
                 first, last = (float(v.compare[name][row, p]) for p in (seg.start, seg.end - 1))
                 differs = bool(v.differs(name)[row, seg.start:seg.end].any())
                 cells.append(Text(f"{first:.3f}→{last:.3f}".replace("-0.000", "0.000"),

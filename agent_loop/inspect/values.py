@@ -2,7 +2,7 @@
 whitened with statistics gathered over the whole file in one streaming pass.
 
 The one function the views need from the estimators is :func:`token_values` ``(batch, name, gamma)
--> (b, t)``; ``ESTIMATORS`` names what ``--compare`` puts side by side (docs/design.md section 3).
+-> (b, t)``; ``COMPARED`` names what ``--compare`` puts side by side (docs/design.md section 3).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from masking.rewards import place_rewards
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 
 # name shown to the user -> how the discounted return treats OBSERVATION tokens
-ESTIMATORS = {
+COMPARED = {
     "carry-through": "R carried through observations unchanged (correct)",
     "reset-at-observation": "R reset to 0 at every observation (verl before PR #7300)",
     "ignore-mask": "observations scanned like assistant tokens (mask ignored)",
@@ -28,20 +28,20 @@ DIFFERS = 1e-6  # a return further than this from carry-through counts as differ
 EPS = 1e-8  # the whitening epsilon of advantages.masked_whiten
 
 
-# ESTIMATORS name -> the registered estimator (advantages.registry) whose returns it shows
+# COMPARED name -> the registered estimator (advantages.registry) whose returns it shows
 REGISTERED = {
     "carry-through": "reinforce_plus_plus",
     "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
     "ignore-mask": "reinforce_plus_plus_ignore_mask",
 }
-LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> ESTIMATORS name
+LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> COMPARED name
 
 
 def token_values(batch, name: str, gamma: float) -> torch.Tensor:
     """(b, t) discounted returns of ``batch["token_level_rewards"]`` under estimator ``name`` (a key
-    of ESTIMATORS), with ``batch["spans"]`` telling ASSISTANT from OBSERVATION tokens."""
+    of COMPARED), with ``batch["spans"]`` telling ASSISTANT from OBSERVATION tokens."""
     if name not in REGISTERED:
-        raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(ESTIMATORS)}")
+        raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(COMPARED)}")
     rewards, spans = batch["token_level_rewards"], batch["spans"]
     mask = response_mask_from_spans(spans, rewards.dtype)
     return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False)[1]
@@ -106,20 +106,20 @@ class FileStats:
 
     gamma: float
     compare: bool = False
-    estimator: str = "carry-through"  # the ESTIMATORS name whose returns are shown and whitened
+    estimator: str = "carry-through"  # the COMPARED name whose returns are shown and whitened
     returns: Moments = field(default_factory=Moments)  # ``estimator``'s returns on ASSISTANT tokens
     sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of returns, differing, sum |diff|]
 
     def add(self, trajectories: list[Trajectory]) -> None:
         batch = reward_tensors(trajectories)
         assistant = batch["spans"] == SpanKind.ASSISTANT
-        compared = ESTIMATORS if self.compare else (self.estimator,)
+        compared = COMPARED if self.compare else (self.estimator,)
         returns = {name: token_values(batch, name, self.gamma) for name in {"carry-through", *compared}}
         self.returns.add(returns[self.estimator][assistant])
         if not self.compare:
             return
         carry = returns["carry-through"]
-        for name in ESTIMATORS:
+        for name in COMPARED:
             diff = (returns[name] - carry)[assistant]
             acc = self.sums.setdefault(name, [0.0, 0, 0.0])
             acc[0] += float((carry[assistant] + diff).double().sum())
@@ -127,11 +127,11 @@ class FileStats:
             acc[2] += float(diff.double().abs().sum())
 
     def summaries(self) -> list[EstimatorSummary]:
-        """One summary per estimator of ESTIMATORS (needs ``compare``)."""
+        """One summary per estimator of COMPARED (needs ``compare``)."""
         n = self.returns.count
         return [EstimatorSummary(name, description, self.sums[name][0] / n if n else 0.0, self.sums[name][1], n,
                                  self.sums[name][2] / n if n else 0.0)
-                for name, description in ESTIMATORS.items()]
+                for name, description in COMPARED.items()]
 
 
 @dataclass
@@ -141,7 +141,7 @@ class BatchValues:
     batch: dict[str, torch.Tensor]  # trajectories_to_batch output: responses, spans, turn_ids, old_logprobs, ...
     returns: torch.Tensor  # discounted returns of the shown estimator (carry-through unless --estimator)
     advantages: torch.Tensor  # those returns whitened with the whole file's statistics (REINFORCE++)
-    compare: dict[str, torch.Tensor]  # ESTIMATORS name -> discounted returns under that estimator
+    compare: dict[str, torch.Tensor]  # COMPARED name -> discounted returns under that estimator
     gamma: float
 
     @property
@@ -164,7 +164,7 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
     """
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     assistant = batch["spans"] == SpanKind.ASSISTANT
-    compare = {name: token_values(batch, name, gamma) for name in ESTIMATORS}
+    compare = {name: token_values(batch, name, gamma) for name in COMPARED}
     returns = compare[estimator]
     if returns_moments is None:
         returns_moments = Moments()
