@@ -2,7 +2,7 @@
 
 Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON``) or under torchrun; every rank
 writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns, recomputed old logprobs,
-the step's metrics and the parameters after the update.
+the step's metrics and the parameters after the update (gathered from FSDP's shards), and the wrapper used.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trainer import TrainConfig, Trainer
-from trainer.distributed import close_data_parallel
+from trainer.distributed import close_data_parallel, full_tensor
 from trainer.metrics import rollout_metrics
 
 
@@ -30,7 +30,8 @@ def main(out: str, config_json: str) -> None:
             "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
             "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],
             "old_logprobs": batch["old_logprobs"], "metrics": metrics,
-            "parameters": {name: p.detach().clone() for name, p in trainer.policy.named_parameters()},
+            "parameters": {name: full_tensor(p).detach().clone() for name, p in trainer.policy.named_parameters()},
+            "parallel": trainer.dp.mode if trainer.dp.enabled else None,
         }, Path(out) / f"rank{trainer.dp.rank}.pt")
     finally:
         close_data_parallel()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.distributed import full_state_dict
+
 
 def wrap_with_lora(model, rank: int, alpha: float, target_modules: str, dropout: float = 0.0):
     """``model`` as a peft LoRA model (adapter ``default``; B starts at 0, so the policy is unchanged)."""
@@ -32,9 +34,9 @@ def is_lora(model) -> bool:
 @torch.no_grad()
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The plain model's state dict (its own parameter names) with every LoRA layer's delta added to its
-    base weight; a model without LoRA gives its own ``state_dict()``."""
+    base weight; a model without LoRA gives its own ``state_dict()`` (FSDP shards gathered: every rank calls it)."""
     if not is_lora(model):
-        return model.state_dict()
+        return full_state_dict(model)
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -55,29 +57,29 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_merged(model, directory) -> None:
-    """Save ``model`` as a plain transformers model (LoRA merged; the adapter alone next to it in ``../adapter``)."""
+def save_merged(model, directory, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save ``model`` as a plain transformers model (LoRA merged; the adapter alone next to it in ``../adapter``).
+    ``state_dict``: its ``merged_state_dict``, if already at hand (gathered from FSDP shards)."""
+    state_dict = merged_state_dict(model) if state_dict is None else state_dict
     if not is_lora(model):
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, state_dict=state_dict)
         return
     from pathlib import Path
 
-    plain_copy(model).save_pretrained(directory)
+    plain_copy(model, state_dict).save_pretrained(directory)
     model.save_pretrained(Path(directory).parent / "adapter")
 
 
-def plain_copy(model):
-    """A separate plain transformers model with ``model``'s (merged) weights, for an in-process rollout backend."""
-    if not is_lora(model):
-        import copy
-
-        return copy.deepcopy(model)
+def plain_copy(model, state_dict: dict[str, torch.Tensor] | None = None):
+    """A separate plain transformers model with ``model``'s (merged, gathered) weights, for an in-process
+    rollout backend; ``state_dict``: its ``merged_state_dict``, if already at hand."""
     from transformers import AutoModelForCausalLM
 
-    base = model.get_base_model()
+    state_dict = merged_state_dict(model) if state_dict is None else state_dict
+    base = model.get_base_model() if is_lora(model) else model
     plain = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # (non-persistent buffers: rotary)
-    plain.load_state_dict(merged_state_dict(model))
-    return plain.to(base.device)
+    plain.load_state_dict(state_dict)
+    return plain.to(next(iter(state_dict.values())).device)
 
 
 def load_adapter_weights(model, adapter_dir) -> None:
