@@ -1,8 +1,9 @@
 """One training step, with its intermediate tensors saved, for tests/test_distributed.py.
 
-Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON``) or under torchrun; every rank
-writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns, recomputed old logprobs,
-the step's metrics and the parameters after the update (gathered from FSDP's shards), and the wrapper used.
+Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON [--no-share-prefix]``) or under
+torchrun; every rank writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns,
+recomputed old logprobs, the step's metrics, the parameters after the update (gathered from FSDP's
+shards) and the wrapper used.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from trainer.distributed import close_data_parallel, full_tensor
 from trainer.metrics import rollout_metrics
 
 
-def main(out: str, config_json: str) -> None:
+def main(out: str, config_json: str, *flags: str) -> None:
     trainer = Trainer(TrainConfig(**json.loads(config_json)))
+    if "--no-share-prefix" in flags:  # one process computing as FSDP does (trainer/distributed.py)
+        trainer.model.share_prefix = False
     try:
         trajectories = trainer.rollouts(0)
         batch = trainer.make_batch(trajectories)
@@ -38,4 +41,4 @@ def main(out: str, config_json: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -102,8 +102,18 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with FSDP shards gathered into whole tensors (every rank must call it)."""
-    return {name: full_tensor(tensor) for name, tensor in module.state_dict().items()}
+    """``module.state_dict()`` with FSDP shards gathered into whole tensors (every rank must call it); names
+    that share a parameter (tied embeddings) share the gathered tensor too."""
+    def key(tensor):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape)
+
+    gathered: dict[tuple, torch.Tensor] = {}
+    state = module.state_dict()
+    for tensor in state.values():
+        if key(tensor) not in gathered:
+            gathered[key(tensor)] = full_tensor(tensor)
+    return {name: gathered[key(tensor)] for name, tensor in state.items()}
 
 
 def _like(value, current):

@@ -44,7 +44,8 @@ from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from trainer import checkpoint
 from trainer.config import DTYPES, TrainConfig
-from trainer.distributed import NullLogger, init_data_parallel, load_full_optimizer_state_, load_full_state_dict_, resolve_device
+from trainer.distributed import (NullLogger, full_tensor, init_data_parallel, load_full_optimizer_state_, load_full_state_dict_,
+                                 resolve_device)
 from trainer.grouping import GroupedTask
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
@@ -288,7 +289,7 @@ class Trainer:
             for name, value in {"loss": loss.detach(), **micro_stats}.items():
                 stats[name] += (value * weight).item()
         stats = self.dp.sum_stats(stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm))
         skipped = bool(grad_norm == 0)  # all-zero advantages carry no signal, but AdamW would still move along its momentum
         if not skipped:
             self.optimizer.step()
