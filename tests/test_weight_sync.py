@@ -144,7 +144,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
 
         # an adapter the server cannot take (rank 16 > --max-lora-rank 8) raises; the served adapter stays
         too_big = VLLMServerLoRASync(url, lora_policy(rank=16, seed=2), adapters_dir=tmp_path / "big")
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(WeightSyncError, match="greater than max_lora_rank"):
             too_big.update_weights()
         assert too_big.served_model is None and too_big.version == 0
 

@@ -88,7 +88,10 @@ def _send(request: urllib.request.Request, timeout_s: float) -> dict:
         raise WeightSyncError(f"{request.full_url} answered HTTP {error.code}: {detail}") from error
     except (urllib.error.URLError, OSError) as error:
         raise WeightSyncError(f"{request.full_url} unreachable: {error}") from error
-    return json.loads(payload) if payload else {}
+    try:
+        return json.loads(payload) if payload else {}
+    except json.JSONDecodeError:  # the LoRA endpoints answer 200 with a plain-text message
+        return {"message": payload.decode(errors="replace")}
 
 
 class VLLMServerWeightSync:
