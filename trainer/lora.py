@@ -1,11 +1,12 @@
-"""LoRA training through ``peft`` (optional extra ``lora``): adapters trained, the base frozen, merged weights pushed and saved.
+"""LoRA training through ``peft`` (optional extra ``lora``): adapters trained, the base frozen, merged weights saved.
 
 ``--lora-rank R`` (> 0) wraps the policy in a ``peft`` LoRA model on ``--lora-target-modules`` (default
 every linear layer of the decoder; not the output head or the embeddings). Only the adapter matrices
-get gradients and AdamW state. The rollout backend and checkpoints get the *merged* weights
+get gradients and AdamW state. In-process rollout backends and checkpoints get the *merged* weights
 ``W + (alpha / r) B A``, computed without touching ``W`` (no merge/unmerge round trip that would
 drift the frozen base in float rounding): a checkpoint's ``model/`` is a plain transformers model,
-and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``).
+and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``). vLLM rollout
+servers get the adapter alone (``agent_loop.backends.weight_sync.VLLMServerLoRASync``).
 """
 
 from __future__ import annotations

@@ -235,19 +235,19 @@ class VLLMServerLoRASync:
             shutil.rmtree(folder)
         self.policy.save_pretrained(str(folder))
         name = f"{self.name}-{self.run_id}-v{version}"
-        with ThreadPoolExecutor(len(self.base_urls)) as pool:
-            list(pool.map(lambda url: _post(f"{url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
-                                            self.timeout_s), self.base_urls))
+        self._on_every_server("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         previous, previous_folder = self.served_model, self.current
         self.served_model, self.current, self.version = name, folder, version
         if previous is not None:
-            with ThreadPoolExecutor(len(self.base_urls)) as pool:
-                list(pool.map(lambda url: _post(f"{url}/v1/unload_lora_adapter", {"lora_name": previous},
-                                                self.timeout_s), self.base_urls))
+            self._on_every_server("unload_lora_adapter", {"lora_name": previous})
             shutil.rmtree(previous_folder, ignore_errors=True)
         elapsed = time.perf_counter() - started
         self.timings.append(elapsed)
         return elapsed
+
+    def _on_every_server(self, endpoint: str, body: dict) -> None:
+        with ThreadPoolExecutor(len(self.base_urls)) as pool:
+            list(pool.map(lambda url: _post(f"{url}/v1/{endpoint}", body, self.timeout_s), self.base_urls))
 
     def close(self) -> None:
         if self._temporary is not None:
