@@ -160,7 +160,7 @@ def main() -> int:
             record(f"vLLM server, LoRA r={args.lora_rank} adapter alone (load_lora_adapter)", seconds,
                    "yes" if agree else "NO")
 
-    console = Console(record=True, width=120)
+    console = Console(record=True, width=140)
     parameters = sum(p.numel() for p in base.parameters())
     table = Table(title=f"weight push per step, tiny agent ({parameters / 1e6:.1f} M parameters, fp32), "
                         f"median of {args.reps}")
