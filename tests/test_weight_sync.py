@@ -33,7 +33,7 @@ from trainer import TrainConfig, Trainer  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def perturbed(model, scale: float = 0.1, seed: int = 0):
+def perturbed(model, scale: float = 0.3, seed: int = 0):
     """A copy of ``model`` with every weight matrix moved by ``scale`` times its own std in seeded noise."""
     generator = torch.Generator().manual_seed(seed)
     other = copy.deepcopy(model)
