@@ -14,7 +14,7 @@ The policy is wrapped by torch's own data-parallel wrappers (``--parallel``):
   micro-batch). It runs on CUDA (NCCL) and, with torch 2.13, on CPU (gloo) too; not with LoRA (the
   adapters are small: ``ddp``). Every row runs its whole prompt (no shared-prompt KV cache: gradient
   through the cache reaches the layers' key/value projections after FSDP2 has resharded them);
-- ``auto`` (default): ``fsdp`` on CUDA, ``ddp`` on CPU.
+- ``auto`` (default): ``fsdp`` on CUDA, ``ddp`` on CPU or with LoRA.
 
 What is wrapped is ``trainer.policy.PolicyModel``: the whole forward (shared-prompt KV cache, decoder,
 output head, value head; batch tensors in, per-token logprobs, entropy and values out) is one module
@@ -80,12 +80,12 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     return torch.device(device)
 
 
-def resolve_parallel(parallel: str, device: torch.device) -> str:
-    """``--parallel`` -> the wrapper: ``auto`` is ``fsdp`` on CUDA and ``ddp`` elsewhere."""
+def resolve_parallel(parallel: str, device: torch.device, lora: bool = False) -> str:
+    """``--parallel`` -> the wrapper: ``auto`` is ``fsdp`` on CUDA without LoRA, ``ddp`` otherwise."""
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
     if parallel == "auto":
-        return "fsdp" if device.type == "cuda" else "ddp"
+        return "fsdp" if device.type == "cuda" and not lora else "ddp"
     return parallel
 
 
@@ -273,12 +273,12 @@ class DataParallel:
                 raise RuntimeError(f"data-parallel replicas diverged: rank {rank}'s parameters differ from rank 0's")
 
 
-def init_data_parallel(device: str = "auto", parallel: str = "auto") -> DataParallel:
+def init_data_parallel(device: str = "auto", parallel: str = "auto", lora: bool = False) -> DataParallel:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``),
     NCCL for CUDA and gloo for CPU; a single process (no ``WORLD_SIZE`` or 1) joins nothing."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    mode = resolve_parallel(parallel, resolve_device(device, local_rank))
+    mode = resolve_parallel(parallel, resolve_device(device, local_rank), lora)
     if world_size <= 1:
         return DataParallel(mode=mode)
     rank = int(os.environ["RANK"])

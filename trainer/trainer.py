@@ -97,7 +97,7 @@ class Trainer:
         if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
                              "no --rollout-servers): its background rollouts would race the collectives / the server sync")
-        self.dp = init_data_parallel(config.device, config.parallel)
+        self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
         self.estimator = get_estimator(
