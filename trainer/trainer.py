@@ -44,8 +44,8 @@ from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from trainer import checkpoint
 from trainer.config import DTYPES, TrainConfig
-from trainer.distributed import (NullLogger, full_tensor, init_data_parallel, load_full_optimizer_state_, load_full_state_dict_,
-                                 resolve_device)
+from trainer.distributed import (NullLogger, full_tensor, init_data_parallel, load_full_optimizer_state_,
+                                 load_full_state_dict_, resolve_device)
 from trainer.grouping import GroupedTask
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
@@ -279,7 +279,7 @@ class Trainer:
         for number, (part, micro) in enumerate(micros):
             weight = micro.response_mask.sum() / tokens if part is not None else 0
             with self.dp.accumulate(self.model, sync=number == len(micros) - 1):
-                if weight == 0:  # a stand-in, or no ASSISTANT token: a forward and backward that add 0 (ranks stay paired)
+                if weight == 0:  # a stand-in, or no ASSISTANT token: a forward and backward adding 0 (ranks paired)
                     with self.autocast():
                         outputs = policy_outputs(self.model, micro, entropy=False)
                     sum(output.sum() for output in outputs if output is not None).mul(0.0).backward()
