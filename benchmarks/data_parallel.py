@@ -3,8 +3,9 @@
     python benchmarks/data_parallel.py                    # 10 steps of 32 episodes per configuration
     python benchmarks/data_parallel.py --steps 30 --out dp.md
 
-Runs ``agent-loop train`` three times on the same seeds: one process with 1 thread, one process with
-2 threads (the same cores as two processes), and ``--nproc 2`` with 1 thread each (gloo). Prints the
+Runs ``agent-loop train`` four times on the same seeds: one process with 1 thread, one process with
+2 threads (the same cores as two processes), and ``--nproc 2`` with 1 thread each (gloo), wrapped in
+``DistributedDataParallel`` and in FSDP2 (``--parallel ddp`` / ``fsdp``). Prints the
 median step time (steps after the first), episodes/s and the ratio to the 1-process/1-thread run,
 then the success rate of every step of each run side by side (the runs play the same episodes while
 their weights agree; see tests/test_distributed.py for the exact check).
@@ -35,11 +36,11 @@ def parse_args():
     return parser.parse_args()
 
 
-def run(name: str, nproc: int, threads: int, args, scratch: Path) -> list[dict]:
+def run(name: str, nproc: int, threads: int, parallel: str, args, scratch: Path) -> list[dict]:
     out = scratch / name
     command = [sys.executable, "-m", "agent_loop.cli", "train", "--steps", str(args.steps), "--prompts-per-step",
                str(args.prompts_per_step), "--concurrency", str(args.prompts_per_step), "--threads", str(threads),
-               "--nproc", str(nproc), "--device", "cpu", "--save-every", str(10**6), "--no-progress",
+               "--nproc", str(nproc), "--parallel", parallel, "--device", "cpu", "--save-every", str(10**6), "--no-progress",
                "--output-dir", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     subprocess.run(command, env=env, cwd=ROOT, check=True, capture_output=True)
@@ -49,9 +50,11 @@ def run(name: str, nproc: int, threads: int, args, scratch: Path) -> list[dict]:
 def main() -> int:
     args = parse_args()
     console = Console(record=True, width=120)
-    configs = (("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2), ("2 processes, 1 thread each", 2, 1))
+    configs = (("1 process, 1 thread", 1, 1, "ddp"), ("1 process, 2 threads", 1, 2, "ddp"),
+               ("2 processes DDP, 1 thread each", 2, 1, "ddp"), ("2 processes FSDP2, 1 thread each", 2, 1, "fsdp"))
     with tempfile.TemporaryDirectory(prefix="dp-bench-") as scratch:
-        runs = {name: run(f"run{i}", nproc, threads, args, Path(scratch)) for i, (name, nproc, threads) in enumerate(configs)}
+        runs = {name: run(f"run{i}", nproc, threads, parallel, args, Path(scratch))
+                for i, (name, nproc, threads, parallel) in enumerate(configs)}
 
     speed = Table(title=f"data-parallel training, tiny agent, {args.prompts_per_step} episodes/step, "
                         f"median of steps 2-{args.steps}")

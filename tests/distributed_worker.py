@@ -1,8 +1,9 @@
 """One training step, with its intermediate tensors saved, for tests/test_distributed.py.
 
-Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON``) or under torchrun; every rank
-writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns, recomputed old logprobs,
-the step's metrics and the parameters after the update.
+Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON [--no-share-prefix]``) or under
+torchrun; every rank writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns,
+recomputed old logprobs, the step's metrics, the parameters after the update (gathered from FSDP's
+shards) and the wrapper used.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from pathlib import Path
 import torch
 
 from trainer import TrainConfig, Trainer
-from trainer.distributed import close_data_parallel
+from trainer.distributed import close_data_parallel, full_tensor
 from trainer.metrics import rollout_metrics
 
 
-def main(out: str, config_json: str) -> None:
+def main(out: str, config_json: str, *flags: str) -> None:
     trainer = Trainer(TrainConfig(**json.loads(config_json)))
+    if "--no-share-prefix" in flags:  # one process computing as FSDP does (trainer/distributed.py)
+        trainer.model.share_prefix = False
     try:
         trajectories = trainer.rollouts(0)
         batch = trainer.make_batch(trajectories)
@@ -30,11 +33,12 @@ def main(out: str, config_json: str) -> None:
             "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
             "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],
             "old_logprobs": batch["old_logprobs"], "metrics": metrics,
-            "parameters": {name: p.detach().clone() for name, p in trainer.policy.named_parameters()},
+            "parameters": {name: full_tensor(p).detach().clone() for name, p in trainer.policy.named_parameters()},
+            "parallel": trainer.dp.mode if trainer.dp.enabled else None,
         }, Path(out) / f"rank{trainer.dp.rank}.pt")
     finally:
         close_data_parallel()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -26,15 +26,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.lora import save_merged
+from trainer.distributed import full_optimizer_state, full_state_dict
+from trainer.lora import merged_state_dict, save_merged
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
 LATEST = "latest"
 FORMAT = 1
-# settings that may differ on resume: how long, where and how verbosely the run goes on
+# settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
 RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
-                                "eval_episodes", "allow_config_change"})
+                                "eval_episodes", "allow_config_change", "nproc", "parallel"})
 
 
 class CheckpointError(ValueError):
@@ -50,11 +51,11 @@ def _fsync(path: Path) -> None:
 
 
 def trainer_state(trainer) -> dict:
-    """Everything a resume needs besides the weights."""
+    """Everything a resume needs besides the weights (FSDP shards gathered: every rank must call it)."""
     return {
         "step": trainer.step,
-        "optimizer": trainer.optimizer.state_dict(),
-        "value_head": trainer.value_head.state_dict() if trainer.value_head else None,
+        "optimizer": full_optimizer_state(trainer.optimizer),
+        "value_head": full_state_dict(trainer.value_head) if trainer.value_head else None,
         "initial_model": trainer.initial_model,
         "config": dataclasses.asdict(trainer.config),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -62,15 +63,20 @@ def trainer_state(trainer) -> dict:
 
 
 def save_checkpoint(trainer, path: Path) -> Path:
-    """Write the trainer's checkpoint to ``path`` atomically (see the module docstring); returns ``path``."""
+    """Write the trainer's checkpoint to ``path`` atomically (see the module docstring); returns ``path``.
+
+    With several ranks every rank calls it (FSDP's shards are gathered, a collective) and rank 0 writes."""
+    state, weights = trainer_state(trainer), merged_state_dict(trainer.policy)
+    if not trainer.dp.is_main:
+        return path
     path = Path(path)
     root = path.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-    save_merged(trainer.policy, tmp / "model")  # LoRA: merged weights, the adapter alone in adapter/
+    save_merged(trainer.policy, tmp / "model", weights)  # LoRA: merged weights, the adapter alone in adapter/
     trainer.tokenizer.save_pretrained(tmp / "model")
-    torch.save(trainer_state(trainer), tmp / STATE_FILE)
+    torch.save(state, tmp / STATE_FILE)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {"format": FORMAT, "step": trainer.step,
                 "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files}}

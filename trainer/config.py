@@ -140,6 +140,10 @@ class TrainConfig:
         json_schema_extra={"allowed": "comma-separated http(s) URLs"})] = None
     served_model_name: Annotated[str, Field(description="model name the rollout servers serve")] = "policy"
     nproc: _int(1, "data-parallel processes; > 1 relaunches under torchrun (gloo on CPU, NCCL on CUDA)") = 1
+    parallel: Annotated[Literal["auto", "ddp", "fsdp"], Field(
+        description="data-parallel wrapper with several processes: ddp (DistributedDataParallel, replicas), "
+                    "fsdp (FSDP2 fully_shard, sharded; not with LoRA); auto: fsdp on CUDA, ddp on CPU or with LoRA")] = \
+        "auto"
 
     @property
     def episodes_per_step(self) -> int:

@@ -4,6 +4,24 @@ Launch with ``torchrun --nproc-per-node N -m trainer ...`` or ``agent-loop train
 relaunches itself under torchrun). With one process every function here is the identity, and the
 trainer does exactly what it did before.
 
+The policy is wrapped by torch's own data-parallel wrappers (``--parallel``):
+
+- ``ddp``: ``DistributedDataParallel``: a replica per rank, gradients all-reduced in buckets during
+  the backward of each mini-batch's last micro-batch (``no_sync`` for the ones before it);
+- ``fsdp``: FSDP2, ``fully_shard`` on every decoder layer and then on the root: parameters, gradients
+  and AdamW state sharded across the ranks, each layer's parameters all-gathered for its forward and
+  backward, gradients reduce-scattered (``set_requires_gradient_sync(False)`` before the last
+  micro-batch). It runs on CUDA (NCCL) and, with torch 2.13, on CPU (gloo) too; not with LoRA (the
+  adapters are small: ``ddp``). Every row runs its whole prompt (no shared-prompt KV cache: gradient
+  through the cache reaches the layers' key/value projections after FSDP2 has resharded them);
+- ``auto`` (default): ``fsdp`` on CUDA, ``ddp`` on CPU or with LoRA.
+
+What is wrapped is ``trainer.policy.PolicyModel``: the whole forward (shared-prompt KV cache, decoder,
+output head, value head; batch tensors in, per-token logprobs, entropy and values out) is one module
+call, so DDP's reducer arms its hooks and ``fully_shard``'s root gathers the head. Both wrappers
+*sum* the ranks' gradients (a DDP comm hook; FSDP's gradient divide factor 1): each micro-batch's
+loss is already weighted by its share of the whole mini-batch's ASSISTANT tokens.
+
 How a step is split (``Trainer`` calls these at the marked places):
 
 - **rollouts**: rank ``r`` plays the step's episodes ``r, r + N, r + 2N, ...`` on its own rollout
@@ -14,8 +32,7 @@ How a step is split (``Trainer`` calls these at the marked places):
 - **scoring**: the batch is cut into the micro-batches one process would run
   (``trainer.policy.micro_batches``) and rank ``r`` runs micro-batches ``r, r + N, ...``, so every
   micro-batch computes exactly the numbers it computes in one process; an ``all_reduce(SUM)`` of the
-  zero-filled ``(b, t)`` logprobs (and values) gives every rank the whole tensor, bit-identical to one
-  process's.
+  zero-filled ``(b, t)`` logprobs (and values) gives every rank the whole tensor.
 - **advantages**: computed on the *whole* gathered batch by every rank, identically. So the group
   estimators (GRPO, RLOO, REINFORCE++-baseline) always see every sample of a prompt's group, and
   batch whitening uses the moments of the whole batch, whatever the sharding. (The alternative,
@@ -23,23 +40,20 @@ How a step is split (``Trainer`` calls these at the marked places):
   small next to the model, so gathering them costs little.)
 - **update**: the shuffled mini-batches and their micro-batches are those of one process; rank ``r``
   runs micro-batches ``r, r + N, ...`` of each mini-batch, weighting each by its ASSISTANT tokens over
-  the *whole* mini-batch's tokens, and the gradients are summed (``all_reduce(SUM)``): the
-  single-process gradient, up to the order of the float additions. Clipping and AdamW then run on
-  identical gradients on every rank, so the replicas stay equal; ``check_replicas_equal`` verifies it
-  at every checkpoint.
+  the *whole* mini-batch's tokens; the wrapper sums the gradients: the single-process gradient, up to
+  the order of the float additions. A rank with fewer micro-batches than another runs a stand-in at
+  weight 0, so every rank runs as many forwards and backwards and the wrappers' collectives pair up.
+  Clipping and AdamW then run on identical gradients (DDP: replicas stay equal,
+  ``check_replicas_equal`` verifies it at every checkpoint) or on each rank's shard (FSDP).
 
-Why gradient all-reduce and not the ``DistributedDataParallel`` or FSDP2 wrappers: the trainer's
-forward (``trainer.policy.response_forward``) calls the decoder and the output head separately (the
-shared-prompt KV cache), which bypasses a wrapper's ``forward``; DDP's reducer needs its own forward
-to arm the backward hooks, and ``fully_shard`` on the root module would not gather the output head's
-parameters. The reduction is DDP's (a summed, bucketed all-reduce once per optimizer step, under
-``no_sync`` semantics for the micro-batches); the model is replicated on every rank, so a checkpoint
-is the plain model and loads into any number of ranks. Rank 0 writes metrics and checkpoints and
-pushes weights to shared rollout servers.
+Rank 0 writes metrics and checkpoints and pushes weights to shared rollout servers. A checkpoint is the
+plain transformers model and an unsharded optimizer state (FSDP: gathered from the shards, every rank
+taking part), so it loads into any number of ranks and either wrapper.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -47,6 +61,10 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+PARALLEL_MODES = ("auto", "ddp", "fsdp")
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -62,13 +80,85 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     return torch.device(device)
 
 
+def resolve_parallel(parallel: str, device: torch.device, lora: bool = False) -> str:
+    """``--parallel`` -> the wrapper: ``auto`` is ``fsdp`` on CUDA without LoRA, ``ddp`` otherwise."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+    if parallel == "auto":
+        return "fsdp" if device.type == "cuda" and not lora else "ddp"
+    return parallel
+
+
+def _sum_hook(process_group, bucket):
+    """DDP comm hook: the bucket's gradients summed over the ranks (DDP's default hook averages them)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a collective: every rank calls it in the same order); others as given."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with FSDP shards gathered into whole tensors (every rank must call it); names
+    that share a parameter (tied embeddings) share the gathered tensor too."""
+    def key(tensor):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape)
+
+    gathered: dict[tuple, torch.Tensor] = {}
+    state = module.state_dict()
+    for tensor in state.values():
+        if key(tensor) not in gathered:
+            gathered[key(tensor)] = full_tensor(tensor)
+    return {name: gathered[key(tensor)] for name, tensor in state.items()}
+
+
+def _like(value, current):
+    """A whole tensor ``value`` laid out like ``current`` (sharded the same way if it is a DTensor shard)."""
+    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and value.shape == current.shape:
+        return distribute_tensor(value.to(current.device, current.dtype), current.device_mesh, current.placements)
+    return value
+
+
+@torch.no_grad()
+def load_full_state_dict_(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``module.load_state_dict(state)`` with whole tensors, into a module that may be sharded by FSDP."""
+    current = module.state_dict()
+    module.load_state_dict({name: _like(value, current.get(name)) for name, value in state.items()})
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with FSDP-sharded state (AdamW's moments) gathered: the state dict of the
+    same optimizer over unsharded parameters, loadable in any number of ranks (every rank must call it)."""
+    state = optimizer.state_dict()
+    state["state"] = {index: {name: full_tensor(value) for name, value in entry.items()}
+                      for index, entry in state["state"].items()}
+    return state
+
+
+def load_full_optimizer_state_(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load ``full_optimizer_state``'s (or a plain optimizer's) state dict into ``optimizer``, sharding the
+    state of FSDP-sharded parameters like the parameters."""
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            entry = optimizer.state.get(parameter, {})
+            for name, value in entry.items():
+                entry[name] = _like(value, parameter)
+
+
 @dataclass
 class DataParallel:
-    """This process's place in the data-parallel group (``world_size`` 1: no group, every method a no-op)."""
+    """This process's place in the data-parallel group (``world_size`` 1: no group, every method a no-op)
+    and its wrapper, ``mode`` ``ddp`` or ``fsdp``."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    mode: str = "ddp"
 
     @property
     def is_main(self) -> bool:
@@ -114,35 +204,65 @@ class DataParallel:
                 total[name] = total.get(name, 0.0) + value
         return total
 
-    def sum_gradients_(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Sum every parameter's ``.grad`` over the ranks in one flat all-reduce (DDP's reduction).
+    def wrap(self, policy: nn.Module, device: torch.device) -> nn.Module:
+        """``policy`` (a ``trainer.policy.PolicyModel``) in this group's wrapper; itself with one process.
 
-        A parameter without a gradient on every rank keeps ``grad = None`` (as in one process); one with a
-        gradient on some ranks gets the sum (zeros stand in for the others)."""
+        ``fsdp`` shards ``policy`` in place (its parameters become DTensor shards): take the trained
+        parameters for the optimizer from it after this call."""
         if not self.enabled:
-            return
-        parameters = list(parameters)
-        device = parameters[0].device
-        has_grad = torch.tensor([p.grad is not None for p in parameters], dtype=torch.float32, device=device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.SUM)
-        present = [p for p, flag in zip(parameters, has_grad.tolist()) if flag > 0]
-        if not present:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in present])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for p in present:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
+            return policy
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            if hasattr(policy.model, "peft_config"):
+                raise ValueError("--parallel fsdp does not shard LoRA models; use --parallel ddp (only the "
+                                 "adapters are trained)")
+            layer_types = set(getattr(policy.model, "_no_split_modules", None) or ())
+            layers = [module for module in policy.model.modules() if type(module).__name__ in layer_types]
+            if not layers:
+                raise ValueError(f"--parallel fsdp: no decoder layers ({sorted(layer_types)}) found in "
+                                 f"{type(policy.model).__name__}; use --parallel ddp")
+            # no shared-prompt cache: its keys and values carry gradient back into the layers' k/v
+            # projections around the layers' outputs, where FSDP2 hooks its re-gather, so their backward
+            # would find the parameters resharded ("setStorage ... storage of size 0")
+            policy.share_prefix = False
+            for module in (*layers, policy):
+                fully_shard(module)
+                module.set_gradient_divide_factor(1.0)  # sum: the loss weights already divide by the mini-batch,
+                module.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
+            return policy
+        wrapped = nn.parallel.DistributedDataParallel(
+            policy, device_ids=[device.index] if device.type == "cuda" else None,
+            forward_sync_buffers=False)  # no collective in forward: scoring may call it without a backward
+        wrapped.register_comm_hook(None, _sum_hook)
+        return wrapped
+
+    def accumulate(self, model: nn.Module, sync: bool):
+        """Context for one micro-batch's forward and backward: gradients stay local (accumulate) unless
+        ``sync``, the rank's last micro-batch of the mini-batch, when the wrapper reduces them."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        if self.mode == "fsdp":
+            model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else model.no_sync()
+
+    def broadcast_object(self, value):
+        """Rank 0's ``value`` on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
 
     def check_replicas_equal(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Raise RuntimeError if the ranks' parameters differ (compares float64 checksums; host sync)."""
-        if not self.enabled:
+        """Raise RuntimeError if the ranks' parameters differ (compares float64 checksums; host sync).
+        FSDP's parameters are shards, not replicas: nothing to compare."""
+        if not self.enabled or self.mode == "fsdp":
             return
         with torch.no_grad():
             local = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in parameters])
@@ -153,19 +273,21 @@ class DataParallel:
                 raise RuntimeError(f"data-parallel replicas diverged: rank {rank}'s parameters differ from rank 0's")
 
 
-def init_data_parallel(device: str = "auto") -> DataParallel:
+def init_data_parallel(device: str = "auto", parallel: str = "auto", lora: bool = False) -> DataParallel:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``),
     NCCL for CUDA and gloo for CPU; a single process (no ``WORLD_SIZE`` or 1) joins nothing."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    mode = resolve_parallel(parallel, resolve_device(device, local_rank), lora)
     if world_size <= 1:
-        return DataParallel()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        return DataParallel(mode=mode)
+    rank = int(os.environ["RANK"])
     if not dist.is_initialized():
         cuda = resolve_device(device, local_rank).type == "cuda"
         if cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    return DataParallel(rank=rank, world_size=world_size, local_rank=local_rank)
+    return DataParallel(rank=rank, world_size=world_size, local_rank=local_rank, mode=mode)
 
 
 def close_data_parallel() -> None:

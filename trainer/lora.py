@@ -1,16 +1,19 @@
-"""LoRA training through ``peft`` (optional extra ``lora``): adapters trained, the base frozen, merged weights pushed and saved.
+"""LoRA training through ``peft`` (optional extra ``lora``): adapters trained, the base frozen, merged weights saved.
 
 ``--lora-rank R`` (> 0) wraps the policy in a ``peft`` LoRA model on ``--lora-target-modules`` (default
 every linear layer of the decoder; not the output head or the embeddings). Only the adapter matrices
-get gradients and AdamW state. The rollout backend and checkpoints get the *merged* weights
+get gradients and AdamW state. In-process rollout backends and checkpoints get the *merged* weights
 ``W + (alpha / r) B A``, computed without touching ``W`` (no merge/unmerge round trip that would
 drift the frozen base in float rounding): a checkpoint's ``model/`` is a plain transformers model,
-and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``).
+and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``). vLLM rollout
+servers get the adapter alone (``agent_loop.backends.weight_sync.VLLMServerLoRASync``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from trainer.distributed import full_state_dict
 
 
 def wrap_with_lora(model, rank: int, alpha: float, target_modules: str, dropout: float = 0.0):
@@ -32,9 +35,9 @@ def is_lora(model) -> bool:
 @torch.no_grad()
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The plain model's state dict (its own parameter names) with every LoRA layer's delta added to its
-    base weight; a model without LoRA gives its own ``state_dict()``."""
+    base weight; a model without LoRA gives its own ``state_dict()`` (FSDP shards gathered: every rank calls it)."""
     if not is_lora(model):
-        return model.state_dict()
+        return full_state_dict(model)
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -55,29 +58,29 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_merged(model, directory) -> None:
-    """Save ``model`` as a plain transformers model (LoRA merged; the adapter alone next to it in ``../adapter``)."""
+def save_merged(model, directory, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save ``model`` as a plain transformers model (LoRA merged; the adapter alone next to it in ``../adapter``).
+    ``state_dict``: its ``merged_state_dict``, if already at hand (gathered from FSDP shards)."""
+    state_dict = merged_state_dict(model) if state_dict is None else state_dict
     if not is_lora(model):
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, state_dict=state_dict)
         return
     from pathlib import Path
 
-    plain_copy(model).save_pretrained(directory)
+    plain_copy(model, state_dict).save_pretrained(directory)
     model.save_pretrained(Path(directory).parent / "adapter")
 
 
-def plain_copy(model):
-    """A separate plain transformers model with ``model``'s (merged) weights, for an in-process rollout backend."""
-    if not is_lora(model):
-        import copy
-
-        return copy.deepcopy(model)
+def plain_copy(model, state_dict: dict[str, torch.Tensor] | None = None):
+    """A separate plain transformers model with ``model``'s (merged, gathered) weights, for an in-process
+    rollout backend; ``state_dict``: its ``merged_state_dict``, if already at hand."""
     from transformers import AutoModelForCausalLM
 
-    base = model.get_base_model()
+    state_dict = merged_state_dict(model) if state_dict is None else state_dict
+    base = model.get_base_model() if is_lora(model) else model
     plain = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # (non-persistent buffers: rotary)
-    plain.load_state_dict(merged_state_dict(model))
-    return plain.to(base.device)
+    plain.load_state_dict(state_dict)
+    return plain.to(next(iter(state_dict.values())).device)
 
 
 def load_adapter_weights(model, adapter_dir) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -25,7 +27,17 @@ class ValueHead(nn.Module):
         return self.linear(hidden).squeeze(-1)
 
 
-def shared_prefix_length(batch: Batch) -> int:
+class ResponseInputs(NamedTuple):
+    """The batch tensors a forward reads (a ``Batch`` has them too)."""
+
+    prompts: torch.Tensor  # (b, p) left-padded
+    input_ids: torch.Tensor  # (b, p + t)
+    attention_mask: torch.Tensor  # (b, p + t)
+    position_ids: torch.Tensor  # (b, p + t)
+    responses: torch.Tensor  # (b, t) right-padded
+
+
+def shared_prefix_length(batch: Batch | ResponseInputs) -> int:
     """How many leading prompt tokens every row shares (the system prompt with the tool schemas, for
     example), capped at the shortest prompt minus one so that each row's last prompt token is its own.
 
@@ -42,7 +54,7 @@ def shared_prefix_length(batch: Batch) -> int:
 
 
 def response_forward(
-    model, batch: Batch, value_head: ValueHead | None = None, share_prefix: bool = True
+    model, batch: Batch | ResponseInputs, value_head: ValueHead | None = None, share_prefix: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits predicting each response token, and the value of the state before it.
 
@@ -82,6 +94,38 @@ def response_forward(
     return logits, values
 
 
+class PolicyModel(nn.Module):
+    """The trainer's whole forward as one module call: the causal LM (and the value head) from batch tensors
+    to the per-token logprobs, entropy and values of the response tokens.
+
+    Data-parallel wrappers hook a module's ``forward``: ``DistributedDataParallel`` arms its gradient
+    reduction there, and ``fully_shard`` on this root gathers the parameters outside the decoder layers
+    (embeddings, final norm, output head, value head) there. ``response_forward`` calls the decoder (twice,
+    with the shared-prompt cache) and the head separately, so the policy is wrapped as this module, and
+    every forward of the trainer goes through it (trainer/distributed.py).
+    """
+
+    def __init__(self, model, value_head: ValueHead | None = None, share_prefix: bool = True):
+        super().__init__()
+        self.model = model
+        self.value_head = value_head
+        self.share_prefix = share_prefix
+
+    def forward(self, prompts, input_ids, attention_mask, position_ids, responses, *, entropy: bool = True):
+        """The batch tensors of ``response_forward`` -> ``(logprobs, entropy, values)``, each ``(b, t)`` float32
+        (``entropy`` None unless asked for, ``values`` None without a value head)."""
+        inputs = ResponseInputs(prompts, input_ids, attention_mask, position_ids, responses)
+        logits, values = response_forward(self.model, inputs, self.value_head, self.share_prefix)
+        return token_logprobs(logits, responses), token_entropy(logits) if entropy else None, values
+
+
+def policy_outputs(model: nn.Module, batch: Batch, *, entropy: bool = True):
+    """``(logprobs, entropy, values)`` of ``batch``'s response tokens from a ``PolicyModel`` or its wrapper
+    (DDP, fully_shard), called as a module so that the wrapper's hooks run."""
+    return model(batch.prompts, batch.input_ids, batch.attention_mask, batch.position_ids, batch.responses,
+                 entropy=entropy)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``(b, t, v)`` logits, ``(b, t)`` token ids -> ``(b, t)`` log-probabilities of those tokens."""
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -105,43 +149,53 @@ def micro_batches(batch: Batch, rows: torch.Tensor, size: int, *, shard: tuple[i
 
     ``shard=(rank, world_size)`` yields only the micro-batches ``rank, rank + world_size, ...`` of that
     sequence: data-parallel ranks split the work into the very micro-batches one process would run, so
-    every micro-batch's numbers are the same whatever the number of ranks (trainer/distributed.py)."""
+    every micro-batch's numbers are the same whatever the number of ranks (trainer/distributed.py). A rank
+    with fewer of them than rank 0 then gets the sequence's first micro-batch with ``part`` None, to run
+    at zero weight: every rank runs as many forwards and backwards, so that the wrappers' collectives
+    (DDP's gradient all-reduce, FSDP's parameter all-gathers) pair up across the ranks."""
     rank, world_size = shard
     lengths = (batch.spans != SpanKind.PAD).sum(1)
     rows = rows[torch.argsort(lengths[rows], stable=True)]
+    parts = rows.split(size)
+    mine = [(part, part) for part in parts[rank::world_size]]
+    mine += [(None, parts[0])] * (-(-len(parts) // world_size) - len(mine))
+    for part, taken in mine:
+        yield part, _rows(batch, taken, int(lengths[taken].max()))
+
+
+def _rows(batch: Batch, part: torch.Tensor, t: int) -> Batch:
+    """The rows ``part`` of ``batch``, responses cut to ``t`` columns."""
     prompt_width = batch.prompts.shape[1]
-    for number, part in enumerate(rows.split(size)):
-        if number % world_size != rank:
-            continue
-        t = int(lengths[part].max())
-        fields = {}
-        for name, value in batch.items():
-            value = value[part]
-            if name in RESPONSE_KEYS:
-                value = value[:, :t]
-            elif name in SEQUENCE_KEYS:
-                value = value[:, : prompt_width + t]
-            fields[name] = value
-        yield part, Batch(**fields)
+    fields = {}
+    for name, value in batch.items():
+        value = value[part]
+        if name in RESPONSE_KEYS:
+            value = value[:, :t]
+        elif name in SEQUENCE_KEYS:
+            value = value[:, : prompt_width + t]
+        fields[name] = value
+    return Batch(**fields)
 
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: Batch, micro_batch_size: int, value_head: ValueHead | None = None,
-    *, shard: tuple[int, int] = (0, 1),
+    model: nn.Module, batch: Batch, micro_batch_size: int, *, values: bool = False, shard: tuple[int, int] = (0, 1),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs ``(b, t)`` of the ASSISTANT tokens (and values ``(b, t)`` with a value head), in micro-batches,
-    without gradient; 0 elsewhere, as the sampler's ``old_logprobs``. With ``shard=(rank, world_size)``
-    only that rank's micro-batches (``micro_batches``) are filled in, the other rows are 0."""
+    """Logprobs ``(b, t)`` of the ASSISTANT tokens (and, with ``values``, the value head's values ``(b, t)``),
+    in micro-batches, without gradient; 0 elsewhere, as the sampler's ``old_logprobs``. ``model`` is a
+    ``PolicyModel`` or its wrapper. With ``shard=(rank, world_size)`` only that rank's micro-batches
+    (``micro_batches``) are filled in, the other rows are 0."""
     b, t = batch.responses.shape
     device = batch.responses.device
     logprobs = torch.zeros(b, t, device=device)
-    values = torch.zeros(b, t, device=device) if value_head is not None else None
+    values = torch.zeros(b, t, device=device) if values else None
     for part, micro in micro_batches(batch, torch.arange(b, device=device), micro_batch_size, shard=shard):
-        logits, micro_values = response_forward(model, micro, value_head)
+        micro_logprobs, _, micro_values = policy_outputs(model, micro, entropy=False)
+        if part is None:  # a stand-in that keeps the ranks' forwards paired
+            continue
         width = micro.responses.shape[1]
         assistant = micro.spans == SpanKind.ASSISTANT
-        logprobs[part, :width] = torch.where(assistant, token_logprobs(logits, micro.responses), 0.0)
+        logprobs[part, :width] = torch.where(assistant, micro_logprobs, 0.0)
         if values is not None:
             values[part, :width] = torch.where(assistant, micro_values, 0.0)
     return logprobs, values

@@ -44,11 +44,12 @@ from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from trainer import checkpoint
 from trainer.config import DTYPES, TrainConfig
-from trainer.distributed import NullLogger, init_data_parallel, resolve_device
+from trainer.distributed import (NullLogger, full_tensor, init_data_parallel, load_full_optimizer_state_,
+                                 load_full_state_dict_, resolve_device)
 from trainer.grouping import GroupedTask
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
-from trainer.policy import ValueHead, batch_logprobs, micro_batches, response_forward, token_entropy, token_logprobs
+from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
 
@@ -84,7 +85,7 @@ class Trainer:
         if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
                              "no --rollout-servers): its background rollouts would race the collectives / the server sync")
-        self.dp = init_data_parallel(config.device)
+        self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
         self.estimator = get_estimator(config.estimator)
@@ -118,17 +119,22 @@ class Trainer:
             self.reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype)
             self.reference = self.reference.to(self.device).eval()
             self.reference.requires_grad_(False)
-        self.trained_parameters = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.trained_parameters += list(self.value_head.parameters()) if self.value_head else []
+            self.reference = PolicyModel(self.reference)
+        # the whole forward as one module, in the data-parallel wrapper (DDP / FSDP2; itself in one process)
+        self.model = self.dp.wrap(PolicyModel(self.policy, self.value_head), self.device)
+        self.trained_parameters = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         if state is not None:
             self._load_state(state)
 
         if backend is None and config.rollout_servers:
-            from agent_loop.backends.weight_sync import PerRunHTTPBackend, VLLMServerWeightSync
+            from agent_loop.backends.weight_sync import PerRunHTTPBackend, VLLMServerLoRASync, VLLMServerWeightSync
 
             urls = [url for url in config.rollout_servers.split(",") if url]
             backend = PerRunHTTPBackend(urls, config.served_model_name)
+            if weight_sync is None and config.lora_rank:  # the adapter alone, loaded as a LoRA adapter
+                weight_sync = VLLMServerLoRASync(urls, self.policy, adapters_dir=self.output_dir / "weight_sync",
+                                                 name=f"{config.served_model_name}-lora")
             weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
         if backend is None:
             from agent_loop.backends.hf import TransformersBackend
@@ -186,10 +192,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def batch_logprobs(self, model, batch: Batch, value_head: ValueHead | None = None):
+    def batch_logprobs(self, model, batch: Batch, values: bool = False):
         """``trainer.policy.batch_logprobs`` of the whole batch; with several ranks each scores its micro-batches."""
         with self.autocast():
-            logprobs, values = batch_logprobs(model, batch, self.config.micro_batch_size, value_head, shard=self.dp.shard_of)
+            logprobs, values = batch_logprobs(model, batch, self.config.micro_batch_size, values=values,
+                                              shard=self.dp.shard_of)
         return self.dp.sum_rows_(logprobs), self.dp.sum_rows_(values)
 
     def score(self, batch: Batch, *, sampler_is_behaviour: bool = False) -> dict[str, float]:
@@ -201,7 +208,7 @@ class Trainer:
         """
         config, mask = self.config, batch.response_mask
         metrics = {}
-        recomputed, values = self.batch_logprobs(self.policy, batch, self.value_head)
+        recomputed, values = self.batch_logprobs(self.model, batch, values=self.value_head is not None)
         mismatch = (recomputed - batch.old_logprobs).abs()
         metrics["logprob_mismatch/mean_abs"] = masked_mean(mismatch, mask).item()
         metrics["logprob_mismatch/max_abs"] = torch.where(mask.bool(), mismatch, 0.0).max().item()
@@ -233,11 +240,9 @@ class Trainer:
         """PPO-clip loss (plus the value loss for GAE, minus an entropy bonus) of one micro-batch, token-mean over its ASSISTANT tokens."""
         config, mask = self.config, micro.response_mask
         with self.autocast():
-            logits, values = response_forward(self.policy, micro, self.value_head)
-        logprobs = token_logprobs(logits, micro.responses)
+            logprobs, entropy, values = policy_outputs(self.model, micro)
         loss, stats = ppo_clip_policy_loss(micro.old_logprobs, logprobs, micro.advantages, mask,
                                            clip_ratio=config.clip_ratio)
-        entropy = token_entropy(logits)
         stats["pg_loss"] = loss.detach()
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         if config.entropy_coef:
@@ -258,17 +263,21 @@ class Trainer:
             return {}
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = defaultdict(float)
-        for _, micro in micro_batches(batch, rows, self.config.micro_batch_size, shard=self.dp.shard_of):
-            weight = micro.response_mask.sum() / tokens
-            if weight == 0:
-                continue
-            loss, micro_stats = self.micro_batch_loss(micro)
-            (loss * weight).backward()
+        micros = list(micro_batches(batch, rows, self.config.micro_batch_size, shard=self.dp.shard_of))
+        for number, (part, micro) in enumerate(micros):
+            weight = micro.response_mask.sum() / tokens if part is not None else 0
+            with self.dp.accumulate(self.model, sync=number == len(micros) - 1):
+                if weight == 0:  # a stand-in, or no ASSISTANT token: a forward and backward adding 0 (ranks paired)
+                    with self.autocast():
+                        outputs = policy_outputs(self.model, micro, entropy=False)
+                    sum(output.sum() for output in outputs if output is not None).mul(0.0).backward()
+                    continue
+                loss, micro_stats = self.micro_batch_loss(micro)
+                (loss * weight).backward()
             for name, value in {"loss": loss.detach(), **micro_stats}.items():
                 stats[name] += (value * weight).item()
-        self.dp.sum_gradients_(self.trained_parameters)
         stats = self.dp.sum_stats(stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm))
         skipped = bool(grad_norm == 0)  # all-zero advantages carry no signal, but AdamW would still move along its momentum
         if not skipped:
             self.optimizer.step()
@@ -333,6 +342,8 @@ class Trainer:
         self.backend.update_weights(state)
         if self.weight_sync is not None and self.dp.is_main:
             self.weight_sync.update_weights(state)
+        if served := self.dp.broadcast_object(getattr(self.weight_sync, "served_model", None)):
+            self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
         self.dp.barrier()
 
     def evaluate(self, *, sampled: bool = False) -> dict[str, float]:
@@ -395,18 +406,17 @@ class Trainer:
         once it is written."""
         path = self.checkpoint_dir(self.step)
         self.dp.check_replicas_equal(self.trained_parameters)
-        if self.dp.is_main:
-            checkpoint.save_checkpoint(self, path)
+        checkpoint.save_checkpoint(self, path)  # every rank: FSDP shards are gathered; rank 0 writes
         self.dp.barrier()
         return path
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state_(self.optimizer, state["optimizer"])
         if self.value_head is not None:
             if state["value_head"] is None:
                 raise ValueError(f"checkpoint {self.config.resume} has no value head, but estimator 'gae' needs one")
-            self.value_head.load_state_dict(state["value_head"])
+            load_full_state_dict_(self.value_head, state["value_head"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])

