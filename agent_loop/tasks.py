@@ -2,8 +2,11 @@
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
+- ``chain``: "Let x be the code of "river". What is x*7+12?": ``lookup`` returns a long record (about
+  150 tokens of fields, the code among them), then ``calculator`` computes with the code: the outcome
+  depends on the first action, two observations back (issue 17's credit-through-observations task).
 
-Reward rule (both tasks), precisely: take the last assistant message; if it still asks for a tool
+Reward rule (all three tasks), precisely: take the last assistant message; if it still asks for a tool
 (it has ``tool_calls``, or its text contains ``<tool_call>``) the reward is 0.0. Otherwise take the
 LAST number in its text (regex ``-?\\d+(\\.\\d+)?``, thousands separators not allowed); the reward is
 1.0 if that number equals the episode's ``answer`` exactly, else 0.0. "The answer is 449." scores
@@ -120,6 +123,12 @@ def answer_reward(messages: list[dict], answer: int | float) -> float:
     return float(last_number(text) == float(answer))
 
 
+def arithmetic_tail(rng: random.Random) -> str:
+    """Two operators from + - * with numbers 2..99, as written after a first operand: "*12+5"."""
+    b, c = rng.randint(2, 99), rng.randint(2, 99)
+    return f"{rng.choice('+-*')}{b}{rng.choice('+-*')}{c}"
+
+
 class ArithmeticTask(_AnswerTask):
     """Multi-step integer arithmetic that the model is meant to solve with the ``calculator`` tool.
 
@@ -130,10 +139,8 @@ class ArithmeticTask(_AnswerTask):
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         rng = random.Random(f"{self.name}:{seed}:{index}")
-        a, b, c = (rng.randint(2, 99) for _ in range(3))
-        op1, op2 = rng.choice("+-*"), rng.choice("+-*")
         # no spaces: with Qwen-style pre-tokenization every digit and operator is then one token
-        expression = f"{a}{op1}{b}{op2}{c}"
+        expression = f"{rng.randint(2, 99)}{arithmetic_tail(rng)}"
         question = f"What is {expression}?"
         return Episode(
             messages=[{"role": "user", "content": question}],
@@ -191,7 +198,56 @@ class LookupTask(_AnswerTask):
         )
 
 
-TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask}
+# The other fields of a chain record, around its code (one per line, in a per-record order).
+RECORD_FIELDS = (
+    "owner", "shelf", "weight", "height", "width", "depth", "batch", "stock", "price", "level", "zone", "count",
+)
+
+
+def make_record(rng: random.Random, key: str, code: int) -> str:
+    """A record as a catalogue tool might return it: ``key``, then ``code`` and a 3-digit number for
+    each of RECORD_FIELDS, in a shuffled order (the code is found by its name, not its place)."""
+    fields = [("code", code)] + [(name, rng.randint(100, 999)) for name in RECORD_FIELDS]
+    rng.shuffle(fields)
+    return "\n".join([f"key: {key}"] + [f"{name}: {value}" for name, value in fields])
+
+
+class ChainTask(_AnswerTask):
+    """Look up, then compute: "Let x be the code of "river". What is x*7+12?".
+
+    Tools: ``lookup`` (a per-episode table of LOOKUP_TABLE_SIZE records, see :func:`make_record`) and
+    ``calculator``. The ideal episode is three turns: ``lookup(key)``, ``calculator("<code>*7+12")``,
+    the answer. Whether the answer can be right is decided by the first action, whose credit has to
+    travel back through two observations, the first one long. ``episode_metrics`` adds ``right_key``
+    (the first tool call looked up the question's key) to ``tool_returned_answer`` (the calculator,
+    or any tool, returned the answer).
+    """
+
+    name = "chain"
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        rng = random.Random(f"{self.name}:{seed}:{index}")
+        keys = rng.sample(LOOKUP_KEYS, LOOKUP_TABLE_SIZE)
+        codes = {key: rng.randint(100, 999) for key in keys}
+        table = {key: make_record(rng, key, code) for key, code in codes.items()}
+        key = rng.choice(keys)
+        tail = arithmetic_tail(rng)
+        expression = f"{codes[key]}{tail}"
+        question = f'Let x be the code of "{key}". What is x{tail}?'
+        return Episode(
+            messages=[{"role": "user", "content": question}],
+            tools=[make_lookup_tool(table), calculator],
+            answer=int(calculator(expression)),
+            info={"task": self.name, "index": index, "seed": seed, "key": key, "expression": expression, "table": table},
+        )
+
+    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
+        first = tool_calls[0] if tool_calls else None
+        right_key = first is not None and first.name == "lookup" and first.arguments == {"key": episode.info["key"]}
+        return {**super().episode_metrics(episode, messages, tool_calls), "right_key": float(right_key)}
+
+
+TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask, "chain": ChainTask}
 
 
 def get_task(name: str):

@@ -1,0 +1,159 @@
+"""The chain task (issue 17): lookup, then compute. Episodes, tools, reward and metrics through the real loop
+with a scripted model and the tiny agent's real tokenizer; the chain stage's data. No training here."""
+
+import asyncio
+import re
+
+import pytest
+from transformers.utils import get_json_schema
+
+from agent_loop.backends.scripted import ScriptedBackend
+from agent_loop.loop import LoopConfig
+from agent_loop.runner import run_rollouts
+from agent_loop.tasks import LOOKUP_KEYS, LOOKUP_TABLE_SIZE, RECORD_FIELDS, ChainTask, calculator, get_task
+from agent_loop.tiny.chain import CHAIN_SHARE, chain_task_for
+from agent_loop.tiny.data import dialogue, encode_batch, ideal_calls, render
+from agent_loop.types import SpanKind
+
+EPISODES = 6
+# the ablation's budget (examples/ablation_returns.py --task chain --max-response-tokens 512)
+CONFIG = dict(max_turns=3, max_tokens=48, max_response_tokens=512)
+
+
+def fields(record: str) -> dict[str, str]:
+    return dict(line.split(": ") for line in record.splitlines())
+
+
+def test_chain_episode_by_hand():
+    task = get_task("chain")
+    episode = task.make_episode(4, seed=2)
+    key, table, expression = episode.info["key"], episode.info["table"], episode.info["expression"]
+    lookup, calc = episode.tools
+    assert (lookup.__name__, calc) == ("lookup", calculator)
+    assert len(table) == LOOKUP_TABLE_SIZE and set(table) <= set(LOOKUP_KEYS) and key in table
+    record = fields(lookup(key))
+    assert list(record)[0] == "key" and record["key"] == key
+    assert set(record) == {"key", "code", *RECORD_FIELDS}
+    assert all(re.fullmatch(r"\d{3}", value) for name, value in record.items() if name != "key")
+    tail = expression[len(record["code"]):]
+    assert expression.startswith(record["code"]) and re.fullmatch(r"[-+*]\d+[-+*]\d+", tail)
+    assert episode.messages == [{"role": "user", "content": f'Let x be the code of "{key}". What is x{tail}?'}]
+    assert episode.answer == int(calculator(expression))
+    # the code sits at a different line in different records: it is found by its name
+    places = {list(fields(r)).index("code") for e in range(20) for r in task.make_episode(e).info["table"].values()}
+    assert len(places) > 5
+    assert [get_json_schema(t)["function"]["name"] for t in episode.tools] == ["lookup", "calculator"]
+
+
+def episodes_by_question(seed: int = 0) -> dict[str, object]:
+    task = ChainTask()
+    return {task.make_episode(i, seed).messages[0]["content"]: task.make_episode(i, seed) for i in range(EPISODES)}
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def play(tokenizer, policy) -> list:
+    """Play EPISODES chain episodes through the real loop; ``policy(episode, text, turn)`` writes each reply."""
+    episodes = episodes_by_question()
+
+    def script(prompt):
+        text = tokenizer.decode(prompt)
+        question = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text).group(1)
+        turn = text.count("<|im_start|>assistant") - 1
+        return tokenizer.encode(policy(episodes[question], text, turn), add_special_tokens=False)
+
+    return asyncio.run(run_rollouts(ChainTask(), ScriptedBackend(script), tokenizer, range(EPISODES),
+                                    LoopConfig(**CONFIG), progress=False))
+
+
+def looked_up_code(text: str) -> str:
+    return re.findall(r"code: (\d+)", text)[-1]
+
+
+def ideal(episode, text, turn):
+    if turn == 0:
+        return call("lookup", f'{{"key": "{episode.info["key"]}"}}')
+    if turn == 1:
+        tail = episode.info["expression"][3:]
+        return call("calculator", f'{{"expression": "{looked_up_code(text)}{tail}"}}')
+    result = re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)[-1]
+    return f"The answer is {result}."
+
+
+def test_ideal_episodes_succeed_with_long_first_observations(tiny_tokenizer):
+    for t in play(tiny_tokenizer, ideal):
+        assert t.reward == 1.0 and t.success and t.finish_reason == "stop"
+        assert t.metrics["task"] == {"tool_returned_answer": 1.0, "right_key": 1.0}
+        assert [c.name for c in t.tool_calls] == ["lookup", "calculator"] and t.metrics["turns"] == 3
+        first, second = (turn["observation"] for turn in t.metrics["turn_tokens"][:2])
+        assert 100 <= first <= 250 and second < 25  # a realistic record, then a short result
+        assert t.metrics["observation_truncations"] == 0
+        # the credit path: first action, ~120 observation tokens, second action, short observation, answer
+        kinds = [k for i, k in enumerate(t.spans) if i == 0 or k != t.spans[i - 1]]
+        assert kinds == [SpanKind.ASSISTANT, SpanKind.OBSERVATION] * 2 + [SpanKind.ASSISTANT]
+
+
+def test_the_first_action_decides(tiny_tokenizer):
+    """A wrong key gives a record with another code; everything after it done right still fails."""
+
+    def wrong_key(episode, text, turn):
+        if turn == 0:
+            other = next(k for k in episode.info["table"] if k != episode.info["key"])
+            return call("lookup", f'{{"key": "{other}"}}')
+        return ideal(episode, text, turn)
+
+    for t in play(tiny_tokenizer, wrong_key):
+        assert t.reward == 0.0 and not t.success
+        assert t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 0.0}
+
+
+def test_right_key_then_wrong_field_or_no_tool_fails(tiny_tokenizer):
+    def wrong_field(episode, text, turn):  # copies the record's "price" instead of its code
+        if turn == 1:
+            price = re.findall(r"price: (\d+)", text)[-1]
+            return call("calculator", f'{{"expression": "{price}{episode.info["expression"][3:]}"}}')
+        return ideal(episode, text, turn)
+
+    for t in play(tiny_tokenizer, wrong_field):
+        assert t.reward == 0.0 and t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 1.0}
+
+    def guess(episode, text, turn):  # answers without looking anything up
+        return "The answer is 500."
+
+    for t in play(tiny_tokenizer, guess):
+        assert t.reward == 0.0 and t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 0.0}
+        assert t.tool_calls == [] and t.metrics["turns"] == 1
+
+
+def test_chain_dialogues_fit_the_tiny_agents_context(tiny_tokenizer):
+    """Ideal chain dialogues (the chain stage's training data) fit the model's 1024 positions, and their
+    response part the ablation's 512-token budget."""
+    texts = [render(tiny_tokenizer, *dialogue("chain", i, 11)) for i in range(64)]
+    input_ids, _, labels = encode_batch(tiny_tokenizer, texts)
+    lengths = (input_ids != tiny_tokenizer.pad_token_id).sum(dim=1)
+    assert int(lengths.max()) < 1024
+    prompt = render(tiny_tokenizer, *dialogue("chain", 0, 11))
+    prompt_tokens = len(tiny_tokenizer(prompt[: prompt.index("<|im_start|>assistant")])["input_ids"])
+    assert int(lengths.max()) - prompt_tokens < CONFIG["max_response_tokens"]
+    assert (labels != -100).sum(dim=1).min() > 30  # three assistant turns are supervised
+
+
+def test_chain_dialogue_is_the_ideal_episode():
+    messages, tools = dialogue("chain", 3, 1)
+    episode = ChainTask().make_episode(3, 1)
+    assert ideal_calls("chain", episode.info) == [("lookup", {"key": episode.info["key"]}),
+                                                  ("calculator", {"expression": episode.info["expression"]})]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert messages[2]["content"] == episode.info["table"][episode.info["key"]]
+    assert messages[4]["content"] == str(episode.answer)
+    assert messages[5]["content"] == f"The answer is {episode.answer}."
+    assert [t["function"]["name"] for t in tools] == ["lookup", "calculator"]
+
+
+def test_chain_stage_mix_is_deterministic_and_keeps_the_default_tasks():
+    names = [chain_task_for(i, 5) for i in range(2000)]
+    assert names == [chain_task_for(i, 5) for i in range(2000)]
+    assert names.count("chain") / len(names) == pytest.approx(CHAIN_SHARE, abs=0.04)
+    assert {"arithmetic", "lookup"} <= set(names)
