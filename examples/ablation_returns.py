@@ -78,8 +78,10 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     start = held_out(trainer, args.eval_episodes)
     history = trainer.train()
     end = held_out(trainer, args.eval_episodes)
-    return {"variant": variant, "seed": seed, "history": history, "evals": trainer.eval_history,
-            "held_out": {"start": start, "end": end}, "seconds": time.perf_counter() - started}
+    result = {"variant": variant, "seed": seed, "history": history, "evals": trainer.eval_history,
+              "held_out": {"start": start, "end": end}, "seconds": time.perf_counter() - started}
+    (Path(config.output_dir) / "result.json").write_text(json.dumps(result))  # for --collect
+    return result
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -172,14 +174,21 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5, help="steps averaged in the table and the curves")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (processes; give each --threads)")
     parser.add_argument("--output-dir", default="runs/ablation_returns")
+    parser.add_argument("--collect", action="store_true",
+                        help="train nothing: tabulate the finished runs (their result.json) of these variants and seeds")
     args = parser.parse_args()
     args.model = args.model or default_model(args.task)  # built here, once, before the runs start
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(variant, seed) for seed in args.seeds for variant in args.variants]
-    with ProcessPoolExecutor(max_workers=args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
+    jobs = [(variant, seed) for seed in args.seeds for variant in args.variants]  # all variants of a seed together
+    if args.collect:
+        files = [out / f"{variant}-seed{seed}" / "result.json" for variant, seed in jobs]
+        results = [json.loads(f.read_text()) for f in files if f.exists()]
+        results.sort(key=lambda r: args.variants.index(r["variant"]))
+    else:
+        with ProcessPoolExecutor(max_workers=args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     with open(out / "histories.json", "w") as f:
         json.dump(results, f)
     episodes = TrainConfig(prompts_per_step=args.prompts_per_step).episodes_per_step

@@ -36,11 +36,11 @@ from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.train import train
 
 STAGES = ("mid", "final")
-CHAIN_STEPS = 300
+CHAIN_STEPS = 150
 CHAIN_SHARE = 0.6  # the rest: the default mix, so the agent keeps its arithmetic and lookup
 CHAIN_SEED = 505
-MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (40, 60, 80, 100, 130, 160), 0.35, 48, 606
-EVAL_SEED, EVAL_EPISODES = 707, 64
+MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (30, 50, 75, 100), 0.35, 32, 606
+EVAL_SEED, EVAL_EPISODES = 707, 48
 
 
 def chain_build_dir() -> Path:
@@ -89,10 +89,12 @@ def _build_into(folder: Path, base: Path, progress: bool) -> dict:
     mid: dict = {}
 
     def consider_mid(step: int, model) -> None:
-        success = evaluate(model, tokenizer, "chain", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)["success"]
-        record["mid_candidates"][step] = success
+        check = evaluate(model, tokenizer, "chain", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)
+        success = check["success"]
+        record["mid_candidates"][step] = {"success": success, "right_key": check["right_arguments"]}
         if progress:
-            print(f"chain stage, step {step}: sampled chain success {success:.3f}", flush=True)
+            print(f"chain stage, step {step}: sampled chain success {success:.3f}, "
+                  f"right key {check['right_arguments']:.3f}", flush=True)
         if not mid or abs(success - MID_TARGET) < abs(mid["success"] - MID_TARGET):
             mid.update(step=step, success=success, state=copy.deepcopy(model.state_dict()))
 
