@@ -2,8 +2,8 @@
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
-- ``chain``: "Let x be the code of "river". What is x*7+12?": ``lookup`` returns a long record (about
-  150 tokens of fields, the code among them), then ``calculator`` computes with the code: the outcome
+- ``chain``: "Let x be the code of "river". What is 7*12+x?": ``lookup`` returns a long record (about
+  130 tokens of fields, the code among them), then ``calculator`` computes with the code: the outcome
   depends on the first action, two observations back (issue 17's credit-through-observations task).
 
 Reward rule (all three tasks), precisely: take the last assistant message; if it still asks for a tool
@@ -123,12 +123,6 @@ def answer_reward(messages: list[dict], answer: int | float) -> float:
     return float(last_number(text) == float(answer))
 
 
-def arithmetic_tail(rng: random.Random) -> str:
-    """Two operators from + - * with numbers 2..99, as written after a first operand: "*12+5"."""
-    b, c = rng.randint(2, 99), rng.randint(2, 99)
-    return f"{rng.choice('+-*')}{b}{rng.choice('+-*')}{c}"
-
-
 class ArithmeticTask(_AnswerTask):
     """Multi-step integer arithmetic that the model is meant to solve with the ``calculator`` tool.
 
@@ -139,8 +133,10 @@ class ArithmeticTask(_AnswerTask):
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         rng = random.Random(f"{self.name}:{seed}:{index}")
+        a, b, c = (rng.randint(2, 99) for _ in range(3))
+        op1, op2 = rng.choice("+-*"), rng.choice("+-*")
         # no spaces: with Qwen-style pre-tokenization every digit and operator is then one token
-        expression = f"{rng.randint(2, 99)}{arithmetic_tail(rng)}"
+        expression = f"{a}{op1}{b}{op2}{c}"
         question = f"What is {expression}?"
         return Episode(
             messages=[{"role": "user", "content": question}],
@@ -205,18 +201,17 @@ RECORD_FIELDS = (
 
 
 def make_record(rng: random.Random, key: str, code: int) -> str:
-    """A record as a catalogue tool might return it: ``key``, then ``code`` and a 3-digit number for
-    each of RECORD_FIELDS, in a shuffled order (the code is found by its name, not its place)."""
-    fields = [("code", code)] + [(name, rng.randint(100, 999)) for name in RECORD_FIELDS]
-    rng.shuffle(fields)
-    return "\n".join([f"key: {key}"] + [f"{name}: {value}" for name, value in fields])
+    """A record as a catalogue tool might return it, one ``name: value`` line per field in a fixed order:
+    ``key``, ``code``, then a 3-digit number for each of RECORD_FIELDS."""
+    lines = [f"key: {key}", f"code: {code}"] + [f"{name}: {rng.randint(100, 999)}" for name in RECORD_FIELDS]
+    return "\n".join(lines)
 
 
 class ChainTask(_AnswerTask):
-    """Look up, then compute: "Let x be the code of "river". What is x*7+12?".
+    """Look up, then compute: "Let x be the code of "river". What is 7*12+x?".
 
     Tools: ``lookup`` (a per-episode table of LOOKUP_TABLE_SIZE records, see :func:`make_record`) and
-    ``calculator``. The ideal episode is three turns: ``lookup(key)``, ``calculator("<code>*7+12")``,
+    ``calculator``. The ideal episode is three turns: ``lookup(key)``, ``calculator("7*12+<code>")``,
     the answer. Whether the answer can be right is decided by the first action, whose credit has to
     travel back through two observations, the first one long. ``episode_metrics`` adds ``right_key``
     (the first tool call looked up the question's key) to ``tool_returned_answer`` (the calculator,
@@ -231,9 +226,10 @@ class ChainTask(_AnswerTask):
         codes = {key: rng.randint(100, 999) for key in keys}
         table = {key: make_record(rng, key, code) for key, code in codes.items()}
         key = rng.choice(keys)
-        tail = arithmetic_tail(rng)
-        expression = f"{codes[key]}{tail}"
-        question = f'Let x be the code of "{key}". What is x{tail}?'
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        head = f"{a}{rng.choice('+-*')}{b}{rng.choice('+-*')}"  # as in arithmetic, with x as the last number
+        expression = f"{head}{codes[key]}"
+        question = f'Let x be the code of "{key}". What is {head}x?'
         return Episode(
             messages=[{"role": "user", "content": question}],
             tools=[make_lookup_tool(table), calculator],

@@ -32,16 +32,15 @@ def test_chain_episode_by_hand():
     assert (lookup.__name__, calc) == ("lookup", calculator)
     assert len(table) == LOOKUP_TABLE_SIZE and set(table) <= set(LOOKUP_KEYS) and key in table
     record = fields(lookup(key))
-    assert list(record)[0] == "key" and record["key"] == key
-    assert set(record) == {"key", "code", *RECORD_FIELDS}
+    assert list(record) == ["key", "code", *RECORD_FIELDS] and record["key"] == key
     assert all(re.fullmatch(r"\d{3}", value) for name, value in record.items() if name != "key")
-    tail = expression[len(record["code"]):]
-    assert expression.startswith(record["code"]) and re.fullmatch(r"[-+*]\d+[-+*]\d+", tail)
-    assert episode.messages == [{"role": "user", "content": f'Let x be the code of "{key}". What is x{tail}?'}]
+    head = expression[: -len(record["code"])]
+    assert expression.endswith(record["code"]) and re.fullmatch(r"\d+[-+*]\d+[-+*]", head)
+    assert episode.messages == [{"role": "user", "content": f'Let x be the code of "{key}". What is {head}x?'}]
     assert episode.answer == int(calculator(expression))
-    # the code sits at a different line in different records: it is found by its name
-    places = {list(fields(r)).index("code") for e in range(20) for r in task.make_episode(e).info["table"].values()}
-    assert len(places) > 5
+    # every record of the table holds its own code
+    codes = {fields(r)["code"] for r in table.values()}
+    assert len(codes) == len(table)
     assert [get_json_schema(t)["function"]["name"] for t in episode.tools] == ["lookup", "calculator"]
 
 
@@ -76,8 +75,8 @@ def ideal(episode, text, turn):
     if turn == 0:
         return call("lookup", f'{{"key": "{episode.info["key"]}"}}')
     if turn == 1:
-        tail = episode.info["expression"][3:]
-        return call("calculator", f'{{"expression": "{looked_up_code(text)}{tail}"}}')
+        head = episode.info["expression"][:-3]
+        return call("calculator", f'{{"expression": "{head}{looked_up_code(text)}"}}')
     result = re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)[-1]
     return f"The answer is {result}."
 
@@ -113,7 +112,7 @@ def test_right_key_then_wrong_field_or_no_tool_fails(tiny_tokenizer):
     def wrong_field(episode, text, turn):  # copies the record's "price" instead of its code
         if turn == 1:
             price = re.findall(r"price: (\d+)", text)[-1]
-            return call("calculator", f'{{"expression": "{price}{episode.info["expression"][3:]}"}}')
+            return call("calculator", f'{{"expression": "{episode.info["expression"][:-3]}{price}"}}')
         return ideal(episode, text, turn)
 
     for t in play(tiny_tokenizer, wrong_field):

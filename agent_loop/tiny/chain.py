@@ -39,7 +39,7 @@ STAGES = ("mid", "final")
 CHAIN_STEPS = 150
 CHAIN_SHARE = 0.6  # the rest: the default mix, so the agent keeps its arithmetic and lookup
 CHAIN_SEED = 505
-MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (30, 50, 75, 100), 0.35, 32, 606
+MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (60, 90, 120, 150), 0.35, 32, 606
 EVAL_SEED, EVAL_EPISODES = 707, 48
 
 
