@@ -2,9 +2,9 @@
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
-- ``chain``: "Let x be the code of "river". What is 7*12+x?": ``lookup`` returns a long record (about
-  130 tokens of fields, the code among them), then ``calculator`` computes with the code: the outcome
-  depends on the first action, two observations back (issue 17's credit-through-observations task).
+- ``chain``: "What is 37*12+5? Give the code of the record with that number.": ``calculator``, then
+  ``lookup`` of the value, which returns a long record (about 130 tokens of fields, the code last): the
+  outcome depends on the first action, two observations back (issue 17's credit-through-observations task).
 
 Reward rule (all three tasks), precisely: take the last assistant message; if it still asks for a tool
 (it has ``tool_calls``, or its text contains ``<tool_call>``) the reward is 0.0. Otherwise take the
@@ -194,7 +194,7 @@ class LookupTask(_AnswerTask):
         )
 
 
-# The other fields of a chain record, around its code (one per line, in a per-record order).
+# The fields of a chain record before its code (one per line).
 RECORD_FIELDS = (
     "owner", "shelf", "weight", "height", "width", "depth", "batch", "stock", "price", "level", "zone", "count",
 )
@@ -202,45 +202,47 @@ RECORD_FIELDS = (
 
 def make_record(rng: random.Random, key: str, code: int) -> str:
     """A record as a catalogue tool might return it, one ``name: value`` line per field in a fixed order:
-    ``key``, ``code``, then a 3-digit number for each of RECORD_FIELDS."""
-    lines = [f"key: {key}", f"code: {code}"] + [f"{name}: {rng.randint(100, 999)}" for name in RECORD_FIELDS]
+    ``key``, a 3-digit number for each of RECORD_FIELDS, then ``code``."""
+    lines = [f"key: {key}"] + [f"{name}: {rng.randint(100, 999)}" for name in RECORD_FIELDS] + [f"code: {code}"]
     return "\n".join(lines)
 
 
 class ChainTask(_AnswerTask):
-    """Look up, then compute: "Let x be the code of "river". What is 7*12+x?".
+    """Compute, then look up: "What is 37*12+5? Give the code of the record with that number.".
 
-    Tools: ``lookup`` (a per-episode table of LOOKUP_TABLE_SIZE records, see :func:`make_record`) and
-    ``calculator``. The ideal episode is three turns: ``lookup(key)``, ``calculator("7*12+<code>")``,
-    the answer. Whether the answer can be right is decided by the first action, whose credit has to
-    travel back through two observations, the first one long. ``episode_metrics`` adds ``right_key``
-    (the first tool call looked up the question's key) to ``tool_returned_answer`` (the calculator,
-    or any tool, returned the answer).
+    Tools: ``calculator`` and ``lookup``, over a per-episode table of LOOKUP_TABLE_SIZE records (see
+    :func:`make_record`) whose keys are the expression's value and nearby numbers. The ideal episode is
+    three turns: ``calculator("37*12+5")`` (returns 449), ``lookup("449")`` (a record of about 130 tokens),
+    the answer "The code is 417.". Whether the answer can be right is decided by the first action, whose
+    credit has to travel back through both observations, the long record included. ``episode_metrics``
+    adds ``first_call_right`` (the first tool call returned the record's number) to
+    ``tool_returned_answer`` (the right record was looked up: its last number is the code).
     """
 
     name = "chain"
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         rng = random.Random(f"{self.name}:{seed}:{index}")
-        keys = rng.sample(LOOKUP_KEYS, LOOKUP_TABLE_SIZE)
-        codes = {key: rng.randint(100, 999) for key in keys}
-        table = {key: make_record(rng, key, code) for key, code in codes.items()}
-        key = rng.choice(keys)
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        head = f"{a}{rng.choice('+-*')}{b}{rng.choice('+-*')}"  # as in arithmetic, with x as the last number
-        expression = f"{head}{codes[key]}"
-        question = f'Let x be the code of "{key}". What is {head}x?'
+        a, b, c = (rng.randint(2, 99) for _ in range(3))
+        expression = f"{a}{rng.choice('+-*')}{b}{rng.choice('+-*')}{c}"  # as in arithmetic
+        key = calculator(expression)
+        keys = {key}
+        while len(keys) < LOOKUP_TABLE_SIZE:  # numbers a slightly wrong expression gives
+            keys.add(str(int(key) + rng.choice((-1, 1)) * rng.randint(1, 99)))
+        codes = {k: rng.randint(100, 999) for k in sorted(keys)}
+        table = {k: make_record(rng, k, code) for k, code in codes.items()}
+        question = f"What is {expression}? Give the code of the record with that number."
         return Episode(
             messages=[{"role": "user", "content": question}],
-            tools=[make_lookup_tool(table), calculator],
-            answer=int(calculator(expression)),
-            info={"task": self.name, "index": index, "seed": seed, "key": key, "expression": expression, "table": table},
+            tools=[calculator, make_lookup_tool(table)],
+            answer=codes[key],
+            info={"task": self.name, "index": index, "seed": seed, "expression": expression, "key": key, "table": table},
         )
 
     def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
         first = tool_calls[0] if tool_calls else None
-        right_key = first is not None and first.name == "lookup" and first.arguments == {"key": episode.info["key"]}
-        return {**super().episode_metrics(episode, messages, tool_calls), "right_key": float(right_key)}
+        right = first is not None and first.name == "calculator" and first.result == episode.info["key"]
+        return {**super().episode_metrics(episode, messages, tool_calls), "first_call_right": float(right)}
 
 
 TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask, "chain": ChainTask}

@@ -10,7 +10,7 @@ from transformers.utils import get_json_schema
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
-from agent_loop.tasks import LOOKUP_KEYS, LOOKUP_TABLE_SIZE, RECORD_FIELDS, ChainTask, calculator, get_task
+from agent_loop.tasks import LOOKUP_TABLE_SIZE, RECORD_FIELDS, ChainTask, calculator, get_task
 from agent_loop.tiny.chain import CHAIN_SHARE, chain_task_for
 from agent_loop.tiny.data import dialogue, encode_batch, ideal_calls, render
 from agent_loop.types import SpanKind
@@ -28,20 +28,19 @@ def test_chain_episode_by_hand():
     task = get_task("chain")
     episode = task.make_episode(4, seed=2)
     key, table, expression = episode.info["key"], episode.info["table"], episode.info["expression"]
-    lookup, calc = episode.tools
-    assert (lookup.__name__, calc) == ("lookup", calculator)
-    assert len(table) == LOOKUP_TABLE_SIZE and set(table) <= set(LOOKUP_KEYS) and key in table
+    calc, lookup = episode.tools
+    assert (calc, lookup.__name__) == (calculator, "lookup")
+    assert re.fullmatch(r"\d+[-+*]\d+[-+*]\d+", expression) and key == calculator(expression)
+    assert episode.messages == [
+        {"role": "user", "content": f"What is {expression}? Give the code of the record with that number."}]
+    assert len(table) == LOOKUP_TABLE_SIZE and key in table
+    assert all(0 < abs(int(k) - int(key)) < 100 for k in table if k != key)  # near misses of a wrong expression
     record = fields(lookup(key))
-    assert list(record) == ["key", "code", *RECORD_FIELDS] and record["key"] == key
+    assert list(record) == ["key", *RECORD_FIELDS, "code"] and record["key"] == key
     assert all(re.fullmatch(r"\d{3}", value) for name, value in record.items() if name != "key")
-    head = expression[: -len(record["code"])]
-    assert expression.endswith(record["code"]) and re.fullmatch(r"\d+[-+*]\d+[-+*]", head)
-    assert episode.messages == [{"role": "user", "content": f'Let x be the code of "{key}". What is {head}x?'}]
-    assert episode.answer == int(calculator(expression))
-    # every record of the table holds its own code
-    codes = {fields(r)["code"] for r in table.values()}
-    assert len(codes) == len(table)
-    assert [get_json_schema(t)["function"]["name"] for t in episode.tools] == ["lookup", "calculator"]
+    assert episode.answer == int(record["code"])
+    assert len({fields(r)["code"] for r in table.values()}) > 1  # another record, most likely another code
+    assert [get_json_schema(t)["function"]["name"] for t in episode.tools] == ["calculator", "lookup"]
 
 
 def episodes_by_question(seed: int = 0) -> dict[str, object]:
@@ -73,56 +72,69 @@ def looked_up_code(text: str) -> str:
 
 def ideal(episode, text, turn):
     if turn == 0:
-        return call("lookup", f'{{"key": "{episode.info["key"]}"}}')
+        return call("calculator", f'{{"expression": "{episode.info["expression"]}"}}')
     if turn == 1:
-        head = episode.info["expression"][:-3]
-        return call("calculator", f'{{"expression": "{head}{looked_up_code(text)}"}}')
-    result = re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)[-1]
-    return f"The answer is {result}."
+        value = re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)[-1]
+        return call("lookup", f'{{"key": "{value}"}}')
+    return f"The code is {looked_up_code(text)}."
 
 
 def test_ideal_episodes_succeed_with_long_first_observations(tiny_tokenizer):
     for t in play(tiny_tokenizer, ideal):
         assert t.reward == 1.0 and t.success and t.finish_reason == "stop"
-        assert t.metrics["task"] == {"tool_returned_answer": 1.0, "right_key": 1.0}
-        assert [c.name for c in t.tool_calls] == ["lookup", "calculator"] and t.metrics["turns"] == 3
+        assert t.metrics["task"] == {"tool_returned_answer": 1.0, "first_call_right": 1.0}
+        assert [c.name for c in t.tool_calls] == ["calculator", "lookup"] and t.metrics["turns"] == 3
         first, second = (turn["observation"] for turn in t.metrics["turn_tokens"][:2])
-        assert 100 <= first <= 250 and second < 25  # a realistic record, then a short result
+        assert first < 25 and 100 <= second <= 250  # a short result, then a realistic record
         assert t.metrics["observation_truncations"] == 0
-        # the credit path: first action, ~120 observation tokens, second action, short observation, answer
+        # the credit path: first action, short observation, second action, ~130 observation tokens, answer
         kinds = [k for i, k in enumerate(t.spans) if i == 0 or k != t.spans[i - 1]]
         assert kinds == [SpanKind.ASSISTANT, SpanKind.OBSERVATION] * 2 + [SpanKind.ASSISTANT]
 
 
 def test_the_first_action_decides(tiny_tokenizer):
-    """A wrong key gives a record with another code; everything after it done right still fails."""
+    """A wrong expression gives another number: its record (or an unknown key) fails the episode, however
+    right everything after it is."""
 
-    def wrong_key(episode, text, turn):
+    def wrong_expression(episode, text, turn):
         if turn == 0:
+            return call("calculator", f'{{"expression": "{episode.info["expression"]}+1"}}')
+        return ideal(episode, text, turn)
+
+    for t in play(tiny_tokenizer, wrong_expression):
+        assert t.reward == 0.0 and not t.success
+        assert t.metrics["task"] == {"tool_returned_answer": 0.0, "first_call_right": 0.0}
+        assert t.tool_calls[1].name == "lookup" and t.tool_calls[1].arguments["key"] != t.info["key"]
+
+    def wrong_record(episode, text, turn):  # the right value, then another record of the table
+        if turn == 1:
             other = next(k for k in episode.info["table"] if k != episode.info["key"])
             return call("lookup", f'{{"key": "{other}"}}')
         return ideal(episode, text, turn)
 
-    for t in play(tiny_tokenizer, wrong_key):
-        assert t.reward == 0.0 and not t.success
-        assert t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 0.0}
+    results = play(tiny_tokenizer, wrong_record)
+    for t in results:
+        assert t.metrics["task"]["first_call_right"] == 1.0 and t.reward == t.metrics["task"]["tool_returned_answer"]
+    assert sum(t.reward for t in results) < len(results)  # codes of other records rarely coincide
 
 
-def test_right_key_then_wrong_field_or_no_tool_fails(tiny_tokenizer):
+def test_wrong_field_or_no_tool_fails(tiny_tokenizer):
     def wrong_field(episode, text, turn):  # copies the record's "price" instead of its code
-        if turn == 1:
+        if turn == 2:
             price = re.findall(r"price: (\d+)", text)[-1]
-            return call("calculator", f'{{"expression": "{episode.info["expression"][:-3]}{price}"}}')
+            return f"The code is {price}."
         return ideal(episode, text, turn)
 
     for t in play(tiny_tokenizer, wrong_field):
-        assert t.reward == 0.0 and t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 1.0}
+        assert t.metrics["task"] == {"tool_returned_answer": 1.0, "first_call_right": 1.0}
+        assert t.reward == float(re.findall(r"price: (\d+)", t.messages[-2]["content"])[-1] == str(t.info["answer"]))
 
-    def guess(episode, text, turn):  # answers without looking anything up
-        return "The answer is 500."
+    def guess(episode, text, turn):  # answers without a tool
+        return "The code is 500."
 
     for t in play(tiny_tokenizer, guess):
-        assert t.reward == 0.0 and t.metrics["task"] == {"tool_returned_answer": 0.0, "right_key": 0.0}
+        assert t.reward == float(t.info["answer"] == 500)
+        assert t.metrics["task"] == {"tool_returned_answer": 0.0, "first_call_right": 0.0}
         assert t.tool_calls == [] and t.metrics["turns"] == 1
 
 
@@ -142,13 +154,13 @@ def test_chain_dialogues_fit_the_tiny_agents_context(tiny_tokenizer):
 def test_chain_dialogue_is_the_ideal_episode():
     messages, tools = dialogue("chain", 3, 1)
     episode = ChainTask().make_episode(3, 1)
-    assert ideal_calls("chain", episode.info) == [("lookup", {"key": episode.info["key"]}),
-                                                  ("calculator", {"expression": episode.info["expression"]})]
+    assert ideal_calls("chain", episode.info) == [("calculator", {"expression": episode.info["expression"]}),
+                                                  ("lookup", {"key": episode.info["key"]})]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
-    assert messages[2]["content"] == episode.info["table"][episode.info["key"]]
-    assert messages[4]["content"] == str(episode.answer)
-    assert messages[5]["content"] == f"The answer is {episode.answer}."
-    assert [t["function"]["name"] for t in tools] == ["lookup", "calculator"]
+    assert messages[2]["content"] == episode.info["key"]
+    assert messages[4]["content"] == episode.info["table"][episode.info["key"]]
+    assert messages[5]["content"] == f"The code is {episode.answer}."
+    assert [t["function"]["name"] for t in tools] == ["calculator", "lookup"]
 
 
 def test_chain_stage_mix_is_deterministic_and_keeps_the_default_tasks():

@@ -39,7 +39,7 @@ STAGES = ("mid", "final")
 CHAIN_STEPS = 150
 CHAIN_SHARE = 0.6  # the rest: the default mix, so the agent keeps its arithmetic and lookup
 CHAIN_SEED = 505
-MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (60, 90, 120, 150), 0.35, 32, 606
+MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (30, 60, 90, 120, 150), 0.35, 32, 606
 EVAL_SEED, EVAL_EPISODES = 707, 48
 
 
@@ -91,10 +91,10 @@ def _build_into(folder: Path, base: Path, progress: bool) -> dict:
     def consider_mid(step: int, model) -> None:
         check = evaluate(model, tokenizer, "chain", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)
         success = check["success"]
-        record["mid_candidates"][step] = {"success": success, "right_key": check["right_arguments"]}
+        record["mid_candidates"][step] = {"success": success, "right_first_call": check["right_arguments"]}
         if progress:
             print(f"chain stage, step {step}: sampled chain success {success:.3f}, "
-                  f"right key {check['right_arguments']:.3f}", flush=True)
+                  f"right first call {check['right_arguments']:.3f}", flush=True)
         if not mid or abs(success - MID_TARGET) < abs(mid["success"] - MID_TARGET):
             mid.update(step=step, success=success, state=copy.deepcopy(model.state_dict()))
 

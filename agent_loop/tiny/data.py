@@ -19,7 +19,7 @@ from agent_loop.tasks import get_task
 
 # share of lookup dialogues; the rest is arithmetic (the harder task, and the default one)
 LOOKUP_SHARE = 0.25
-FINAL_ANSWER = {"arithmetic": "The answer is {}.", "lookup": "The code is {}.", "chain": "The answer is {}."}
+FINAL_ANSWER = {"arithmetic": "The answer is {}.", "lookup": "The code is {}.", "chain": "The code is {}."}
 _ASSISTANT_CONTENT = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
 
 
@@ -32,7 +32,7 @@ def ideal_calls(task_name: str, info: dict) -> list[tuple[str, dict]]:
     """The tool calls (name, arguments) of an ideal episode, in order, from the episode's ``info``."""
     calculate = ("calculator", {"expression": info.get("expression")})
     look_up = ("lookup", {"key": info.get("key")})
-    return {"arithmetic": [calculate], "lookup": [look_up], "chain": [look_up, calculate]}[task_name]
+    return {"arithmetic": [calculate], "lookup": [look_up], "chain": [calculate, look_up]}[task_name]
 
 
 def dialogue(task_name: str, index: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -41,9 +41,8 @@ def dialogue(task_name: str, index: int, seed: int) -> tuple[list[dict], list[di
     tools = {tool.__name__: tool for tool in episode.tools}
     messages = list(episode.messages)
     for name, arguments in ideal_calls(task_name, episode.info):
-        result = tools[name](**arguments)
-        messages += [tool_call_message(name, arguments), {"role": "tool", "content": result}]
-    messages.append({"role": "assistant", "content": FINAL_ANSWER[task_name].format(result)})
+        messages += [tool_call_message(name, arguments), {"role": "tool", "content": tools[name](**arguments)}]
+    messages.append({"role": "assistant", "content": FINAL_ANSWER[task_name].format(episode.answer)})
     return messages, [get_json_schema(tool) for tool in episode.tools]
 
 
