@@ -2,7 +2,7 @@
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
-- ``chain``: "What is 37*12+5? Give the code of the record with that number.": ``calculator``, then
+- ``chain``: "Give the code of the record with this number. What is 37*12+5?": ``calculator``, then
   ``lookup`` of the value, which returns a long record (about 130 tokens of fields, the code last): the
   outcome depends on the first action, two observations back (issue 17's credit-through-observations task).
 
@@ -208,7 +208,7 @@ def make_record(rng: random.Random, key: str, code: int) -> str:
 
 
 class ChainTask(_AnswerTask):
-    """Compute, then look up: "What is 37*12+5? Give the code of the record with that number.".
+    """Compute, then look up: "Give the code of the record with this number. What is 37*12+5?".
 
     Tools: ``calculator`` and ``lookup``, over a per-episode table of LOOKUP_TABLE_SIZE records (see
     :func:`make_record`) whose keys are the expression's value and nearby numbers. The ideal episode is
@@ -231,7 +231,8 @@ class ChainTask(_AnswerTask):
             keys.add(str(int(key) + rng.choice((-1, 1)) * rng.randint(1, 99)))
         codes = {k: rng.randint(100, 999) for k in sorted(keys)}
         table = {k: make_record(rng, k, code) for k, code in codes.items()}
-        question = f"What is {expression}? Give the code of the record with that number."
+        # the question ends as an arithmetic one does, so the first call is copied the same way
+        question = f"Give the code of the record with this number. What is {expression}?"
         return Episode(
             messages=[{"role": "user", "content": question}],
             tools=[calculator, make_lookup_tool(table)],

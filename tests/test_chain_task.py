@@ -32,7 +32,7 @@ def test_chain_episode_by_hand():
     assert (calc, lookup.__name__) == (calculator, "lookup")
     assert re.fullmatch(r"\d+[-+*]\d+[-+*]\d+", expression) and key == calculator(expression)
     assert episode.messages == [
-        {"role": "user", "content": f"What is {expression}? Give the code of the record with that number."}]
+        {"role": "user", "content": f"Give the code of the record with this number. What is {expression}?"}]
     assert len(table) == LOOKUP_TABLE_SIZE and key in table
     assert all(0 < abs(int(k) - int(key)) < 100 for k in table if k != key)  # near misses of a wrong expression
     record = fields(lookup(key))

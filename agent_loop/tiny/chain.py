@@ -4,13 +4,14 @@
 thread). It is built only when asked for (``examples/credit_ablation.py``), never by the default
 build: the default tiny agent (``tiny-agent-<RECIPE_VERSION>``) stays as it is.
 
-Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``),
-train CHAIN_STEPS more steps of the same warm start (``agent_loop.tiny.train``) on a mix of chain
-dialogues (CHAIN_SHARE) and the default mix (arithmetic and lookup), and keep two stages:
+Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``) and
+continue its warm start (``agent_loop.tiny.train``) on a mix of chain dialogues (CHAIN_SHARE) and the
+default mix (arithmetic and lookup), in two phases (PHASES: steps and peak learning rate; each warms
+up and decays as the default recipe does). Two stages are kept:
 
-- ``final``: the end of that training;
-- ``mid``: of the checkpoints at MID_STEPS, the one whose sampled chain success on a quick check is
-  closest to MID_TARGET: a start that succeeds sometimes, so RL has room.
+- ``final``: the end of training;
+- ``mid``: of the checkpoints at MID_STEPS of the last phase, the one whose sampled chain success on a
+  quick check is closest to MID_TARGET: a start that succeeds sometimes, so RL has room.
 
 Cache: ``<cache root>/tiny-agent-<RECIPE_VERSION>-chain/{mid,final,build.json}``, built in a temporary
 folder and renamed into place under the same file lock as the default build (``agent_loop.tiny.build``).
@@ -36,10 +37,12 @@ from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.train import train
 
 STAGES = ("mid", "final")
-CHAIN_STEPS = 150
+# the first phase's peak (the default recipe's) costs the copying skills for a while; the second, gentler,
+# brings the chain's copies (the value into the lookup, the code into the answer) up
+PHASES = ((150, 3e-3), (100, 1e-3))
 CHAIN_SHARE = 0.6  # the rest: the default mix, so the agent keeps its arithmetic and lookup
 CHAIN_SEED = 505
-MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (30, 60, 90, 120, 150), 0.35, 32, 606
+MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (25, 50, 75, 100), 0.35, 32, 606
 EVAL_SEED, EVAL_EPISODES = 707, 48
 
 
@@ -84,11 +87,12 @@ def _build_into(folder: Path, base: Path, progress: bool) -> dict:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    record: dict = {"recipe": f"{RECIPE_VERSION}-chain", "base": str(base), "train_steps": CHAIN_STEPS, "stages": {},
+    record: dict = {"recipe": f"{RECIPE_VERSION}-chain", "base": str(base), "phases": PHASES, "stages": {},
                     "mid_candidates": {}}
     mid: dict = {}
 
     def consider_mid(step: int, model) -> None:
+        step += sum(steps for steps, _ in PHASES[:-1])  # counted from the start of the chain stage
         check = evaluate(model, tokenizer, "chain", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)
         success = check["success"]
         record["mid_candidates"][step] = {"success": success, "right_first_call": check["right_arguments"]}
@@ -103,9 +107,11 @@ def _build_into(folder: Path, base: Path, progress: bool) -> dict:
         record["stages"][stage] = {"step": step, "eval": [
             evaluate(model, tokenizer, "chain", EVAL_EPISODES, EVAL_SEED, greedy) for greedy in (True, False)]}
 
-    train(tokenizer, CHAIN_STEPS, CHAIN_SEED, MID_STEPS, consider_mid, progress,
-          model=model, tasks=chain_task_for, description="training the tiny agent on chain dialogues")
-    save("final", CHAIN_STEPS)
+    for phase, (steps, peak_lr) in enumerate(PHASES):
+        last = phase == len(PHASES) - 1
+        train(tokenizer, steps, CHAIN_SEED + phase, MID_STEPS if last else (), consider_mid, progress, model=model,
+              tasks=chain_task_for, peak_lr=peak_lr, description=f"training the tiny agent on chain dialogues ({phase + 1})")
+    save("final", sum(steps for steps, _ in PHASES))
     model.load_state_dict(mid["state"])
     save("mid", mid["step"])
     record["build_seconds"] = time.perf_counter() - started

@@ -56,12 +56,12 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     )
 
 
-def learning_rate(step: int, total_steps: int) -> float:
-    """Linear warm-up for WARMUP_STEPS, then cosine decay from LEARNING_RATE to FINAL_LR_FRACTION of it."""
+def learning_rate(step: int, total_steps: int, *, peak: float = LEARNING_RATE) -> float:
+    """Linear warm-up for WARMUP_STEPS, then cosine decay from ``peak`` to FINAL_LR_FRACTION of it."""
     if step < WARMUP_STEPS:
-        return LEARNING_RATE * (step + 1) / WARMUP_STEPS
+        return peak * (step + 1) / WARMUP_STEPS
     progress = (step - WARMUP_STEPS) / max(1, total_steps - WARMUP_STEPS)
-    return LEARNING_RATE * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def shared_prefix_length(input_ids: torch.Tensor, labels: torch.Tensor) -> int:
@@ -117,6 +117,7 @@ def train(
     *,
     model: LlamaForCausalLM | None = None,
     tasks: Callable[[int, int], str] = task_for,
+    peak_lr: float = LEARNING_RATE,
     description: str = "training the tiny agent",
 ) -> LlamaForCausalLM:
     """Train a fresh model (or continue ``model``) for ``steps`` steps on the dialogues ``tasks`` names
@@ -135,7 +136,7 @@ def train(
     bar = tqdm(range(steps), desc=description, disable=not progress, unit="step")
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps)
+            group["lr"] = learning_rate(step, steps, peak=peak_lr)
         total, count = torch.zeros(()), 0
         for input_ids, labels in training_batch(tokenizer, step, seed, tasks):
             loss, n = assistant_loss(model, input_ids, labels)
