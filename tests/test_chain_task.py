@@ -11,7 +11,7 @@ from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.loop import LoopConfig
 from agent_loop.runner import run_rollouts
 from agent_loop.tasks import LOOKUP_TABLE_SIZE, RECORD_FIELDS, ChainTask, calculator, get_task
-from agent_loop.tiny.chain import CHAIN_SHARE, chain_task_for
+from agent_loop.tiny.chain import CHAIN_SHARE, MID_STEPS, PHASES, chain_agent_path, chain_task_for
 from agent_loop.tiny.data import dialogue, encode_batch, ideal_calls, render
 from agent_loop.types import SpanKind
 
@@ -168,3 +168,9 @@ def test_chain_stage_mix_is_deterministic_and_keeps_the_default_tasks():
     assert names == [chain_task_for(i, 5) for i in range(2000)]
     assert names.count("chain") / len(names) == pytest.approx(CHAIN_SHARE, abs=0.04)
     assert {"arithmetic", "lookup"} <= set(names)
+
+
+def test_chain_stage_settings():
+    assert max(MID_STEPS) <= PHASES[-1][0]  # the mid candidates lie in the last phase
+    with pytest.raises(ValueError, match="unknown stage 'best'; choose one of"):
+        chain_agent_path("best")

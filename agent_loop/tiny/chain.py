@@ -1,8 +1,8 @@
 """The tiny agent for the ``chain`` task (issue 17): the default tiny agent, trained further on chain dialogues.
 
-``chain_agent_path(stage)`` returns the folder (built and cached on first use, a few minutes on one
-thread). It is built only when asked for (``examples/credit_ablation.py``), never by the default
-build: the default tiny agent (``tiny-agent-<RECIPE_VERSION>``) stays as it is.
+``chain_agent_path(stage)`` returns the folder (built and cached on first use, about 10 minutes on one
+busy core). It is built only when asked for (``examples/ablation_returns.py --task chain``), never by
+the default build or CI: the default tiny agent (``tiny-agent-<RECIPE_VERSION>``) stays as it is.
 
 Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``) and
 continue its warm start (``agent_loop.tiny.train``) on a mix of chain dialogues (CHAIN_SHARE) and the
