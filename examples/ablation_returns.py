@@ -2,8 +2,8 @@
 
     python examples/ablation_returns.py                         # 3 runs of the default training
     python examples/ablation_returns.py --steps 150 --gamma 0.95 --parallel 2 --threads 1
-    python examples/ablation_returns.py --task chain --seeds 0 1 2 --steps 50 --prompts-per-step 32 \\
-        --max-response-tokens 512 --gamma 0.98 --parallel 2 --threads 1   # issue 17: 9 runs
+    python examples/ablation_returns.py --task chain --seeds 0 1 2 --steps 20 --prompts-per-step 32 \\
+        --max-response-tokens 512 --gamma 0.98 --eval-episodes 32 --parallel 2 --threads 1   # issue 17: 9 runs
 
 - ``carry_through``: the running return passes unchanged through OBSERVATION tokens (ours, verl
   after PR #7300);
@@ -15,7 +15,8 @@
 In the arithmetic task the outcome depends on the first turn: the calculator returns the value of the
 expression the model wrote, and the answer is right only if that expression was. In the chain task
 (``--task chain``; its model defaults to the chain-trained tiny agent, ``agent_loop.tiny.chain``) the
-first action is a lookup whose observation is a ~150-token record, two observations before the reward.
+first action is the calculator call, whose value the model then looks up: two observations, one of
+them a ~130-token record, lie between it and the reward.
 
 Each (variant, seed) is one run; held-out questions are checked greedy and sampled (T=1) before and
 after training. Writes ``<output-dir>/results.md`` (the table: mean and min-max over seeds),
@@ -41,7 +42,7 @@ from trainer import RETURN_VARIANTS, TrainConfig, Trainer  # noqa: E402
 from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
 
 # the first action's own metric: did the tool call of the first turn do the right thing
-FIRST_ACTION = {"chain": ("right_key", "first call looked up the question's key"),
+FIRST_ACTION = {"chain": ("first_call_right", "first call (calculator) returned the record's number"),
                 "arithmetic": ("tool_returned_answer", "calculator returned the answer"),
                 "lookup": ("tool_returned_answer", "lookup returned the answer")}
 
