@@ -2,8 +2,11 @@
 
 - ``arithmetic``: "What is 37*12+5?" with a ``calculator`` tool.
 - ``lookup``: "What is the code of "river"?" with a ``lookup`` tool over a per-episode table.
+- ``chain``: "Give the code of the record with this number. What is 37*12+5?": ``calculator``, then
+  ``lookup`` of the value, which returns a long record (about 130 tokens of fields, the code last): the
+  outcome depends on the first action, two observations back (issue 17's credit-through-observations task).
 
-Reward rule (both tasks), precisely: take the last assistant message; if it still asks for a tool
+Reward rule (all three tasks), precisely: take the last assistant message; if it still asks for a tool
 (it has ``tool_calls``, or its text contains ``<tool_call>``) the reward is 0.0. Otherwise take the
 LAST number in its text (regex ``-?\\d+(\\.\\d+)?``, thousands separators not allowed); the reward is
 1.0 if that number equals the episode's ``answer`` exactly, else 0.0. "The answer is 449." scores
@@ -191,7 +194,59 @@ class LookupTask(_AnswerTask):
         )
 
 
-TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask}
+# The fields of a chain record before its code (one per line).
+RECORD_FIELDS = (
+    "owner", "shelf", "weight", "height", "width", "depth", "batch", "stock", "price", "level", "zone", "count",
+)
+
+
+def make_record(rng: random.Random, key: str, code: int) -> str:
+    """A record as a catalogue tool might return it, one ``name: value`` line per field in a fixed order:
+    ``key``, a 3-digit number for each of RECORD_FIELDS, then ``code``."""
+    lines = [f"key: {key}"] + [f"{name}: {rng.randint(100, 999)}" for name in RECORD_FIELDS] + [f"code: {code}"]
+    return "\n".join(lines)
+
+
+class ChainTask(_AnswerTask):
+    """Compute, then look up: "Give the code of the record with this number. What is 37*12+5?".
+
+    Tools: ``calculator`` and ``lookup``, over a per-episode table of LOOKUP_TABLE_SIZE records (see
+    :func:`make_record`) whose keys are the expression's value and nearby numbers. The ideal episode is
+    three turns: ``calculator("37*12+5")`` (returns 449), ``lookup("449")`` (a record of about 130 tokens),
+    the answer "The code is 417.". Whether the answer can be right is decided by the first action, whose
+    credit has to travel back through both observations, the long record included. ``episode_metrics``
+    adds ``first_call_right`` (the first tool call returned the record's number) to
+    ``tool_returned_answer`` (the right record was looked up: its last number is the code).
+    """
+
+    name = "chain"
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        rng = random.Random(f"{self.name}:{seed}:{index}")
+        a, b, c = (rng.randint(2, 99) for _ in range(3))
+        expression = f"{a}{rng.choice('+-*')}{b}{rng.choice('+-*')}{c}"  # as in arithmetic
+        key = calculator(expression)
+        keys = {key}
+        while len(keys) < LOOKUP_TABLE_SIZE:  # numbers a slightly wrong expression gives
+            keys.add(str(int(key) + rng.choice((-1, 1)) * rng.randint(1, 99)))
+        codes = {k: rng.randint(100, 999) for k in sorted(keys)}
+        table = {k: make_record(rng, k, code) for k, code in codes.items()}
+        # the question ends as an arithmetic one does, so the first call is copied the same way
+        question = f"Give the code of the record with this number. What is {expression}?"
+        return Episode(
+            messages=[{"role": "user", "content": question}],
+            tools=[calculator, make_lookup_tool(table)],
+            answer=codes[key],
+            info={"task": self.name, "index": index, "seed": seed, "expression": expression, "key": key, "table": table},
+        )
+
+    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
+        first = tool_calls[0] if tool_calls else None
+        right = first is not None and first.name == "calculator" and first.result == episode.info["key"]
+        return {**super().episode_metrics(episode, messages, tool_calls), "first_call_right": float(right)}
+
+
+TASKS = {"arithmetic": ArithmeticTask, "lookup": LookupTask, "chain": ChainTask}
 
 
 def get_task(name: str):

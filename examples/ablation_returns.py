@@ -2,6 +2,8 @@
 
     python examples/ablation_returns.py                         # 3 runs of the default training
     python examples/ablation_returns.py --steps 150 --gamma 0.95 --parallel 2 --threads 1
+    python examples/ablation_returns.py --task chain --seeds 0 1 2 --steps 20 --prompts-per-step 32 \\
+        --max-response-tokens 512 --gamma 0.98 --eval-episodes 32 --parallel 2 --threads 1   # issue 17: 9 runs
 
 - ``carry_through``: the running return passes unchanged through OBSERVATION tokens (ours, verl
   after PR #7300);
@@ -11,8 +13,14 @@
   discount steps; with ``gamma = 1`` this equals carry-through on ASSISTANT tokens).
 
 In the arithmetic task the outcome depends on the first turn: the calculator returns the value of the
-expression the model wrote, and the answer is right only if that expression was. Writes
-``<output-dir>/results.md`` (a table) and ``<output-dir>/learning_curves.png``.
+expression the model wrote, and the answer is right only if that expression was. In the chain task
+(``--task chain``; its model defaults to the chain-trained tiny agent, ``agent_loop.tiny.chain``) the
+first action is the calculator call, whose value the model then looks up: two observations, one of
+them a ~130-token record, lie between it and the reward.
+
+Each (variant, seed) is one run; held-out questions are checked greedy and sampled (T=1) before and
+after training. Writes ``<output-dir>/results.md`` (the table: mean and min-max over seeds),
+``<output-dir>/learning_curves.png`` (mean and min-max band) and ``histories.json``.
 """
 
 from __future__ import annotations
@@ -31,20 +39,50 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from trainer import RETURN_VARIANTS, TrainConfig, Trainer  # noqa: E402
+from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
+
+# the first action's own metric: did the tool call of the first turn do the right thing
+FIRST_ACTION = {"chain": ("first_call_right", "first call (calculator) returned the record's number"),
+                "arithmetic": ("tool_returned_answer", "calculator returned the answer"),
+                "lookup": ("tool_returned_answer", "lookup returned the answer")}
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> dict:
+def default_model(task: str) -> str | None:
+    """The chain task's model is the chain-trained tiny agent (built on first use); the others: the trainer's default."""
+    if task != "chain":
+        return None
+    from agent_loop.tiny.chain import chain_agent_path
+
+    return str(chain_agent_path("mid"))
+
+
+def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
+    """Greedy and sampled (T=1) success of the trainer's policy on held-out questions (the trainer's eval stream)."""
+    from agent_loop.tiny.evaluate import evaluate
+
+    seed = trainer.config.seed + EVAL_SEED_OFFSET
+    return {("greedy" if greedy else "sampled"): evaluate(trainer.policy, trainer.tokenizer, trainer.config.task,
+                                                           episodes, seed, greedy)["success"]
+            for greedy in (True, False)}
+
+
+def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     config = TrainConfig(
-        model=args.model, prompts_per_step=args.prompts_per_step, lr=args.lr, returns_variant=variant, gamma=args.gamma, steps=args.steps, seed=args.seed, threads=args.threads,
+        model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, returns_variant=variant,
+        gamma=args.gamma, steps=args.steps, seed=seed, threads=args.threads, max_response_tokens=args.max_response_tokens,
         eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-        output_dir=str(Path(args.output_dir) / variant), save_every=args.steps, progress=False,
+        output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.steps, progress=False,
     )
-    print(f"\n=== {variant} (gamma {args.gamma}, seed {args.seed}) ===", flush=True)
+    print(f"\n=== {variant} (gamma {args.gamma}, seed {seed}) ===", flush=True)
     started = time.perf_counter()
     trainer = Trainer(config)
+    start = held_out(trainer, args.eval_episodes)
     history = trainer.train()
-    return {"variant": variant, "history": history, "evals": trainer.eval_history,
-            "seconds": time.perf_counter() - started}
+    end = held_out(trainer, args.eval_episodes)
+    result = {"variant": variant, "seed": seed, "history": history, "evals": trainer.eval_history,
+              "held_out": {"start": start, "end": end}, "seconds": time.perf_counter() - started}
+    (Path(config.output_dir) / "result.json").write_text(json.dumps(result))  # for --collect
+    return result
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -52,40 +90,67 @@ def moving_average(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def results_table(results: list[dict], window: int) -> str:
-    header = ("| returns | sampled success, first {w} steps | sampled success, last {w} steps | "
-              "greedy held-out success: start -> end | calculator returned the answer, first {w} -> last {w} steps | time |"
-              ).format(w=window)
-    lines = [header, "|---|---|---|---|---|---|"]
+def spread(values: list[float]) -> str:
+    """Mean and, over several seeds, the range: "0.412 [0.375, 0.469]"."""
+    mean = sum(values) / len(values)
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def window_mean(history: list[dict], name: str, window: int, last: bool) -> float:
+    values = [m[name] for m in history]
+    part = values[-window:] if last else values[:window]
+    return sum(part) / len(part)
+
+
+def by_variant(results: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
     for r in results:
-        success = [m["success"] for m in r["history"]]
-        first = sum(success[:window]) / len(success[:window])
-        last = sum(success[-window:]) / len(success[-window:])
-        evals = r["evals"]
-        held_out = f"{evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else "n/a"
-        # the first turn's action (the expression) is what only carry-through credits with the outcome
-        right_call = [m["tool_returned_answer"] for m in r["history"]]
-        lines.append(f"| {r['variant']} | {first:.3f} | {last:.3f} | {held_out} | "
-                     f"{sum(right_call[:window]) / len(right_call[:window]):.3f} -> "
-                     f"{sum(right_call[-window:]) / len(right_call[-window:]):.3f} | {r['seconds'] / 60:.1f} min |")
+        groups.setdefault(r["variant"], []).append(r)
+    return groups
+
+
+def results_table(results: list[dict], window: int, task: str) -> str:
+    metric, label = FIRST_ACTION[task]
+    header = (f"| returns | seeds | sampled success, first {window} steps | last {window} steps | "
+              "held-out greedy: start -> end | held-out sampled: start -> end | "
+              f"{label}, first {window} -> last {window} steps | time per run |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for variant, runs in by_variant(results).items():
+        def cell(name: str, last: bool) -> str:
+            return spread([window_mean(r["history"], name, window, last) for r in runs])
+
+        def held(decoding: str) -> str:
+            return (f"{spread([r['held_out']['start'][decoding] for r in runs])} -> "
+                    f"{spread([r['held_out']['end'][decoding] for r in runs])}")
+
+        minutes = sum(r["seconds"] for r in runs) / len(runs) / 60
+        lines.append(f"| {variant} | {len(runs)} | {cell('success', False)} | {cell('success', True)} | "
+                     f"{held('greedy')} | {held('sampled')} | {cell(metric, False)} -> {cell(metric, True)} | "
+                     f"{minutes:.1f} min |")
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path, window: int, title: str) -> None:
-    fig, (sampled, greedy) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        steps = range(1, len(r["history"]) + 1)
-        success = [m["success"] for m in r["history"]]
-        line, = sampled.plot(steps, moving_average(success, window), label=r["variant"])
-        sampled.plot(steps, success, color=line.get_color(), alpha=0.2)
-        if r["evals"]:
-            greedy.plot(*zip(*r["evals"]), marker="o", color=line.get_color(), label=r["variant"])
-    sampled.set(title=f"sampled success (moving average over {window} steps)", xlabel="step", ylabel="success rate")
-    greedy.set(title="greedy success on held-out questions", xlabel="step", ylabel="success rate")
-    for ax in (sampled, greedy):
+def plot(results: list[dict], path: Path, window: int, task: str, title: str) -> None:
+    metric, label = FIRST_ACTION[task]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for variant, runs in by_variant(results).items():
+        for ax, name in zip(axes, ("success", metric)):
+            curves = [moving_average([m[name] for m in r["history"]], window) for r in runs]
+            steps = range(1, min(len(c) for c in curves) + 1)
+            per_step = list(zip(*curves))
+            mean = [sum(v) / len(v) for v in per_step]
+            line, = ax.plot(steps, mean, label=f"{variant} (mean of {len(runs)})")
+            if len(runs) > 1:
+                ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                                color=line.get_color(), alpha=0.2)
+    axes[0].set(title=f"sampled success (moving average over {window} steps; band: min-max over seeds)",
+                xlabel="step", ylabel="rate")
+    axes[1].set(title=f"{label} (same averaging)", xlabel="step", ylabel="rate")
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
+        ax.legend(fontsize=8)
+        ax.title.set_fontsize(9)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -93,34 +158,47 @@ def plot(results: list[dict], path: Path, window: int, title: str) -> None:
 def main() -> None:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default=defaults.task, choices=sorted(FIRST_ACTION))
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--model", default=None, help="model dir (default: the tiny agent's middling warm start)")
+    parser.add_argument("--model", default=None, help="model dir (default: the tiny agent's middling warm start; "
+                        "for --task chain the chain-trained tiny agent's)")
     parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    parser.add_argument("--max-response-tokens", type=int, default=defaults.max_response_tokens,
+                        help="assistant + observation tokens per episode (chain: 512 fits its records)")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--gamma", type=float, default=defaults.gamma)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[defaults.seed])
     parser.add_argument("--threads", type=int, default=defaults.threads)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--eval-episodes", type=int, default=defaults.eval_episodes)
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between greedy held-out checks (0: never)")
+    parser.add_argument("--eval-episodes", type=int, default=64, help="held-out questions per check")
     parser.add_argument("--variants", nargs="+", default=list(RETURN_VARIANTS), choices=list(RETURN_VARIANTS))
     parser.add_argument("--window", type=int, default=5, help="steps averaged in the table and the curves")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (processes; give each --threads)")
     parser.add_argument("--output-dir", default="runs/ablation_returns")
+    parser.add_argument("--collect", action="store_true",
+                        help="train nothing: tabulate the finished runs (their result.json) of these variants and seeds")
     args = parser.parse_args()
+    args.model = args.model or default_model(args.task)  # built here, once, before the runs start
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with ProcessPoolExecutor(max_workers=args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(run_variant, args.variants, [args] * len(args.variants)))
+    jobs = [(variant, seed) for seed in args.seeds for variant in args.variants]  # all variants of a seed together
+    if args.collect:
+        files = [out / f"{variant}-seed{seed}" / "result.json" for variant, seed in jobs]
+        results = [json.loads(f.read_text()) for f in files if f.exists()]
+        results.sort(key=lambda r: args.variants.index(r["variant"]))
+    else:
+        with ProcessPoolExecutor(max_workers=args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     with open(out / "histories.json", "w") as f:
         json.dump(results, f)
-    config = TrainConfig(prompts_per_step=args.prompts_per_step)
-    title = (f"REINFORCE++ return variants: {args.model or 'tiny agent'}, {config.task}, {args.steps} steps x "
-             f"{config.episodes_per_step} episodes, gamma {args.gamma}, lr {args.lr}, seed {args.seed}")
-    table = results_table(results, args.window)
+    episodes = TrainConfig(prompts_per_step=args.prompts_per_step).episodes_per_step
+    title = (f"REINFORCE++ return variants: {args.model or 'tiny agent'}, {args.task}, {args.steps} steps x "
+             f"{episodes} episodes, gamma {args.gamma}, lr {args.lr}, seeds {' '.join(map(str, args.seeds))}")
+    table = results_table(results, args.window, args.task)
     command = " ".join(["python", "examples/ablation_returns.py", *sys.argv[1:]])
     (out / "results.md").write_text(f"# {title}\n\n{table}\n\nCommand: `{command}`\n")
-    plot(results, out / "learning_curves.png", args.window, title)
+    plot(results, out / "learning_curves.png", args.window, args.task, title)
     print("\n" + table)
     print(f"\nwrote {out / 'results.md'} and {out / 'learning_curves.png'}")
 

@@ -57,7 +57,7 @@ def model_folder(root: Path, *, config=True, tokenizer=True, template=True, head
 ROLLOUT_CASES = [
     (["--concurrency", "-1"], "--concurrency -1: must be an integer >= 1"),
     (["--concurrency", "0"], "--concurrency 0: must be an integer >= 1"),
-    (["--task", "nope"], "--task nope: unknown task (choose one of arithmetic, lookup)"),
+    (["--task", "nope"], "--task nope: unknown task (choose one of arithmetic, chain, lookup)"),
     (["--task", "arithmetc"], "--task arithmetc: unknown task; did you mean arithmetic?"),
     (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
     (["--max-parallel-tool-calls", "0"], "--max-parallel-tool-calls 0: must be an integer >= 1"),
@@ -321,7 +321,7 @@ def test_help_exits_0_and_lists_allowed_values(capsys):
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "one of hf, vllm, http; default: hf" in text
-    assert "one of arithmetic, lookup; default: arithmetic" in text
+    assert "one of arithmetic, chain, lookup; default: arithmetic" in text
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())

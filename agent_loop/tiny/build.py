@@ -124,11 +124,7 @@ def _build_into(folder: Path, progress: bool) -> dict:
 
     def save(stage: str, step: int, model) -> None:
         stage_started = time.perf_counter()
-        model.generation_config = GenerationConfig(
-            eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id, bos_token_id=None
-        )
-        model.save_pretrained(folder / stage)
-        tokenizer.save_pretrained(folder / stage)
+        save_model(folder / stage, model, tokenizer)
         decodings = (False, True) if stage == "final" else (False,)  # mid: sampled only, to save build time
         # evaluate with the tokenizer as users (and vLLM) load it
         loaded = AutoTokenizer.from_pretrained(folder / stage)
@@ -143,6 +139,15 @@ def _build_into(folder: Path, progress: bool) -> dict:
     record["parameters"] = sum(p.numel() for p in model.parameters())
     (folder / "build.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def save_model(folder: Path, model, tokenizer) -> None:
+    """Save ``model`` and ``tokenizer`` into ``folder``, with a generation config that stops at the end of a turn."""
+    model.generation_config = GenerationConfig(
+        eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id, bos_token_id=None
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _evaluate(model, tokenizer, decodings: tuple[bool, ...]) -> list[dict]:

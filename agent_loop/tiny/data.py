@@ -1,7 +1,7 @@
 """Synthetic tool-use dialogues of the built-in tasks, exactly as the agent loop produces them.
 
 A dialogue is: user question -> assistant tool call -> tool result (computed by the real tool) ->
-assistant final answer, rendered by the chat template with the task's tool schemas. Training
+(for ``chain``, a second call and result) -> assistant final answer, rendered by the chat template with the task's tool schemas. Training
 puts the loss on assistant tokens only: everything after ``<|im_start|>assistant\\n`` up to and
 including ``<|im_end|>``.
 """
@@ -19,7 +19,7 @@ from agent_loop.tasks import get_task
 
 # share of lookup dialogues; the rest is arithmetic (the harder task, and the default one)
 LOOKUP_SHARE = 0.25
-FINAL_ANSWER = {"arithmetic": "The answer is {}.", "lookup": "The code is {}."}
+FINAL_ANSWER = {"arithmetic": "The answer is {}.", "lookup": "The code is {}.", "chain": "The code is {}."}
 _ASSISTANT_CONTENT = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
 
 
@@ -28,21 +28,22 @@ def tool_call_message(name: str, arguments: dict) -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
 
 
+def ideal_calls(task_name: str, info: dict) -> list[tuple[str, dict]]:
+    """The tool calls (name, arguments) of an ideal episode, in order, from the episode's ``info``."""
+    calculate = ("calculator", {"expression": info.get("expression")})
+    look_up = ("lookup", {"key": info.get("key")})
+    return {"arithmetic": [calculate], "lookup": [look_up], "chain": [calculate, look_up]}[task_name]
+
+
 def dialogue(task_name: str, index: int, seed: int) -> tuple[list[dict], list[dict]]:
     """The ideal full conversation of one episode and its tool schemas: (messages, tools)."""
     episode = get_task(task_name).make_episode(index, seed)
-    (tool,) = episode.tools
-    if task_name == "arithmetic":
-        arguments = {"expression": episode.info["expression"]}
-    else:
-        arguments = {"key": episode.info["key"]}
-    result = tool(**arguments)
-    messages = episode.messages + [
-        tool_call_message(tool.__name__, arguments),
-        {"role": "tool", "content": result},
-        {"role": "assistant", "content": FINAL_ANSWER[task_name].format(result)},
-    ]
-    return messages, [get_json_schema(tool)]
+    tools = {tool.__name__: tool for tool in episode.tools}
+    messages = list(episode.messages)
+    for name, arguments in ideal_calls(task_name, episode.info):
+        messages += [tool_call_message(name, arguments), {"role": "tool", "content": tools[name](**arguments)}]
+    messages.append({"role": "assistant", "content": FINAL_ANSWER[task_name].format(episode.answer)})
+    return messages, [get_json_schema(tool) for tool in episode.tools]
 
 
 def task_for(index: int, seed: int) -> str:

@@ -56,12 +56,12 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     )
 
 
-def learning_rate(step: int, total_steps: int) -> float:
-    """Linear warm-up for WARMUP_STEPS, then cosine decay from LEARNING_RATE to FINAL_LR_FRACTION of it."""
+def learning_rate(step: int, total_steps: int, *, peak: float = LEARNING_RATE) -> float:
+    """Linear warm-up for WARMUP_STEPS, then cosine decay from ``peak`` to FINAL_LR_FRACTION of it."""
     if step < WARMUP_STEPS:
-        return LEARNING_RATE * (step + 1) / WARMUP_STEPS
+        return peak * (step + 1) / WARMUP_STEPS
     progress = (step - WARMUP_STEPS) / max(1, total_steps - WARMUP_STEPS)
-    return LEARNING_RATE * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def shared_prefix_length(input_ids: torch.Tensor, labels: torch.Tensor) -> int:
@@ -95,11 +95,14 @@ def assistant_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, labels: tor
     return loss, int((targets != -100).sum())
 
 
-def training_batch(tokenizer: PreTrainedTokenizerFast, step: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Step ``step``'s fresh dialogues, one (input_ids, labels) group per task (each shares its system prompt)."""
+def training_batch(
+    tokenizer: PreTrainedTokenizerFast, step: int, seed: int, tasks: Callable[[int, int], str] = task_for
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``step``'s fresh dialogues, one (input_ids, labels) group per task (each shares its system prompt);
+    ``tasks(index, seed)`` names the task of each dialogue."""
     groups: dict[str, list[str]] = {}
     for index in range(step * BATCH_SIZE, (step + 1) * BATCH_SIZE):
-        task = task_for(index, seed)
+        task = tasks(index, seed)
         groups.setdefault(task, []).append(render(tokenizer, *dialogue(task, index, seed)))
     return [encode_batch(tokenizer, texts)[::2] for _, texts in sorted(groups.items())]
 
@@ -111,10 +114,16 @@ def train(
     checkpoint_steps: tuple[int, ...] = (),
     on_checkpoint: Callable[[int, LlamaForCausalLM], None] | None = None,
     progress: bool = True,
+    *,
+    model: LlamaForCausalLM | None = None,
+    tasks: Callable[[int, int], str] = task_for,
+    peak_lr: float = LEARNING_RATE,
+    description: str = "training the tiny agent",
 ) -> LlamaForCausalLM:
-    """Train a fresh model for ``steps`` steps; call ``on_checkpoint(step, model)`` after each listed step."""
+    """Train a fresh model (or continue ``model``) for ``steps`` steps on the dialogues ``tasks`` names
+    (see :func:`training_batch`); call ``on_checkpoint(step, model)`` after each listed step."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(model_config(tokenizer))
+    model = model if model is not None else LlamaForCausalLM(model_config(tokenizer))
     model.train()
     # weight decay on matrices only, not on norms and biases
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -124,12 +133,12 @@ def train(
         lr=LEARNING_RATE,
         betas=(0.9, 0.98),
     )
-    bar = tqdm(range(steps), desc="training the tiny agent", disable=not progress, unit="step")
+    bar = tqdm(range(steps), desc=description, disable=not progress, unit="step")
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps)
+            group["lr"] = learning_rate(step, steps, peak=peak_lr)
         total, count = torch.zeros(()), 0
-        for input_ids, labels in training_batch(tokenizer, step, seed):
+        for input_ids, labels in training_batch(tokenizer, step, seed, tasks):
             loss, n = assistant_loss(model, input_ids, labels)
             total, count = total + loss, count + n
         loss = total / count
