@@ -38,7 +38,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trainer import RETURN_VARIANTS, TrainConfig, Trainer  # noqa: E402
+from trainer import TrainConfig, Trainer  # noqa: E402
+
+# the return variants, by the registered estimator (advantages.registry) that computes each
+VARIANTS = {"carry_through": "reinforce_plus_plus", "reset_at_observation": "reinforce_plus_plus_reset_at_observation",
+            "ignore_mask": "reinforce_plus_plus_ignore_mask"}
 from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
 
 # the first action's own metric: did the tool call of the first turn do the right thing
@@ -68,7 +72,7 @@ def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
 
 def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     config = TrainConfig(
-        model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, returns_variant=variant,
+        model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, estimator=VARIANTS[variant],
         gamma=args.gamma, steps=args.steps, seed=seed, threads=args.threads, max_response_tokens=args.max_response_tokens,
         eval_every=args.eval_every, eval_episodes=args.eval_episodes,
         output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.steps, progress=False,
@@ -171,7 +175,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-every", type=int, default=0, help="steps between greedy held-out checks (0: never)")
     parser.add_argument("--eval-episodes", type=int, default=64, help="held-out questions per check")
-    parser.add_argument("--variants", nargs="+", default=list(RETURN_VARIANTS), choices=list(RETURN_VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--window", type=int, default=5, help="steps averaged in the table and the curves")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (processes; give each --threads)")
     parser.add_argument("--output-dir", default="runs/ablation_returns")

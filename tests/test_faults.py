@@ -161,7 +161,7 @@ def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     assert resolve_checkpoint(run) == run / "checkpoints" / "step_000001"
 
     config = TrainConfig(**settings, progress=False, resume=str(run))
-    with pytest.raises(CheckpointError, match=r"lr: 0.0002 -> 0.001"):
+    with pytest.raises(CheckpointError, match=r"lr: None -> 0.001"):
         Trainer(TrainConfig(**{**settings, "lr": 1e-3}, progress=False, resume=str(run)))
     trainer = Trainer(config)
     assert trainer.step == 1
