@@ -196,9 +196,10 @@ def main() -> None:
             results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     with open(out / "histories.json", "w") as f:
         json.dump(results, f)
-    episodes = TrainConfig(prompts_per_step=args.prompts_per_step).episodes_per_step
+    config = TrainConfig(prompts_per_step=args.prompts_per_step, lr=args.lr)
     title = (f"REINFORCE++ return variants: {args.model or 'tiny agent'}, {args.task}, {args.steps} steps x "
-             f"{episodes} episodes, gamma {args.gamma}, lr {args.lr}, seeds {' '.join(map(str, args.seeds))}")
+             f"{config.episodes_per_step} episodes, gamma {args.gamma}, lr {config.learning_rate:g}, "
+             f"seeds {' '.join(map(str, args.seeds))}")
     table = results_table(results, args.window, args.task)
     command = " ".join(["python", "examples/ablation_returns.py", *sys.argv[1:]])
     (out / "results.md").write_text(f"# {title}\n\n{table}\n\nCommand: `{command}`\n")

@@ -110,14 +110,16 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
 
     def lora_policy(rank: int, seed: int):
-        """The tiny agent with a rank-``rank`` adapter on every linear layer, B moved off 0 in seeded noise."""
+        """The tiny agent with a rank-``rank`` adapter on every linear layer, B moved off 0 in seeded noise
+        (A too is seeded: peft draws it from torch's global generator)."""
+        torch.manual_seed(seed)
         model = wrap_with_lora(AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32), rank, 16.0,
                                "all-linear")
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
         return model.eval()
 
     async def through(url, model):

@@ -94,7 +94,34 @@ def _send(request: urllib.request.Request, timeout_s: float) -> dict:
         return {"message": payload.decode(errors="replace")}
 
 
-class VLLMServerWeightSync:
+class _ServerPush:
+    """What the two server pushers share: the servers, a folder every server can read (a temporary one by
+    default) and the record of the pushes."""
+
+    def __init__(self, base_urls: list[str] | str, folder: str | Path | None, *, temporary_prefix: str,
+                 timeout_s: float):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError(f"{type(self).__name__} needs at least one server URL")
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self._temporary = None
+        if folder is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix=temporary_prefix)
+            folder = self._temporary.name
+        self.folder = Path(folder)  # each push writes a fresh subfolder here
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.run_id = uuid.uuid4().hex[:8]  # weight-version labels and adapter names are unique to this pusher
+        self.current: Path | None = None
+        self.timings: list[float] = []
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            self._temporary.cleanup()
+            self._temporary = None
+
+
+class VLLMServerWeightSync(_ServerPush):
     """Pushes policy weights to vLLM OpenAI-compatible servers (``VLLM_SERVER_DEV_MODE=1``) after each step.
 
     base_urls: the servers' roots ("http://127.0.0.1:8000"), all serving the policy's architecture.
@@ -109,28 +136,15 @@ class VLLMServerWeightSync:
 
     def __init__(self, base_urls: list[str] | str, *, weights_dir: str | Path | None = None,
                  dtype: torch.dtype | None = None, timeout_s: float = 600.0):
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
-            raise ValueError("VLLMServerWeightSync needs at least one server URL")
-        self.base_urls = [url.rstrip("/") for url in urls]
-        self._temporary = None
-        if weights_dir is None:
-            self._temporary = tempfile.TemporaryDirectory(prefix="agent-loop-sync-")
-            weights_dir = self._temporary.name
-        self.weights_dir = Path(weights_dir)
+        super().__init__(base_urls, weights_dir, temporary_prefix="agent-loop-sync-", timeout_s=timeout_s)
         self.dtype = dtype
-        self.timeout_s = timeout_s
-        self.version = 0
-        self.run_id = uuid.uuid4().hex[:8]  # weight-version labels are unique to this pusher
-        self.current: Path | None = None
-        self.timings: list[float] = []
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> float:
         """Write ``state_dict``, have every server reload it, reset their prefix caches and check their
         weight version; returns the seconds it took. Raises ``WeightSyncError`` if any server did not take it."""
         started = time.perf_counter()
         version = self.version + 1
-        folder = self.weights_dir / f"v{version:06d}"
+        folder = self.folder / f"v{version:06d}"
         if folder.exists():
             shutil.rmtree(folder)
         save_weights(state_dict, folder, self.dtype)
@@ -157,10 +171,6 @@ class VLLMServerWeightSync:
         if loaded != label:
             raise WeightSyncError(f"{url}: weight version is {loaded!r} after the sync, expected {label!r}")
 
-    def close(self) -> None:
-        if self._temporary is not None:
-            self._temporary.cleanup()
-            self._temporary = None
 
 
 def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_dir: str | Path | None = None) -> float:
@@ -190,7 +200,7 @@ def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_
     return time.perf_counter() - started
 
 
-class VLLMServerLoRASync:
+class VLLMServerLoRASync(_ServerPush):
     """Pushes a ``peft`` LoRA policy's adapter alone to vLLM OpenAI-compatible servers after each step.
 
     base_urls: the servers' roots, serving the policy's *base* model with ``--enable-lora`` and
@@ -208,29 +218,16 @@ class VLLMServerLoRASync:
 
     def __init__(self, base_urls: list[str] | str, policy, *, adapters_dir: str | Path | None = None,
                  name: str = "policy-lora", timeout_s: float = 600.0):
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
-            raise ValueError("VLLMServerLoRASync needs at least one server URL")
-        self.base_urls = [url.rstrip("/") for url in urls]
+        super().__init__(base_urls, adapters_dir, temporary_prefix="agent-loop-lora-", timeout_s=timeout_s)
         self.policy = policy
-        self._temporary = None
-        if adapters_dir is None:
-            self._temporary = tempfile.TemporaryDirectory(prefix="agent-loop-lora-")
-            adapters_dir = self._temporary.name
-        self.adapters_dir = Path(adapters_dir)
         self.name = name
-        self.timeout_s = timeout_s
-        self.version = 0
-        self.run_id = uuid.uuid4().hex[:8]  # adapter names are unique to this pusher
         self.served_model: str | None = None
-        self.current: Path | None = None
-        self.timings: list[float] = []
 
     def update_weights(self, state_dict=None) -> float:
         """Save the policy's adapter, load it into every server under a new name, unload the previous one."""
         started = time.perf_counter()
         version = self.version + 1
-        folder = self.adapters_dir / f"v{version:06d}"
+        folder = self.folder / f"v{version:06d}"
         if folder.exists():
             shutil.rmtree(folder)
         self.policy.save_pretrained(str(folder))
@@ -249,10 +246,6 @@ class VLLMServerLoRASync:
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
             list(pool.map(lambda url: _post(f"{url}/v1/{endpoint}", body, self.timeout_s), self.base_urls))
 
-    def close(self) -> None:
-        if self._temporary is not None:
-            self._temporary.cleanup()
-            self._temporary = None
 
 
 class PerRunHTTPBackend:
