@@ -289,8 +289,7 @@ class Trainer:
         the weights and the batch only)."""
         config = self.config
         for group in self.optimizer.param_groups:  # linear warm-up, by trainer step (resumes with the step)
-            group["lr"] = config.learning_rate * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps \
-                else config.learning_rate
+            group["lr"] = config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):

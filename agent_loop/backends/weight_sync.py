@@ -115,6 +115,14 @@ class _ServerPush:
         self.current: Path | None = None
         self.timings: list[float] = []
 
+    def _next_folder(self) -> tuple[int, Path]:
+        """The next push's version and its fresh, empty subfolder (a leftover of an interrupted push is removed)."""
+        version = self.version + 1
+        folder = self.folder / f"v{version:06d}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        return version, folder
+
     def close(self) -> None:
         if self._temporary is not None:
             self._temporary.cleanup()
@@ -143,10 +151,7 @@ class VLLMServerWeightSync(_ServerPush):
         """Write ``state_dict``, have every server reload it, reset their prefix caches and check their
         weight version; returns the seconds it took. Raises ``WeightSyncError`` if any server did not take it."""
         started = time.perf_counter()
-        version = self.version + 1
-        folder = self.folder / f"v{version:06d}"
-        if folder.exists():
-            shutil.rmtree(folder)
+        version, folder = self._next_folder()
         save_weights(state_dict, folder, self.dtype)
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
             list(pool.map(lambda url: self._reload(url, folder, f"agent-loop-{self.run_id}-v{version}"), self.base_urls))
@@ -170,7 +175,6 @@ class VLLMServerWeightSync(_ServerPush):
         loaded = _send(request, self.timeout_s).get("weight_version")
         if loaded != label:
             raise WeightSyncError(f"{url}: weight version is {loaded!r} after the sync, expected {label!r}")
-
 
 
 def reload_engine_weights(backend, state_dict: dict[str, torch.Tensor], weights_dir: str | Path | None = None) -> float:
@@ -226,10 +230,7 @@ class VLLMServerLoRASync(_ServerPush):
     def update_weights(self, state_dict=None) -> float:
         """Save the policy's adapter, load it into every server under a new name, unload the previous one."""
         started = time.perf_counter()
-        version = self.version + 1
-        folder = self.folder / f"v{version:06d}"
-        if folder.exists():
-            shutil.rmtree(folder)
+        version, folder = self._next_folder()
         self.policy.save_pretrained(str(folder))
         name = f"{self.name}-{self.run_id}-v{version}"
         self._on_every_server("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
@@ -245,7 +246,6 @@ class VLLMServerLoRASync(_ServerPush):
     def _on_every_server(self, endpoint: str, body: dict) -> None:
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
             list(pool.map(lambda url: _post(f"{url}/v1/{endpoint}", body, self.timeout_s), self.base_urls))
-
 
 
 class PerRunHTTPBackend:

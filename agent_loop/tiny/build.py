@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, models
@@ -60,13 +61,18 @@ def build_dir() -> Path:
 
 def tiny_agent_path(stage: str = "final") -> Path:
     """Folder of the tiny agent (tokenizer and model) at ``stage`` ("final" or "mid"); builds it on first use."""
+    return cached_stage(build_dir(), stage, lambda folder: _build_into(folder, True))
+
+
+def cached_stage(target: Path, stage: str, build_into: Callable[[Path], dict]) -> Path:
+    """``target / stage`` (``stage`` one of STAGES); on first use ``target`` is built by ``build`` with
+    ``build_into``, under the build lock, so concurrent callers build it once."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
-    target = build_dir()
     if not target.exists():
         with build_lock(target):
             if not target.exists():
-                build(target)
+                build(target, build_into=build_into)
     return target / stage
 
 
@@ -82,8 +88,9 @@ def build_lock(target: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build(target: Path, progress: bool = True) -> dict:
-    """Build everything into a temporary sibling of ``target``, then rename it to ``target``.
+def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], dict] | None = None) -> dict:
+    """Build everything into a temporary sibling of ``target`` (the default tiny agent, or ``build_into(folder)``),
+    then rename it to ``target``.
 
     Replaces an existing ``target`` (the caller holds the lock). Returns the build record.
     """
@@ -93,7 +100,7 @@ def build(target: Path, progress: bool = True) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("AGENT_LOOP_TINY_THREADS", min(2, os.cpu_count() or 1))))
     try:
-        record = _build_into(scratch, progress)
+        record = build_into(scratch) if build_into is not None else _build_into(scratch, progress)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             target.rename(old / "built")

@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agent_loop.tiny.build import RECIPE_VERSION, build_lock, cache_root, save_model, tiny_agent_path
+from agent_loop.tiny.build import RECIPE_VERSION, cache_root, cached_stage, save_model, tiny_agent_path
 from agent_loop.tiny.data import task_for
 from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.train import train
 
-STAGES = ("mid", "final")
 # the first phase's peak (the default recipe's) costs the copying skills for a while; the second, gentler,
 # brings the chain's copies (the value into the lookup, the code into the answer) up
 PHASES = ((150, 3e-3), (100, 1e-3))
@@ -52,35 +48,12 @@ def chain_build_dir() -> Path:
 
 def chain_agent_path(stage: str = "mid") -> Path:
     """Folder of the chain-trained tiny agent at ``stage`` ("mid" or "final"); builds it on first use."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
-    target = chain_build_dir()
-    if not target.exists():
-        with build_lock(target):
-            if not target.exists():
-                build_chain(target)
-    return target / stage
+    return cached_stage(chain_build_dir(), stage, lambda folder: _build_into(folder, tiny_agent_path("final"), True))
 
 
 def chain_task_for(index: int, seed: int) -> str:
     """Which task dialogue ``index`` of the chain stage's training stream is (deterministic)."""
     return "chain" if random.Random(f"chain-mix:{seed}:{index}").random() < CHAIN_SHARE else task_for(index, seed)
-
-
-def build_chain(target: Path, progress: bool = True) -> dict:
-    """Build both stages into a temporary sibling of ``target``, then rename it to ``target`` (the caller
-    holds the lock). Returns the build record (also in ``build.json``)."""
-    base = tiny_agent_path("final")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("AGENT_LOOP_TINY_THREADS", min(2, os.cpu_count() or 1))))
-    try:
-        record = _build_into(scratch, base, progress)
-        scratch.rename(target)
-        return record
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _build_into(folder: Path, base: Path, progress: bool) -> dict:
