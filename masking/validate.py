@@ -1,13 +1,15 @@
 """Checks on span and reward tensors, with errors that name the row and position.
 
 Each ``validate_*`` check costs one host synchronisation (to decide whether to raise).
-:func:`validate_batch` runs all of them in one cheap fused pass with one synchronisation, and
-falls back to the single checks (for their messages) only when something is wrong. Keep
-validation on by default; hot paths pass ``validate=False`` to the estimators.
+:func:`validate_batch` runs all of them in one cheap fused pass (on CPU a compiled loop,
+:mod:`masking.native_checks`; elsewhere torch ops with one synchronisation), and falls back to the
+single checks (for their messages) only when something is wrong. Keep validation on by default;
+hot paths pass ``validate=False`` to the estimators.
 """
 
 import torch
 
+from masking.native_checks import native_check
 from masking.spans import SpanKind, spans_from_response_mask
 
 _KNOWN_SPANS = (SpanKind.PAD, SpanKind.ASSISTANT, SpanKind.OBSERVATION)
@@ -127,7 +129,9 @@ def validate_batch(
     :func:`validate_token_level_rewards` (with ``spans=None`` every 0 of the mask is an OBSERVATION).
     ``(b, t)`` tensors of one shape (the caller checks shapes); ``token_level_rewards`` floating point.
 
-    Each check becomes a residual that is exactly 0 everywhere on good input, and all their
+    On CPU, contiguous float32/float64 rewards (any 0/1 mask dtype, int8/uint8 spans) are checked
+    by one compiled loop (:func:`masking.native_checks.native_check`, about 0.1x of a scan's time).
+    Otherwise, and on CUDA, each check becomes a residual that is exactly 0 everywhere on good input, and all their
     reductions reach the host together (one synchronisation on CUDA):
 
     * ``max(spans as uint8) <= 2`` iff every span is known (a negative int8 is >= 128 as uint8);
@@ -148,6 +152,12 @@ def validate_batch(
         validate_spans_dtype(spans)
     if token_level_rewards.numel() == 0:
         return 0 if count else None
+    native = native_check(token_level_rewards, response_mask, spans)
+    if native is not None:
+        ok, tokens = native
+        if not ok:
+            _raise_first_failure(token_level_rewards, response_mask, spans)
+        return tokens if count else None
     b, t = token_level_rewards.shape
     rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
     if b <= rows:  # one block (no slicing: at small sizes every op counts)
@@ -168,16 +178,20 @@ def validate_batch(
         checks.append((tokens, 0, float("inf")))
     values = _to_host([value for value, _, _ in checks])
     total = int(values[-1]) if count else None
-    bad = not all(low <= value <= high for value, (_, low, high) in zip(values, checks))  # NaN is never within
-    if bad:
-        validate_response_mask(response_mask)
-        if spans is None:
-            spans = spans_from_response_mask(response_mask)
-        else:
-            validate_spans(spans)
-            validate_mask_matches_spans(response_mask, spans)
-        validate_token_level_rewards(token_level_rewards, spans)
+    if not all(low <= value <= high for value, (_, low, high) in zip(values, checks)):  # NaN is never within
+        _raise_first_failure(token_level_rewards, response_mask, spans)
     return total
+
+
+def _raise_first_failure(token_level_rewards, response_mask, spans) -> None:
+    """The single checks in their order: the first that fails raises with its row and position."""
+    validate_response_mask(response_mask)
+    if spans is None:
+        spans = spans_from_response_mask(response_mask)
+    else:
+        validate_spans(spans)
+        validate_mask_matches_spans(response_mask, spans)
+    validate_token_level_rewards(token_level_rewards, spans)
 
 
 def _residual_checks(token_level_rewards, mask, spans) -> list[tuple[torch.Tensor, float, float]]:

@@ -400,9 +400,10 @@ def test_whitening_needs_two_assistant_tokens(tokens):
         assert torch.isnan(call(validate=False)[0]).any()  # unchecked: NaN, as verl's whitening gives
 
 
-def test_hot_path_calls_nothing_that_syncs_with_the_host():
+def test_hot_path_calls_nothing_that_syncs_with_the_host(monkeypatch):
     """validate=False: the torch path reads nothing back (on CUDA it would not wait for the device);
-    validate=True reads its checks back once per call (one sync on CUDA: a stack of scalars)."""
+    validate=True reads its checks back once per call (one sync on CUDA: a stack of scalars) on
+    the torch path, and through no torch call on the compiled CPU path."""
     from torch.overrides import TorchFunctionMode
 
     class HostSyncs(TorchFunctionMode):
@@ -424,6 +425,10 @@ def test_hot_path_calls_nothing_that_syncs_with_the_host():
         whitened_discounted_returns(rewards, mask, 0.99, spans=spans, validate=False)
         gae(rewards, rewards, mask, 0.99, 0.95, spans=spans, validate=False)
     assert syncs.seen == []
+    with HostSyncs() as syncs:
+        whitened_discounted_returns(rewards, mask, 0.99, spans=spans)
+    assert syncs.seen == []  # the compiled checks (masking.native_checks) return Python numbers
+    monkeypatch.setattr("masking.validate.native_check", lambda *tensors: None)  # the torch path, as on CUDA
     with HostSyncs() as syncs:
         whitened_discounted_returns(rewards, mask, 0.99, spans=spans)
     assert syncs.seen and set(syncs.seen) == {"item"}  # the fused checks' scalars, nothing per check

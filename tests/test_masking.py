@@ -20,6 +20,8 @@ from masking import (
     validate_spans,
     validate_token_level_rewards,
 )
+from masking import native_checks
+from masking.native_checks import native_check
 from masking.validate import validate_batch, validate_mask_matches_spans
 
 A, O, P = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
@@ -277,15 +279,26 @@ def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dt
         (torch.int64, torch.float64, torch.float64),
         (torch.uint8, torch.bool, torch.bfloat16),
         (torch.int32, torch.float32, torch.float16),
+        (torch.int8, torch.int64, torch.float64),
+        (torch.uint8, torch.bool, torch.float32),
+        (torch.int8, torch.int32, torch.float32),
+        (torch.uint8, torch.int8, torch.float64),
     ],
 )
-@pytest.mark.parametrize("block", [None, 9])
+@pytest.mark.parametrize("path, block", [("compiled", None), ("torch", None), ("torch", 9)])
 def test_fused_validation_raises_exactly_what_the_single_checks_raise(
-    with_spans, spans_dtype, mask_dtype, rewards_dtype, block, monkeypatch
+    with_spans, spans_dtype, mask_dtype, rewards_dtype, path, block, monkeypatch
 ):
-    if block:  # blocks of one row (or two short ones) on CPU
+    """validate_batch, on its compiled path (masking/native_checks.c) or its torch path (in blocks
+    of one row or two short ones, or not), against the single checks on random faulty batches."""
+    took = []
+    if path == "torch":
+        monkeypatch.setattr("masking.validate.native_check", lambda *tensors: None)
+    else:
+        monkeypatch.setattr("masking.validate.native_check", lambda *tensors: took.append(native_check(*tensors)) or took[-1])
+    if block:
         monkeypatch.setattr("masking.validate.CPU_BLOCK_ELEMENTS", block)
-    rng = random.Random(f"{with_spans}{spans_dtype}{mask_dtype}{rewards_dtype}{block}")
+    rng = random.Random(f"{with_spans}{spans_dtype}{mask_dtype}{rewards_dtype}{path}{block}")
     raised = set()
     for case in range(400):
         faults = rng.sample(FAULTS, rng.choice((1, 1, 2)))
@@ -300,6 +313,9 @@ def test_fused_validation_raises_exactly_what_the_single_checks_raise(
             assert validate_batch(rewards, mask, spans, count=True) == int((mask != 0).sum())
         raised.add(want is not None)
     assert raised == {True, False}  # both outcomes were exercised
+    if path == "compiled":  # the compiled loop took exactly the dtypes it has a function for
+        compiled = rewards_dtype in (torch.float32, torch.float64) and (not with_spans or spans_dtype in (torch.int8, torch.uint8))
+        assert took and all((result is not None) == compiled for result in took)
 
 
 def test_fused_validation_of_empty_and_single_token_batches():
@@ -308,3 +324,58 @@ def test_fused_validation_of_empty_and_single_token_batches():
     assert validate_batch(torch.ones(2, 1), torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int8), count=True) == 2
     with pytest.raises(ValueError, match="integer dtype"):
         validate_batch(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_compiled_checks_leave_what_they_cannot_take_to_torch(monkeypatch):
+    spans = torch.tensor([[A, O, A, P], [A, A, P, P]], dtype=torch.int8)
+    mask = (spans == A).float()
+    rewards = mask * torch.tensor([[0.5], [-1.0]])
+    assert native_check(rewards, mask, spans) == (True, 4)
+    assert native_check(rewards.t(), mask.t(), spans.t()) is None  # not contiguous
+    assert native_check(rewards.half(), mask, spans) is None  # no function for half-precision rewards
+    assert native_check(rewards, mask, spans.long()) is None  # spans must be SPAN_DTYPE bytes
+    monkeypatch.setattr(native_checks, "MULTI_THREAD_MAX_ELEMENTS", 4)
+    threads = torch.get_num_threads()
+    try:  # a big batch with several torch threads: torch's parallel ops
+        torch.set_num_threads(2)
+        assert native_check(rewards, mask, spans) is None
+        torch.set_num_threads(1)
+        assert native_check(rewards, mask, spans) == (True, 4)
+    finally:
+        torch.set_num_threads(threads)
+    rewards[0, 1] = 2.0  # on an OBSERVATION: the same message from either path
+    with pytest.raises(ValueError, match="row 0, position 1 sits on a OBSERVATION token"):
+        validate_batch(rewards.t().contiguous().t(), mask, spans)
+
+
+def test_checks_compile_once_into_the_cache_and_fall_back_without_a_compiler(tmp_path, monkeypatch):
+    """Two processes compiling at once into an empty cache both load a whole library (one file,
+    no scratch left); a failing compiler gives a warning, leaves nothing, and the torch path."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path))
+    script = "from masking.native_checks import compiled_checks; assert compiled_checks() is not None"
+    workers = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
+    assert [path.name for path in (tmp_path / "native").iterdir()] == [
+        f"native_checks-{native_checks.library_key()}.so"
+    ]
+
+    monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path / "broken"))
+    monkeypatch.setenv("CC", "false")
+    native_checks.compiled_checks.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not compile or load native_checks.c"):
+            assert native_checks.compiled_checks() is None
+        assert list((tmp_path / "broken" / "native").iterdir()) == []
+        monkeypatch.setenv("AGENT_LOOP_NATIVE", "0")  # turned off: no compiler run, no warning
+        native_checks.compiled_checks.cache_clear()
+        assert native_checks.compiled_checks() is None
+        spans = torch.tensor([[A, P, A]], dtype=torch.int8)
+        with pytest.raises(ValueError, match="PAD at row 0, position 1 comes before a non-PAD token"):
+            validate_batch(torch.zeros(1, 3), (spans == A).float(), spans)
+    finally:
+        monkeypatch.undo()
+        native_checks.compiled_checks.cache_clear()
+    assert native_checks.compiled_checks() is not None
