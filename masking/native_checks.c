@@ -33,12 +33,10 @@
             uint8_t span_bad = 0; /* bytes or-ed in bytes: no widening in the span loops */           \
             if (spans) {                                                                              \
                 const uint8_t *s = spans + i * cols;                                                  \
-                for (int64_t j = 0; j < cols; j++) { /* known spans */                                \
-                    span_bad |= s[j] > 2;                                                             \
-                    row_count += s[j] == 1;                                                           \
-                }                                                                                     \
-                for (int64_t j = 0; j + 1 < cols; j++) /* PAD only trails */                          \
-                    span_bad |= (s[j] == 0) & (s[j + 1] != 0);                                        \
+                for (int64_t j = 0; j + 1 < cols; j++) /* known spans; PAD only trails */             \
+                    span_bad |= (s[j] > 2) | ((s[j] == 0) & (s[j + 1] != 0));                         \
+                span_bad |= s[cols - 1] > 2;                                                          \
+                for (int64_t j = 0; j < cols; j++) row_count += s[j] == 1;                            \
                 for (int64_t j = 0; j < cols; j++) { /* mask == ASSISTANT; finite rewards, 0 off it */ \
                     R off = s[j] != 1; /* in the rewards' type: one vector width for the loop */      \
                     row_bad |= (m[j] != (M)(1 - off)) | (r[j] - r[j] != 0) | (r[j] * off != 0);       \

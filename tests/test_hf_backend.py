@@ -54,6 +54,18 @@ def test_concurrent_requests_share_one_batch_and_match_serial_runs(model):
         torch.testing.assert_close(torch.tensor(a.logprobs), reference, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_computes_logits_of_the_last_position_only(model):
+    """The head runs on one position per row, also over a long prompt (a 151k vocabulary's prompt
+    logits at concurrency 64 would take GiBs)."""
+    positions = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+    try:
+        result = run(TransformersBackend(model).generate(list(range(1, 41)), SamplingParams(max_tokens=3, temperature=0.0)))
+    finally:
+        hook.remove()
+    assert len(result.token_ids) == 3 and positions == [1, 1, 1]
+
+
 def test_greedy_is_argmax_and_stop_token_ends_the_turn(model):
     backend = TransformersBackend(model)
     free = run(backend.generate([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0)))

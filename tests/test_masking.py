@@ -337,9 +337,9 @@ def test_compiled_checks_leave_what_they_cannot_take_to_torch(monkeypatch):
     monkeypatch.setattr(native_checks, "MULTI_THREAD_MAX_ELEMENTS", 4)
     threads = torch.get_num_threads()
     try:  # a big batch with several torch threads: torch's parallel ops
-        torch.set_num_threads(2)
+        torch.set_num_threads(native_checks.MULTI_THREAD_MIN_THREADS)
         assert native_check(rewards, mask, spans) is None
-        torch.set_num_threads(1)
+        torch.set_num_threads(native_checks.MULTI_THREAD_MIN_THREADS - 1)
         assert native_check(rewards, mask, spans) == (True, 4)
     finally:
         torch.set_num_threads(threads)

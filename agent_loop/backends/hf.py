@@ -113,9 +113,9 @@ class TransformersBackend:
             step_ids = input_ids
             for _ in range(max(r.sampling.max_tokens for r in batch)):
                 position_ids = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-                out = self.model(
+                out = self.model(  # logits of the last position only: a prompt's (p, vocab) logits would be GiBs
                     input_ids=step_ids, attention_mask=attention, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1,
                 )
                 logits = out.logits[:, -1, :].float().cpu()
                 logprobs = torch.log_softmax(logits, dim=-1)
