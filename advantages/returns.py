@@ -18,13 +18,15 @@ the Triton kernels. The two historical bugs are kept for ablations and inspectio
 :func:`returns_reset_at_observation` (verl before PR #7300) and :func:`returns_ignore_mask`.
 
 On CUDA, :mod:`advantages.triton_kernels` runs the same scans as one fused kernel when Triton is
-importable; everywhere else the torch scans of :mod:`advantages.scan` run.
+importable; on CPU the compiled loops of :mod:`advantages.native_scans` run (float32/float64, with a
+C compiler); everywhere else the torch scans of :mod:`advantages.scan`.
 """
 
 import functools
 
 import torch
 
+from advantages.native_scans import native_gae, native_returns
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
 from masking.validate import as_dtype, check_same_shape, validate_batch
@@ -116,8 +118,7 @@ def discounted_returns(
     kernels = _triton(rewards)
     if kernels is not None:
         return kernels.triton_discounted_returns(rewards, _spans(response_mask, spans), gamma)
-    steps = assistant_steps(response_mask, rewards)
-    return by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), rewards, steps)
+    return _returns_without_triton(rewards, assistant_steps(response_mask, rewards), gamma, masked=validate)
 
 
 def whitened_discounted_returns(
@@ -150,7 +151,7 @@ def whitened_discounted_returns(
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(returns, steps, mean, var), returns
-    returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=validate), token_level_rewards, steps)
+    returns = _returns_without_triton(token_level_rewards, steps, gamma, masked=validate)
     return whiten_zero_off_mask(returns, steps, count), returns
 
 
@@ -191,6 +192,15 @@ def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.T
     work = values.to(steps.dtype)
     scale = torch.rsqrt(var + WHITEN_EPS).to(steps.dtype)
     return torch.addcmul(work, steps, mean.to(steps.dtype), value=-1).mul_(scale).to(values.dtype)
+
+
+def _returns_without_triton(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
+    """Carry-through returns where Triton does not run: on CPU the compiled loop
+    (:mod:`advantages.native_scans`) where it takes the tensors, else the torch scan in blocks of rows."""
+    returns = native_returns(rewards, steps, gamma)
+    if returns is None:
+        returns = by_row_blocks(functools.partial(_returns_scan, gamma=gamma, masked=masked), rewards, steps)
+    return returns
 
 
 def _returns_scan(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
@@ -277,8 +287,10 @@ def gae(
         advantages, returns, row_moments = kernels.triton_gae_with_moments(token_level_rewards, values, spans8, gamma, lam)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(advantages, steps, mean, var), returns
-    scan = functools.partial(_gae_scan, gamma=gamma, lam=lam)
-    advantages, returns = by_row_blocks(scan, token_level_rewards, values, steps)
+    scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam)
+    if scanned is None:
+        scanned = by_row_blocks(functools.partial(_gae_scan, gamma=gamma, lam=lam), token_level_rewards, values, steps)
+    advantages, returns = scanned
     if whiten:
         advantages = whiten_zero_off_mask(advantages, steps, count)
     return advantages, returns

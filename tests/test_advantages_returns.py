@@ -3,7 +3,7 @@ multi-turn regressions of docs/design.md section 3 and the errors on bad input."
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_returns import (
     discounted_returns_ref,
@@ -14,6 +14,7 @@ from reference_returns import (
 )
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
+from advantages.native_scans import compiled_scans, native_returns
 from advantages.returns import whitened_discounted_returns
 from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
@@ -53,10 +54,22 @@ def random_rewards(spans: torch.Tensor, generator: torch.Generator, dtype=torch.
     return torch.where(keep, noise, 0.0).to(dtype)
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def scan_path(request, monkeypatch):
+    """The CPU scans: the compiled loops (advantages.native_scans), or the torch scans that run
+    without a C compiler, for other dtypes and on CUDA without Triton."""
+    if request.param == "torch":
+        monkeypatch.setattr("advantages.returns.native_returns", lambda *args: None)
+        monkeypatch.setattr("advantages.returns.native_gae", lambda *args: None)
+    else:
+        assert compiled_scans() is not None
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("gamma", GAMMAS)
-def test_discounted_returns_match_serial_reference(gamma, t, dtype):
+def test_discounted_returns_match_serial_reference(gamma, t, dtype, scan_path):
     generator = torch.Generator().manual_seed(t)
     spans = random_spans(t, generator)
     rewards = random_rewards(spans, generator, dtype)
@@ -66,12 +79,14 @@ def test_discounted_returns_match_serial_reference(gamma, t, dtype):
     torch.testing.assert_close(got.double(), discounted_returns_ref(rewards, spans, gamma), **TOLERANCE[dtype])
     assert torch.all(got[spans != A] == 0)  # observation and padding exactly 0
     assert torch.equal(discounted_returns(rewards, mask, gamma, spans=spans, validate=False), got)  # the hot path
+    if scan_path == "compiled":  # what ran
+        assert torch.equal(native_returns(rewards, mask, gamma), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("gamma", GAMMAS)
-def test_gae_matches_serial_reference(gamma, t, dtype):
+def test_gae_matches_serial_reference(gamma, t, dtype, scan_path):
     generator = torch.Generator().manual_seed(1000 + t)
     spans = random_spans(t, generator)
     rewards = random_rewards(spans, generator, dtype)
@@ -115,7 +130,7 @@ def test_design_worked_example_literally():
 
 
 @pytest.mark.parametrize("gamma", (1.0, 0.9, 0.5))
-def test_inserting_observations_leaves_assistant_returns_unchanged(gamma):
+def test_inserting_observations_leaves_assistant_returns_unchanged(gamma, scan_path):
     generator = torch.Generator().manual_seed(7)
     compact_rewards = torch.randn(3, 40, generator=generator, dtype=torch.float64)
     compact = discounted_returns(compact_rewards, torch.ones_like(compact_rewards), gamma)
@@ -139,7 +154,7 @@ def test_all_assistant_rows_give_the_plain_discounted_return():
     torch.testing.assert_close(got, returns_ignore_mask_ref(rewards, 0.97), atol=1e-10, rtol=1e-10)
 
 
-def test_rows_are_independent():
+def test_rows_are_independent(scan_path):
     generator = torch.Generator().manual_seed(11)
     spans = random_spans(500, generator)
     rewards = random_rewards(spans, generator)
@@ -154,8 +169,9 @@ def test_rows_are_independent():
         torch.testing.assert_close(batch_gae[0][alone], alone_gae[0], atol=1e-12, rtol=0)
 
 
-def test_row_blocks_give_the_same_result(monkeypatch):
-    """Big CPU batches run in blocks of rows (advantages.scan.by_row_blocks); force 3 blocks here."""
+@pytest.mark.parametrize("scan_path", ["torch"], indirect=True)
+def test_row_blocks_give_the_same_result(monkeypatch, scan_path):
+    """Big CPU batches run the torch scans in blocks of rows (advantages.scan.by_row_blocks); force 3 blocks here."""
     monkeypatch.setattr("advantages.scan.CPU_BLOCK_ELEMENTS", 1000)
     generator = torch.Generator().manual_seed(13)
     spans = random_spans(500, generator)
@@ -170,7 +186,7 @@ def test_row_blocks_give_the_same_result(monkeypatch):
     torch.testing.assert_close(returns, expected_returns, atol=1e-10, rtol=1e-10)
 
 
-def test_trailing_padding_and_observations_get_exactly_zero_even_without_validation():
+def test_trailing_padding_and_observations_get_exactly_zero_even_without_validation(scan_path):
     spans = torch.tensor([[A, O, A, P, P], [O, O, A, A, P]], dtype=torch.int8)
     rewards = torch.tensor([[1.0, 0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0, 0.0]])
     got = discounted_returns(rewards, (spans == A).float(), 0.9, spans=spans, validate=False)
@@ -210,7 +226,7 @@ def test_carry_scan_ignores_x_off_the_steps_and_gives_zero_there():
         torch.testing.assert_close(carry_scan(x * steps, steps, decay, masked=True), expected)
 
 
-def test_empty_inputs():
+def test_empty_inputs(scan_path):
     for shape in ((0, 5), (3, 0)):
         rewards = torch.zeros(shape)
         assert discounted_returns(rewards, rewards, 0.9).shape == shape
@@ -232,9 +248,9 @@ def build(layout, reward_seed: int):
     return spans, random_rewards(spans, generator, density=0.5), values
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layouts, st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(0, 2**16))
-def test_property_scans_match_serial_references(layout, gamma, lam, seed):
+def test_property_scans_match_serial_references(scan_path, layout, gamma, lam, seed):
     spans, rewards, values = build(layout, seed)
     mask = (spans == A).double()
     tolerance = dict(atol=1e-9, rtol=1e-9)
@@ -248,9 +264,9 @@ def test_property_scans_match_serial_references(layout, gamma, lam, seed):
     torch.testing.assert_close(returns_reset_at_observation(rewards, mask, gamma), expected, **tolerance)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layouts, st.floats(0.0, 1.0), st.integers(0, 2**16))
-def test_property_mask_only_equals_spans_with_padding_as_observation(layout, gamma, seed):
+def test_property_mask_only_equals_spans_with_padding_as_observation(scan_path, layout, gamma, seed):
     """verl after PR #7300: without spans every 0 carries, which matches spans whose PAD became OBSERVATION."""
     spans, rewards, _ = build(layout, seed)
     mask = (spans == A).double()
@@ -338,7 +354,7 @@ def test_integer_rewards_are_rejected():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("t", (1, 129, 8192))
 @pytest.mark.parametrize("gamma", (0.0, 0.99, 1.0))
-def test_whitened_returns_match_serial_reference(gamma, t, dtype, with_spans):
+def test_whitened_returns_match_serial_reference(gamma, t, dtype, with_spans, scan_path):
     generator = torch.Generator().manual_seed(77 + t)
     spans = random_spans(t, generator)
     if not with_spans:  # mask-only: every non-ASSISTANT token is an observation
@@ -432,3 +448,23 @@ def test_hot_path_calls_nothing_that_syncs_with_the_host(monkeypatch):
     with HostSyncs() as syncs:
         whitened_discounted_returns(rewards, mask, 0.99, spans=spans)
     assert syncs.seen and set(syncs.seen) == {"item"}  # the fused checks' scalars, nothing per check
+
+
+def test_compiled_scans_leave_what_they_cannot_take_to_torch():
+    """Non-contiguous, half-precision or mixed-dtype tensors take the torch scans: the same results."""
+    generator = torch.Generator().manual_seed(21)
+    spans = random_spans(50, generator)
+    rewards = random_rewards(spans, generator, torch.float32)
+    values = torch.randn(spans.shape, generator=generator)
+    mask = (spans == A).float()
+    assert native_returns(rewards, mask, 0.9) is not None
+    assert native_returns(rewards.t().contiguous().t(), mask, 0.9) is None
+    assert native_returns(rewards.half(), mask.half(), 0.9) is None
+    assert native_returns(rewards.double(), mask, 0.9) is None
+    strided = rewards.t().contiguous().t()  # column-major: the torch scan
+    torch.testing.assert_close(discounted_returns(strided, mask, 0.9, spans=spans), discounted_returns(rewards, mask, 0.9, spans=spans))
+    for values_dtype in (torch.float32, torch.float64):  # values of another dtype are converted for the loop
+        advantages, returns = gae(rewards, values.to(values_dtype), mask, 0.9, 0.8, spans=spans, whiten=False)
+        expected_advantages, expected_returns = gae_ref(rewards, values.to(values_dtype), spans, 0.9, 0.8)
+        torch.testing.assert_close(advantages.double(), expected_advantages, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE[torch.float32])

@@ -20,7 +20,7 @@ from masking import (
     validate_spans,
     validate_token_level_rewards,
 )
-from masking import native_checks
+from masking import native, native_checks
 from masking.native_checks import native_check
 from masking.validate import validate_batch, validate_mask_matches_spans
 
@@ -334,13 +334,13 @@ def test_compiled_checks_leave_what_they_cannot_take_to_torch(monkeypatch):
     assert native_check(rewards.t(), mask.t(), spans.t()) is None  # not contiguous
     assert native_check(rewards.half(), mask, spans) is None  # no function for half-precision rewards
     assert native_check(rewards, mask, spans.long()) is None  # spans must be SPAN_DTYPE bytes
-    monkeypatch.setattr(native_checks, "MULTI_THREAD_MAX_ELEMENTS", 4)
+    big = torch.zeros(3, 2**20)  # above 2^21 elements
     threads = torch.get_num_threads()
-    try:  # a big batch with several torch threads: torch's parallel ops
-        torch.set_num_threads(native_checks.MULTI_THREAD_MIN_THREADS)
-        assert native_check(rewards, mask, spans) is None
-        torch.set_num_threads(native_checks.MULTI_THREAD_MIN_THREADS - 1)
-        assert native_check(rewards, mask, spans) == (True, 4)
+    try:  # a big batch with enough torch threads: torch's parallel ops
+        torch.set_num_threads(native_checks.THREADS_TO_MATCH)
+        assert native_check(big, big, None) is None and native_check(rewards, mask, spans) == (True, 4)
+        torch.set_num_threads(native_checks.THREADS_TO_MATCH - 1)
+        assert native_check(big, big, None) == (True, 0)
     finally:
         torch.set_num_threads(threads)
     rewards[0, 1] = 2.0  # on an OBSERVATION: the same message from either path
@@ -348,34 +348,45 @@ def test_compiled_checks_leave_what_they_cannot_take_to_torch(monkeypatch):
         validate_batch(rewards.t().contiguous().t(), mask, spans)
 
 
-def test_checks_compile_once_into_the_cache_and_fall_back_without_a_compiler(tmp_path, monkeypatch):
+def test_c_loops_compile_once_into_the_cache_and_fall_back_without_a_compiler(tmp_path, monkeypatch):
     """Two processes compiling at once into an empty cache both load a whole library (one file,
-    no scratch left); a failing compiler gives a warning, leaves nothing, and the torch path."""
+    no scratch left); a failing compiler gives a warning, leaves nothing, and the torch paths give
+    the same results; AGENT_LOOP_NATIVE=0 turns the loops off."""
     import subprocess
     import sys
+
+    from advantages import discounted_returns, native_scans
 
     monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path))
     script = "from masking.native_checks import compiled_checks; assert compiled_checks() is not None"
     workers = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
-    assert [path.name for path in (tmp_path / "native").iterdir()] == [
-        f"native_checks-{native_checks.library_key()}.so"
-    ]
+    assert list((tmp_path / "native").iterdir()) == [native.library_path(native_checks.SOURCE)]
+
+    spans = torch.tensor([[A, O, A, P], [A, P, A, P]], dtype=torch.int8)
+    mask = (spans == A).float()
+    rewards = mask * torch.tensor([[1.0], [2.0]])
+    compiled = discounted_returns(rewards[:1], mask[:1], 0.9, spans[:1])
+
+    def clear_caches():
+        for cached in (native.load, native_checks.compiled_checks, native_scans.compiled_scans):
+            cached.cache_clear()
 
     monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", "false")
-    native_checks.compiled_checks.cache_clear()
+    clear_caches()
     try:
         with pytest.warns(UserWarning, match="could not compile or load native_checks.c"):
             assert native_checks.compiled_checks() is None
+        with pytest.warns(UserWarning, match="could not compile or load native_scans.c"):
+            assert torch.equal(discounted_returns(rewards[:1], mask[:1], 0.9, spans[:1]), compiled)  # the torch scan
         assert list((tmp_path / "broken" / "native").iterdir()) == []
+        with pytest.raises(ValueError, match="PAD at row 1, position 1 comes before a non-PAD token"):
+            validate_batch(rewards, mask, spans)  # the torch path of the checks
         monkeypatch.setenv("AGENT_LOOP_NATIVE", "0")  # turned off: no compiler run, no warning
-        native_checks.compiled_checks.cache_clear()
-        assert native_checks.compiled_checks() is None
-        spans = torch.tensor([[A, P, A]], dtype=torch.int8)
-        with pytest.raises(ValueError, match="PAD at row 0, position 1 comes before a non-PAD token"):
-            validate_batch(torch.zeros(1, 3), (spans == A).float(), spans)
+        clear_caches()
+        assert native_checks.compiled_checks() is None and native_scans.compiled_scans() is None
     finally:
         monkeypatch.undo()
-        native_checks.compiled_checks.cache_clear()
-    assert native_checks.compiled_checks() is not None
+        clear_caches()
+    assert native_checks.compiled_checks() is not None and native_scans.compiled_scans() is not None

@@ -1,0 +1,78 @@
+"""The carry-through return scans on the CPU as compiled loops (``native_scans.c``; issue 20).
+
+The torch scans (:mod:`advantages.scan`) are loop-free but make several passes with matmuls and
+temporaries; a C loop over each row, four rows at a time, runs at close to memory speed: 5-13x
+faster at (8, 4096)-(64, 8192) on one thread (BENCHMARKS.md). The running state is a double.
+Compiled on first use by :func:`masking.native.load`; every function returns None when it cannot
+take the tensors (not CPU, other dtypes, no compiler, a big batch with many torch threads), and the
+caller runs the torch scan.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from masking import native
+
+SOURCE = Path(__file__).with_suffix(".c")
+_TYPES = {torch.float32: "f32", torch.float64: "f64"}
+THREADS_TO_MATCH = 6  # the torch scan took 5-6x the loop's time on one thread (BENCHMARKS.md)
+
+
+@functools.cache
+def compiled_scans() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:
+    """``{("returns" | "gae", dtype): function}``, or None (no compiler)."""
+    lib = native.load(SOURCE)
+    if lib is None:
+        return None
+    functions = {}
+    for dtype, name in _TYPES.items():
+        returns = functions["returns", dtype] = getattr(lib, f"returns_{name}")
+        returns.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_double]
+        gae = functions["gae", dtype] = getattr(lib, f"gae_{name}")
+        gae.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 2
+        returns.restype = gae.restype = None
+    return functions
+
+
+def _function(kind: str, *tensors: torch.Tensor):
+    """The compiled ``kind`` scan for these ``(b, t)`` tensors (one float32/float64 dtype, on the
+    CPU, contiguous), or None."""
+    dtype = tensors[0].dtype
+    if dtype not in _TYPES or not native.on_cpu(*tensors) or not native.one_thread_wins(tensors[0].numel(), THREADS_TO_MATCH):
+        return None
+    for x in tensors:
+        if x.dtype != dtype:
+            return None
+    functions = compiled_scans()
+    return None if functions is None else functions[kind, dtype]
+
+
+def native_returns(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor | None:
+    """Carry-through returns (``advantages.returns.discounted_returns``' table) of ``(b, t)``
+    rewards over ``steps`` (the ASSISTANT mask as 0/1 of the rewards' dtype), exactly 0 off the
+    steps; or None (then use the torch scan)."""
+    function = _function("returns", rewards, steps)
+    if function is None:
+        return None
+    out = torch.empty_like(rewards)
+    function(rewards.data_ptr(), steps.data_ptr(), out.data_ptr(), *rewards.shape, gamma)
+    return out
+
+
+def native_gae(
+    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Unwhitened carry-through GAE (``advantages.returns.gae``' recurrence) of ``(b, t)`` rewards
+    and values over ``steps``: ``(advantages, returns)``, exactly 0 off the steps; or None."""
+    function = _function("gae", rewards, values, steps)
+    if function is None:
+        return None
+    advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)
+    function(
+        rewards.data_ptr(), values.data_ptr(), steps.data_ptr(), advantages.data_ptr(), returns.data_ptr(),
+        *rewards.shape, gamma, lam,
+    )
+    return advantages, returns

@@ -1,0 +1,82 @@
+"""Small C loops for the CPU, compiled on first use and called through ctypes (issue 20).
+
+Some CPU work is a single pass that torch can only write as a dozen ops of a few microseconds each
+(the batch checks, :mod:`masking.native_checks`) or as a blocked scan several times the memory
+floor (the return scans, :mod:`advantages.native_scans`). A C file next to the module does it in one
+loop. ``torch.compile`` fuses such ops too, but its call overhead alone (~60 us here) is most of
+the budget at (8, 4096).
+
+:func:`load` compiles a C file with the system compiler (``$CC``, else ``cc``) into
+``$AGENT_LOOP_CACHE/native`` (default ``~/.cache/agent_loop/native``) under a name that hashes the
+source, the command and the machine, so an edit recompiles (about 4 s once per machine). The
+library is written to a scratch folder and renamed, so concurrent processes never load a partial
+one. Without a compiler (or with ``AGENT_LOOP_NATIVE=0``) callers run their torch path: the same
+results, slower (one warning says why).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+FLAGS = ("-O3", "-shared", "-fPIC")  # no -march=native: the cache may be shared by machines with other CPUs
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop") / "native"
+
+
+def _compile_command() -> list[str]:
+    return [*shlex.split(os.environ.get("CC", "cc")), *FLAGS]
+
+
+def library_path(source: Path) -> Path:
+    """Where ``source`` compiles to: its name and a hash of the source, the command and the machine."""
+    text = " ".join([*_compile_command(), platform.machine()]).encode()
+    return cache_dir() / f"{source.stem}-{hashlib.sha256(source.read_bytes() + text).hexdigest()[:16]}.so"
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL | None:
+    """The compiled ``source`` (compiled on first use, then loaded from the cache), or None."""
+    if os.environ.get("AGENT_LOOP_NATIVE", "1") == "0":
+        return None
+    path = library_path(source)
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+                built = Path(scratch) / path.name
+                command = [*_compile_command(), "-o", str(built), str(source)]
+                subprocess.run(command, check=True, capture_output=True, text=True)
+                os.replace(built, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        reason = getattr(error, "stderr", None) or error
+        warnings.warn(f"could not compile or load {source.name} ({reason}); its torch path runs instead (slower)")
+        return None
+
+
+def on_cpu(*tensors: torch.Tensor) -> bool:
+    """Every tensor on the CPU and contiguous (row-major, what the C loops index). Written out, no
+    generator: this runs per call, and at small sizes its microseconds count."""
+    for x in tensors:
+        if not (x.is_cpu and x.is_contiguous()):
+            return False
+    return True
+
+
+def one_thread_wins(numel: int, threads_to_match: int) -> bool:
+    """Whether a single-threaded C loop beats torch's ops on ``numel`` elements: yes below 2^21
+    elements (there torch's ops are mostly per-op overhead), above it while torch has fewer than
+    ``threads_to_match`` threads (how many threads its ops would need to catch up, from the
+    one-thread ratio: torch's ops scaled 12.5 -> 7.1 ms from 1 to 2 threads here; BENCHMARKS.md)."""
+    return numel <= 2**21 or torch.get_num_threads() < threads_to_match
