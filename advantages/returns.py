@@ -13,8 +13,8 @@ PAD            0 (episode boundary)      0
 Mask-only input (``spans=None``) treats every 0 of ``response_mask`` as OBSERVATION: exactly verl
 after PR #7300 (REINFORCE++) and PR #2337 (GAE). PAD only trails a row (``validate=True`` checks
 it), so ``R`` is already 0 there and the torch scans need only the mask; with ``validate=False`` an
-interior PAD (invalid input) is treated like an OBSERVATION by the torch scans and as a reset by
-the Triton kernels. The two historical bugs are kept for ablations and inspection:
+interior PAD (invalid input) is treated like an OBSERVATION by the torch scans and the compiled
+loops, and as a reset by the Triton kernels. The two historical bugs are kept for ablations and inspection:
 :func:`returns_reset_at_observation` (verl before PR #7300) and :func:`returns_ignore_mask`.
 
 On CUDA, :mod:`advantages.triton_kernels` runs the same scans as one fused kernel when Triton is

@@ -30,6 +30,7 @@ skips the warm-up to measure that case. Usage::
     python benchmarks/returns.py --shapes 8x4096,64x8192 --gammas 0.99    # the shapes of issue 20's targets
     python benchmarks/returns.py --threads 2
     python benchmarks/returns.py --cold-allocator
+    AGENT_LOOP_NATIVE=0 python benchmarks/returns.py    # the torch paths (no compiled C loops: masking/native.py)
 """
 
 import argparse
