@@ -1,9 +1,8 @@
 """:func:`masking.validate.validate_batch`'s checks on CPU as one compiled loop (issue 20).
 
 In torch the checks take a dozen elementwise ops and reductions, a few microseconds each whatever
-their size, plus a pass over memory each: 1.3-1.9x the time of the scan they guard. One C loop
-(``native_checks.c``, compiled by :func:`masking.native.load`) reads rewards, mask and spans once
-and costs about 0.1-0.2x of it (BENCHMARKS.md).
+their size, plus a pass over memory each. One C loop (``native_checks.c``, compiled by
+:func:`masking.native.load`) reads rewards, mask and spans once, 2-4x faster (BENCHMARKS.md).
 """
 
 import ctypes

@@ -130,9 +130,9 @@ def validate_batch(
     ``(b, t)`` tensors of one shape (the caller checks shapes); ``token_level_rewards`` floating point.
 
     On CPU, contiguous float32/float64 rewards (any 0/1 mask dtype, int8/uint8 spans) are checked
-    by one compiled loop (:func:`masking.native_checks.native_check`, about 0.1x of a scan's time).
-    Otherwise, and on CUDA, each check becomes a residual that is exactly 0 everywhere on good input, and all their
-    reductions reach the host together (one synchronisation on CUDA):
+    by one compiled loop (:func:`masking.native_checks.native_check`). Otherwise, and on CUDA, each
+    check becomes a residual that is exactly 0 everywhere on good input, and all their reductions
+    reach the host together (one synchronisation on CUDA):
 
     * ``max(spans as uint8) <= 2`` iff every span is known (a negative int8 is >= 128 as uint8);
     * for known spans, ``spans[t + 1] - 2 spans[t]`` (in {-4, .., 2}) is positive exactly where a
