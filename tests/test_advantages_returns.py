@@ -372,7 +372,7 @@ def test_whitened_returns_match_serial_reference(gamma, t, dtype, with_spans, sc
     torch.testing.assert_close(unchecked[0], advantages, atol=1e-6, rtol=1e-6)
 
 
-def test_whitening_keeps_precision_when_the_mean_dwarfs_the_spread():
+def test_whitening_keeps_precision_when_the_mean_dwarfs_the_spread(scan_path):
     """Returns near 1000 that differ by ~1e-3: a sum-of-squares variance would cancel in float32
     (whitened values off by O(1)); the centred two-pass variance is off by the float32 rounding of
     the returns and their mean only (~3e-3 here, the same as masked_whiten)."""
@@ -384,7 +384,7 @@ def test_whitening_keeps_precision_when_the_mean_dwarfs_the_spread():
     torch.testing.assert_close(advantages.double(), expected, atol=1e-2, rtol=0)
 
 
-def test_whitening_in_row_blocks_and_half_precision(monkeypatch):
+def test_whitening_in_row_blocks_and_half_precision(monkeypatch, scan_path):
     monkeypatch.setattr("advantages.scan.CPU_BLOCK_ELEMENTS", 1000)
     generator = torch.Generator().manual_seed(21)
     spans = random_spans(500, generator)
@@ -468,3 +468,15 @@ def test_compiled_scans_leave_what_they_cannot_take_to_torch():
         expected_advantages, expected_returns = gae_ref(rewards, values.to(values_dtype), spans, 0.9, 0.8)
         torch.testing.assert_close(advantages.double(), expected_advantages, **TOLERANCE[torch.float32])
         torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE[torch.float32])
+
+
+def test_whitened_gae_matches_serial_reference(scan_path):
+    generator = torch.Generator().manual_seed(12)
+    spans = random_spans(700, generator)
+    rewards = random_rewards(spans, generator, torch.float32)
+    values = torch.randn(spans.shape, generator=generator)
+    advantages, returns = gae(rewards, values, (spans == A).float(), 0.99, 0.95, spans=spans)
+    expected_advantages, expected_returns = gae_ref(rewards, values, spans, 0.99, 0.95)
+    torch.testing.assert_close(advantages.double(), whiten_ref(expected_advantages, spans), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE[torch.float32])
+    assert torch.all(advantages[spans != A] == 0)
