@@ -1,7 +1,7 @@
 """The carry-through return scans on the CPU as compiled loops (``native_scans.c``; issue 20).
 
 The torch scans (:mod:`advantages.scan`) are loop-free but make several passes with matmuls and
-temporaries; a C loop over each row, four rows at a time, runs at close to memory speed: 5-13x
+temporaries; a C loop over each row, four rows at a time, runs at 60-70% of the memory floor: 4-6x
 faster at (8, 4096)-(64, 8192) on one thread (BENCHMARKS.md). The running state is a double.
 Compiled on first use by :func:`masking.native.load`; every function returns None when it cannot
 take the tensors (not CPU, other dtypes, no compiler, a big batch with many torch threads), and the

@@ -263,7 +263,7 @@ def main() -> None:
                 )
     Console(width=200).print(table)
     if args.markdown:
-        print("| " + " | ".join(columns) + " |")
+        print("| " + " | ".join(column.replace("|", "\\|") for column in columns) + " |")  # "max |diff|"
         print("|" + "---|" * len(columns))
         for row in zip(*(column._cells for column in table.columns)):
             print("| " + " | ".join(row) + " |")
