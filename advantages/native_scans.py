@@ -11,6 +11,7 @@ caller runs the torch scan.
 import ctypes
 import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -18,11 +19,11 @@ from masking import native
 
 SOURCE = Path(__file__).with_suffix(".c")
 _TYPES = {torch.float32: "f32", torch.float64: "f64"}
-THREADS_TO_MATCH = 6  # the torch scan took 5-6x the loop's time on one thread (BENCHMARKS.md)
+THREADS_TO_MATCH = 6  # the torch scan took 4-6x the loop's time on one thread (BENCHMARKS.md)
 
 
 @functools.cache
-def compiled_scans() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:
+def compiled_scans() -> dict[tuple[str, torch.dtype], Callable] | None:
     """``{("returns" | "gae", dtype): function}``, or None (no compiler)."""
     lib = native.load(SOURCE)
     if lib is None:

@@ -8,6 +8,7 @@ their size, plus a pass over memory each. One C loop (``native_checks.c``, compi
 import ctypes
 import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ THREADS_TO_MATCH = 3
 
 
 @functools.cache
-def compiled_checks() -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr] | None:
+def compiled_checks() -> dict[tuple[torch.dtype, torch.dtype], Callable] | None:
     """The compiled check of each (rewards, mask) dtype pair, or None (no compiler)."""
     lib = native.load(SOURCE)
     if lib is None:
