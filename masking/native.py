@@ -49,8 +49,8 @@ def load(source: Path) -> ctypes.CDLL | None:
     """The compiled ``source`` (compiled on first use, then loaded from the cache), or None."""
     if os.environ.get("AGENT_LOOP_NATIVE", "1") == "0":
         return None
-    path = library_path(source)
     try:
+        path = library_path(source)  # reads the source: a missing file is an OSError too
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as scratch:

@@ -363,6 +363,9 @@ def test_c_loops_compile_once_into_the_cache_and_fall_back_without_a_compiler(tm
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
     assert list((tmp_path / "native").iterdir()) == [native.library_path(native_checks.SOURCE)]
 
+    with pytest.warns(UserWarning, match="could not compile or load missing.c"):  # e.g. an install without the C files
+        assert native.load(tmp_path / "missing.c") is None
+
     spans = torch.tensor([[A, O, A, P], [A, P, A, P]], dtype=torch.int8)
     mask = (spans == A).float()
     rewards = mask * torch.tensor([[1.0], [2.0]])
