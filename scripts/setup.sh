@@ -33,6 +33,13 @@ if [[ ! -f "$stamp" ]]; then
   touch "$stamp"
 fi
 
+if ! command -v "${CC:-cc}" >/dev/null && [[ $(id -u) == 0 ]]; then
+  # The CPU returns and checks are small C loops compiled on first use (masking/native.py); without
+  # a compiler the slower torch paths run (a warning says so) and their tests fail.
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null) \
+    || echo "note: could not install a C compiler; the CPU returns run their torch paths" >&2
+fi
+
 if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null; then
   # Headless Chromium renders the inspect HTML in tests; best effort (tests skip with a reason without it).
   if [[ $(id -u) == 0 ]]; then
