@@ -38,12 +38,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from agent_loop.inspect.values import REGISTERED  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
-
-# the return variants, by the registered estimator (advantages.registry) that computes each
-VARIANTS = {"carry_through": "reinforce_plus_plus", "reset_at_observation": "reinforce_plus_plus_reset_at_observation",
-            "ignore_mask": "reinforce_plus_plus_ignore_mask"}
 from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
+
+# the return variants (as inspect --compare names them, with underscores), by the registered estimator of each
+VARIANTS = {name.replace("-", "_"): estimator for name, estimator in REGISTERED.items()}
 
 # the first action's own metric: did the tool call of the first turn do the right thing
 FIRST_ACTION = {"chain": ("first_call_right", "first call (calculator) returned the record's number"),

@@ -278,12 +278,12 @@ def init_data_parallel(device: str = "auto", parallel: str = "auto", lora: bool 
     NCCL for CUDA and gloo for CPU; a single process (no ``WORLD_SIZE`` or 1) joins nothing."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    mode = resolve_parallel(parallel, resolve_device(device, local_rank), lora)
+    resolved = resolve_device(device, local_rank)
+    mode, cuda = resolve_parallel(parallel, resolved, lora), resolved.type == "cuda"
     if world_size <= 1:
         return DataParallel(mode=mode)
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
-        cuda = resolve_device(device, local_rank).type == "cuda"
         if cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
