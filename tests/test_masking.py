@@ -222,8 +222,9 @@ FAULTS = (
 )
 
 
-def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dtype):
-    b, t = rng.randint(1, 4), rng.randint(1, 9)
+def faulty_batch(rng: random.Random, faults, spans_dtype, mask_dtype, rewards_dtype, t: int | None = None):
+    """A random batch (1-4 rows of 1-9 tokens, or of ``t``) with ``faults`` at random places."""
+    b, t = rng.randint(1, 4), t or rng.randint(1, 9)
     rows = []
     for _ in range(b):
         length, kind, row = rng.randint(0, t), A, []
@@ -316,6 +317,34 @@ def test_fused_validation_raises_exactly_what_the_single_checks_raise(
     if path == "compiled":  # the compiled loop took exactly the dtypes it has a function for
         compiled = rewards_dtype in (torch.float32, torch.float64) and (not with_spans or spans_dtype in (torch.int8, torch.uint8))
         assert took and all((result is not None) == compiled for result in took)
+
+
+@pytest.mark.parametrize(
+    "spans_dtype, mask_dtype, rewards_dtype, with_spans",
+    [
+        (torch.int8, torch.float32, torch.float32, True),
+        (torch.int8, torch.float32, torch.float32, False),
+        (torch.uint8, torch.bool, torch.float32, True),
+        (torch.int8, torch.int64, torch.float64, True),
+    ],
+)
+def test_compiled_checks_find_a_fault_anywhere_in_long_rows(spans_dtype, mask_dtype, rewards_dtype, with_spans):
+    """Rows long enough for the compiled loop's vector body (16-64 tokens a step), not only its
+    scalar tail: one fault at a random place gives the single checks' outcome and message."""
+    rng = random.Random(f"{spans_dtype}{mask_dtype}{rewards_dtype}{with_spans}")
+    took = []
+    for case in range(150):
+        faults = [rng.choice(FAULTS)]
+        rewards, mask, spans = faulty_batch(rng, faults, spans_dtype, mask_dtype, rewards_dtype,
+                                            t=rng.choice((16, 17, 63, 64, 65, 129, 1000)))
+        if spans_dtype == torch.uint8:
+            spans = spans.to(torch.int64).clamp(min=0).to(torch.uint8)
+        spans = spans if with_spans else None
+        took.append(native_check(rewards, mask, spans))
+        want = outcome(validate_one_by_one, rewards, mask, spans)
+        assert outcome(validate_batch, rewards, mask, spans) == want, (case, faults)
+        assert took[-1] is not None and took[-1][0] == (want is None), (case, faults)
+    assert sum(ok for ok, _ in took) not in (0, len(took))  # both outcomes
 
 
 def test_fused_validation_of_empty_and_single_token_batches():
