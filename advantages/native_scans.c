@@ -5,52 +5,149 @@
  * reference in tests/reference_returns.py, which works in Python floats). Off the steps the state
  * is carried (an OBSERVATION, or a PAD, which only trails a row, where the state is still 0) and
  * the outputs are exactly 0. Four rows are scanned together: each row's recurrence is a chain of
- * dependent multiply-adds, and four independent chains keep the core busy. */
+ * dependent multiply-adds, and four independent chains keep the core busy.
+ *
+ * whitened_*: after each group of rows is scanned, the moments of the values it wrote (the
+ * returns, or GAE's advantages) are summed per row while the rows are still in the cache, in
+ * double and less a shift (the row's first value, so the squares do not cancel when the mean
+ * dwarfs the spread); rows are merged by Chan's formula, and one more pass writes the whitened
+ * values, (v - mean) / sqrt(var + 1e-8) on the steps (verl's masked_whiten, Bessel-corrected), 0
+ * elsewhere. Fewer than 2 steps give NaN everywhere, as verl's whitening does. */
+#include <math.h>
 #include <stdint.h>
 
 #define ROWS 4
+#define WHITEN_EPS 1e-8
+
+/* The moments and whitening loops are compiled for AVX-512, AVX2 and plain x86-64, picked at load
+ * time (as in masking/native_checks.c). Not the scans: their scalar steps ran 30% slower as AVX-512
+ * code (BENCHMARKS.md, issue 20). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* a row's moments: count, shift, and the sums of (value - shift) and of its square */
+typedef struct {
+    double n, shift, sum, squares;
+} moments;
+
+/* merges a row's moments into the batch's count, mean and sum of squared deviations (Chan et al.) */
+static void merge(moments row, double *n, double *mean, double *m2) {
+    if (row.n == 0) return;
+    double row_mean = row.shift + row.sum / row.n, row_m2 = row.squares - row.sum * row.sum / row.n;
+    double total = *n + row.n, delta = row_mean - *mean;
+    *mean += delta * row.n / total;
+    *m2 += row_m2 + delta * delta * *n * row.n / total;
+    *n = total;
+}
+
+/* row_moments: the moments of a row's step values (0 off the steps); whiten: (values - mean) *
+ * scale on the steps, 0 elsewhere, for a whole batch (out may be values) */
+#define WHITENING(N, T)                                                                               \
+    VECTOR_CLONES static moments row_moments_##N(const T *values, const T *steps, int64_t cols) {     \
+        double shift = 0, n = 0, sum = 0, squares = 0;                                                \
+        for (int64_t j = 0; j < cols; j++)                                                            \
+            if (steps[j] != 0) {                                                                      \
+                shift = values[j];                                                                    \
+                break;                                                                                \
+            }                                                                                         \
+        _Pragma("omp simd reduction(+ : n, sum, squares)")                                            \
+        for (int64_t j = 0; j < cols; j++) {                                                          \
+            double d = steps[j] != 0 ? (double)values[j] - shift : 0.0;                               \
+            n += steps[j] != 0 ? 1.0 : 0.0, sum += d, squares += d * d;                               \
+        }                                                                                             \
+        moments m = {n, shift, sum, squares};                                                         \
+        return m;                                                                                     \
+    }                                                                                                 \
+    VECTOR_CLONES static void whiten_##N(const T *values, const T *steps, T *out, int64_t size,       \
+                                         double n, double mean, double m2) {                          \
+        /* Bessel-corrected; below 2 steps NaN everywhere, as verl's masked_whiten gives */           \
+        double scale = n < 2 ? NAN : 1.0 / sqrt(m2 / (n - 1) + WHITEN_EPS);                           \
+        int everywhere = n < 2;                                                                       \
+        for (int64_t i = 0; i < size; i++) {                                                          \
+            T whitened = (T)(((double)values[i] - mean) * scale);                                     \
+            out[i] = (steps[i] != 0) | everywhere ? whitened : (T)0;                                  \
+        }                                                                                             \
+    }
 
 /* returns: R = x + gamma R on a step (returned), carried elsewhere (0 returned) */
-#define RETURNS(NAME, T)                                                                              \
-    void NAME(const T *x, const T *steps, T *out, int64_t rows, int64_t cols, double gamma) {        \
-        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
-            int64_t group = rows - first < ROWS ? rows - first : ROWS;                                \
-            double state[ROWS] = {0};                                                                 \
-            for (int64_t j = cols - 1; j >= 0; j--) {                                                 \
-                for (int64_t k = 0; k < group; k++) {                                                 \
-                    int64_t at = (first + k) * cols + j;                                              \
-                    int on = steps[at] != 0;                                                          \
-                    state[k] = on ? x[at] + gamma * state[k] : state[k];                              \
-                    out[at] = on ? (T)state[k] : (T)0;                                                \
-                }                                                                                     \
+#define RETURNS(N, T)                                                                                 \
+    static void returns_group_##N(const T *x, const T *steps, T *out, int64_t group, int64_t cols,    \
+                                  double gamma) {                                                     \
+        double state[ROWS] = {0};                                                                     \
+        for (int64_t j = cols - 1; j >= 0; j--) {                                                     \
+            for (int64_t k = 0; k < group; k++) {                                                     \
+                int64_t at = k * cols + j;                                                            \
+                int on = steps[at] != 0;                                                              \
+                state[k] = on ? x[at] + gamma * state[k] : state[k];                                  \
+                out[at] = on ? (T)state[k] : (T)0;                                                    \
             }                                                                                         \
         }                                                                                             \
+    }                                                                                                 \
+    void returns_##N(const T *x, const T *steps, T *out, int64_t rows, int64_t cols, double gamma) {  \
+        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
+            int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
+            returns_group_##N(x + at, steps + at, out + at, group, cols, gamma);                      \
+        }                                                                                             \
+    }                                                                                                 \
+    void whitened_returns_##N(const T *x, const T *steps, T *returns, T *advantages, int64_t rows,    \
+                              int64_t cols, double gamma) {                                           \
+        double n = 0, mean = 0, m2 = 0;                                                               \
+        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
+            int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
+            returns_group_##N(x + at, steps + at, returns + at, group, cols, gamma);                  \
+            for (int64_t row = at; row < at + group * cols; row += cols)                              \
+                merge(row_moments_##N(returns + row, steps + row, cols), &n, &mean, &m2);             \
+        }                                                                                             \
+        whiten_##N(returns, steps, advantages, rows * cols, n, mean, m2);                             \
     }
 
 /* GAE: on a step delta = r + gamma V_next - V, A = delta + gamma lam A, V_next = V; A and A + V
  * returned; both carried elsewhere (0 returned) */
-#define GAE(NAME, T)                                                                                  \
-    void NAME(const T *rewards, const T *values, const T *steps, T *advantages, T *returns,          \
-              int64_t rows, int64_t cols, double gamma, double lam) {                                 \
-        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
-            int64_t group = rows - first < ROWS ? rows - first : ROWS;                                \
-            double running[ROWS] = {0}, next_value[ROWS] = {0};                                       \
-            for (int64_t j = cols - 1; j >= 0; j--) {                                                 \
-                for (int64_t k = 0; k < group; k++) {                                                 \
-                    int64_t at = (first + k) * cols + j;                                              \
-                    int on = steps[at] != 0;                                                          \
-                    double value = values[at];                                                        \
-                    double delta = rewards[at] + gamma * next_value[k] - value;                       \
-                    running[k] = on ? delta + gamma * lam * running[k] : running[k];                  \
-                    next_value[k] = on ? value : next_value[k];                                       \
-                    advantages[at] = on ? (T)running[k] : (T)0;                                       \
-                    returns[at] = on ? (T)(running[k] + value) : (T)0;                                \
-                }                                                                                     \
+#define GAE(N, T)                                                                                     \
+    static void gae_group_##N(const T *rewards, const T *values, const T *steps, T *advantages,       \
+                              T *returns, int64_t group, int64_t cols, double gamma, double lam) {    \
+        double running[ROWS] = {0}, next_value[ROWS] = {0};                                           \
+        for (int64_t j = cols - 1; j >= 0; j--) {                                                     \
+            for (int64_t k = 0; k < group; k++) {                                                     \
+                int64_t at = k * cols + j;                                                            \
+                int on = steps[at] != 0;                                                              \
+                double value = values[at];                                                            \
+                double delta = rewards[at] + gamma * next_value[k] - value;                           \
+                running[k] = on ? delta + gamma * lam * running[k] : running[k];                      \
+                next_value[k] = on ? value : next_value[k];                                           \
+                advantages[at] = on ? (T)running[k] : (T)0;                                           \
+                returns[at] = on ? (T)(running[k] + value) : (T)0;                                    \
             }                                                                                         \
         }                                                                                             \
+    }                                                                                                 \
+    void gae_##N(const T *rewards, const T *values, const T *steps, T *advantages, T *returns,        \
+                 int64_t rows, int64_t cols, double gamma, double lam) {                              \
+        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
+            int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
+            gae_group_##N(rewards + at, values + at, steps + at, advantages + at, returns + at,       \
+                          group, cols, gamma, lam);                                                   \
+        }                                                                                             \
+    }                                                                                                 \
+    /* the advantages are whitened in place */                                                        \
+    void whitened_gae_##N(const T *rewards, const T *values, const T *steps, T *advantages,           \
+                          T *returns, int64_t rows, int64_t cols, double gamma, double lam) {         \
+        double n = 0, mean = 0, m2 = 0;                                                               \
+        for (int64_t first = 0; first < rows; first += ROWS) {                                        \
+            int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
+            gae_group_##N(rewards + at, values + at, steps + at, advantages + at, returns + at,       \
+                          group, cols, gamma, lam);                                                   \
+            for (int64_t row = at; row < at + group * cols; row += cols)                              \
+                merge(row_moments_##N(advantages + row, steps + row, cols), &n, &mean, &m2);          \
+        }                                                                                             \
+        whiten_##N(advantages, steps, advantages, rows * cols, n, mean, m2);                          \
     }
 
-RETURNS(returns_f32, float)
-RETURNS(returns_f64, double)
-GAE(gae_f32, float)
-GAE(gae_f64, double)
+WHITENING(f32, float)
+WHITENING(f64, double)
+RETURNS(f32, float)
+RETURNS(f64, double)
+GAE(f32, float)
+GAE(f64, double)

@@ -2,7 +2,9 @@
 
 The torch scans (:mod:`advantages.scan`) are loop-free but make several passes with matmuls and
 temporaries; a C loop over each row, four rows at a time, runs at 60-70% of the memory floor: 4-6x
-faster at (8, 4096)-(64, 8192) on one thread (BENCHMARKS.md). The running state is a double.
+faster at (8, 4096)-(64, 8192) on one thread (BENCHMARKS.md). The running state is a double. The
+whitened estimators sum their moments per group of rows just after it is scanned and whiten in one
+more pass: 0.55-0.8x the time of the compiled scan plus torch's whitening (BENCHMARKS.md).
 Compiled on first use by :func:`masking.native.load`; every function returns None when it cannot
 take the tensors (not CPU, other dtypes, no compiler, a big batch with many torch threads), and the
 caller runs the torch scan.
@@ -24,17 +26,19 @@ THREADS_TO_MATCH = 6  # the torch scan took 4-6x the loop's time on one thread (
 
 @functools.cache
 def compiled_scans() -> dict[tuple[str, torch.dtype], Callable] | None:
-    """``{("returns" | "gae", dtype): function}``, or None (no compiler)."""
+    """``{(kind, dtype): function}`` for the kinds returns, whitened_returns, gae and whitened_gae,
+    or None (no compiler)."""
     lib = native.load(SOURCE)
     if lib is None:
         return None
     functions = {}
     for dtype, name in _TYPES.items():
-        returns = functions["returns", dtype] = getattr(lib, f"returns_{name}")
-        returns.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_double]
-        gae = functions["gae", dtype] = getattr(lib, f"gae_{name}")
-        gae.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 2
-        returns.restype = gae.restype = None
+        for kind, pointers, numbers in (
+            ("returns", 3, 1), ("whitened_returns", 4, 1), ("gae", 5, 2), ("whitened_gae", 5, 2),
+        ):  # pointers, rows and cols, gamma (and lam)
+            function = functions[kind, dtype] = getattr(lib, f"{kind}_{name}")
+            function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 2 + [ctypes.c_double] * numbers
+            function.restype = None
     return functions
 
 
@@ -63,12 +67,26 @@ def native_returns(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> 
     return out
 
 
+def native_whitened_returns(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`native_returns` and their whitening over the steps (verl's ``masked_whiten``, eps
+    1e-8, Bessel-corrected): ``(advantages, returns)``, exactly 0 off the steps (below 2 steps the
+    advantages are NaN everywhere, as verl's whitening gives); or None. The moments are summed per group of rows just after it is scanned, while
+    it is in the cache, and one more pass whitens (``native_scans.c``)."""
+    function = _function("whitened_returns", rewards, steps)
+    if function is None:
+        return None
+    returns, advantages = torch.empty_like(rewards), torch.empty_like(rewards)
+    function(rewards.data_ptr(), steps.data_ptr(), returns.data_ptr(), advantages.data_ptr(), *rewards.shape, gamma)
+    return advantages, returns
+
+
 def native_gae(
-    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float, whiten: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Unwhitened carry-through GAE (``advantages.returns.gae``' recurrence) of ``(b, t)`` rewards
-    and values over ``steps``: ``(advantages, returns)``, exactly 0 off the steps; or None."""
-    function = _function("gae", rewards, values, steps)
+    """Carry-through GAE (``advantages.returns.gae``' recurrence) of ``(b, t)`` rewards and values
+    over ``steps``: ``(advantages, returns)``, exactly 0 off the steps; or None. With ``whiten`` the
+    advantages are whitened as in :func:`native_whitened_returns`."""
+    function = _function("whitened_gae" if whiten else "gae", rewards, values, steps)
     if function is None:
         return None
     advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)

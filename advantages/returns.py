@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from advantages.native_scans import native_gae, native_returns
+from advantages.native_scans import native_gae, native_returns, native_whitened_returns
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
 from masking.validate import as_dtype, check_same_shape, validate_batch
@@ -134,9 +134,10 @@ def whitened_discounted_returns(
 
     ``(b, t)`` inputs as in :func:`discounted_returns`; returns ``(advantages, returns)``, ``(b, t)``
     in the rewards' dtype, exactly 0 off ASSISTANT tokens. On CUDA the Triton kernel reduces the
-    moments per row while it scans, and one elementwise pass whitens; on CPU the returns are
-    summed, centred (one pass, which becomes the advantages), their squares summed by a batched
-    dot, and the centred values scaled in place (:func:`whiten_zero_off_mask`). No host sync
+    moments per row while it scans, and one elementwise pass whitens; on CPU the compiled loop
+    sums each group of rows' moments (in double) just after scanning it, and one more pass whitens
+    (:func:`~advantages.native_scans.native_whitened_returns`); where it cannot run, the torch
+    scan's returns are whitened by :func:`whiten_zero_off_mask`. No host sync
     without ``validate``. ``validate`` also requires at least 2 ASSISTANT tokens (in the same sync); without
     it such a batch gives NaN advantages, as verl's whitening does.
     """
@@ -151,6 +152,9 @@ def whitened_discounted_returns(
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(returns, steps, mean, var), returns
+    whitened = native_whitened_returns(token_level_rewards, steps, gamma)
+    if whitened is not None:
+        return whitened
     returns = _returns_without_triton(token_level_rewards, steps, gamma, masked=validate)
     return whiten_zero_off_mask(returns, steps, count), returns
 
@@ -287,10 +291,10 @@ def gae(
         advantages, returns, row_moments = kernels.triton_gae_with_moments(token_level_rewards, values, spans8, gamma, lam)
         _, mean, var = kernels.merge_moments(row_moments)
         return whiten_with_moments(advantages, steps, mean, var), returns
-    scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam)
-    if scanned is None:
-        scanned = by_row_blocks(functools.partial(_gae_scan, gamma=gamma, lam=lam), token_level_rewards, values, steps)
-    advantages, returns = scanned
+    scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam, whiten=whiten)
+    if scanned is not None:
+        return scanned
+    advantages, returns = by_row_blocks(functools.partial(_gae_scan, gamma=gamma, lam=lam), token_level_rewards, values, steps)
     if whiten:
         advantages = whiten_zero_off_mask(advantages, steps, count)
     return advantages, returns

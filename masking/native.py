@@ -27,7 +27,13 @@ from pathlib import Path
 
 import torch
 
-FLAGS = ("-O3", "-shared", "-fPIC")  # no -march=native: the cache may be shared by machines with other CPUs
+# No -march=native: the cache may be shared by machines with other CPUs. IEEE semantics are kept
+# (NaN compares unequal: the checks rely on it; no fused multiply-adds, which only some clones
+# would use). Relaxed: errno from sqrt and the FP exception flags (so float ops under a condition
+# may become selects and vectorise), and -fopenmp-simd (no OpenMP runtime) lets `omp simd` sums
+# vectorise: their order follows the vector width, so the whitening's moments (in double) can differ
+# between CPUs in bits far below a float32 output's rounding.
+FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
 
 
 def cache_dir() -> Path:

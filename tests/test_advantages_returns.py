@@ -14,7 +14,7 @@ from reference_returns import (
 )
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
-from advantages.native_scans import compiled_scans, native_returns
+from advantages.native_scans import compiled_scans, native_gae, native_returns, native_whitened_returns
 from advantages.returns import whitened_discounted_returns
 from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
@@ -59,8 +59,8 @@ def scan_path(request, monkeypatch):
     """The CPU scans: the compiled loops (advantages.native_scans), or the torch scans that run
     without a C compiler, for other dtypes and on CUDA without Triton."""
     if request.param == "torch":
-        monkeypatch.setattr("advantages.returns.native_returns", lambda *args: None)
-        monkeypatch.setattr("advantages.returns.native_gae", lambda *args: None)
+        for function in ("native_returns", "native_whitened_returns", "native_gae"):
+            monkeypatch.setattr(f"advantages.returns.{function}", lambda *args, **kwargs: None)
     else:
         assert compiled_scans() is not None
     return request.param
@@ -370,18 +370,22 @@ def test_whitened_returns_match_serial_reference(gamma, t, dtype, with_spans, sc
     assert advantages.dtype == dtype and torch.all(advantages[spans != A] == 0)
     unchecked = whitened_discounted_returns(rewards, mask, gamma, spans=spans, validate=False)
     torch.testing.assert_close(unchecked[0], advantages, atol=1e-6, rtol=1e-6)
+    if scan_path == "compiled":  # what ran
+        assert torch.equal(native_whitened_returns(rewards, mask, gamma)[0], advantages)
 
 
 def test_whitening_keeps_precision_when_the_mean_dwarfs_the_spread(scan_path):
     """Returns near 1000 that differ by ~1e-3: a sum-of-squares variance would cancel in float32
-    (whitened values off by O(1)); the centred two-pass variance is off by the float32 rounding of
-    the returns and their mean only (~3e-3 here, the same as masked_whiten)."""
+    (whitened values off by O(1)); the torch path's centred two-pass variance is off by the float32
+    rounding of the returns and their mean only (~3e-3 here, the same as masked_whiten). The
+    compiled loop sums in double, less each row's first value, and merges the rows (Chan): off by
+    the rounding of its float32 output only."""
     generator = torch.Generator().manual_seed(5)
     spans = random_spans(4096, generator)
     rewards = torch.where(spans == A, 1000.0 + 1e-3 * torch.randn(spans.shape, generator=generator, dtype=torch.float64), 0.0)
     advantages, returns = whitened_discounted_returns(rewards.float(), (spans == A).float(), 0.0, spans=spans)
     expected = whiten_ref(discounted_returns_ref(rewards.float(), spans, 0.0), spans)
-    torch.testing.assert_close(advantages.double(), expected, atol=1e-2, rtol=0)
+    torch.testing.assert_close(advantages.double(), expected, atol=1e-2 if scan_path == "torch" else 1e-6, rtol=0)
 
 
 def test_whitening_in_row_blocks_and_half_precision(monkeypatch, scan_path):
@@ -480,3 +484,5 @@ def test_whitened_gae_matches_serial_reference(scan_path):
     torch.testing.assert_close(advantages.double(), whiten_ref(expected_advantages, spans), **TOLERANCE[torch.float32])
     torch.testing.assert_close(returns.double(), expected_returns, **TOLERANCE[torch.float32])
     assert torch.all(advantages[spans != A] == 0)
+    if scan_path == "compiled":  # what ran
+        assert torch.equal(native_gae(rewards, values, (spans == A).float(), 0.99, 0.95, whiten=True)[0], advantages)
