@@ -15,6 +15,9 @@
    Rows longer than 16384 are checked against the float64 torch scan instead of the (slow) loop.
    The whole estimators (``reinforce_plus_plus`` whitened, ``gae(whiten=True)``, ``validate=False``)
    are checked against the loop plus whitening in float64.
+   On a GPU they are also captured in a CUDA graph ("triton, CUDA graph"): captured on other
+   inputs of the same shape, then replayed on these, copied into the captured buffers, so a host
+   sync, a CPU fallback or an output baked in at capture fails the check.
 2. Speed at every shape of SHAPES, gamma 0.99 (lambda 0.95): the Triton kernels (and the whole
    estimators on them) vs the torch scan vs a per-token loop written like verl's (small shapes only), median of
    CUDA-event timings with the L2 cache flushed before each run, and the fraction of the HBM floor:
@@ -128,8 +131,39 @@ def whiten64(x, s):
     return torch.where(s == A, (x - kept.mean()) * torch.rsqrt(kept.var() + 1e-8), 0.0)
 
 
-def implementations(kernels, config):
-    """name -> kind -> callable(rewards, values, spans, gamma, lam) returning a tuple of outputs."""
+def graphed(fn):
+    """``fn`` (a whole estimator: two outputs) captured in a CUDA graph on other inputs of the same
+    shape (random values, the spans shifted by one), then replayed on the given ones, copied into
+    the captured buffers. A failed capture is printed and gives NaN outputs (a failed check)."""
+
+    def run(r, v, s, gamma, lam):
+        generator = torch.Generator(device=r.device).manual_seed(1)
+        static = [torch.randn(r.shape, generator=generator, device=r.device).to(r.dtype),
+                  torch.randn(v.shape, generator=generator, device=v.device).to(v.dtype), s.roll(1, dims=1)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles here
+            for _ in range(2):
+                fn(*static, gamma, lam)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                outputs = fn(*static, gamma, lam)
+        except RuntimeError as error:  # e.g. a host sync while capturing: report it as a failed check
+            print(f"CUDA graph capture failed at {tuple(r.shape)}, {r.dtype}: {error}")
+            return torch.full_like(r, float("nan")), torch.full_like(r, float("nan"))
+        for buffer, x in zip(static, (r, v, s), strict=True):
+            buffer.copy_(x)
+        graph.replay()
+        return tuple(output.clone() for output in outputs)
+
+    return run
+
+
+def implementations(kernels, config, cuda_graphs=False):
+    """name -> kind -> callable(rewards, values, spans, gamma, lam) returning a tuple of outputs;
+    with ``cuda_graphs`` also the whole estimators replayed from a CUDA graph (checked, not timed)."""
     import advantages
 
     def torch_returns(r, v, s, gamma, lam):
@@ -170,7 +204,7 @@ def implementations(kernels, config):
         adv, returns = loop_gae(r, v, s, gamma, lam)
         return whiten64(adv, s), returns
 
-    return {
+    impls = {
         "triton": {
             "returns": lambda r, v, s, gamma, lam: (kernels.triton_discounted_returns(r, s, gamma, **config),),
             "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, **config),
@@ -193,9 +227,13 @@ def implementations(kernels, config):
             "gae": lambda r, v, s, gamma, lam: kernels.triton_gae(r, v, s, gamma, lam, split=False, **config),
         },
     }
+    if cuda_graphs:
+        impls[GRAPHED] = {"reinforce_plus_plus": graphed(estimator_rpp), "gae(whiten=True)": graphed(estimator_gae)}
+    return impls
 
 
 KINDS = ("returns", "gae", "returns+moments", "reinforce_plus_plus", "gae(whiten=True)")
+GRAPHED = "triton, CUDA graph"  # checked for correctness, not timed (each call captures anew)
 
 
 def bytes_moved(kind, b, t, dtype):
@@ -267,9 +305,9 @@ def check_correctness(impls, shapes, dtypes, gammas, device, generator):
                     "reinforce_plus_plus": (whiten64(returns, s), returns),
                     "gae(whiten=True)": (whiten64(gae_pair[0], s), gae_pair[1]),
                 }
-                for name in ("triton", "torch scan", "triton, 1 program/row"):
+                for name in ("triton", "torch scan", "triton, 1 program/row", GRAPHED):
                     for kind, want in expected.items():
-                        if kind not in impls[name]:
+                        if kind not in impls.get(name, {}):
                             continue
                         got = impls[name][kind](r, v, s, gamma, LAM)
                         error = max(
@@ -291,7 +329,7 @@ def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
                 r, v, s = make_batch(b, t, dtype, device, generator)
                 seconds = {}
                 for name, fns in impls.items():
-                    if kind not in fns or (name == "per-token loop" and b * t > LOOP_MAX_TOKENS):
+                    if kind not in fns or name == GRAPHED or (name == "per-token loop" and b * t > LOOP_MAX_TOKENS):
                         continue
                     fn = fns[kind]
                     seconds[name] = timer(lambda fn=fn: fn(r, v, s, GAMMA, LAM), reps=5 if name == "per-token loop" else None)
@@ -430,7 +468,7 @@ def main():
     device_name = "CPU (Triton interpreter smoke run)" if args.interpret_smoke else torch.cuda.get_device_name()
     generator = torch.Generator().manual_seed(0)
     console = Console(width=200)  # the speed table is wide
-    impls = implementations(triton_kernels, config)
+    impls = implementations(triton_kernels, config, cuda_graphs=device.type == "cuda")
     timer = Timer(device, reps)
 
     started = time.perf_counter()
