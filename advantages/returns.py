@@ -145,13 +145,12 @@ def whitened_discounted_returns(
     count = check_batch(token_level_rewards, response_mask, spans, validate, count=True)
     if validate:
         check_whitenable(count)
-    steps = assistant_steps(response_mask, token_level_rewards)
     kernels = _triton(token_level_rewards)
     if kernels is not None:
         spans8 = _spans(response_mask, spans)
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
-        _, mean, var = kernels.merge_moments(row_moments)
-        return whiten_with_moments(returns, steps, mean, var), returns
+        return kernels.triton_whiten(returns, spans8, row_moments, WHITEN_EPS), returns
+    steps = assistant_steps(response_mask, token_level_rewards)
     whitened = native_whitened_returns(token_level_rewards, steps, gamma)
     if whitened is not None:
         return whitened
@@ -187,15 +186,6 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
     scale = m2.div_(n - 1).add_(WHITEN_EPS).rsqrt_().to(centred.dtype)  # in place: 0-d temporaries cost too
     return as_dtype(centred.mul_(scale), values.dtype)
-
-
-def whiten_with_moments(values: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """``(values - mean) * rsqrt(var + 1e-8)`` on the steps, 0 elsewhere, given the moments as
-    0-d tensors (from the Triton kernels' per-row moments): one elementwise pass, no host sync.
-    ``values`` ``(b, t)``, exactly 0 off the steps; the result has its dtype."""
-    work = values.to(steps.dtype)
-    scale = torch.rsqrt(var + WHITEN_EPS).to(steps.dtype)
-    return torch.addcmul(work, steps, mean.to(steps.dtype), value=-1).mul_(scale).to(values.dtype)
 
 
 def _returns_without_triton(rewards: torch.Tensor, steps: torch.Tensor, gamma: float, masked: bool) -> torch.Tensor:
@@ -281,7 +271,6 @@ def gae(
     count = check_batch(token_level_rewards, response_mask, spans, validate, count=whiten)
     if whiten and validate:
         check_whitenable(count)
-    steps = assistant_steps(response_mask, token_level_rewards)
     kernels = _triton(token_level_rewards)
     if kernels is not None:
         values = values.to(token_level_rewards.dtype)
@@ -289,8 +278,8 @@ def gae(
         if not whiten:
             return kernels.triton_gae(token_level_rewards, values, spans8, gamma, lam)
         advantages, returns, row_moments = kernels.triton_gae_with_moments(token_level_rewards, values, spans8, gamma, lam)
-        _, mean, var = kernels.merge_moments(row_moments)
-        return whiten_with_moments(advantages, steps, mean, var), returns
+        return kernels.triton_whiten(advantages, spans8, row_moments, WHITEN_EPS), returns
+    steps = assistant_steps(response_mask, token_level_rewards)
     scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam, whiten=whiten)
     if scanned is not None:
         return scanned

@@ -285,6 +285,46 @@ if triton is not None:
             tl.store(slot + 1, mean)
             tl.store(slot + 2, m2)
 
+    @triton.jit
+    def _whitening_stats_kernel(moments_ptr, stats_ptr, b, eps, ROWS: tl.constexpr):
+        """One program: the batch's mean and whitening scale ``1 / sqrt(var + eps)`` (Bessel-corrected;
+        NaN below 2 tokens) from per-row ``(count, mean, M2)``, merged in float64 a block of rows at a
+        time (Chan et al.)."""
+        count = tl.zeros((), tl.float64)
+        mean = tl.zeros((), tl.float64)
+        m2 = tl.zeros((), tl.float64)
+        for start in range(0, b, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            keep = rows < b
+            row_count = tl.load(moments_ptr + rows * 3, mask=keep, other=0.0).to(tl.float64)
+            row_mean = tl.load(moments_ptr + rows * 3 + 1, mask=keep, other=0.0).to(tl.float64)
+            row_m2 = tl.load(moments_ptr + rows * 3 + 2, mask=keep, other=0.0).to(tl.float64)
+            block_count = tl.sum(row_count, 0)
+            block_mean = tl.sum(row_count * row_mean, 0) / tl.maximum(block_count, 1.0)
+            block_m2 = tl.sum(row_m2 + row_count * (row_mean - block_mean) * (row_mean - block_mean), 0)
+            total = count + block_count
+            shift = block_mean - mean
+            weight = block_count / tl.maximum(total, 1.0)
+            mean = mean + shift * weight
+            m2 = m2 + block_m2 + shift * shift * count * weight
+            count = total
+        scale = 1.0 / tl.sqrt(m2 / (count - 1.0) + eps)
+        scale = tl.where(count >= 2.0, scale, scale * float("nan"))
+        tl.store(stats_ptr, mean.to(tl.float32))
+        tl.store(stats_ptr + 1, scale.to(tl.float32))
+
+    @triton.jit
+    def _whiten_kernel(values_ptr, spans_ptr, out_ptr, stats_ptr, size, BLOCK: tl.constexpr, ASSISTANT: tl.constexpr):
+        """``(value - mean) * scale`` on ASSISTANT tokens, 0 elsewhere (NaN everywhere when the scale is)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < size
+        mean = tl.load(stats_ptr)
+        scale = tl.load(stats_ptr + 1)
+        value = tl.load(values_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        span = tl.load(spans_ptr + offs, mask=keep, other=0)
+        whitened = tl.where(span == ASSISTANT, (value - mean) * scale, 0.0 * scale)  # 0, or NaN with the scale
+        tl.store(out_ptr + offs, whitened.to(out_ptr.dtype.element_ty), mask=keep)
+
 
 def launch_config(
     t: int, block: int | None = None, num_warps: int | None = None, num_stages: int | None = None, max_block: int = MAX_BLOCK
@@ -373,10 +413,35 @@ def triton_discounted_returns_with_moments(
 
     Returns ``(returns, moments)``: ``moments`` is ``(b, 3)`` float32, per row the count, mean and
     sum of squared deviations (M2) of the float32 returns on ASSISTANT tokens. Whitening over the
-    batch (REINFORCE++) is then :func:`merge_moments` plus one elementwise pass, instead of two
-    more reductions over ``(b, t)``. Split rows merge their chunks' moments per row (no host sync).
+    batch (REINFORCE++) is then :func:`triton_whiten`: the rows' moments merged by one program and
+    one elementwise pass, instead of two more reductions over ``(b, t)``. Split rows merge their chunks' moments per row (no host sync).
     """
     return _launch_returns(rewards, spans, gamma, True, block, num_warps, num_stages, split)
+
+
+WHITEN_BLOCK = 4096  # tokens per program of the whitening pass
+STATS_ROWS = 1024  # rows' moments merged at a time by the one-program stats kernel
+
+
+def triton_whiten(values: torch.Tensor, spans: torch.Tensor, moments: torch.Tensor, eps: float) -> torch.Tensor:
+    """Whiten ``(b, t)`` ``values`` over the batch's ASSISTANT tokens from their per-row moments.
+
+    ``moments`` is ``(b, 3)`` float32 per-row ``(count, mean, M2)`` of ``values`` on ASSISTANT tokens
+    (from :func:`triton_discounted_returns_with_moments` or :func:`triton_gae_with_moments`). Returns
+    ``(values - mean) / sqrt(var + eps)`` (Bessel-corrected) on ASSISTANT tokens, exactly 0
+    elsewhere, in ``values``' dtype (float32 arithmetic); below 2 ASSISTANT tokens NaN everywhere,
+    as verl's ``masked_whiten`` gives. Two launches, no host sync: one program merges the rows'
+    moments in float64 (Chan et al.), then one elementwise pass.
+    """
+    _check_inputs(spans, values=values)
+    values, spans = values.contiguous(), spans.contiguous()
+    out = torch.empty_like(values)
+    if values.numel():
+        stats = torch.empty(2, dtype=torch.float32, device=values.device)  # mean, scale
+        _whitening_stats_kernel[(1,)](moments.float().contiguous(), stats, spans.shape[0], float(eps), ROWS=STATS_ROWS)
+        grid = (triton.cdiv(values.numel(), WHITEN_BLOCK),)
+        _whiten_kernel[grid](values, spans, out, stats, values.numel(), BLOCK=WHITEN_BLOCK, ASSISTANT=int(SpanKind.ASSISTANT))
+    return out
 
 
 def merge_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -467,7 +532,7 @@ def triton_gae_with_moments(
     split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`triton_gae` plus, in the same pass, each row's ``(count, mean, M2)`` ``(b, 3)`` float32
-    of the float32 advantages on ASSISTANT tokens (for ``gae(whiten=True)``; see :func:`merge_moments`)."""
+    of the float32 advantages on ASSISTANT tokens (for ``gae(whiten=True)``; see :func:`triton_whiten`)."""
     return _launch_gae(rewards, values, spans, gamma, lam, True, block, num_warps, num_stages, split)
 
 

@@ -102,6 +102,7 @@ def run_kernels(path):
     out = (triton_kernels.triton_discounted_returns(rewards, spans, 0.999),)
     unsplit = triton_kernels.triton_discounted_returns(rewards, spans, 0.999, block=triton_kernels.SPLIT_BLOCK, split=False)
     results["estimators"] = run_estimators()
+    results["whiten"] = run_whiten()
     results["split-auto"] = dict(kernel="returns", tensors=dict(rewards=rewards, spans=spans), scalars=dict(gamma=0.999), out=out, unsplit=unsplit)
     torch.save(results, path)
 
@@ -141,6 +142,31 @@ def run_estimators():
             out[f"gae-{validate}"] = returns_module.gae(rewards, values, mask, 0.99, 0.95, spans=spans, validate=validate)
         out[f"syncs-{validate}"] = syncs.seen
     out["rpp-mask-only"] = returns_module.whitened_discounted_returns(rewards, mask, 0.99)
+    return out
+
+
+def row_moments(values, spans):
+    """Per-row (count, mean, M2) float32 of ``values`` on ASSISTANT tokens, in float64 torch ops."""
+    keep = (spans == A).double()
+    count = keep.sum(1)
+    mean = (values.double() * keep).sum(1) / count.clamp(min=1)
+    m2 = (((values.double() - mean[:, None]) * keep) ** 2).sum(1)
+    return torch.stack([count, mean, m2], 1).float()
+
+
+def run_whiten():
+    """triton_whiten alone: more rows than the stats kernel merges at a time (three blocks), values
+    whose mean dwarfs their spread, bfloat16, and batches with 1 and with 0 ASSISTANT tokens."""
+    generator = torch.Generator().manual_seed(29)
+    spans = torch.randint(0, 3, (2 * triton_kernels.STATS_ROWS + 50, 5), generator=generator, dtype=torch.int8)
+    values = 100.0 + torch.randn(spans.shape, generator=generator)
+    one = torch.full_like(spans, O)
+    one[7, 3] = A
+    out = dict(spans=spans, values=values, one=one)
+    for name, s in (("many-rows", spans), ("one-token", one), ("no-token", torch.full_like(spans, O))):
+        out[name] = triton_kernels.triton_whiten(values, s, row_moments(values, s), 1e-8)
+    half = values.bfloat16()
+    out["bfloat16"] = triton_kernels.triton_whiten(half, spans, row_moments(half, spans), 1e-8)
     return out
 
 
@@ -256,6 +282,21 @@ def test_estimators_on_the_kernels_whiten_from_fused_moments_without_host_sync(i
     assert out["syncs-False"] == []
     assert out["syncs-True"]  # validation does read its checks back (one sync on CUDA)
     torch.testing.assert_close(out["rpp-mask-only"][0], out["rpp-True"][0])  # PAD trails: the same as with spans
+
+
+@pytest.mark.slow
+def test_whitening_kernels_merge_many_rows_and_give_nan_below_two_tokens(interpreted):
+    """triton_whiten (one program merges the rows' moments in blocks, then one elementwise pass)
+    against the serial whitening; NaN everywhere below 2 ASSISTANT tokens, as masked_whiten."""
+    out = interpreted["whiten"]
+    spans, values = out["spans"], out["values"]
+    got = out["many-rows"]
+    assert got.dtype == torch.float32 and torch.all(got[spans != A] == 0)
+    torch.testing.assert_close(got.double(), whiten_ref(values, spans), **TOLERANCE["float32"])
+    half = out["bfloat16"]
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), whiten_ref(values.bfloat16(), spans), **TOLERANCE["bfloat16"])
+    assert torch.isnan(out["one-token"]).all() and torch.isnan(out["no-token"]).all()
 
 
 @pytest.mark.slow
@@ -382,6 +423,32 @@ def test_split_kernels_compile_for_hopper(moments):
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         if "out_ptr" in pointer_names or "adv_ptr" in pointer_names:
             assert "st.global.v4.b32" in ptx
+
+
+def test_whitening_kernels_compile_for_hopper():
+    """The stats kernel (float64 merge) and the elementwise whitening compile to sm_90 code; the
+    whitening stores 16 bytes at a time."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the interpreter is on in this process; compiling needs the real JIT")
+    kernels = [
+        (triton_kernels._whitening_stats_kernel, {"moments_ptr": "*fp32", "stats_ptr": "*fp32", "b": "i32", "eps": "fp32"},
+         {"ROWS": triton_kernels.STATS_ROWS}),
+        (triton_kernels._whiten_kernel, {"values_ptr": "*fp32", "spans_ptr": "*i8", "out_ptr": "*fp32", "stats_ptr": "*fp32", "size": "i32"},
+         {"BLOCK": triton_kernels.WHITEN_BLOCK, "ASSISTANT": A}),
+    ]
+    ptx = []
+    for kernel, arguments, constexprs in kernels:
+        signature = arguments | {arg: "constexpr" for arg in constexprs}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind != "fp32"}  # pointers, sizes
+        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+        ptx.append(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+    stats, whiten = ptx
+    assert "f64" in stats and "st.global" in stats
+    assert "st.global.v4.b32" in whiten
 
 
 if __name__ == "__main__":
