@@ -414,7 +414,8 @@ def triton_discounted_returns_with_moments(
     Returns ``(returns, moments)``: ``moments`` is ``(b, 3)`` float32, per row the count, mean and
     sum of squared deviations (M2) of the float32 returns on ASSISTANT tokens. Whitening over the
     batch (REINFORCE++) is then :func:`triton_whiten`: the rows' moments merged by one program and
-    one elementwise pass, instead of two more reductions over ``(b, t)``. Split rows merge their chunks' moments per row (no host sync).
+    one elementwise pass, instead of two more reductions over ``(b, t)``. Split rows merge their
+    chunks' moments per row (no host sync).
     """
     return _launch_returns(rewards, spans, gamma, True, block, num_warps, num_stages, split)
 

@@ -437,13 +437,17 @@ def test_whitening_kernels_compile_for_hopper():
     kernels = [
         (triton_kernels._whitening_stats_kernel, {"moments_ptr": "*fp32", "stats_ptr": "*fp32", "b": "i32", "eps": "fp32"},
          {"ROWS": triton_kernels.STATS_ROWS}),
-        (triton_kernels._whiten_kernel, {"values_ptr": "*fp32", "spans_ptr": "*i8", "out_ptr": "*fp32", "stats_ptr": "*fp32", "size": "i32"},
-         {"BLOCK": triton_kernels.WHITEN_BLOCK, "ASSISTANT": A}),
+        (
+            triton_kernels._whiten_kernel,
+            {"values_ptr": "*fp32", "spans_ptr": "*i8", "out_ptr": "*fp32", "stats_ptr": "*fp32", "size": "i32"},
+            {"BLOCK": triton_kernels.WHITEN_BLOCK, "ASSISTANT": A},
+        ),
     ]
     ptx = []
     for kernel, arguments, constexprs in kernels:
         signature = arguments | {arg: "constexpr" for arg in constexprs}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind != "fp32"}  # pointers, sizes
+        # the pointers and sizes divisible by 16, as the JIT specialises them
+        aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind != "fp32"}
         source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
         ptx.append(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
     stats, whiten = ptx
