@@ -11,13 +11,12 @@
  * returns, or GAE's advantages) are summed per row while the rows are still in the cache, in
  * double and less a shift (the row's first value, so the squares do not cancel when the mean
  * dwarfs the spread); rows are merged by Chan's formula, and one more pass writes the whitened
- * values, (v - mean) / sqrt(var + 1e-8) on the steps (verl's masked_whiten, Bessel-corrected), 0
+ * values, (v - mean) / sqrt(var + eps) on the steps (verl's masked_whiten, Bessel-corrected), 0
  * elsewhere. Fewer than 2 steps give NaN everywhere, as verl's whitening does. */
 #include <math.h>
 #include <stdint.h>
 
 #define ROWS 4
-#define WHITEN_EPS 1e-8
 
 /* The moments and whitening loops are compiled for AVX-512, AVX2 and plain x86-64, picked at load
  * time (as in masking/native_checks.c). Not the scans: their scalar steps ran 30% slower as AVX-512
@@ -62,9 +61,9 @@ static void merge(moments row, double *n, double *mean, double *m2) {
         return m;                                                                                     \
     }                                                                                                 \
     VECTOR_CLONES static void whiten_##N(const T *values, const T *steps, T *out, int64_t size,       \
-                                         double n, double mean, double m2) {                          \
+                                         double n, double mean, double m2, double eps) {              \
         /* Bessel-corrected; below 2 steps NaN everywhere, as verl's masked_whiten gives */           \
-        double scale = n < 2 ? NAN : 1.0 / sqrt(m2 / (n - 1) + WHITEN_EPS);                           \
+        double scale = n < 2 ? NAN : 1.0 / sqrt(m2 / (n - 1) + eps);                                  \
         int everywhere = n < 2;                                                                       \
         for (int64_t i = 0; i < size; i++) {                                                          \
             T whitened = (T)(((double)values[i] - mean) * scale);                                     \
@@ -93,7 +92,7 @@ static void merge(moments row, double *n, double *mean, double *m2) {
         }                                                                                             \
     }                                                                                                 \
     void whitened_returns_##N(const T *x, const T *steps, T *returns, T *advantages, int64_t rows,    \
-                              int64_t cols, double gamma) {                                           \
+                              int64_t cols, double gamma, double eps) {                               \
         double n = 0, mean = 0, m2 = 0;                                                               \
         for (int64_t first = 0; first < rows; first += ROWS) {                                        \
             int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
@@ -101,7 +100,7 @@ static void merge(moments row, double *n, double *mean, double *m2) {
             for (int64_t row = at; row < at + group * cols; row += cols)                              \
                 merge(row_moments_##N(returns + row, steps + row, cols), &n, &mean, &m2);             \
         }                                                                                             \
-        whiten_##N(returns, steps, advantages, rows * cols, n, mean, m2);                             \
+        whiten_##N(returns, steps, advantages, rows * cols, n, mean, m2, eps);                        \
     }
 
 /* GAE: on a step delta = r + gamma V_next - V, A = delta + gamma lam A, V_next = V; A and A + V
@@ -133,7 +132,8 @@ static void merge(moments row, double *n, double *mean, double *m2) {
     }                                                                                                 \
     /* the advantages are whitened in place */                                                        \
     void whitened_gae_##N(const T *rewards, const T *values, const T *steps, T *advantages,           \
-                          T *returns, int64_t rows, int64_t cols, double gamma, double lam) {         \
+                          T *returns, int64_t rows, int64_t cols, double gamma, double lam,           \
+                          double eps) {                                                               \
         double n = 0, mean = 0, m2 = 0;                                                               \
         for (int64_t first = 0; first < rows; first += ROWS) {                                        \
             int64_t at = first * cols, group = rows - first < ROWS ? rows - first : ROWS;             \
@@ -142,7 +142,7 @@ static void merge(moments row, double *n, double *mean, double *m2) {
             for (int64_t row = at; row < at + group * cols; row += cols)                              \
                 merge(row_moments_##N(advantages + row, steps + row, cols), &n, &mean, &m2);          \
         }                                                                                             \
-        whiten_##N(advantages, steps, advantages, rows * cols, n, mean, m2);                          \
+        whiten_##N(advantages, steps, advantages, rows * cols, n, mean, m2, eps);                     \
     }
 
 WHITENING(f32, float)

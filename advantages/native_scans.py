@@ -34,8 +34,8 @@ def compiled_scans() -> dict[tuple[str, torch.dtype], Callable] | None:
     functions = {}
     for dtype, name in _TYPES.items():
         for kind, pointers, numbers in (
-            ("returns", 3, 1), ("whitened_returns", 4, 1), ("gae", 5, 2), ("whitened_gae", 5, 2),
-        ):  # pointers, rows and cols, gamma (and lam)
+            ("returns", 3, 1), ("whitened_returns", 4, 2), ("gae", 5, 2), ("whitened_gae", 5, 3),
+        ):  # pointers, rows and cols, gamma (and lam, and the whitening's eps)
             function = functions[kind, dtype] = getattr(lib, f"{kind}_{name}")
             function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 2 + [ctypes.c_double] * numbers
             function.restype = None
@@ -67,31 +67,36 @@ def native_returns(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> 
     return out
 
 
-def native_whitened_returns(rewards: torch.Tensor, steps: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`native_returns` and their whitening over the steps (verl's ``masked_whiten``, eps
-    1e-8, Bessel-corrected): ``(advantages, returns)``, exactly 0 off the steps (below 2 steps the
-    advantages are NaN everywhere, as verl's whitening gives); or None. The moments are summed per group of rows just after it is scanned, while
-    it is in the cache, and one more pass whitens (``native_scans.c``)."""
+def native_whitened_returns(
+    rewards: torch.Tensor, steps: torch.Tensor, gamma: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`native_returns` and their whitening over the steps (verl's ``masked_whiten``,
+    Bessel-corrected, ``eps`` added to the variance): ``(advantages, returns)``, exactly 0 off the
+    steps (below 2 steps the advantages are NaN everywhere, as verl's whitening gives); or None.
+    The moments are summed per group of rows just after it is scanned, while it is in the cache,
+    and one more pass whitens (``native_scans.c``)."""
     function = _function("whitened_returns", rewards, steps)
     if function is None:
         return None
     returns, advantages = torch.empty_like(rewards), torch.empty_like(rewards)
-    function(rewards.data_ptr(), steps.data_ptr(), returns.data_ptr(), advantages.data_ptr(), *rewards.shape, gamma)
+    function(rewards.data_ptr(), steps.data_ptr(), returns.data_ptr(), advantages.data_ptr(), *rewards.shape, gamma, eps)
     return advantages, returns
 
 
 def native_gae(
-    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float, whiten: bool = False
+    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float,
+    whiten_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Carry-through GAE (``advantages.returns.gae``' recurrence) of ``(b, t)`` rewards and values
-    over ``steps``: ``(advantages, returns)``, exactly 0 off the steps; or None. With ``whiten`` the
-    advantages are whitened as in :func:`native_whitened_returns`."""
+    over ``steps``: ``(advantages, returns)``, exactly 0 off the steps; or None. With ``whiten_eps``
+    the advantages are whitened as in :func:`native_whitened_returns`, with that ``eps``."""
+    whiten = () if whiten_eps is None else (whiten_eps,)
     function = _function("whitened_gae" if whiten else "gae", rewards, values, steps)
     if function is None:
         return None
     advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)
     function(
         rewards.data_ptr(), values.data_ptr(), steps.data_ptr(), advantages.data_ptr(), returns.data_ptr(),
-        *rewards.shape, gamma, lam,
+        *rewards.shape, gamma, lam, *whiten,
     )
     return advantages, returns

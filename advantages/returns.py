@@ -151,7 +151,7 @@ def whitened_discounted_returns(
         returns, row_moments = kernels.triton_discounted_returns_with_moments(token_level_rewards, spans8, gamma)
         return kernels.triton_whiten(returns, spans8, row_moments, WHITEN_EPS), returns
     steps = assistant_steps(response_mask, token_level_rewards)
-    whitened = native_whitened_returns(token_level_rewards, steps, gamma)
+    whitened = native_whitened_returns(token_level_rewards, steps, gamma, WHITEN_EPS)
     if whitened is not None:
         return whitened
     returns = _returns_without_triton(token_level_rewards, steps, gamma, masked=validate)
@@ -280,7 +280,7 @@ def gae(
         advantages, returns, row_moments = kernels.triton_gae_with_moments(token_level_rewards, values, spans8, gamma, lam)
         return kernels.triton_whiten(advantages, spans8, row_moments, WHITEN_EPS), returns
     steps = assistant_steps(response_mask, token_level_rewards)
-    scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam, whiten=whiten)
+    scanned = native_gae(token_level_rewards, as_dtype(values, token_level_rewards.dtype), steps, gamma, lam, WHITEN_EPS if whiten else None)
     if scanned is not None:
         return scanned
     advantages, returns = by_row_blocks(functools.partial(_gae_scan, gamma=gamma, lam=lam), token_level_rewards, values, steps)
