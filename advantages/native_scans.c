@@ -19,13 +19,9 @@
 #define ROWS 4
 
 /* The moments and whitening loops are compiled for AVX-512, AVX2 and plain x86-64, picked at load
- * time (as in masking/native_checks.c). Not the scans: their scalar steps ran 30% slower as AVX-512
+ * time (native_simd.h, in masking/). Not the scans: their scalar steps ran 30% slower as AVX-512
  * code (BENCHMARKS.md, issue 20). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define VECTOR_CLONES
-#endif
+#include "native_simd.h"
 
 /* a row's moments: count, shift, and the sums of (value - shift) and of its square */
 typedef struct {

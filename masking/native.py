@@ -8,10 +8,11 @@ the budget at (8, 4096).
 
 :func:`load` compiles a C file with the system compiler (``$CC``, else ``cc``) into
 ``$AGENT_LOOP_CACHE/native`` (default ``~/.cache/agent_loop/native``) under a name that hashes the
-source, the command and the machine, so an edit recompiles (about 4 s once per machine). The
-library is written to a scratch folder and renamed, so concurrent processes never load a partial
-one. Without a compiler (or with ``AGENT_LOOP_NATIVE=0``) callers run their torch path: the same
-results, slower (one warning says why).
+source, the shared header (``native_simd.h``, next to this module), the command and the machine, so
+an edit recompiles (about 4 s once per machine). The library is written to a scratch folder and
+renamed, so concurrent processes never load a partial one. Without a compiler (or with
+``AGENT_LOOP_NATIVE=0``) callers run their torch path: the same results, slower (one warning says
+why).
 """
 
 import ctypes
@@ -34,6 +35,7 @@ import torch
 # vectorise: their order follows the vector width, so the whitening's moments (in double) can differ
 # between CPUs in bits far below a float32 output's rounding.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
+HEADERS = Path(__file__).parent  # native_simd.h, included by every C file: on the -I path, hashed with each source
 
 
 def cache_dir() -> Path:
@@ -41,13 +43,15 @@ def cache_dir() -> Path:
 
 
 def _compile_command() -> list[str]:
-    return [*shlex.split(os.environ.get("CC", "cc")), *FLAGS]
+    return [*shlex.split(os.environ.get("CC", "cc")), *FLAGS, f"-I{HEADERS}"]
 
 
 def library_path(source: Path) -> Path:
-    """Where ``source`` compiles to: its name and a hash of the source, the command and the machine."""
+    """Where ``source`` compiles to: its name and a hash of the source, the headers, the command and
+    the machine."""
     text = " ".join([*_compile_command(), platform.machine()]).encode()
-    return cache_dir() / f"{source.stem}-{hashlib.sha256(source.read_bytes() + text).hexdigest()[:16]}.so"
+    headers = b"".join(header.read_bytes() for header in sorted(HEADERS.glob("*.h")))
+    return cache_dir() / f"{source.stem}-{hashlib.sha256(source.read_bytes() + headers + text).hexdigest()[:16]}.so"
 
 
 @functools.cache

@@ -16,20 +16,10 @@
  * their flags in int32, which is what lets every (rewards, mask) pair vectorise). */
 #include <stdint.h>
 
-/* On x86-64 the loops are compiled for AVX-512 (x86-64-v4), AVX2 and plain x86-64; the CPU's best
- * is picked at load time, so no -march=native is needed and a shared cache stays safe. With it (and
- * the one-multiply rewards check) the checks take 0.54-0.93x of their time before (BENCHMARKS.md,
- * issue 20). GCC 12 is the first to clone for x86-64-v4. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef VECTOR_CLONES
-#define VECTOR_CLONES
-#endif
+/* The loops are compiled for AVX-512, AVX2 and plain x86-64 (native_simd.h). With it (and the
+ * one-multiply rewards check) the checks take 0.54-0.93x of their time before (BENCHMARKS.md,
+ * issue 20). */
+#include "native_simd.h"
 
 #define CHECK_SPANS_TOKEN(R, M, r, m, s, next, bad, count)                                          \
     do {                                                                                            \

@@ -422,3 +422,26 @@ def test_c_loops_compile_once_into_the_cache_and_fall_back_without_a_compiler(tm
         monkeypatch.undo()
         clear_caches()
     assert native_checks.compiled_checks() is not None and native_scans.compiled_scans() is not None
+
+
+def test_the_shared_header_is_compiled_in_and_an_edit_recompiles(tmp_path, monkeypatch):
+    """Every C file includes ``native_simd.h`` (from ``native.HEADERS``): its text is part of each
+    library's hash, so an edit compiles anew, and the compiler finds it there (the scans' file is
+    in ``advantages/``, so only the ``-I`` path leads to it)."""
+    from advantages import native_scans
+
+    headers = tmp_path / "headers"
+    headers.mkdir()
+    header = headers / "native_simd.h"
+    header.write_text((native.HEADERS / "native_simd.h").read_text())
+    monkeypatch.setattr(native, "HEADERS", headers)
+    monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path))
+    before = native.library_path(native_scans.SOURCE)
+    header.write_text('#error "the edited header"\n')
+    assert native.library_path(native_scans.SOURCE) != before
+    native.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="the edited header"):
+            assert native.load(native_scans.SOURCE) is None
+    finally:
+        native.load.cache_clear()
