@@ -182,8 +182,8 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     n = steps.sum() if count is None else count
     mean = work.sum().div_(n)
     centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
-    flat = centred.view(-1, 1, centred.shape[-1]) if centred.numel() else centred.view(-1, 1, 0)
-    m2 = torch.bmm(flat, flat.transpose(1, 2)).sum(dtype=torch.float64)
+    rows = centred.unsqueeze(1)  # (b, 1, t): one dot product per row
+    m2 = torch.bmm(rows, rows.transpose(1, 2)).sum(dtype=torch.float64)
     scale = m2.div_(n - 1).add_(WHITEN_EPS).rsqrt_().to(centred.dtype)  # in place: 0-d temporaries cost too
     return as_dtype(centred.mul_(scale), values.dtype)
 

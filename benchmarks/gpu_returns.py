@@ -1,6 +1,9 @@
 """GPU check and benchmark of the fused Triton return scans (issue 7), one prepared script.
 
     python benchmarks/gpu_returns.py --out gpu_returns.md      # H100/H200: a few minutes
+    # on a bare checkout (no install), keeping every table and the log under $OUT (4-6 minutes at
+    # most, of which 2-3 compile the 147 kernel variants):
+    python3 -u benchmarks/gpu_returns.py --sweep --out $OUT/gpu_returns.md 2>&1 | tee $OUT/log.txt
     python benchmarks/gpu_returns.py --quick                   # fewer repetitions, gamma 0.99 only
     python benchmarks/gpu_returns.py --sweep                   # also tune block/warps/stages at the largest shape
     python benchmarks/gpu_returns.py --interpret-smoke         # no GPU: the same logic on CPU, tiny shapes
@@ -8,8 +11,9 @@
 1. Correctness: the Triton kernels and the torch scan (``advantages.discounted_returns`` and
    ``advantages.gae`` with the Triton dispatch off) against a float64 per-token loop on random
    multi-turn batches of every benchmark shape (observation spans, trailing padding, an
-   all-ASSISTANT row, an all-PAD row), float32 and bfloat16. Exits 1 when an error exceeds the
-   tolerance, after printing everything.
+   all-ASSISTANT row, an all-PAD row), float32 and bfloat16. Every output buffer is poisoned with
+   NaN first (freed NaN tensors the caching allocator hands out again), and a NaN anywhere fails.
+   Exits 1 when a check fails, after printing everything.
    The fused moments (``triton_discounted_returns_with_moments``) are checked against the mean and
    variance of the reference returns over ASSISTANT tokens.
    Rows longer than 16384 are checked against the float64 torch scan instead of the (slow) loop.
@@ -25,9 +29,16 @@
    ``returns+moments`` is what REINFORCE++ whitening needs before its last elementwise pass: the
    returns plus their mean and variance over ASSISTANT tokens (torch: returns, masked mean, var).
    "triton, 1 program/row" times the returns and GAE kernels with the row split turned off.
+   Times are GPU time between CUDA events; the L2 flush queued before the start event lets the host
+   run up to its length (~65 us) ahead, so a whole estimator's launches are mostly hidden.
 3. ``--sweep``: launch configs (block, warps, stages) of the returns, GAE and fused-moments kernels
    at (256, 16384), and of the returns and GAE kernels on long rows (block, warps; split across
-   programs or one program per row) at (1, 262144) and (16, 65536).
+   programs or one program per row) at (1, 262144) and (16, 65536); each config's outputs are
+   compared with the default config's ("max rel. diff from default";
+   over twice the tolerance fails).
+
+Each table is printed, and ``--out`` rewritten, as soon as its part is done, so a run cut short
+keeps what it measured. ``--out`` must not exist yet (an earlier result is never overwritten).
 """
 
 import argparse
@@ -43,7 +54,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from masking.spans import SpanKind
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout (the GPU machine) has no install
+from masking.spans import SpanKind  # noqa: E402
 
 SHAPES = ((1, 1024), (8, 4096), (64, 8192), (256, 16384), (512, 32768), (4096, 1024), (16, 65536), (1, 262144))
 SWEEP_SHAPE = (256, 16384)  # launch configs of the one-program-per-row kernels
@@ -150,7 +162,7 @@ def graphed(fn):
         try:
             with torch.cuda.graph(graph):
                 outputs = fn(*static, gamma, lam)
-        except RuntimeError as error:  # e.g. a host sync while capturing: report it as a failed check
+        except Exception as error:  # e.g. a host sync while capturing (or a Triton error): a failed check
             print(f"CUDA graph capture failed at {tuple(r.shape)}, {r.dtype}: {error}")
             return torch.full_like(r, float("nan")), torch.full_like(r, float("nan"))
         for buffer, x in zip(static, (r, v, s), strict=True):
@@ -245,7 +257,8 @@ def bytes_moved(kind, b, t, dtype):
 # --- timing ---
 
 class Timer:
-    """Median time of ``fn()`` in seconds: CUDA events with L2 flushed before each run, or perf_counter on CPU."""
+    """Median time of ``fn()`` in seconds: CUDA events with L2 flushed (a 256 MiB read) before each
+    run, or perf_counter on CPU."""
 
     def __init__(self, device, reps):
         self.device, self.reps = device, reps
@@ -261,7 +274,7 @@ class Timer:
                 fn()
                 times.append(time.perf_counter() - start)
                 continue
-            self.flush.zero_()
+            self.flush.max()  # read, not written: dirty lines left in L2 would be written back during the timed run
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -309,15 +322,30 @@ def check_correctness(impls, shapes, dtypes, gammas, device, generator):
                     for kind, want in expected.items():
                         if kind not in impls.get(name, {}):
                             continue
+                        poison_allocator(b, t, dtype, device)
                         got = impls[name][kind](r, v, s, gamma, LAM)
-                        error = max(
-                            float((g.double() - w).abs().max() / w.abs().max().clamp(min=1.0)) for g, w in zip(got, want, strict=True)
+                        error = max_error(
+                            [(g.double() - w).abs().max() / w.abs().max().clamp(min=1.0) for g, w in zip(got, want, strict=True)]
                         )
                         per_token = [g for g in got if g.dim() == 2]
                         exact_zeros = all(bool((g[s != A] == 0).all()) for g in per_token)
                         ok = error <= TOLERANCE[dtype] and exact_zeros and all(g.dtype == dtype for g in per_token)
                         rows.append((name, kind, (b, t), dtype, gamma, error, ok))
     return rows
+
+
+def poison_allocator(b, t, dtype, device):
+    """On CUDA, free a few NaN-filled ``(b, t)`` tensors: the caching allocator hands their blocks to
+    the next outputs, so a kernel that skips a store leaves NaN (a failed check), not an earlier result."""
+    if device.type == "cuda":
+        poisoned = [torch.full((b, t), float("nan"), dtype=dtype, device=device) for _ in range(4)]
+        del poisoned
+
+
+def max_error(errors):
+    """The largest of some 0-d error tensors, NaN if any is NaN (Python's ``max`` keeps a NaN only when it comes first)."""
+    values = [float(error) for error in errors]
+    return float("nan") if any(value != value for value in values) else max(values)
 
 
 def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
@@ -337,25 +365,37 @@ def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
     return rows
 
 
+def config_diff(fn, reference, shape, dtype, device):
+    """Largest relative difference of ``fn()``'s outputs from ``reference`` (the default config's),
+    the outputs poisoned first; NaN if any is NaN."""
+    poison_allocator(*shape, dtype, device)
+    got = fn()
+    got = got if isinstance(got, tuple) else (got,)
+    return max_error([(g.double() - w.double()).abs().max() / w.double().abs().max().clamp(min=1.0) for g, w in zip(got, reference, strict=True)])
+
+
 def sweep(kernels, shape, dtypes, device, generator, timer, bandwidth, blocks_and_warps):
-    """Rows of (kind, shape, dtype, (block, warps, stages), seconds, floor fraction) at one shape:
-    the returns, GAE and fused-moments kernels, one program per row."""
+    """Rows of (kind, shape, dtype, (block, warps, stages), seconds, floor fraction, difference from
+    the default config) at one shape: the returns, GAE and fused-moments kernels, one program per row."""
     configs = [(block, warps, stages) for block, warps in blocks_and_warps for stages in (1, 2, 3)]
     rows = []
     for kind in ("returns", "returns+moments", "gae", "gae+moments"):
         for dtype in dtypes:
             r, v, s = make_batch(*shape, dtype, device, generator)
+            run = {
+                "returns": lambda **config: kernels.triton_discounted_returns(r, s, GAMMA, split=False, **config),
+                "returns+moments": lambda **config: kernels.triton_discounted_returns_with_moments(r, s, GAMMA, split=False, **config),
+                "gae": lambda **config: kernels.triton_gae(r, v, s, GAMMA, LAM, split=False, **config),
+                "gae+moments": lambda **config: kernels.triton_gae_with_moments(r, v, s, GAMMA, LAM, split=False, **config),
+            }[kind]
+            reference = run()
+            reference = reference if isinstance(reference, tuple) else (reference,)
             for block, warps, stages in configs:
-                config = dict(block=block, num_warps=warps, num_stages=stages)
-                fn = {
-                    "returns": lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, split=False, **config),
-                    "returns+moments": lambda config=config: kernels.triton_discounted_returns_with_moments(r, s, GAMMA, split=False, **config),
-                    "gae": lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config),
-                    "gae+moments": lambda config=config: kernels.triton_gae_with_moments(r, v, s, GAMMA, LAM, **config),
-                }[kind]
+                fn = lambda config=dict(block=block, num_warps=warps, num_stages=stages): run(**config)  # noqa: E731
                 seconds = timer(fn)
                 moved = bytes_moved(kind.removesuffix("+moments") if kind.startswith("gae") else kind, *shape, dtype)
-                rows.append((kind, shape, dtype, (block, warps, stages), seconds, moved / bandwidth / seconds))
+                diff = config_diff(fn, reference, shape, dtype, device)
+                rows.append((kind, shape, dtype, (block, warps, stages), seconds, moved / bandwidth / seconds, diff))
     return rows
 
 
@@ -367,16 +407,19 @@ def split_sweep(kernels, shapes, dtypes, device, generator, timer, bandwidth, bl
         dtype = dtypes[0]
         r, v, s = make_batch(*shape, dtype, device, generator)
         for kind in ("returns", "gae"):
+            if kind == "returns":
+                run = lambda **config: (kernels.triton_discounted_returns(r, s, GAMMA, **config),)  # noqa: E731
+            else:
+                run = lambda **config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+            reference = run()
             for split in (True, False):
                 for block, warps in blocks_and_warps:
-                    config = dict(block=block, num_warps=warps, num_stages=1, split=split)
-                    if kind == "returns":
-                        fn = lambda config=config: kernels.triton_discounted_returns(r, s, GAMMA, **config)  # noqa: E731
-                    else:
-                        fn = lambda config=config: kernels.triton_gae(r, v, s, GAMMA, LAM, **config)  # noqa: E731
+                    fn = lambda config=dict(block=block, num_warps=warps, num_stages=1, split=split): run(**config)  # noqa: E731
                     seconds = timer(fn)
                     name = f"{kind}, split" if split else f"{kind}, 1 program/row"
-                    rows.append((name, shape, dtype, (block, warps, 1), seconds, bytes_moved(kind, *shape, dtype) / bandwidth / seconds))
+                    diff = config_diff(fn, reference, shape, dtype, device)
+                    moved = bytes_moved(kind, *shape, dtype)
+                    rows.append((name, shape, dtype, (block, warps, 1), seconds, moved / bandwidth / seconds, diff))
     return rows
 
 
@@ -414,19 +457,25 @@ def correctness_table(rows):
     header = ["impl", "kind", "dtype", "cases", "max rel. error", "worst at (b, t), gamma", "all ok"]
     body = []
     for (name, kind, dtype), cases in groups.items():
-        error, shape, gamma, _ = max(cases, key=lambda case: case[0])
+        error, shape, gamma, _ = max(cases, key=lambda case: float("inf") if case[0] != case[0] else case[0])
         ok = all(case[3] for case in cases)
         body.append([name, kind, dtype_name(dtype), str(len(cases)), f"{error:.1e}", f"{shape}, {gamma}", "yes" if ok else "NO"])
     return header, body
 
 
 def sweep_table(rows):
-    header = ["kind", "(b, t)", "dtype", "block, warps, stages", "time", "% of floor"]
+    header = ["kind", "(b, t)", "dtype", "block, warps, stages", "time", "% of floor", "max rel. diff from default", "ok"]
     body = [
-        [kind, str(shape), dtype_name(dtype), str(config), fmt_time(seconds), f"{100 * fraction:.0f}%"]
-        for kind, shape, dtype, config, seconds, fraction in rows
+        [kind, str(shape), dtype_name(dtype), str(config), fmt_time(seconds), f"{100 * fraction:.0f}%", f"{diff:.1e}",
+         "yes" if sweep_ok(dtype, diff) else "NO"]
+        for kind, shape, dtype, config, seconds, fraction, diff in rows
     ]
     return header, body
+
+
+def sweep_ok(dtype, diff):
+    """A config agrees with the default one within twice the tolerance against the reference (False for NaN)."""
+    return diff <= 2 * TOLERANCE[dtype]
 
 
 def print_table(console, title, header, body):
@@ -446,6 +495,8 @@ def markdown(title, header, body):
 
 def main():
     args = parse_args()
+    if args.out is not None and (args.out.exists() or not args.out.parent.is_dir()):
+        sys.exit(f"--out {args.out}: " + ("exists (choose a new name)" if args.out.exists() else "its folder does not exist"))
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
     elif not torch.cuda.is_available():
@@ -460,6 +511,11 @@ def main():
     from advantages import triton_kernels
 
     device = torch.device("cpu" if args.interpret_smoke else "cuda")
+    if device.type == "cuda":  # the "triton" estimator rows must not fall back to the torch scan unseen
+        import advantages.returns
+
+        if advantages.returns._triton(torch.zeros(1, device=device)) is None:
+            sys.exit("the estimators do not take the Triton path on this GPU (advantages.returns._triton)")
     shapes = SMOKE_SHAPES if args.interpret_smoke else SHAPES
     config = dict(block=32) if args.interpret_smoke else {}  # several chunks per row in the smoke run
     dtypes = (torch.float32, torch.bfloat16)
@@ -475,12 +531,27 @@ def main():
     console.print(f"[bold]{device_name}[/bold], torch {torch.__version__}, triton {triton.__version__}")
     bandwidth = copy_bandwidth(timer, device, 2**20 if args.interpret_smoke else 2**30)
     console.print(f"device-to-device copy: {bandwidth / 1e9:,.0f} GB/s (read + write)")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (
+        f"## Fused Triton returns on {device_name} ({stamp})\n\n"
+        f"`python benchmarks/gpu_returns.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}, triton {triton.__version__}; "
+        f"device-to-device copy {bandwidth / 1e9:,.0f} GB/s; the floor is bytes in + out at that bandwidth.\n\n"
+    )
+    sections = []
+
+    def report(title, header, body):
+        """Print a finished part and rewrite --out with every part so far (a cut-short run keeps them)."""
+        sections.append((title, header, body))
+        print_table(console, title, header, body)
+        if args.out:
+            args.out.write_text(head + "\n".join(markdown(*section) for section in sections))
 
     checks = check_correctness(impls, shapes, dtypes, gammas, device, generator)
     title = f"Correctness against a float64 per-token loop (tolerance {', '.join(f'{dtype_name(d)} {t:g}' for d, t in TOLERANCE.items())})"
-    sections = [(title, *correctness_table(checks))]
+    report(title, *correctness_table(checks))
+    failed = not all(ok for *_, ok in checks)
     speed = benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth)
-    sections.append((f"Speed, gamma {GAMMA} (GAE lambda {LAM}), median of {reps} runs", *speed_table(speed)))
+    report(f"Speed, gamma {GAMMA} (GAE lambda {LAM}), median of {reps} runs", *speed_table(speed))
     if args.sweep:
         blocks_and_warps = ((32, 1), (64, 2)) if args.interpret_smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
         sweep_shape = shapes[-1] if args.interpret_smoke else SWEEP_SHAPE
@@ -488,22 +559,11 @@ def main():
         split_shapes = SMOKE_SPLIT_SHAPES if args.interpret_smoke else SPLIT_SWEEP_SHAPES
         split_configs = ((16, 1), (32, 1)) if args.interpret_smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
         rows += split_sweep(triton_kernels, split_shapes, dtypes, device, generator, timer, bandwidth, split_configs)
-        sections.append(("Launch configs", *sweep_table(rows)))
-    for title, header, body in sections:
-        print_table(console, title, header, body)
-    console.print(f"done in {time.perf_counter() - started:.0f} s")
-
-    if args.out:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        head = (
-            f"## Fused Triton returns on {device_name} ({stamp})\n\n"
-            f"`python benchmarks/gpu_returns.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}, triton {triton.__version__}; "
-            f"device-to-device copy {bandwidth / 1e9:,.0f} GB/s; the floor is bytes in + out at that bandwidth.\n\n"
-        )
-        args.out.write_text(head + "\n".join(markdown(*section) for section in sections))
-        console.print(f"wrote {args.out}")
-    if not all(ok for *_, ok in checks):
-        sys.exit("correctness check FAILED (see the table)")
+        report("Launch configs", *sweep_table(rows))
+        failed |= not all(sweep_ok(dtype, diff) for _, _, dtype, *_, diff in rows)
+    console.print(f"done in {time.perf_counter() - started:.0f} s" + (f"; wrote {args.out}" if args.out else ""))
+    if failed:
+        sys.exit("correctness check FAILED (see the tables)")
 
 
 if __name__ == "__main__":

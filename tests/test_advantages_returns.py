@@ -227,10 +227,19 @@ def test_carry_scan_ignores_x_off_the_steps_and_gives_zero_there():
 
 
 def test_empty_inputs(scan_path):
+    """No rows or no columns: empty outputs of that shape; whitening one needs validate=False (the
+    default raises: fewer than 2 tokens)."""
     for shape in ((0, 5), (3, 0)):
         rewards = torch.zeros(shape)
         assert discounted_returns(rewards, rewards, 0.9).shape == shape
         assert gae(rewards, rewards, rewards, 0.9, 0.9, whiten=False)[0].shape == shape
+        for pair in (
+            whitened_discounted_returns(rewards, rewards, 0.9, validate=False),
+            gae(rewards, rewards, rewards, 0.9, 0.9, validate=False),
+        ):
+            assert [x.shape for x in pair] == [shape, shape]
+        with pytest.raises(ValueError, match="need at least 2 unmasked tokens"):
+            whitened_discounted_returns(rewards, rewards, 0.9)
 
 
 # --- property-based: random span layouts ------------------------------------------------------------

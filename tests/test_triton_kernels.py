@@ -458,3 +458,32 @@ def test_whitening_kernels_compile_for_hopper():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     run_kernels(sys.argv[1])
+
+
+# --- the prepared GPU benchmark script (benchmarks/gpu_returns.py): what can be checked without a GPU ---
+
+GPU_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_returns.py")
+
+
+def test_gpu_benchmark_refuses_an_existing_out_before_any_work(tmp_path):
+    """An earlier run's tables are never overwritten: the script stops before it measures anything."""
+    out = tmp_path / "gpu_returns.md"
+    out.write_text("an earlier run's tables\n")
+    proc = subprocess.run(
+        [sys.executable, GPU_SCRIPT, "--interpret-smoke", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1 and f"--out {out}: exists" in proc.stderr
+    assert out.read_text() == "an earlier run's tables\n"
+
+
+def test_gpu_benchmark_error_is_nan_when_any_output_is():
+    """Python's max keeps a NaN only when it comes first: a NaN in a later output must still fail the check."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_returns", GPU_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    small, nan = torch.tensor(1e-7), torch.tensor(float("nan"))
+    assert all(script.max_error(errors) != script.max_error(errors) for errors in ([small, nan], [nan, small]))
+    assert script.max_error([small, torch.tensor(2e-7)]) == pytest.approx(2e-7)
+    assert not script.sweep_ok(torch.float32, script.max_error([small, nan]))
