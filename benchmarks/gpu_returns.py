@@ -324,9 +324,7 @@ def check_correctness(impls, shapes, dtypes, gammas, device, generator):
                             continue
                         poison_allocator(b, t, dtype, device)
                         got = impls[name][kind](r, v, s, gamma, LAM)
-                        error = max_error(
-                            [(g.double() - w).abs().max() / w.abs().max().clamp(min=1.0) for g, w in zip(got, want, strict=True)]
-                        )
+                        error = relative_error(got, want)
                         per_token = [g for g in got if g.dim() == 2]
                         exact_zeros = all(bool((g[s != A] == 0).all()) for g in per_token)
                         ok = error <= TOLERANCE[dtype] and exact_zeros and all(g.dtype == dtype for g in per_token)
@@ -346,6 +344,11 @@ def max_error(errors):
     """The largest of some 0-d error tensors, NaN if any is NaN (Python's ``max`` keeps a NaN only when it comes first)."""
     values = [float(error) for error in errors]
     return float("nan") if any(value != value for value in values) else max(values)
+
+
+def relative_error(got, want):
+    """The largest ``max |g - w| / max(1, max |w|)`` over paired outputs, in float64; NaN if any is NaN."""
+    return max_error([(g.double() - w.double()).abs().max() / w.double().abs().max().clamp(min=1.0) for g, w in zip(got, want, strict=True)])
 
 
 def benchmark(impls, shapes, dtypes, device, generator, timer, bandwidth):
@@ -370,8 +373,7 @@ def config_diff(fn, reference, shape, dtype, device):
     the outputs poisoned first; NaN if any is NaN."""
     poison_allocator(*shape, dtype, device)
     got = fn()
-    got = got if isinstance(got, tuple) else (got,)
-    return max_error([(g.double() - w.double()).abs().max() / w.double().abs().max().clamp(min=1.0) for g, w in zip(got, reference, strict=True)])
+    return relative_error(got if isinstance(got, tuple) else (got,), reference)
 
 
 def sweep(kernels, shape, dtypes, device, generator, timer, bandwidth, blocks_and_warps):

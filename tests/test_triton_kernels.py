@@ -455,11 +455,6 @@ def test_whitening_kernels_compile_for_hopper():
     assert "st.global.v4.b32" in whiten
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    run_kernels(sys.argv[1])
-
-
 # --- the prepared GPU benchmark script (benchmarks/gpu_returns.py): what can be checked without a GPU ---
 
 GPU_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_returns.py")
@@ -487,3 +482,8 @@ def test_gpu_benchmark_error_is_nan_when_any_output_is():
     assert all(script.max_error(errors) != script.max_error(errors) for errors in ([small, nan], [nan, small]))
     assert script.max_error([small, torch.tensor(2e-7)]) == pytest.approx(2e-7)
     assert not script.sweep_ok(torch.float32, script.max_error([small, nan]))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    run_kernels(sys.argv[1])
