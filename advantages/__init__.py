@@ -36,16 +36,28 @@ from advantages.registry import (
     register_adv_est,
 )
 from advantages.returns import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
-from advantages.stats import masked_mean, masked_sum, masked_var, masked_whiten
+from advantages.stats import (
+    MIN_WHITEN_TOKENS,
+    WHITEN_EPS,
+    check_whitenable,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    whitenable,
+)
 
 __all__ = [
     "ESTIMATORS",
     "KL_PENALTY_MODES",
     "LOSS_AGG_MODES",
+    "MIN_WHITEN_TOKENS",
     "POLICY_LOSSES",
+    "WHITEN_EPS",
     "AdvantageEstimator",
     "Estimator",
     "aggregate_loss",
+    "check_whitenable",
     "cispo_policy_loss",
     "clipped_value_loss",
     "discounted_returns",
@@ -75,4 +87,5 @@ __all__ = [
     "returns_ignore_mask",
     "returns_reset_at_observation",
     "rloo",
+    "whitenable",
 ]

@@ -19,8 +19,8 @@
 #define ROWS 4
 
 /* The moments and whitening loops are compiled for AVX-512, AVX2 and plain x86-64, picked at load
- * time (native_simd.h, in masking/). Not the scans: their scalar steps ran 30% slower as AVX-512
- * code (BENCHMARKS.md, issue 20). */
+ * time (native_simd.h, in masking/). Not the scans: their steps are scalar (a chain of dependent
+ * multiply-adds per row), and they ran slower as AVX-512 code (BENCHMARKS.md, issue 20). */
 #include "native_simd.h"
 
 /* a row's moments: count, shift, and the sums of (value - shift) and of its square */

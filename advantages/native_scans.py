@@ -1,10 +1,10 @@
 """The carry-through return scans on the CPU as compiled loops (``native_scans.c``; issue 20).
 
 The torch scans (:mod:`advantages.scan`) are loop-free but make several passes with matmuls and
-temporaries; a C loop over each row, four rows at a time, runs at 60-70% of the memory floor: 4-6x
-faster at (8, 4096)-(64, 8192) on one thread (BENCHMARKS.md). The running state is a double. The
-whitened estimators sum their moments per group of rows just after it is scanned and whiten in one
-more pass: 0.55-0.8x the time of the compiled scan plus torch's whitening (BENCHMARKS.md).
+temporaries; a C loop over each row, four rows at a time, makes one pass (timings against the torch
+scans and the memory floor: BENCHMARKS.md, issue 20). The running state is a double. The whitened
+estimators sum their moments per group of rows just after it is scanned, while it is in the cache,
+and whiten in one more pass, instead of torch's whitening reading the whole batch again.
 Compiled on first use by :func:`masking.native.load`; every function returns None when it cannot
 take the tensors (not CPU, other dtypes, no compiler, a big batch with many torch threads), and the
 caller runs the torch scan.
@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from masking import native
+import masking.native as native
 
 SOURCE = Path(__file__).with_suffix(".c")
 _TYPES = {torch.float32: "f32", torch.float64: "f64"}
-THREADS_TO_MATCH = 6  # the torch scan took 4-6x the loop's time on one thread (BENCHMARKS.md)
+THREADS_TO_MATCH = 6  # from the torch scan's measured one-thread ratio to the loop (BENCHMARKS.md, issue 20)
 
 
 @functools.cache

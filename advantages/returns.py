@@ -28,11 +28,11 @@ import torch
 
 from advantages.native_scans import native_gae, native_returns, native_whitened_returns
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
+from advantages.stats import WHITEN_EPS, check_whitenable  # defined once there; importable from here too
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
 from masking.validate import as_dtype, check_same_shape, validate_batch
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon
 GAE_ONE_SCAN_MIN_LAM = 0.5  # GAE in one scan from here: its rounding error grows like 1 / lam (_gae_scan)
 
 
@@ -85,7 +85,7 @@ def _triton(x: torch.Tensor):
     """The Triton kernels module when ``x`` is a CUDA tensor it can take, else None (imported lazily)."""
     if not x.is_cuda or x.dtype not in _TRITON_DTYPES:
         return None
-    from advantages import triton_kernels
+    import advantages.triton_kernels as triton_kernels
 
     return triton_kernels if triton_kernels.triton_available(x) else None
 
@@ -130,16 +130,16 @@ def whitened_discounted_returns(
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantages and returns: :func:`discounted_returns`, whitened over every ASSISTANT
-    token of the batch (arXiv:2501.03262; verl's ``masked_whiten`` of the returns, eps ``1e-8``).
+    token of the batch (arXiv:2501.03262; verl's ``masked_whiten`` of the returns, eps :data:`WHITEN_EPS`).
 
     ``(b, t)`` inputs as in :func:`discounted_returns`; returns ``(advantages, returns)``, ``(b, t)``
     in the rewards' dtype, exactly 0 off ASSISTANT tokens. On CUDA the Triton kernel reduces the
     moments per row while it scans, and one elementwise pass whitens; on CPU the compiled loop
     sums each group of rows' moments (in double) just after scanning it, and one more pass whitens
     (:func:`~advantages.native_scans.native_whitened_returns`); where it cannot run, the torch
-    scan's returns are whitened by :func:`whiten_zero_off_mask`. No host sync
-    without ``validate``. ``validate`` also requires at least 2 ASSISTANT tokens (in the same sync); without
-    it such a batch gives NaN advantages, as verl's whitening does.
+    scan's returns are whitened by :func:`whiten_zero_off_mask`. No host sync without
+    ``validate``. ``validate`` also requires :data:`~advantages.stats.MIN_WHITEN_TOKENS` ASSISTANT
+    tokens (in the same sync); without it such a batch gives NaN advantages, as verl's whitening does.
     """
     check_discount("gamma", gamma)
     count = check_batch(token_level_rewards, response_mask, spans, validate, count=True)
@@ -158,18 +158,8 @@ def whitened_discounted_returns(
     return whiten_zero_off_mask(returns, steps, count), returns
 
 
-def check_whitenable(count: int, needed: int = 2) -> None:
-    """Raise ValueError unless ``count`` ASSISTANT tokens suffice for a Bessel-corrected variance
-    (the message of :func:`advantages.stats.check_enough_tokens`, from a count already on the host)."""
-    if count < needed:
-        raise ValueError(
-            f"need at least {needed} unmasked tokens for a Bessel-corrected variance, got {count} "
-            "(a batch without enough ASSISTANT tokens cannot be whitened)"
-        )
-
-
 def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + 1e-8)`` over the steps, exactly 0 elsewhere; ``(b, t)``.
+    """``(values - mean) / sqrt(var + WHITEN_EPS)`` over the steps, exactly 0 elsewhere; ``(b, t)``.
 
     ``values`` must be exactly 0 off the steps (the scans' outputs are), so the masked sum is a plain
     sum. Two passes for the moments, in the scan dtype (float32 for half precisions): the sum

@@ -26,9 +26,9 @@ def by_row_blocks(fn: Callable, *tensors: torch.Tensor):
     """``fn(*tensors)``, computed on CPU over blocks of about ``CPU_BLOCK_ELEMENTS`` elements of rows.
 
     The scans are memory-bound, with a few full-size temporaries; on blocks that fit in the
-    cache a big batch ran 1.2x faster here (256 x 16384, one thread). Rows are independent,
-    so the result is the same. Elsewhere (CUDA) ``fn`` runs once on the whole batch. ``fn`` maps
-    ``(b, t)`` tensors to a ``(b, t)`` tensor or a tuple of them.
+    cache those temporaries stay there instead of going to memory (BENCHMARKS.md, issue 2). Rows
+    are independent, so the result is the same. Elsewhere (CUDA) ``fn`` runs once on the whole
+    batch. ``fn`` maps ``(b, t)`` tensors to a ``(b, t)`` tensor or a tuple of them.
     """
     b, t = tensors[0].shape
     rows = max(1, CPU_BLOCK_ELEMENTS // max(t, 1))
@@ -77,8 +77,8 @@ def max_exponent(decay: float, dtype: torch.dtype) -> int:
 def _powers(decay: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``decay**e`` for ``e = 0 .. n - 1``, correctly rounded (computed in float64), in ``dtype``.
 
-    Cached: the table depends only on its arguments, and computing 4097 float64 powers took ~15%
-    of a (8, 4096) call. Callers never write to it.
+    Cached: the table depends only on its arguments, and computing thousands of float64 powers
+    is a visible share of a small call (BENCHMARKS.md, issue 2). Callers never write to it.
     """
     if dtype != torch.float64:
         return _powers(decay, n, torch.float64, device).to(dtype)

@@ -2,9 +2,15 @@
 
 ``mask`` is ``(b, t)`` bool or 0/1 float; only True/1 positions count. Positions off the mask never
 leak into a result (``torch.where``, so even a NaN there is ignored).
+
+The whitening's constants live here, once, for every whitening in :mod:`advantages` (the torch,
+compiled and Triton paths): :data:`WHITEN_EPS` and :data:`MIN_WHITEN_TOKENS`.
 """
 
 import torch
+
+WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon, added to the variance
+MIN_WHITEN_TOKENS = 2  # a Bessel-corrected variance needs at least two tokens
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -19,14 +25,26 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count
 
 
-def check_enough_tokens(mask: torch.Tensor, needed: int = 2) -> None:
-    """Raise ValueError if fewer than ``needed`` positions are set (costs one host sync)."""
-    count = int(mask.bool().sum())
+def whitenable(count: int) -> bool:
+    """Whether ``count`` ASSISTANT tokens (a Python int, already on the host) can be whitened: at
+    least :data:`MIN_WHITEN_TOKENS`, so the Bessel-corrected variance is defined."""
+    return count >= MIN_WHITEN_TOKENS
+
+
+def check_whitenable(count: int, needed: int = MIN_WHITEN_TOKENS) -> None:
+    """Raise ValueError unless ``count`` tokens (a Python int, already on the host) reach ``needed``
+    (by default :data:`MIN_WHITEN_TOKENS`, a Bessel-corrected variance); no tensor, no host sync."""
     if count < needed:
         raise ValueError(
             f"need at least {needed} unmasked tokens for a Bessel-corrected variance, got {count} "
             "(a batch without enough ASSISTANT tokens cannot be whitened)"
         )
+
+
+def check_enough_tokens(mask: torch.Tensor, needed: int = MIN_WHITEN_TOKENS) -> None:
+    """Raise ValueError if fewer than ``needed`` positions of the ``(b, t)`` ``mask`` are set
+    (:func:`check_whitenable` on their count; costs one host sync)."""
+    check_whitenable(int(mask.bool().sum()), needed)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, check: bool = True) -> torch.Tensor:
@@ -36,14 +54,14 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, 
     check syncs with the host. With ``check=False`` such input gives NaN instead.
     """
     if check:
-        check_enough_tokens(mask, 2 if unbiased else 1)
+        check_enough_tokens(mask, MIN_WHITEN_TOKENS if unbiased else 1)
     count = mask.bool().sum()
     centered = values - masked_mean(values, mask)
     return masked_sum(centered.square(), mask) / (count - 1 if unbiased else count).clamp(min=0)  # 0/0: NaN
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, check: bool = True, eps: float = 1e-8
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, check: bool = True, eps: float = WHITEN_EPS
 ) -> torch.Tensor:
     """``(values - mean) / sqrt(var + eps)`` over the set positions, 0 elsewhere (same shape and dtype).
 

@@ -10,8 +10,8 @@ shifted loads. Every token is read once and written once, so the kernels are bou
 bandwidth; accumulation is float32 for bfloat16/float16 inputs. The returns kernel can also
 reduce each row's moments of the returns in the same pass (for REINFORCE++ whitening).
 
-CUDA callers dispatch here through :func:`triton_available`; the torch scan in
-``advantages.returns`` stays the reference path (and the only one on CPU). Under
+CUDA callers dispatch here through :func:`triton_available`; elsewhere ``advantages.returns`` runs
+the compiled CPU loops (``advantages.native_scans``) or the torch scan (``advantages.scan``). Under
 ``TRITON_INTERPRET=1`` (set before ``triton`` is imported) the kernels also run on CPU tensors,
 which is how the tests check them.
 """
@@ -31,7 +31,7 @@ except ImportError:  # Triton is optional: without it CUDA tensors use the torch
 DISABLE_ENV = "AGENT_LOOP_DISABLE_TRITON"
 MAX_BLOCK = 4096  # the returns kernel's chunk at long rows (swept on an H200, issue 20)
 MAX_BLOCK_GAE = 2048  # GAE scans five components per token: smaller chunks keep them in registers
-DEFAULT_NUM_STAGES = 1  # 2 (prefetching) was slower than 1 in every swept row on an H200
+DEFAULT_NUM_STAGES = 1  # no prefetching: the H200 sweep found it slower (BENCHMARKS.md, GPU kernel)
 SPLIT_BLOCK = 2048  # chunk length when a row is split across programs
 DEFAULT_SM_COUNT = 132  # an H100/H200; used when the device cannot be asked (the interpreter)
 

@@ -1,120 +1,105 @@
-"""``--config run.yaml``: every command-line option of a command, as a YAML mapping; flags given on the
-command line override the file; the resolved settings are saved next to the run's outputs.
+"""How options are declared: once, as fields of a dataclass, for code, flags and config files alike.
 
-Keys are option names with ``_`` or ``-`` (``max_turns`` or ``max-turns``). An unknown key is an error
-that names it, the file and the closest valid key (``difflib``), before anything runs or any file is
-written. Values are checked with the option's own type and choices.
+Each option is ``name: Annotated[type, Field(constraints, description=help)] = default`` (pydantic's
+``Field``: ``ge``/``gt``/``le``/``lt``, ``Literal[...]`` for a fixed set of choices, ``AfterValidator``
+for a check of its own that raises ``ValueError("what is wrong; what is allowed")``). The declarations
+live with what they configure: the loop's in :class:`agent_loop.episode.config.LoopConfig`, the task's
+in :class:`agent_loop.tasks.registry.TaskOptions`, the run's in :class:`agent_loop.runners.spec.RunOptions`;
+a command's options are a dataclass that inherits the ones it takes (``agent_loop.cli.rollout``,
+``trainer.config``). Rules that tie options together are a ``check()`` method raising
+:class:`OptionError`. :func:`build` checks values against both; ``agent_loop.cli.options`` turns a
+declaration into flags, config-file keys, help and one-line usage errors. Building a dataclass in code
+does not validate; :func:`checked` does.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import difflib
-from pathlib import Path
-from typing import Any
+import typing
 
-import yaml
+from pydantic import ConfigDict, TypeAdapter
 
-SKIPPED_DESTS = ("help", "config", "run", "command")
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used as it is."""
+STRICT_NUMBERS = ConfigDict(allow_inf_nan=False)  # a declaration's __pydantic_config__: no nan/inf values
 
 
-def add_config_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, metavar="RUN.YAML",
-                        help="YAML file of options (keys as option names); flags given here override it")
+def one_of(choices) -> str:
+    """``"one of a, b, c"``: how a declaration's help and errors name a fixed set of choices."""
+    return "one of " + ", ".join(str(c) for c in choices)
 
 
-def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in parser._actions if a.dest not in SKIPPED_DESTS and a.option_strings}
+def closest(name: str, choices) -> str:
+    """``"; did you mean X?"`` for the nearest of ``choices``, or ``""``."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]}?" if match else ""
 
 
-def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
-    if value is None:
-        return None
-    if isinstance(action, argparse.BooleanOptionalAction) or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
-        return value
-    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        values = value if isinstance(value, list) else [value]
-        return [_convert_one(action, key, v, where) for v in values]
-    return _convert_one(action, key, value, where)
+class OptionError(ValueError):
+    """A rule across options is broken: ``option`` (a field name) and what is wrong with its value.
+
+    ``message`` may name other options as ``{name}``; :meth:`render` writes every name as a flag
+    (``--group-size``) or as a config key (``group_size``, which ``str()`` gives).
+    """
+
+    def __init__(self, option: str | None, message: str, value=None):
+        self.option, self.message, self.value = option, message, value
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of) -> str:
+        """The message with every option named by ``name_of`` (``option value: message``; just the message
+        when ``option`` is None, for rules that name their options in it)."""
+        text = self.message.format_map(_Names(name_of))
+        if self.option is None:
+            return text
+        return f"{name_of(self.option)}{'' if self.value is None else f' {self.value}'}: {text}"
 
 
-def _convert_one(action: argparse.Action, key: str, value: Any, where: str) -> Any:
-    kind = action.type
-    if kind is not None:
-        if isinstance(value, (dict, list)) or (kind in (int, float) and isinstance(value, bool)):
-            raise ConfigError(f"{where}: {key} must be a {getattr(kind, '__name__', kind)}, got {value!r}")
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
-        try:
-            value = kind(value)
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
-            raise ConfigError(f"{where}: {key}: {error}") from None
-    if action.choices is not None and value not in action.choices:
-        raise ConfigError(f"{where}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
-    return value
+class _Names(dict):
+    def __init__(self, name_of):
+        super().__init__()
+        self.name_of = name_of
+
+    def __missing__(self, key: str) -> str:
+        return self.name_of(key)
 
 
-def read_config(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The file's settings as ``{dest: value}``, checked against ``parser``'s options (ConfigError if not)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a mapping of option: value, got {type(data).__name__}")
-    options = _options(parser)
-    settings = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in options:
-            close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(options))}"
-            raise ConfigError(f"{path}: unknown key {raw_key!r}; {hint}")
-        settings[key] = _convert(options[key], key, value, str(path))
-    return settings
+def override_defaults(**defaults):
+    """Class decorator: make ``cls`` a dataclass whose inherited fields ``defaults`` get other defaults,
+    keeping their declaration (type, constraint, help). The one place a command says where its defaults differ."""
+
+    def apply(cls):
+        hints = typing.get_type_hints(cls, include_extras=True)
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        for name, value in defaults.items():
+            if name not in hints:
+                raise TypeError(f"{cls.__name__} inherits no option {name!r}")
+            own.setdefault(name, hints[name])
+            setattr(cls, name, value)
+        cls.__annotations__ = own
+        return dataclasses.dataclass(cls)
+
+    return apply
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None,
-                      target: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse ``argv`` with the settings of its ``--config`` file as defaults of ``target`` (default ``parser``;
-    a subcommand's parser when ``parser`` has subcommands). A bad file exits like a bad flag does."""
-    target = target or parser
-    probe = argparse.ArgumentParser(add_help=False)
-    probe.add_argument("--config", default=None)
-    known, _ = probe.parse_known_args(argv)
-    settings = {}
-    if known.config:
-        try:
-            settings = read_config(known.config, target)
-        except ConfigError as error:
-            target.error(str(error))
-        target.set_defaults(**settings)
-    args = parser.parse_args(argv)
-    for dest, action in _options(target).items():  # a repeatable flag given here replaces the file's list
-        if isinstance(action, argparse._AppendAction) and isinstance(settings.get(dest), list):
-            setattr(args, dest, getattr(args, dest)[len(settings[dest]):] or settings[dest])
-    return args
+def pick(cls, source) -> dict:
+    """The values of ``cls``'s fields found on ``source`` (an options object that inherits them)."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if hasattr(source, f.name)}
 
 
-def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Every option's final value, ready to write as YAML (what a rerun with ``--config`` reproduces)."""
-    return {dest: getattr(args, dest) for dest in _options(parser) if hasattr(args, dest)}
+_ADAPTERS: dict[type, TypeAdapter] = {}
 
 
-def save_resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser, path: str | Path) -> Path:
-    """Write :func:`resolved_config` to ``path`` (YAML) and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(resolved_config(args, parser), sort_keys=False), encoding="utf-8")
-    return path
+def build(cls, values: dict):
+    """``cls`` from ``values``, checked: every value against its declaration (pydantic's ValidationError),
+    then the rules across options (``cls.check()``: OptionError). Both are ValueErrors."""
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    options = _ADAPTERS[cls].validate_python(values)
+    if hasattr(options, "check"):
+        options.check()
+    return options
+
+
+def checked(options):
+    """``options`` (a declared dataclass built in code) checked as :func:`build` checks values: a new instance."""
+    return build(type(options), {f.name: getattr(options, f.name) for f in dataclasses.fields(options)})

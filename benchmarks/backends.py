@@ -25,10 +25,10 @@ import torch
 from transformers import AutoTokenizer
 
 from agent_loop.backends.hf import TransformersBackend
-from agent_loop.loop import LoopConfig
+from agent_loop.episode.config import LoopConfig
 from agent_loop.models import ARCHITECTURES, build_random_model
-from agent_loop.runner import run_rollouts
-from agent_loop.tasks import get_task
+from agent_loop.runners.local import run_rollouts
+from agent_loop.tasks.registry import get_task
 from agent_loop.tiny import tiny_agent_path
 
 BACKENDS = ("transformers", "vllm", "http")
@@ -55,8 +55,8 @@ async def measure(task, backend, tokenizer, episodes: int, concurrency: int, con
 def prefill_logits_gib(task, tokenizer, concurrency: int) -> float:
     """Memory of the transformers backend's first forward: it keeps logits for every prompt position
     (``concurrency x prompt tokens x vocab`` floats), 15 GiB for Qwen2.5's vocabulary at concurrency 64."""
-    from agent_loop.loop import _formatter
-    from agent_loop.tools import ToolExecutor
+    from agent_loop.episode.loop import formatter_for as _formatter
+    from agent_loop.episode.tools import ToolExecutor
 
     episode = task.make_episode(0)
     prompt = _formatter(tokenizer, ToolExecutor(episode.tools).schemas).prompt_ids(episode.messages)

@@ -20,10 +20,11 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.chat import ChatFormatter
-from agent_loop.loop import LoopConfig, run_episode
-from agent_loop.tasks import get_task
-from agent_loop.tools import ToolExecutor
+from agent_loop.episode.chat import ChatFormatter
+from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop import run_episode
+from agent_loop.episode.tools import ToolExecutor
+from agent_loop.tasks.registry import get_task
 
 
 def main() -> None:

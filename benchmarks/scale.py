@@ -4,7 +4,7 @@ Each size runs in a fresh child process (so peak RSS is that run's own): the ari
 tiny agent's tokenizer, a ScriptedBackend that answers like a good agent (a calculator call with the
 question's expression, then the tool's result as the answer; 2 turns, ~100 tokens per episode),
 concurrency 256, every Trajectory streamed to a JSON Lines file as the CLI does
-(:func:`agent_loop.runner.stream_rollouts`). The backend's call log (a test aid that keeps every
+(:func:`agent_loop.runners.local.stream_rollouts`). The backend's call log (a test aid that keeps every
 prompt) is switched off so the numbers are the runner's. On a shared machine wall-clock episodes/s
 follows the load of the moment; the CPU time per episode (this process's user + system time) does
 not, so its ratio is the one to read for "flat". Goal (issue 15): episodes/s at 100k within
@@ -44,8 +44,9 @@ def child(episodes: int, concurrency: int, progress: bool) -> dict:
     from transformers import AutoTokenizer
 
     from agent_loop.backends.scripted import ScriptedBackend
-    from agent_loop.runner import stream_rollouts
-    from agent_loop.tasks import get_task
+    from agent_loop.runners.local import stream_rollouts
+    from agent_loop.runners.spec import RunSpec
+    from agent_loop.tasks.registry import get_task
     from agent_loop.tiny import tiny_agent_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_agent_path()))
@@ -66,8 +67,8 @@ def child(episodes: int, concurrency: int, progress: bool) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rollouts.jsonl"
         started, cpu_started = time.perf_counter(), time.process_time()
-        stats, _ = asyncio.run(stream_rollouts(get_task("arithmetic"), backend, tokenizer, range(episodes),
-                                               concurrency=concurrency, output_path=out, progress=progress))
+        spec = RunSpec(get_task("arithmetic"), tokenizer, range(episodes), output_path=out, progress=progress)
+        stats, _ = asyncio.run(stream_rollouts(spec, backend, concurrency=concurrency))
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         with open(out, "rb") as f:
             lines = sum(1 for _ in f)

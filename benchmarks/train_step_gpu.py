@@ -56,9 +56,8 @@ def parse_args():
 
 def build_model(folder: Path, shape: dict) -> None:
     """A random-weight Qwen2 causal LM of ``shape``, saved with the Qwen2.5 tokenizer and chat template."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
     from testdata import qwen_tokenizer_dir
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())

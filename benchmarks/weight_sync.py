@@ -5,7 +5,7 @@
     python benchmarks/weight_sync.py --backends server,lora   # LoRA: merged weights vs the adapter alone
 
 Backends: the in-process transformers backend (``load_state_dict``); the in-process vLLM engine in
-place (``VLLMEngineBackend.update_weights`` = ``weight_sync.reload_engine_weights``,
+place (``VLLMEngineBackend.update_weights``:
 ``collective_rpc("reload_weights")``; it restarted the engine before, about 54 s here); a vLLM OpenAI server on 127.0.0.1 in place
 (``VLLMServerWeightSync``: ``/collective_rpc`` reload, prefix-cache reset, weight version check).
 For a LoRA policy (rank ``--lora-rank`` on every linear layer): its merged weights pushed in place
@@ -33,8 +33,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent_loop.backends.base import SamplingParams  # noqa: E402
 from agent_loop.backends.hf import TransformersBackend  # noqa: E402
-from agent_loop.types import SamplingParams  # noqa: E402
 
 
 def perturbed(model, seed: int):
@@ -111,7 +111,7 @@ def main() -> int:
             seconds.append(time.perf_counter() - started)
         record("transformers (in process)", seconds, "exact (same weights)")
 
-    from agent_loop.backends.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync, reload_engine_weights
+    from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
 
     if "engine" in backends:
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
@@ -119,7 +119,9 @@ def main() -> int:
         with VLLMEngineBackend(model_dir, seed=0) as engine:
             seconds, agree = [], True
             for model in versions:
-                seconds.append(reload_engine_weights(engine, model.state_dict()))
+                started = time.perf_counter()
+                engine.update_weights(model.state_dict())
+                seconds.append(time.perf_counter() - started)
                 agree &= greedy(engine, prompt) == greedy(TransformersBackend(model), prompt)
             record("vLLM engine, in place (reload_weights)", seconds, "yes" if agree else "NO")
 

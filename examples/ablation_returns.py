@@ -38,7 +38,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from agent_loop.inspect.values import REGISTERED  # noqa: E402
+from agent_loop.inspect.choices import REGISTERED  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
 from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
 

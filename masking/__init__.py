@@ -9,7 +9,8 @@ import importlib
 from masking.kinds import SpanKind
 
 _LAZY = {
-    "Batch": "masking.batch", "collate": "masking.batch", "uncollate": "masking.batch",
+    "Batch": "masking.batch", "collate": "masking.batch", "collate_rewards": "masking.batch",
+    "uncollate": "masking.batch",
     "last_assistant_index": "masking.rewards", "last_assistant_index_per_turn": "masking.rewards",
     "place_rewards": "masking.rewards",
     "SPAN_DTYPE": "masking.spans", "response_mask_from_spans": "masking.spans", "spans_from_response_mask": "masking.spans",

@@ -79,8 +79,73 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 def _pad(rows: Sequence[Sequence], dtype: torch.dtype, value, side: str = "right") -> torch.Tensor:
+    """``b`` rows of varied length -> one ``(b, longest)`` tensor of ``dtype``, ``value`` on ``side``."""
     tensors = [torch.as_tensor(list(row), dtype=dtype) for row in rows]
     return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
+
+
+def _check_row_counts(reference_name: str, b: int, named_rows: Sequence[tuple[str, Sequence]]) -> None:
+    """Raise ValueError unless every ``(name, rows)`` has ``b`` rows, as ``reference_name`` has."""
+    for name, rows in named_rows:
+        if len(rows) != b:
+            raise ValueError(f"{name} has {len(rows)} rows, {reference_name} has {b}")
+
+
+def _check_row_lengths(
+    reference_name: str,
+    reference: Sequence[Sequence],
+    named_rows: Sequence[tuple[str, Sequence[Sequence]]],
+    spans: Sequence[Sequence[int]],
+) -> None:
+    """Raise ValueError (naming the row) unless each row of every ``(name, rows)`` is as long as
+    that row of ``reference``, and no non-empty row of the unpadded ``spans`` holds a PAD."""
+    for row in range(len(reference)):
+        n = len(reference[row])
+        for name, rows in named_rows:
+            if len(rows[row]) != n:
+                raise ValueError(f"row {row}: {name} has {len(rows[row])} entries, {reference_name} has {n}")
+        if n and SpanKind.PAD in spans[row]:
+            raise ValueError(f"row {row}: position {list(spans[row]).index(SpanKind.PAD)} is PAD inside an unpadded response")
+
+
+def collate_rewards(
+    spans: Sequence[Sequence[int]],
+    turn_ids: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    turn_rewards: Sequence[Sequence[float] | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad b trajectories' spans and turn ids and place their rewards: what the returns need.
+
+    ``spans`` and ``turn_ids`` are per-row unpadded lists of one length per row; ``rewards`` one
+    outcome reward per row; ``turn_rewards`` per row a list of per-turn rewards or None (or None
+    for all rows). Returns ``(spans, turn_ids, token_level_rewards)``, right-padded ``(b, t)``:
+    ``spans`` int8 SpanKind (PAD on padding), ``turn_ids`` int16 (-1 on padding) and
+    ``token_level_rewards`` in ``dtype`` (:func:`~masking.rewards.place_rewards`: the outcome
+    reward on each row's last ASSISTANT token, per-turn rewards on each turn's). These are the
+    fields of :func:`collate`, which calls this.
+
+    Raises ValueError (naming the row) when the lists disagree in rows or lengths, the spans are
+    invalid, or a nonzero reward has no ASSISTANT token to sit on.
+    """
+    _check_row_counts("spans", len(spans), (("turn_ids", turn_ids), ("rewards", rewards)))
+    _check_row_lengths("spans", spans, (("turn_ids", turn_ids),), spans)
+    span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
+    validate_spans(span_tensor)
+    turn_tensor = _pad(turn_ids, torch.int16, -1)
+    per_turn = None
+    if turn_rewards is not None and any(r is not None for r in turn_rewards):
+        per_turn = _pad([r or [] for r in turn_rewards], dtype, 0.0)
+    token_level_rewards = place_rewards(
+        span_tensor, torch.as_tensor(list(rewards), dtype=dtype), turn_tensor, per_turn, dtype=dtype
+    )
+    return span_tensor, turn_tensor, token_level_rewards
+
+
+def _attention_mask(prompt_ids: Sequence[Sequence[int]], spans: torch.Tensor) -> torch.Tensor:
+    """``(b, p + t)`` long: 1 on each row's prompt tokens (left-padded) and non-PAD response tokens."""
+    prompt_attention = _pad([[1] * len(p) for p in prompt_ids], torch.long, 0, side="left")
+    return torch.cat([prompt_attention, (spans != SpanKind.PAD).long()], dim=1)
 
 
 def collate(
@@ -100,38 +165,18 @@ def collate(
     ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t), ``token_level_rewards`` (b, t)
     (outcome reward on the last ASSISTANT token, per-turn rewards on each turn's last ASSISTANT
     token), ``prompts`` (b, p) left-padded, ``input_ids`` (b, p + t), ``attention_mask`` (b, p + t)
-    and ``position_ids`` (b, p + t).
+    and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` come from
+    :func:`collate_rewards`.
 
     Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid.
     """
-    b = len(response_ids)
-    for name, rows in (("prompt_ids", prompt_ids), ("spans", spans), ("turn_ids", turn_ids),
-                       ("logprobs", logprobs), ("rewards", rewards)):
-        if len(rows) != b:
-            raise ValueError(f"{name} has {len(rows)} rows, response_ids has {b}")
-    for row in range(b):
-        n = len(response_ids[row])
-        for name, rows in (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs)):
-            if len(rows[row]) != n:
-                raise ValueError(f"row {row}: {name} has {len(rows[row])} entries, response_ids has {n}")
-        if n and SpanKind.PAD in spans[row]:
-            raise ValueError(f"row {row}: position {list(spans[row]).index(SpanKind.PAD)} is PAD inside an unpadded response")
-
-    span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
-    validate_spans(span_tensor)
+    per_token = (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs))
+    _check_row_counts("response_ids", len(response_ids), (("prompt_ids", prompt_ids), *per_token, ("rewards", rewards)))
+    _check_row_lengths("response_ids", response_ids, per_token, spans)
+    span_tensor, turn_tensor, token_level_rewards = collate_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
     responses = _pad(response_ids, torch.long, pad_token_id)
-    turn_tensor = _pad(turn_ids, torch.int16, -1)
     prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
-    prompt_attention = _pad([[1] * len(p) for p in prompt_ids], torch.long, 0, side="left")
-
-    per_turn = None
-    if turn_rewards is not None and any(r is not None for r in turn_rewards):
-        per_turn = _pad([r or [] for r in turn_rewards], dtype, 0.0)
-    token_level_rewards = place_rewards(
-        span_tensor, torch.as_tensor(list(rewards), dtype=dtype), turn_tensor, per_turn, dtype=dtype
-    )
-
-    attention_mask = torch.cat([prompt_attention, (span_tensor != SpanKind.PAD).long()], dim=1)
+    attention_mask = _attention_mask(prompt_ids, span_tensor)
     return Batch(
         responses=responses,
         spans=span_tensor,

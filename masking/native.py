@@ -1,18 +1,18 @@
 """Small C loops for the CPU, compiled on first use and called through ctypes (issue 20).
 
-Some CPU work is a single pass that torch can only write as a dozen ops of a few microseconds each
-(the batch checks, :mod:`masking.native_checks`) or as a blocked scan several times the memory
-floor (the return scans, :mod:`advantages.native_scans`). A C file next to the module does it in one
-loop. ``torch.compile`` fuses such ops too, but its call overhead alone (~60 us here) is most of
-the budget at (8, 4096).
+Some CPU work is a single pass that torch can only write as a dozen ops, each with its own fixed
+cost per call (the batch checks, :mod:`masking.native_checks`), or as a blocked scan that makes
+several passes over memory (the return scans, :mod:`advantages.native_scans`). A C file next to the
+module does it in one loop. ``torch.compile`` fuses such ops too, but its own call overhead is
+most of a small batch's budget (BENCHMARKS.md, issue 20).
 
 :func:`load` compiles a C file with the system compiler (``$CC``, else ``cc``) into
 ``$AGENT_LOOP_CACHE/native`` (default ``~/.cache/agent_loop/native``) under a name that hashes the
 source, the shared header (``native_simd.h``, next to this module), the command and the machine, so
-an edit recompiles (about 4 s once per machine). The library is written to a scratch folder and
-renamed, so concurrent processes never load a partial one. Without a compiler (or with
-``AGENT_LOOP_NATIVE=0``) callers run their torch path: the same results, slower (one warning says
-why).
+an edit recompiles, once per machine (compile times: BENCHMARKS.md, issue 20). The library is
+written to a scratch folder and renamed, so concurrent processes never load a partial one. Without
+a compiler (or with ``AGENT_LOOP_NATIVE=0``) callers run their torch path: the same results,
+slower (one warning says why).
 """
 
 import ctypes
@@ -38,8 +38,14 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-f
 HEADERS = Path(__file__).parent  # native_simd.h, included by every C file: on the -I path, hashed with each source
 
 
+def cache_root() -> Path:
+    """The one cache folder of agent-loop: ``$AGENT_LOOP_CACHE``, else ``~/.cache/agent_loop`` (compiled loops
+    here, the tiny agent and test data beside them)."""
+    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop")
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop") / "native"
+    return cache_root() / "native"
 
 
 def _compile_command() -> list[str]:
@@ -77,7 +83,7 @@ def load(source: Path) -> ctypes.CDLL | None:
 
 def on_cpu(*tensors: torch.Tensor) -> bool:
     """Every tensor on the CPU and contiguous (row-major, what the C loops index). Written out, no
-    generator: this runs per call, and at small sizes its microseconds count."""
+    generator: this runs per call, and at small sizes its overhead counts."""
     for x in tensors:
         if not (x.is_cpu and x.is_contiguous()):
             return False
@@ -85,8 +91,9 @@ def on_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def one_thread_wins(numel: int, threads_to_match: int) -> bool:
-    """Whether a single-threaded C loop beats torch's ops on ``numel`` elements: yes below 2^21
+    """Whether a single-threaded C loop beats torch's ops on ``numel`` elements: yes up to 2^21
     elements (there torch's ops are mostly per-op overhead), above it while torch has fewer than
-    ``threads_to_match`` threads (how many threads its ops would need to catch up, from the
-    one-thread ratio: torch's ops scaled 12.5 -> 7.1 ms from 1 to 2 threads here; BENCHMARKS.md)."""
+    ``threads_to_match`` threads (how many threads its multi-threaded ops would need to catch up with
+    the one loop: each caller derives it from its measured one-thread ratio and torch's scaling
+    with threads; BENCHMARKS.md, issue 20)."""
     return numel <= 2**21 or torch.get_num_threads() < threads_to_match

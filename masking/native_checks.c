@@ -16,9 +16,8 @@
  * their flags in int32, which is what lets every (rewards, mask) pair vectorise). */
 #include <stdint.h>
 
-/* The loops are compiled for AVX-512, AVX2 and plain x86-64 (native_simd.h). With it (and the
- * one-multiply rewards check) the checks take 0.54-0.93x of their time before (BENCHMARKS.md,
- * issue 20). */
+/* The loops are compiled for AVX-512, AVX2 and plain x86-64 (native_simd.h), so the wider vectors
+ * are used where the CPU has them (timings: BENCHMARKS.md, issue 20). */
 #include "native_simd.h"
 
 #define CHECK_SPANS_TOKEN(R, M, r, m, s, next, bad, count)                                          \

@@ -1,8 +1,9 @@
 """:func:`masking.validate.validate_batch`'s checks on CPU as one compiled loop (issue 20).
 
-In torch the checks take a dozen elementwise ops and reductions, a few microseconds each whatever
-their size, plus a pass over memory each. One C loop (``native_checks.c``, compiled by
-:func:`masking.native.load`) reads rewards, mask and spans once, 2-4x faster (BENCHMARKS.md).
+In torch the checks take a dozen elementwise ops and reductions, each with a fixed cost per call
+whatever its size, plus a pass over memory each. One C loop (``native_checks.c``, compiled by
+:func:`masking.native.load`) reads rewards, mask and spans once, with no per-op overhead
+(timings: BENCHMARKS.md, issue 20).
 """
 
 import ctypes
@@ -12,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from masking import native
+import masking.native as native
 
 SOURCE = Path(__file__).with_suffix(".c")
 _REWARDS = {torch.float32: "f32", torch.float64: "f64"}
@@ -21,7 +22,8 @@ _MASKS = {
     torch.int8: "i8", torch.int32: "i32", torch.int64: "i64",
 }
 _SPANS = (torch.int8, torch.uint8)
-# torch's path of the checks took 12.5 ms on 1 thread and 7.1 ms on 2 at (256, 16384), the loop 4.7-4.9 ms
+# torch threads from which its multi-threaded path of the checks beats the one-thread loop on a big batch,
+# from their measured times (BENCHMARKS.md, issue 20: "The compiled checks alone")
 THREADS_TO_MATCH = 3
 
 

@@ -4,7 +4,6 @@ import torch
 
 from masking.kinds import SpanKind
 
-
 SPAN_DTYPE = torch.int8
 
 

@@ -24,8 +24,8 @@ def _first_bad(bad: torch.Tensor) -> tuple[int, int] | None:
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, skipping the call when ``x`` has it (a no-op ``to`` costs a few microseconds,
-    which add up in a small batch's call)."""
+    """``x.to(dtype)``, skipping the call when ``x`` has it (even a no-op ``to`` pays a call's
+    overhead, which adds up in a small batch's call)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
@@ -158,20 +158,14 @@ def validate_batch(
         if not ok:
             _raise_first_failure(token_level_rewards, response_mask, spans)
         return tokens if count else None
-    b, t = token_level_rewards.shape
-    rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
-    if b <= rows:  # one block (no slicing: at small sizes every op counts)
-        checks = _residual_checks(token_level_rewards, response_mask, spans)
-    else:  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
-        checks = [
-            check
-            for start in range(0, b, rows)
-            for check in _residual_checks(
-                token_level_rewards[start : start + rows],
-                response_mask[start : start + rows],
-                None if spans is None else spans[start : start + rows],
-            )
-        ]
+    return _validate_with_torch(token_level_rewards, response_mask, spans, count)
+
+
+def _validate_with_torch(token_level_rewards, response_mask, spans, count: bool) -> int | None:
+    """:func:`validate_batch` in torch ops, for a non-empty ``(b, t)`` batch: the residual checks
+    of :func:`_block_checks` (and, with ``count``, the number of ASSISTANT tokens) reach the host
+    together; only a residual out of its bounds runs the single checks, which raise."""
+    checks = _block_checks(token_level_rewards, response_mask, spans)
     if count:  # exact for 0/1 values
         exact = token_level_rewards.dtype == torch.float32 and token_level_rewards.numel() <= 2**24
         tokens = as_dtype(response_mask, token_level_rewards.dtype).sum(dtype=None if exact else torch.float64)
@@ -181,6 +175,24 @@ def validate_batch(
     if not all(low <= value <= high for value, (_, low, high) in zip(values, checks)):  # NaN is never within
         _raise_first_failure(token_level_rewards, response_mask, spans)
     return total
+
+
+def _block_checks(token_level_rewards, response_mask, spans) -> list[tuple[torch.Tensor, float, float]]:
+    """:func:`_residual_checks` of the ``(b, t)`` batch: on CPU per block of about
+    :data:`CPU_BLOCK_ELEMENTS` elements of rows, elsewhere of the whole batch."""
+    b, t = token_level_rewards.shape
+    rows = b if token_level_rewards.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // t)
+    if b <= rows:  # one block (no slicing: at small sizes every op counts)
+        return _residual_checks(token_level_rewards, response_mask, spans)
+    return [  # per block of rows: (0-d tensor, low, high): on good input low <= value <= high
+        check
+        for start in range(0, b, rows)
+        for check in _residual_checks(
+            token_level_rewards[start : start + rows],
+            response_mask[start : start + rows],
+            None if spans is None else spans[start : start + rows],
+        )
+    ]
 
 
 def _raise_first_failure(token_level_rewards, response_mask, spans) -> None:

@@ -1,7 +1,7 @@
 """Generate the chat-template table of docs/templates.md: every template the tests use, with its verdict.
 
 For each template in tests/data/chat_templates (rendered with the real Qwen2.5 tokenizer, the other
-families' special markers added as special tokens, exactly as tests/test_chat_templates.py does):
+families' special markers added as special tokens, exactly as tests/episode/test_chat_templates.py does):
 
 - strict mode: ``exact`` (a multi-turn conversation built turn by turn equals its one-go render) or
   ``refused`` with the TemplateError's first sentence (the true cause);
@@ -26,10 +26,9 @@ BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 
 
 def _tokenizer():
-    from transformers import AutoTokenizer
-
     from test_chat_templates import MARKER
     from testdata import TEMPLATE_FILES, TEMPLATES_DIR, qwen_tokenizer_dir
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     markers = sorted({m for name in TEMPLATE_FILES for m in MARKER.findall((TEMPLATES_DIR / name).read_text())})
@@ -64,13 +63,19 @@ def _keep_seen_run(formatter, messages) -> str:
 
 
 def rows(tokenizer) -> list[tuple[str, ...]]:
-    from test_chat_templates import (CALCULATOR, NOT_APPEND_ONLY, TEMPLATE_KWARGS, build_token_by_token,
-                                     conversation_for, make_formatter)
+    from test_chat_templates import (
+        CALCULATOR,
+        NOT_APPEND_ONLY,
+        TEMPLATE_KWARGS,
+        build_token_by_token,
+        conversation_for,
+        make_formatter,
+    )
     from test_parser_roundtrip import LOSSY
     from testdata import TEMPLATE_FILES, read_template
 
-    from agent_loop.chat import ChatFormatter, TemplateError
-    from agent_loop.parsers import parser_for_template
+    from agent_loop.episode.chat import ChatFormatter, TemplateError
+    from agent_loop.episode.tool_formats import parser_for_template
 
     out = []
     for name in TEMPLATE_FILES:

@@ -13,8 +13,8 @@ import time
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.loop import LoopConfig
-from agent_loop.runner import run_rollouts
+from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.local import run_rollouts
 from agent_loop.types import Episode
 
 

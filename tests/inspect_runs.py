@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.loop import LoopConfig
-from agent_loop.runner import run_rollouts
-from agent_loop.tasks import ArithmeticTask
+from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.local import run_rollouts
+from agent_loop.tasks.builtin import ArithmeticTask
 
 CONFIG = LoopConfig(max_turns=4, max_tokens=64, max_response_tokens=512)
 SEED = 3
@@ -53,9 +53,8 @@ def write_run(tokenizer, path: Path, skill: str, episodes: int = 12) -> list:
 
 
 if __name__ == "__main__":
-    from transformers import AutoTokenizer
-
     from testdata import qwen_tokenizer_dir
+    from transformers import AutoTokenizer
 
     out = Path(sys.argv[1])
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 12

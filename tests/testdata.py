@@ -7,10 +7,11 @@ it was made and ``tests/data/chat_templates/SOURCES.md`` for where each template
 
 import hashlib
 import lzma
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from masking.native import cache_root
 
 DATA = Path(__file__).resolve().parent / "data"
 TEMPLATES_DIR = DATA / "chat_templates"
@@ -25,7 +26,7 @@ def read_template(name: str) -> str:
 
 def qwen_tokenizer_dir() -> Path:
     """A folder that ``AutoTokenizer.from_pretrained`` loads as the real Qwen2.5 tokenizer."""
-    cache = Path(os.environ.get("AGENT_LOOP_CACHE", Path.home() / ".cache" / "agent_loop"))
+    cache = cache_root()
     target = cache / f"test-tokenizer-qwen2.5-{QWEN_TOKENIZER_SHA256[:12]}"
     if (target / "tokenizer.json").is_file():
         return target

@@ -1,6 +1,21 @@
-"""Train multi-turn tool-calling agents: rollouts (``agent_loop``) -> batch (``masking``) -> advantages -> PPO-clip."""
+"""Train multi-turn tool-calling agents: rollouts (``agent_loop``) -> batch (``masking``) -> advantages -> PPO-clip.
 
-from trainer.config import TrainConfig
-from trainer.trainer import Trainer
+``from trainer import TrainConfig, Trainer``; each is imported on first use, so the options load without
+torch.
+"""
 
-__all__ = ["TrainConfig", "Trainer"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"TrainConfig": "trainer.config", "Trainer": "trainer.trainer"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

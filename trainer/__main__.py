@@ -1,5 +1,5 @@
 import sys
 
-from trainer.cli import main
+from agent_loop.cli.train import main
 
 sys.exit(main())

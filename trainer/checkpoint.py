@@ -26,9 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.distributed import full_optimizer_state, full_state_dict
-from trainer.lora import merged_state_dict, save_merged
-
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
 LATEST = "latest"
@@ -52,6 +49,8 @@ def _fsync(path: Path) -> None:
 
 def trainer_state(trainer) -> dict:
     """Everything a resume needs besides the weights (FSDP shards gathered: every rank must call it)."""
+    from trainer.distributed import full_optimizer_state, full_state_dict
+
     return {
         "step": trainer.step,
         "optimizer": full_optimizer_state(trainer.optimizer),
@@ -66,6 +65,8 @@ def save_checkpoint(trainer, path: Path) -> Path:
     """Write the trainer's checkpoint to ``path`` atomically (see the module docstring); returns ``path``.
 
     With several ranks every rank calls it (FSDP's shards are gathered, a collective) and rank 0 writes."""
+    from trainer.lora import merged_state_dict, save_merged
+
     state, weights = trainer_state(trainer), merged_state_dict(trainer.policy)
     if not trainer.dp.is_main:
         return path
@@ -173,8 +174,13 @@ def load_state(path: Path) -> dict:
 
 
 def changed_settings(saved: dict, config) -> list[str]:
-    """``"name: saved -> now"`` for every setting that differs from the checkpoint's (resumable ones aside)."""
+    """``"name: saved -> now"`` for every setting that differs from the checkpoint's (resumable ones aside;
+    the learning rate compared as used: an unset one is the scaled default, ``TrainConfig.learning_rate``)."""
     now = dataclasses.asdict(config)
+    if "lr" in saved and saved["lr"] is None:
+        known = {f.name for f in dataclasses.fields(config)}
+        saved = {**saved, "lr": dataclasses.replace(config, **{k: v for k, v in saved.items() if k in known}).learning_rate}
+    now["lr"] = config.learning_rate
     return [f"{name}: {saved[name]!r} -> {now[name]!r}" for name in sorted(now)
             if name in saved and name not in RESUMABLE_SETTINGS and saved[name] != now[name]]
 

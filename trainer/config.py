@@ -1,38 +1,60 @@
 """Training settings: one dataclass, whose defaults train the built-in tiny agent on the arithmetic task on 2 CPU cores.
 
-Each field is declared with its allowed values and help (``Annotated[type, Field(...)]``), the one
-place ``agent-loop train`` (and a config file) reads options, help text and checks from
-(``agent_loop.options``). Building a ``TrainConfig`` in code does not check; ``validate_values`` and
-``TrainConfig.validate`` do.
+``TrainConfig`` takes the options every command that plays episodes shares (the run's, the task's and
+the loop's, each declared once: ``agent_loop.config``) and adds training's own; where training needs
+other defaults for them, :func:`~agent_loop.config.override_defaults` says so. Every field is a flag
+and a config-file key of ``agent-loop train``. Building a ``TrainConfig`` in code does not check it;
+``agent_loop.config.checked`` does (the declarations, then :meth:`TrainConfig.check`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from agent_loop import options
-
-from advantages import KL_PENALTY_MODES, get_estimator
+from agent_loop.config import OptionError, closest, one_of, override_defaults
+from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.spec import RunOptions
+from agent_loop.tasks.registry import TaskOptions
 
 # The learning rate measured stable on the tiny agent at 32 episodes per AdamW step; smaller batches scale it
 # down in proportion (their gradients are noisier, and Adam's steps do not shrink with the signal).
 BASE_LR = 2e-4
 BASE_EPISODES_PER_ADAM_STEP = 32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
-# sampled-token modes of advantages.kl_penalty ("full" needs whole-vocabulary log-probs)
-KL_KINDS = tuple(m for m in KL_PENALTY_MODES if m != "full")
+
+
+def kl_kinds() -> tuple[str, ...]:
+    """The sampled-token modes of ``advantages.kl_penalty`` ("full" needs whole-vocabulary log-probs)."""
+    from advantages import KL_PENALTY_MODES
+
+    return tuple(m for m in KL_PENALTY_MODES if m != "full")
 
 
 def kl_kind_names() -> str:
-    return options.one_of(KL_KINDS)
+    return one_of(kl_kinds())
 
 
 def check_kl_kind(name: str) -> str:
-    if name not in KL_KINDS:
-        raise ValueError(f"unknown KL estimator{options.closest(name, KL_KINDS)} (choose {options.one_of(KL_KINDS)})")
+    if name not in kl_kinds():
+        raise ValueError(f"unknown KL estimator{closest(name, kl_kinds())} (choose {one_of(kl_kinds())})")
+    return name
+
+
+def estimators() -> list[str]:
+    from advantages import ESTIMATORS
+
+    return sorted(ESTIMATORS)
+
+
+def estimator_names() -> str:
+    return one_of(estimators())
+
+
+def check_estimator(name: str) -> str:
+    if name not in estimators():
+        raise ValueError(f"unknown advantage estimator{closest(name, estimators())} (choose {estimator_names()})")
     return name
 
 
@@ -46,40 +68,33 @@ def _int(low: int, text: str):
     return Annotated[int, Field(ge=low, description=text)]
 
 
-@dataclass
-class TrainConfig:
+def _number(text: str, **bounds):
+    return Annotated[float, Field(description=text, **bounds)]
+
+
+# training plays shorter episodes, more of them at once, than a rollout's defaults
+@override_defaults(concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256)
+class TrainConfig(LoopConfig, TaskOptions, RunOptions):
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
 
-    __pydantic_config__ = options.STRICT_NUMBERS
-
-    # what to train
-    model: Annotated[str | None, Field(description="model folder to start from; unset: the built-in tiny agent "
-                                       "at --tiny-stage", json_schema_extra={"allowed": "a folder"})] = None
     tiny_stage: Annotated[Literal["mid", "final"], Field(
-        description="built-in tiny agent: mid = a middling warm start for RL, final = fully trained")] = "mid"
-    task: Annotated[str, AfterValidator(options.check_task),
-                    Field(description="task to train on", json_schema_extra={"allowed": options.task_names})] = "arithmetic"
-    seed: _int(0, "seed of the questions and of sampling") = 0
+        description="the built-in tiny agent (when --model is unset): mid = a middling warm start for RL, "
+                    "final = fully trained")] = "mid"
 
     # rollouts: each step plays prompts_per_step * group_size episodes with the current policy
     steps: _int(1, "training steps") = 150
     prompts_per_step: _int(1, "questions per step") = 64
     group_size: _int(1, "samples per question; grpo, rloo and reinforce_plus_plus_baseline need 2 or more") = 1
-    concurrency: _int(1, "episodes in flight (the transformers backend batches them)") = 64
-    max_turns: _int(1, "assistant turns per episode") = 3
-    max_tokens: _int(1, "tokens per assistant turn") = 48
-    max_response_tokens: _int(1, "assistant + observation tokens per episode") = 256
-    temperature: Annotated[float, Field(gt=0, description="sampling temperature of the rollouts")] = 1.0
 
     # rewards and advantages
-    estimator: Annotated[str, AfterValidator(options.check_estimator),
+    estimator: Annotated[str, AfterValidator(check_estimator),
                          Field(description="advantage estimator (the two reinforce_plus_plus_* variants reproduce "
                                            "pre-PR #7300 return bugs: ablation only)",
-                               json_schema_extra={"allowed": options.estimator_names})] = "reinforce_plus_plus"
-    gamma: Annotated[float, Field(ge=0, le=1, description="discount")] = 1.0
-    lam: Annotated[float, Field(ge=0, le=1, description="GAE lambda (estimator gae only)")] = 0.95
-    kl_coef: Annotated[float, Field(ge=0, description="KL penalty to the frozen initial policy, subtracted from "
-                                    "ASSISTANT token rewards; 0 = off")] = 0.0
+                               json_schema_extra={"allowed": estimator_names})] = \
+        "reinforce_plus_plus"
+    lam: _number("GAE lambda (estimator gae only)", ge=0, le=1) = 0.95
+    kl_coef: _number("KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards; 0 = off",
+                     ge=0) = 0.0
     kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(
         description="KL estimator (a sampled-token mode of advantages.kl_penalty)",
         json_schema_extra={"allowed": kl_kind_names})] = "k1"
@@ -90,14 +105,14 @@ class TrainConfig:
     warmup_steps: _int(0, "steps over which the learning rate rises linearly to --lr; Adam's first, "
                           "bias-corrected steps are full-size sign steps, which noisy small batches turn into "
                           "random moves of every weight (0 = off)") = 10
-    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay")] = 0.0
+    weight_decay: _number("AdamW weight decay", ge=0) = 0.0
     ppo_epochs: _int(1, "passes over each step's episodes") = 1
     mini_batches: _int(1, "optimizer steps per epoch; must divide prompts_per_step * group_size") = 2
     micro_batch_size: _int(1, "rows per forward/backward (gradient accumulation within a mini-batch)") = 16
-    clip_ratio: Annotated[float, Field(gt=0, description="PPO clip range epsilon")] = 0.2
-    max_grad_norm: Annotated[float, Field(gt=0, description="gradient clipping norm")] = 1.0
-    entropy_coef: Annotated[float, Field(ge=0, description="entropy bonus weight")] = 0.0
-    value_coef: Annotated[float, Field(ge=0, description="weight of the value head's loss (gae only)")] = 0.5
+    clip_ratio: _number("PPO clip range epsilon", gt=0) = 0.2
+    max_grad_norm: _number("gradient clipping norm", gt=0) = 1.0
+    entropy_coef: _number("entropy bonus weight", ge=0) = 0.0
+    value_coef: _number("weight of the value head's loss (gae only)", ge=0) = 0.5
     recompute_old_logprobs: Annotated[bool, Field(
         description="recompute the PPO reference logprobs with the policy (off: use the sampler's)")] = True
     off_policy: Annotated[bool, Field(
@@ -106,7 +121,7 @@ class TrainConfig:
 
     # LoRA (trainer/lora.py, the ``lora`` extra)
     lora_rank: _int(0, "LoRA rank; 0 = train every weight") = 0
-    lora_alpha: Annotated[float, Field(gt=0, description="LoRA alpha")] = 16.0
+    lora_alpha: _number("LoRA alpha", gt=0) = 16.0
     lora_target_modules: Annotated[str, Field(
         description='"all-linear" or comma-separated module names, e.g. "q_proj,v_proj"')] = "all-linear"
 
@@ -132,7 +147,7 @@ class TrainConfig:
     device: Annotated[str, AfterValidator(check_device), Field(
         description="auto: CUDA when available (cuda:LOCAL_RANK under torchrun), else cpu",
         json_schema_extra={"allowed": "auto, cpu, cuda or cuda:N"})] = "auto"
-    dtype: Annotated[Literal["fp32", "bf16"], Field(
+    dtype: Annotated[Literal[tuple(DTYPES)], Field(
         description="bf16: forward passes under bf16 autocast, fp32 master weights and AdamW state")] = "fp32"
     rollout_servers: Annotated[str | None, Field(
         description="comma-separated URLs of vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to roll out on; "
@@ -163,9 +178,8 @@ class TrainConfig:
     def unstable_learning_rate(self) -> str | None:
         """A warning when the learning rate is known to wreck the policy at this batch size, else None.
 
-        Measured on the tiny agent (BENCHMARKS.md, issue 17): 8 episodes per AdamW step at lr 2e-4 took
-        held-out success from 0.45 to 0.05 in 4 steps; 32 per step at 2e-4, or 8 at 5e-5, held it. The
-        bound keeps lr x 32 / (episodes per AdamW step) at or under 4e-4 (twice the default's)."""
+        The bound keeps lr x 32 / (episodes per AdamW step) at or under twice the default's (the runs that
+        set it: BENCHMARKS.md, issue 17)."""
         per_adam_step = self.episodes_per_adam_step
         if self.learning_rate * BASE_EPISODES_PER_ADAM_STEP / per_adam_step <= 2 * BASE_LR:
             return None
@@ -174,36 +188,21 @@ class TrainConfig:
                 f"{2 * BASE_LR * per_adam_step / BASE_EPISODES_PER_ADAM_STEP:.2g} (unset --lr scales it to the batch), "
                 "or more episodes per step, or fewer mini-batches")
 
-    def validate(self) -> None:
-        """Raise ValueError for settings that cannot work together."""
+    def check(self) -> None:
+        """The rules that tie training settings together (OptionError)."""
+        TaskOptions.check(self)
         if self.episodes_per_step % self.mini_batches:
-            raise ValueError(f"episodes per step ({self.episodes_per_step}) must divide into {self.mini_batches} mini-batches")
+            raise OptionError("mini_batches", "must divide the episodes per step, {prompts_per_step} x {group_size} "
+                              f"= {self.prompts_per_step} x {self.group_size} = {self.episodes_per_step}",
+                              self.mini_batches)
+        from advantages import get_estimator
+
         if get_estimator(self.estimator).needs_index and self.group_size < 2:
-            raise ValueError(f"estimator {self.estimator!r} compares samples of the same prompt: set group_size >= 2")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {list(KL_KINDS)}, got {self.kl_kind!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        check_device(self.device)
-        for name in ("nproc", "steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batches", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
+                              f"(got {self.group_size})", self.estimator)
 
+    def resolved(self) -> dict:
+        """Every setting with the values the run uses (the learning rate after scaling): the saved config."""
+        import dataclasses
 
-def validate_values(values: dict, *, keys: bool = False) -> TrainConfig:
-    """A checked TrainConfig from ``values`` (parsed flags, or a config file's keys with ``keys=True``):
-    every field against its declaration, then the rules that tie fields together. UsageError (one line)."""
-    config = options.validate(TrainConfig, values, keys=keys)
-    name = (lambda n: n) if keys else options.flag
-    if config.episodes_per_step % config.mini_batches:
-        raise options.UsageError(
-            f"{name('mini_batches')} {config.mini_batches}: must divide the episodes per step, {name('prompts_per_step')}"
-            f" x {name('group_size')} = {config.prompts_per_step} x {config.group_size} = {config.episodes_per_step}")
-    if get_estimator(config.estimator).needs_index and config.group_size < 2:
-        raise options.UsageError(f"{name('estimator')} {config.estimator}: compares samples of the same question; "
-                                 f"needs {name('group_size')} 2 or more (got {config.group_size})")
-    try:
-        config.validate()
-    except ValueError as error:
-        raise options.UsageError(str(error)) from None
-    return config
+        return {**dataclasses.asdict(self), "lr": self.learning_rate}

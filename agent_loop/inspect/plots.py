@@ -104,7 +104,7 @@ def figure(view: InspectView, compare: bool = False) -> Figure:
     axes[-1, 0].set_xlabel("response position (token); grey: observation tokens, dotted: a new assistant turn")
     if not rows:
         axes[0, 0].text(0.5, 0.5, "no episode matches the selection", ha="center", va="center")
-    matching = view.summary.matching
+    matching = view.matching
     left_out = matching - len(rows)
     shown = f"{len(rows)} of {matching} episodes shown" + (
         f" ({left_out} left out: --episode N, --worst K, --failed choose others)" if left_out else "")

@@ -7,7 +7,6 @@ again in full (by byte offset), to show their token sequences from the first div
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+import agent_loop.inspect.html as page_html
+from agent_loop.episode.chat import first_difference
 from agent_loop.inspect.load import InputError, Problems, iter_records, read_at
+from agent_loop.inspect.output import write_atomically
 from agent_loop.inspect.tokens import TokenText, show_whitespace
 from agent_loop.inspect.view import episode_id
-from masking.spans import SpanKind
+from agent_loop.runners.stats import RolloutStats
+from masking.kinds import SpanKind
 
 SHOWN = 3  # pairs shown in full by default
 TABLE_ROWS = 20  # pairs listed by default
@@ -48,24 +51,23 @@ class Brief:
         return (self.index, self.seed)
 
 
-def briefs(path: str | Path, problems: Problems) -> list[Brief]:
-    """One pass over ``path``; raises InputError when it is not a JSON Lines file."""
-    out = []
+def briefs(path: str | Path, problems: Problems) -> tuple[list[Brief], RolloutStats]:
+    """One pass over ``path``: a brief of each episode and the summary of them all; raises InputError when
+    it is not a JSON Lines file."""
+    out, summary = [], RolloutStats()
     for ordinal, record in enumerate(iter_records(path, problems)):
         t = record.trajectory
         digest = hashlib.blake2b(repr(t.response_ids).encode(), digest_size=8).hexdigest()
         out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), t.success,
                          t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest))
-    return out
+        summary.add(t, index=out[-1].index)
+    return out, summary
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first position where the two token sequences differ (the shorter one's end if one is a
     prefix of the other), or None when they are equal."""
-    for pos, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return pos
-    return None if len(a) == len(b) else min(len(a), len(b))
+    return None if a == b else first_difference(a, b)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Pair:
 class Comparison:
     paths: tuple[Path, Path]
     runs: tuple[list[Brief], list[Brief]]
+    summaries: tuple[RolloutStats, RolloutStats]
     pairs: list[Pair]
     only: tuple[list[Brief], list[Brief]]  # episodes without a match in the other run
     shown: list[int]  # indices into pairs read in full
@@ -90,11 +93,12 @@ class Comparison:
 def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False, limit: int = 100,
             failed: bool = False) -> Comparison:
     """Match the episodes of two files and read the pairs to show in full."""
-    problems = []
-    runs = []
+    problems, runs, summaries = [], [], []
     for path in (path_a, path_b):
         found = Problems()
-        runs.append(briefs(path, found))
+        run_briefs, summary = briefs(path, found)
+        runs.append(run_briefs)
+        summaries.append(summary)
         problems += found.lines()
     by_key = {}
     for brief in runs[1]:
@@ -128,15 +132,15 @@ def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False
         p = pairs[i]
         p.traj_a, p.traj_b = read_at(path_a, p.a.offset), read_at(path_b, p.b.offset)
         p.divergence = first_divergence(p.traj_a.response_ids, p.traj_b.response_ids)
-    return Comparison((Path(path_a), Path(path_b)), (runs[0], runs[1]), pairs, only, shown, problems)
+    return Comparison((Path(path_a), Path(path_b)), (runs[0], runs[1]), (summaries[0], summaries[1]), pairs, only,
+                      shown, problems)
 
 
-def stats(briefs_: list[Brief]) -> dict[str, str]:
-    n = max(len(briefs_), 1)
-    return {"episodes": str(len(briefs_)), "success rate": f"{sum(b.success for b in briefs_) / n:.0%}",
-            "mean reward": f"{sum(b.reward for b in briefs_) / n:.3f}",
-            "mean turns": f"{sum(b.turns for b in briefs_) / n:.2f}",
-            "mean tokens": f"{sum(b.tokens for b in briefs_) / n:.1f}"}
+def stats(summary: RolloutStats) -> dict[str, str]:
+    """A run's summary as the rows of the comparison table."""
+    return {"episodes": str(summary.episodes), "success rate": f"{summary.success_rate:.0%}",
+            "mean reward": f"{summary.mean('reward_sum'):.3f}", "mean turns": f"{summary.mean('turns'):.2f}",
+            "mean tokens": f"{summary.mean('assistant_tokens') + summary.mean('observation_tokens'):.1f}"}
 
 
 def tokens_state(pair: Pair) -> str:
@@ -153,7 +157,7 @@ def outcome(b: Brief) -> str:
 # -- terminal ----------------------------------------------------------------------------------------
 
 def summary_table(c: Comparison) -> Table:
-    a, b = (stats(r) for r in c.runs)
+    a, b = (stats(r) for r in c.summaries)
     table = Table(title=f"A = {c.paths[0]}\nB = {c.paths[1]}", title_justify="left")
     for name in ("", "A", "B"):
         table.add_column(name, justify="left" if not name else "right", no_wrap=True)
@@ -229,10 +233,8 @@ def render_terminal(c: Comparison, console: Console, tokenizer: str | None, show
 # -- HTML --------------------------------------------------------------------------------------------
 
 def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
-    from agent_loop.inspect import html as page_html
-
     esc = page_html.esc
-    a, b = (stats(r) for r in c.runs)
+    a, b = (stats(r) for r in c.summaries)
     summary = ('<table class="runs"><tr><th></th><th>A</th><th>B</th></tr>'
                + "".join(f'<tr><td class="l">{esc(k)}</td><td>{a[k]}</td><td>{b[k]}</td></tr>' for k in a)
                + f'<tr><td class="l">matched (index, seed)</td><td>{len(c.pairs)}</td><td>{len(c.pairs)}</td></tr>'
@@ -270,9 +272,8 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
                           {"compare": False, "names": page_html.NAMES, "rows": []})
 
 
-def run(args: argparse.Namespace, console: Console, err: Console) -> int:
-    from agent_loop.inspect import write_atomically
-
+def run(args, console: Console, err: Console) -> int:
+    """The two-file view of ``agent-loop inspect A.jsonl B.jsonl``; returns the exit status."""
     try:
         c = compare(*args.rollouts, ids=args.episode, show_all=bool(args.all), limit=args.max_episodes,
                     failed=args.failed)

@@ -3,7 +3,6 @@ per-token value tables and the estimator comparison."""
 
 from __future__ import annotations
 
-
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.rule import Rule
@@ -138,8 +137,8 @@ def batch_summary(view: InspectView, shown: str) -> Group:
     for name, value in (
         ("success rate", f"{s.successes / n:.0%} ({s.successes} of {s.episodes})"),
         ("mean reward", f"{s.reward_sum / n:.3f}"),
-        ("mean turns", f"{s.turns_sum / n:.2f}"),
-        ("finish reasons", ", ".join(f"{k} {c}" for k, c in s.finish.most_common())),
+        ("mean turns", f"{s.turns / n:.2f}"),
+        ("finish reasons", ", ".join(f"{k} {c}" for k, c in s.finish_reasons.most_common())),
         ("tool calls", f"{s.tool_calls} ({sum(s.tool_errors.values())} errors: {errors})"),
         ("tokens", f"{s.assistant_tokens} assistant / {s.observation_tokens} observation"),
         ("gamma", f"{view.stats.gamma:g} ({view.gamma_note})"),
@@ -187,7 +186,7 @@ def compare_table(view: InspectView, row: int) -> Table:
 
 
 def shown_line(view: InspectView, all_mode: bool) -> str:
-    n, matching = len(view.selected), view.summary.matching
+    n, matching = len(view.selected), view.matching
     if matching == 0:
         return "none: no episode matches the selection"
     if n == matching:

@@ -10,31 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 import advantages
-from agent_loop.collate import trajectories_to_batch
+from agent_loop.inspect.choices import COMPARED, REGISTERED
+from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.types import Trajectory
-from masking.rewards import place_rewards
-from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
+from masking.batch import collate_rewards
+from masking.spans import SpanKind, response_mask_from_spans
 
-# name shown to the user -> how the discounted return treats OBSERVATION tokens
-COMPARED = {
-    "carry-through": "R carried through observations unchanged (correct)",
-    "reset-at-observation": "R reset to 0 at every observation (verl before PR #7300)",
-    "ignore-mask": "observations scanned like assistant tokens (mask ignored)",
-}
 DIFFERS = 1e-6  # a return further than this from carry-through counts as different (float noise below)
-EPS = 1e-8  # the whitening epsilon of advantages.masked_whiten
-
-
-# COMPARED name -> the registered estimator (advantages.registry) whose returns it shows
-REGISTERED = {
-    "carry-through": "reinforce_plus_plus",
-    "reset-at-observation": "reinforce_plus_plus_reset_at_observation",
-    "ignore-mask": "reinforce_plus_plus_ignore_mask",
-}
-LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> COMPARED name
 
 
 def token_values(batch, name: str, gamma: float) -> torch.Tensor:
@@ -86,17 +70,10 @@ class EstimatorSummary:
 
 
 def reward_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-    """Just the (b, t) ``spans`` and ``token_level_rewards`` of :func:`trajectories_to_batch` (the
-    same padding and reward placement, without the prompt and id tensors): what the returns need."""
-    spans = pad_sequence([torch.tensor(t.spans, dtype=SPAN_DTYPE) for t in trajectories], batch_first=True,
-                         padding_value=SpanKind.PAD)
-    turns = pad_sequence([torch.tensor(t.turn_ids, dtype=torch.int16) for t in trajectories], batch_first=True,
-                         padding_value=-1)
-    per_turn = None
-    if any(t.turn_rewards for t in trajectories):
-        per_turn = pad_sequence([torch.tensor(t.turn_rewards or [], dtype=torch.float32) for t in trajectories],
-                                batch_first=True)
-    rewards = place_rewards(spans, torch.tensor([t.reward for t in trajectories], dtype=torch.float32), turns, per_turn)
+    """Just the (b, t) ``spans`` and ``token_level_rewards`` of :func:`trajectories_to_batch` (the same
+    padding and reward placement, ``masking.collate_rewards``, without the prompt and id tensors)."""
+    spans, _, rewards = collate_rewards([t.spans for t in trajectories], [t.turn_ids for t in trajectories],
+                                        [t.reward for t in trajectories], [t.turn_rewards for t in trajectories])
     return {"spans": spans, "token_level_rewards": rewards}
 
 
@@ -158,9 +135,9 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
     """Rewards, returns (every estimator) and advantages of ``trajectories``.
 
     Advantages are ``estimator``'s returns whitened over ASSISTANT tokens, ``(R - mean) /
-    sqrt(var + 1e-8)`` as ``advantages.reinforce_plus_plus``; ``returns_moments`` gives the mean and
-    variance of the whole file (default: of these trajectories). Fewer than 2 ASSISTANT tokens in all:
-    the advantages are the raw returns (nothing to whiten with).
+    sqrt(var + eps)`` as ``advantages.reinforce_plus_plus``; ``returns_moments`` gives the mean and
+    variance of the whole file (default: of these trajectories). Too few ASSISTANT tokens in all to
+    whiten (``advantages.whitenable``): the advantages are the raw returns.
     """
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     assistant = batch["spans"] == SpanKind.ASSISTANT
@@ -169,8 +146,8 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
     if returns_moments is None:
         returns_moments = Moments()
         returns_moments.add(returns[assistant])
-    if returns_moments.count >= 2:
-        scale = (returns_moments.var + EPS) ** -0.5
+    if advantages.whitenable(returns_moments.count):
+        scale = (returns_moments.var + advantages.WHITEN_EPS) ** -0.5
         advantage = torch.where(assistant, (returns.double() - returns_moments.mean) * scale, 0.0).to(returns.dtype)
     else:
         advantage = returns.clone()

@@ -6,18 +6,17 @@ episodes with their per-token values (whitened with the whole file's statistics)
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent_loop.inspect.choices import INFORMATIVE
 from agent_loop.inspect.load import Problems, Record, iter_records
 from agent_loop.inspect.tokens import TokenText
 from agent_loop.inspect.values import BatchValues, FileStats, compute_values
+from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
-from masking.spans import SpanKind
 
 CHUNK = 256  # episodes per chunk of the values pass
-INFORMATIVE = 3  # episodes the terminal shows by default
 # what makes an episode worth showing by default, most telling first
 WHY = ("the lowest-reward failure", "a tool error", "an unusual finish", "the success with the most turns",
        "the shortest success")
@@ -49,45 +48,6 @@ class Selection:
         if self.failed and traj.success and traj.finish_reason != "error":
             return False
         return self.mode != "ids" or eid in self.ids
-
-
-@dataclass
-class Summary:
-    """Counts over every good line of a file, in one pass (O(1) memory apart from the counters)."""
-
-    episodes: int = 0
-    successes: int = 0
-    reward_sum: float = 0.0
-    turns_sum: int = 0
-    finish: Counter = field(default_factory=Counter)
-    tool_calls: int = 0
-    tool_errors: Counter = field(default_factory=Counter)
-    assistant_tokens: int = 0
-    observation_tokens: int = 0
-    per_turn: dict[int, list[int]] = field(default_factory=dict)  # turn -> [episodes, assistant, observation tokens]
-    matching: int = 0  # episodes that pass the selection's filters
-    first_id: int | None = None  # smallest and largest episode number seen
-    last_id: int | None = None
-
-    def add(self, traj: Trajectory) -> None:
-        self.episodes += 1
-        self.successes += traj.success
-        self.reward_sum += traj.reward
-        self.turns_sum += len(set(traj.turn_ids))
-        self.finish[traj.finish_reason] += 1
-        self.tool_calls += len(traj.tool_calls)
-        self.tool_errors.update(c.error_kind for c in traj.tool_calls if c.error_kind)
-        counts = Counter(zip(traj.turn_ids, traj.spans))  # (turn, span) -> tokens, counted in C
-        turns: dict[int, list[int]] = {}
-        for (turn, span), c in counts.items():
-            turns.setdefault(turn, [1, 0, 0])[1 if span == SpanKind.ASSISTANT else 2] += c
-        for turn, (one, at, ot) in turns.items():
-            acc = self.per_turn.setdefault(turn, [0, 0, 0])
-            acc[0] += one
-            acc[1] += at
-            acc[2] += ot
-            self.assistant_tokens += at
-            self.observation_tokens += ot
 
 
 class Keeper:
@@ -164,7 +124,8 @@ class Scan:
     """The outcome of one pass: the summary, the file's value statistics, and the kept episodes."""
 
     path: Path
-    summary: Summary
+    summary: RolloutStats  # every good line of the file
+    matching: int  # episodes that pass the selection's filters
     stats: FileStats
     kept: list[tuple[Record, int, str]]  # (record, episode id, why shown)
     shown: list[int]  # indices into kept for the terminal and the PNG
@@ -192,19 +153,17 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
     path = Path(path)
     selection = selection or Selection()
     problems = problems if problems is not None else Problems()
-    summary, keeper = Summary(), Keeper(selection)
+    summary, keeper, matching = RolloutStats(), Keeper(selection), 0
     stats, note, chunk, seen_ids = None, "", [], set()
     for ordinal, record in enumerate(iter_records(path, problems)):
         traj = record.trajectory
         if stats is None:
             resolved, note = resolve_gamma(gamma, traj)
             stats = FileStats(resolved, compare, estimator)
-        summary.add(traj)
         eid = episode_id(traj, ordinal)
-        summary.first_id = eid if summary.first_id is None else min(summary.first_id, eid)
-        summary.last_id = eid if summary.last_id is None else max(summary.last_id, eid)
+        summary.add(traj, index=eid)
         if selection.matches(traj, eid):
-            summary.matching += 1
+            matching += 1
             seen_ids.add(eid)
             keeper.offer(record, eid)
         chunk.append(traj)
@@ -217,7 +176,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
         stats.add(chunk)
     missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
     kept, shown = keeper.result()
-    return Scan(path, summary, stats, kept, shown, problems, note, missing)
+    return Scan(path, summary, matching, stats, kept, shown, problems, note, missing)
 
 
 @dataclass
@@ -234,7 +193,8 @@ class InspectView:
     prompts: list[str]  # decoded prompt of each trajectory
     selected: list[int]  # row indices to render, in order
     problems: list[str]  # load and tokenizer messages, shown with the view
-    summary: Summary
+    summary: RolloutStats
+    matching: int
     stats: FileStats
     gamma_note: str = ""
 
@@ -255,13 +215,12 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
     else:
         trajectories = list(source)
         name, problems = "(trajectories)", []
-        summary, stats = Summary(), FileStats(gamma, compare=True)
+        summary, stats = RolloutStats(), FileStats(gamma, compare=True)
         for t in trajectories:
             summary.add(t)
-        summary.matching = len(trajectories)
         if trajectories:
             stats.add(trajectories)
-        scanned = Scan(Path(name), summary, stats, [], [], Problems(), "given", [])
+        scanned = Scan(Path(name), summary, len(trajectories), stats, [], [], Problems(), "given", [])
     lines = lines or list(range(1, len(trajectories) + 1))
     ids = ids or [episode_id(t, i) for i, t in enumerate(trajectories)]
     text = TokenText(tokenizer_dir)
@@ -278,6 +237,7 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
         selected=list(range(len(trajectories))) if selected is None else selected,
         problems=problems + text.problems,
         summary=scanned.summary,
+        matching=scanned.matching,
         stats=scanned.stats,
         gamma_note=scanned.gamma_note,
     )

@@ -46,39 +46,54 @@ def checks(seed: int):
     from verl.trainer.ppo import core_algos as verl
     from verl.workers.config import FSDPActorConfig
 
-    rewards, values, mask, uids, log_prob, old_log_prob, adv = multi_turn_batch(seed)
-    has_tokens = mask.sum(-1) > 0
+    batch = multi_turn_batch(seed)
+    yield from estimator_checks(verl, batch)
+    yield from loss_checks(verl, FSDPActorConfig, batch)
+    yield from penalty_checks(verl, batch, seed)
+    yield from plugin_checks(seed)
 
-    def pairs(mine, theirs):
-        return max_diff(*zip(mine, theirs))
+
+def _pairs(mine, theirs) -> float:
+    return max_diff(*zip(mine, theirs))
+
+
+def estimator_checks(verl, batch):
+    """The advantage estimators against verl's ``core_algos.compute_*_advantage``."""
+    rewards, values, mask, uids, *_ = batch
 
     def reinforce_plus_plus(gamma):
         theirs = verl.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=SimpleNamespace(gamma=gamma))
-        diff = pairs(ours.reinforce_plus_plus(rewards, mask, gamma), theirs)
-        reset = pairs(ours.reinforce_plus_plus_reset_at_observation(rewards, mask, gamma), theirs)
+        diff = _pairs(ours.reinforce_plus_plus(rewards, mask, gamma), theirs)
+        reset = _pairs(ours.reinforce_plus_plus_reset_at_observation(rewards, mask, gamma), theirs)
         if diff > TOLERANCE and reset <= TOLERANCE:
             raise LookupError(f"verl before PR #7300: equals our reinforce_plus_plus_reset_at_observation to {reset:.1e}")
         return diff
 
     for gamma in (1.0, 0.9):
         yield f"reinforce_plus_plus gamma={gamma}", lambda gamma=gamma: reinforce_plus_plus(gamma)
-    yield "gae (on the mask: verl leaves values off it)", lambda: pairs(
+    yield "gae (on the mask: verl leaves values off it)", lambda: _pairs(
         ours.gae(rewards, values, mask, 0.95, 0.9),
         [x * mask for x in verl.compute_gae_advantage_return(rewards, values, mask, 0.95, 0.9)])
     for norm in (True, False):
-        yield f"grpo uids norm_by_std={norm}", lambda norm=norm: pairs(
+        yield f"grpo uids norm_by_std={norm}", lambda norm=norm: _pairs(
             ours.grpo(rewards, mask, uids, 1e-6, norm), verl.compute_grpo_outcome_advantage(rewards, mask, uids, 1e-6, norm))
-    yield "rloo uids", lambda: pairs(ours.rloo(rewards, mask, uids), verl.compute_rloo_outcome_advantage(rewards, mask, uids))
-    yield "reinforce_plus_plus_baseline uids", lambda: pairs(
+    yield "rloo uids", lambda: _pairs(ours.rloo(rewards, mask, uids), verl.compute_rloo_outcome_advantage(rewards, mask, uids))
+    yield "reinforce_plus_plus_baseline uids", lambda: _pairs(
         ours.reinforce_plus_plus_baseline(rewards, mask, uids),
         verl.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, uids))
+
+
+def loss_checks(verl, actor_config, batch):
+    """Loss aggregation and the policy losses against verl's ``agg_loss`` and ``compute_policy_loss_*``
+    (``actor_config``: verl's ``FSDPActorConfig`` class, for the clip settings its losses read)."""
+    _, _, mask, _, log_prob, old_log_prob, adv = batch
     for mode in ours.LOSS_AGG_MODES:
         yield f"agg_loss {mode}", lambda mode=mode: max_diff(
             (ours.aggregate_loss(adv, mask, mode), verl.agg_loss(adv, mask, mode)))
         yield f"agg_loss {mode} dp=2 global", lambda mode=mode: max_diff(
             (ours.aggregate_loss(adv, mask, mode, 2, 150, 10, 7), verl.agg_loss(adv, mask, mode, 2, 150, 10, 7)))
-    config = FSDPActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                             ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1, rollout_n=1)
+    config = actor_config(strategy="fsdp", clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                          ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1, rollout_n=1)
 
     def policy(name, verl_name, mode):
         settings = {} if name == "gpg" else dict(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28)
@@ -100,6 +115,11 @@ def checks(seed: int):
 
     yield "policy loss reinforce", reinforce
 
+
+def penalty_checks(verl, batch, seed: int):
+    """The KL penalties (value and gradient), the value loss and the entropy loss against verl's."""
+    rewards, values, mask, _, log_prob, old_log_prob, adv = batch
+
     def kl(mode):
         mine, theirs = log_prob.clone().requires_grad_(True), log_prob.clone().requires_grad_(True)
         value, verl_value = ours.kl_penalty(mine, old_log_prob, mode), verl.kl_penalty(theirs, old_log_prob, mode)
@@ -110,12 +130,11 @@ def checks(seed: int):
     for mode in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k3+", "low_var_kl+", "k2+"):
         yield f"kl_penalty {mode} (value, gradient)", lambda mode=mode: kl(mode)
     vpreds = values + 0.3 * adv
-    yield "value loss (loss, clipfrac)", lambda: pairs(ours.clipped_value_loss(vpreds, rewards, values, mask, 0.2),
-                                                       verl.compute_value_loss(vpreds, rewards, values, mask, 0.2))
+    yield "value loss (loss, clipfrac)", lambda: _pairs(ours.clipped_value_loss(vpreds, rewards, values, mask, 0.2),
+                                                        verl.compute_value_loss(vpreds, rewards, values, mask, 0.2))
     logits = torch.randn(3, 5, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     yield "entropy loss", lambda: max_diff(
         (ours.entropy_loss(logits, mask[:3, :5]), verl.compute_entropy_loss(logits, mask[:3, :5])))
-    yield from plugin_checks(seed)
 
 
 def plugin_checks(seed: int):

@@ -4,6 +4,7 @@
 ``transformers.AutoTokenizer``/``AutoModelForCausalLM`` and vLLM load it.
 """
 
-from agent_loop.tiny.build import RECIPE_VERSION, STAGES, build_record, cache_root, tiny_agent_path
+from agent_loop.tiny.build import RECIPE_VERSION, STAGES, build_record, tiny_agent_path
+from masking.native import cache_root
 
 __all__ = ["RECIPE_VERSION", "STAGES", "build_record", "cache_root", "tiny_agent_path"]

@@ -1,38 +1,5 @@
-"""``python -m agent_loop.tiny [--force]``: build (or reuse) the tiny agent and print its evaluation."""
+import sys
 
-from __future__ import annotations
+from agent_loop.cli.tiny import main
 
-import argparse
-
-from rich.console import Console
-from rich.table import Table
-
-from agent_loop.tiny.build import build, build_dir, build_lock, build_record
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
-    args = parser.parse_args()
-    target = build_dir()
-    if args.force:
-        with build_lock(target):
-            build(target)
-    record = build_record()
-    table = Table(title=f"tiny agent {record['recipe']} at {target}")
-    for column in ("stage", "step", "task", "decoding", "episodes", "well-formed", "right args", "success"):
-        table.add_column(column)
-    for stage, info in record["stages"].items():
-        for row in info["eval"]:
-            table.add_row(
-                stage, str(info["step"]), row["task"], "greedy" if row["greedy"] else "T=1.0", str(row["episodes"]),
-                f"{row['well_formed']:.1%}", f"{row['right_arguments']:.1%}", f"{row['success']:.1%}",
-            )
-    console = Console()
-    console.print(table)
-    console.print(f"build {record['build_seconds']:.0f} s (evaluation {record['eval_seconds']:.0f} s), "
-                  f"{record['parameters']:,} parameters, vocabulary {record['vocab_size']}")
-
-
-if __name__ == "__main__":
-    main()
+sys.exit(main())

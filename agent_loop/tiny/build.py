@@ -32,22 +32,19 @@ from agent_loop.tiny.data import dialogue, render, task_for
 from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
 from agent_loop.tiny.train import train
+from masking.native import cache_root
 
 # Change whenever anything that shapes the built files changes (it names the cache folder).
 RECIPE_VERSION = "v8"  # v8: checks (and the "mid" pick) through the real agent loop
 STAGES = ("mid", "final")
 TRAIN_STEPS = 1000
 # "mid": of the checkpoints at these fractions of training, the one whose sampled success on a quick
-# check is closest to MID_TARGET (a middling start for RL); copying the expression is learned late
-# (v6: sampled arithmetic success 6% at 72% of training, 33% at 76%, 56% at 80%, 79% at the end)
+# check is closest to MID_TARGET (a middling start for RL); copying the expression is learned late in
+# training (BENCHMARKS.md, "Tiny agent build")
 MID_FRACTIONS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (0.74, 0.76, 0.78, 0.8, 0.82, 0.84), 0.45, 64, 404
 TOKENIZER_DIALOGUES = 3000
 TOKENIZER_SEED, TRAIN_SEED = 101, 202
 EVAL_SEED, EVAL_EPISODES = 303, {"arithmetic": 100, "lookup": 50}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop")
 
 
 def train_steps() -> int:

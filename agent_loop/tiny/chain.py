@@ -1,7 +1,7 @@
 """The tiny agent for the ``chain`` task (issue 17): the default tiny agent, trained further on chain dialogues.
 
-``chain_agent_path(stage)`` returns the folder (built and cached on first use, about 10 minutes on one
-busy core). It is built only when asked for (``examples/ablation_returns.py --task chain``), never by
+``chain_agent_path(stage)`` returns the folder (built and cached on first use; its build time is in
+BENCHMARKS.md). It is built only when asked for (``examples/ablation_returns.py --task chain``), never by
 the default build or CI: the default tiny agent (``tiny-agent-<RECIPE_VERSION>``) stays as it is.
 
 Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``) and
@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agent_loop.tiny.build import RECIPE_VERSION, cache_root, cached_stage, save_model, tiny_agent_path
+from agent_loop.tiny.build import RECIPE_VERSION, cached_stage, save_model, tiny_agent_path
 from agent_loop.tiny.data import task_for
 from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.train import train
+from masking.native import cache_root
 
 # the first phase's peak (the default recipe's) costs the copying skills for a while; the second, gentler,
 # brings the chain's copies (the value into the lookup, the code into the answer) up

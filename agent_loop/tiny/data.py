@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import get_json_schema
 
-from agent_loop.tasks import get_task
+from agent_loop.tasks.registry import get_task
 
 # share of lookup dialogues; the rest is arithmetic (the harder task, and the default one)
 LOOKUP_SHARE = 0.25

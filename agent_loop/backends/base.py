@@ -1,0 +1,115 @@
+"""The backend contract: token ids in, sampled token ids and their sampling logprobs out (docs/design.md section 6).
+
+A backend subclasses :class:`Backend`: ``generate`` is the one method it must write; the rest of its
+lifecycle has defaults. A new backend is one module with one such class (``from_settings`` builds it
+from the options every command shares) plus one line in :data:`agent_loop.backends.registry.BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings shared by every backend."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerationResult(NamedTuple):
+    """What a backend returns for one request: the sampled ids, their sampling logprobs, and why it stopped.
+
+    finish_reason is "stop" (a stop token was sampled; it is the last id) or "length" (max_tokens reached).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class FatalBackendError(RuntimeError):
+    """A failure that stops the whole run instead of ending one episode (e.g. every server down for longer
+    than the retry deadline): the runners cancel the rest and re-raise it; finished episodes stay written."""
+
+
+@dataclass
+class BackendSettings:
+    """What :func:`agent_loop.backends.registry.make_backend` passes every backend; each reads its own fields."""
+
+    servers: list[str] = field(default_factory=list)  # http: server root URLs
+    served_model_name: str | None = None  # http: the name the servers serve (default: the model path)
+    retry_deadline_s: float = 300.0  # http: how long one request retries
+    device: str = "cpu"  # hf
+    dtype: str = "float32"  # hf: a torch dtype name
+    max_batch_size: int = 64  # hf: requests decoded together
+    pad_token_id: int = 0  # hf
+
+
+class Backend(abc.ABC):
+    """Token-in, token-out generation; safe to call concurrently from many asyncio tasks.
+
+    Lifecycle: :meth:`generate` for each request; :meth:`end_run` when a run of rollouts (one event
+    loop) ends; :meth:`update_weights` between runs (a trainer's push); :meth:`close` once, for good
+    (also on leaving a ``with`` or ``async with`` block).
+    """
+
+    retries_itself: bool = False  # True: the agent loop adds no retries of its own (LoopConfig.backend_retries)
+
+    @classmethod
+    def from_settings(cls, model, settings: BackendSettings) -> "Backend":
+        """The backend over ``model`` (a folder, or for in-process backends a loaded model)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be made by name (give the object itself)")
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> GenerationResult:
+        """One continuation of ``prompt_ids``. ``session_id`` names the episode a request belongs to (the same
+        for all its turns), so a backend over several servers can keep an episode on one server and reuse its
+        prefix cache."""
+
+    def update_weights(self, state_dict: dict) -> None:
+        """Generate with these weights from now on (between runs); raise if they did not take."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take new weights")
+
+    async def end_run(self) -> None:
+        """Release what is bound to the event loop of the run that just ended (connection pools); the
+        backend reopens them on next use. The runners call it at the end of every run."""
+
+    def close(self) -> None:
+        """Shut down for good (engine processes, threads); idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.end_run()
+        await asyncio.to_thread(self.close)
+
+
+def check_backend(backend) -> Backend:
+    """``backend`` itself, or TypeError saying what a backend is (anything else fails later, less clearly)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{type(backend).__name__} is not a backend: subclass agent_loop.backends.base.Backend "
+                        "(write its generate(prompt_ids, sampling, session_id))")
+    return backend
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether ``error`` should stop the whole run instead of ending one episode."""
+    return isinstance(error, FatalBackendError)

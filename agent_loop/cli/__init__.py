@@ -1,0 +1,40 @@
+"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``inspect``, ``tiny``).
+
+One module per command, each with ``add_parser(commands)`` and ``run(args)``. Only this package parses
+argv, reads config files, runs preflight checks or prints tables; a usage error is one line on stderr
+naming the option, exit status 2 (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import agent_loop.cli.inspect as inspect_command
+import agent_loop.cli.rollout as rollout_command
+import agent_loop.cli.tiny as tiny_command
+import agent_loop.cli.train as train_command
+from agent_loop.cli.options import USAGE_EXIT, UsageError
+
+COMMANDS = (rollout_command, inspect_command, train_command, tiny_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agent-loop", description="Multi-turn, tool-calling RL rollouts for "
+                                     "language models, with the returns done right.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``agent-loop COMMAND ...``; returns the exit status (2: a usage error, reported in one line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # the command's own arguments (train --nproc relaunches itself with them)
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"{args.prog}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT

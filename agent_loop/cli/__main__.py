@@ -1,0 +1,5 @@
+import sys
+
+from agent_loop.cli import main
+
+sys.exit(main())

@@ -1,0 +1,188 @@
+"""Declared options (``agent_loop.config``) as command-line flags, config-file keys, help and usage errors.
+
+From a command's options dataclass:
+
+- :func:`add_options` adds one flag per field to a parser (``--field-name``; bools get ``--no-...``;
+  lists are repeatable), with help naming each option's allowed values and default, and ``--config``;
+- :func:`resolve` reads the ``--config`` file (``agent_loop.cli.config_file``), puts the flags given on
+  the command line over it, and :func:`validate` checks the result: every value against its
+  declaration (pydantic), then the rules across options (the dataclass's ``check()``). The first
+  problem is one :class:`UsageError` line naming the option, its value and what is allowed; the CLI
+  prints it and exits with status 2, before any model, engine, server or file is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from agent_loop.config import OptionError, build, closest, one_of
+
+USAGE_EXIT = 2  # exit status of a usage error (argparse's too)
+_CONTROL = ("config", "run", "command", "prog", "argv")  # namespace entries that are not options
+
+
+class UsageError(ValueError):
+    """A bad option or config value: one line naming the option, its value and what is allowed."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _declared(cls) -> dict[str, tuple[Any, FieldInfo]]:
+    """field name -> (base type, pydantic FieldInfo merged from the Annotated metadata)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    declared = {}
+    for field in dataclasses.fields(cls):
+        base, *extras = typing.get_args(hints[field.name]) if typing.get_origin(hints[field.name]) is typing.Annotated \
+            else (hints[field.name],)
+        infos = [e for e in extras if isinstance(e, FieldInfo)]
+        declared[field.name] = (base, FieldInfo.merge_field_infos(*infos) if infos else FieldInfo())
+    return declared
+
+
+def _without_none(kind):
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0], True
+    return kind, False
+
+
+def _bounds(info: FieldInfo) -> str:
+    words = {annotated_types.Ge: (">=", "ge"), annotated_types.Gt: (">", "gt"),
+             annotated_types.Le: ("<=", "le"), annotated_types.Lt: ("<", "lt")}
+    found = {type(m): f"{words[type(m)][0]} {getattr(m, words[type(m)][1])}" for m in info.metadata if type(m) in words}
+    low = found.get(annotated_types.Ge) or found.get(annotated_types.Gt)
+    high = found.get(annotated_types.Le) or found.get(annotated_types.Lt)
+    return " and ".join(b for b in (low, high) if b)
+
+
+def _extra(info: FieldInfo) -> dict:
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
+def allowed(cls, name: str) -> str:
+    """What field ``name`` of ``cls`` accepts, in words: "an integer >= 1", "one of hf, vllm, http"."""
+    base, info = _declared(cls)[name]
+    if "allowed" in _extra(info):
+        text = _extra(info)["allowed"]
+        return text() if callable(text) else str(text)
+    kind, optional = _without_none(base)
+    if typing.get_origin(kind) is Literal:
+        return one_of(typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return "one value per use; repeatable"
+    words = {int: "an integer", float: "a number", bool: "on or off", str: "text"}.get(kind, str(kind))
+    return f"{words} {_bounds(info)}".strip() + (" (or unset)" if optional and kind is not str else "")
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+
+
+def add_options(parser: argparse.ArgumentParser, cls) -> argparse.ArgumentParser:
+    """One flag per field of ``cls``, and ``--config``. Values stay text here: :func:`validate` converts and
+    checks them, so flags and config keys get the same messages. Flags not given are left out of the
+    namespace (the file's value, else the declared default, applies)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, (base, info) in _declared(cls).items():
+        default = _default(fields[name])
+        shown = "none" if default in (None, []) else str(default).lower() if isinstance(default, bool) else default
+        help_text = f"{info.description or ''} [{allowed(cls, name)}; default: {shown}]".strip().replace("%", "%%")
+        kind, _ = _without_none(base)
+        if kind is bool:
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        elif typing.get_origin(kind) is list and _extra(info).get("nargs"):
+            parser.add_argument(flag(name), nargs=_extra(info)["nargs"], default=argparse.SUPPRESS,
+                                metavar=name.upper(), help=help_text)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag(name), action="append", default=argparse.SUPPRESS, metavar=name.upper(),
+                                help=help_text)
+        else:
+            parser.add_argument(flag(name), default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
+    parser.add_argument("--config", default=None, metavar="RUN.YAML",
+                        help="YAML file of options (keys as option names); flags given here override it")
+    return parser
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line (a namespace of :func:`add_options`'s parser)."""
+    return {name: value for name, value in vars(args).items() if name not in _CONTROL}
+
+
+def resolve(cls, args: argparse.Namespace):
+    """The options of ``args``: its ``--config`` file's settings, the flags given over them, validated."""
+    from agent_loop.cli.config_file import ConfigError, read_config
+
+    values = {}
+    if getattr(args, "config", None):
+        try:
+            values = read_config(args.config, cls)
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
+    return validate(cls, {**values, **given(args)})
+
+
+def validate(cls, values: dict[str, Any], *, keys: bool = False):
+    """``cls(**values)`` after checking every value against its declaration and the rules across options
+    (``cls.check()``, when it has one). ``keys=False`` names options as flags (``--max-turns``),
+    ``keys=True`` as config-file keys (``max_turns``). Raises :class:`UsageError` (one line)."""
+    name_of = (lambda n: n) if keys else flag
+    declared = _declared(cls)
+    for name, value in values.items():
+        if name not in declared:
+            kind = "key" if keys else "option"
+            raise UsageError(f"unknown {kind} {name_of(name)}{closest(name_of(name), [name_of(k) for k in declared])}")
+        if isinstance(value, bool) and _without_none(declared[name][0])[0] is not bool:  # pydantic takes True as 1
+            raise UsageError(f"{name_of(name)} {value}: must be {allowed(cls, name)}")
+    try:
+        return build(cls, values)
+    except ValidationError as error:
+        raise UsageError(_problem(cls, error, name_of)) from None
+    except OptionError as error:
+        raise UsageError(error.render(name_of)) from None
+
+
+def _problem(cls, error: ValidationError, name_of) -> str:
+    """The first problem pydantic found, as ``--option value: what is allowed``."""
+    problem = error.errors(include_url=False)[0]
+    name = str(problem["loc"][0]) if problem["loc"] else "?"
+    value = problem.get("input")
+    if isinstance(value, list):
+        value = " ".join(map(str, value))
+    where = f"{name_of(name)} {value}" if value not in (None, "") else f"{name_of(name)} (empty)"
+    if problem["type"] == "value_error":
+        reason = str(problem["ctx"]["error"]) if "ctx" in problem else problem["msg"]
+    elif name in {f.name for f in dataclasses.fields(cls)}:
+        reason = f"must be {allowed(cls, name)}"
+    else:
+        reason = problem["msg"][:1].lower() + problem["msg"][1:]
+    return f"{where}: {reason}"
+
+
+def int_at_least(low: int):
+    """An argparse ``type=`` for parsers not built from a dataclass: an integer >= ``low``, else argparse's
+    usage error (exit 2) saying so."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text}: must be an integer >= {low}")
+        return value
+
+    convert.__name__ = f"integer >= {low}"
+    return convert

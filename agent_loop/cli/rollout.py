@@ -1,0 +1,215 @@
+"""``agent-loop rollout``: play episodes of a task with a model, write them as JSON Lines, print a summary.
+
+Options are :class:`RolloutOptions`: the run's (:class:`~agent_loop.runners.spec.RunOptions`), the
+task's (:class:`~agent_loop.tasks.registry.TaskOptions`) and the loop's
+(:class:`~agent_loop.episode.config.LoopConfig`), plus this command's own. Every check runs before
+anything starts; a bad value is one line on stderr naming the option, exit status 2 (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+from rich.console import Console
+
+import agent_loop.cli.preflight as preflight
+from agent_loop.backends.base import BackendSettings, is_fatal
+from agent_loop.backends.openai_http import server_root
+from agent_loop.backends.registry import BACKENDS, make_backend
+from agent_loop.cli.config_file import save_config
+from agent_loop.cli.options import UsageError, add_options, resolve, validate
+from agent_loop.cli.tables import failure_summary, returns_table, summary_table
+from agent_loop.config import OptionError, closest, one_of, pick
+from agent_loop.episode.config import LoopConfig
+from agent_loop.models import model_path
+from agent_loop.runners.spec import RunOptions, RunSpec
+from agent_loop.tasks.registry import TaskOptions
+
+DEFAULT_OUT = "runs/rollouts.jsonl"
+RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
+
+
+def row_estimators() -> list[str]:
+    """Registered advantage estimators a file of rollouts can show alone: they need no group ids and no
+    critic values (imports torch when called)."""
+    from advantages import ESTIMATORS
+
+    return sorted(n for n, e in ESTIMATORS.items() if not (e.needs_index or e.needs_values))
+
+
+def row_estimator_names() -> str:
+    return one_of(row_estimators())
+
+
+def check_row_estimator(name: str) -> str:
+    from advantages import ESTIMATORS
+
+    names = row_estimators()
+    if name in names:
+        return name
+    if name in ESTIMATORS:
+        raise ValueError(f"needs group ids or critic values, which a file of rollouts lacks (choose {one_of(names)})")
+    raise ValueError(f"unknown advantage estimator{closest(name, names)} (choose {one_of(names)})")
+
+
+def free_path(path: str) -> str:
+    """``path`` if nothing is there, else the first free ``stem-N.suffix`` beside it (N = 2, 3, ...)."""
+    target, number = Path(path), 2
+    while target.exists():
+        target = Path(path).with_name(f"{Path(path).stem}-{number}{Path(path).suffix}")
+        number += 1
+    return str(target)
+
+
+@dataclass
+class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
+    """The options of ``agent-loop rollout`` (and the keys of its config file)."""
+
+    backend: Annotated[Literal[tuple(BACKENDS)], Field(
+        description="hf: transformers in-process; vllm: vLLM engine in-process; http: OpenAI-compatible "
+                    "server(s) given by --server")] = "hf"
+    server: Annotated[list[Annotated[str, AfterValidator(server_root)]], Field(
+        description="server root URL for --backend http; repeat for several servers (probed with GET /v1/models "
+                    "at start)", json_schema_extra={"allowed": "an http(s) URL, repeatable"})] = field(default_factory=list)
+    episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
+    out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
+                                     f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
+                                     "when that exists (an existing file is only added to with --resume/--append)",
+                                     json_schema_extra={"allowed": "a file path (not a folder)"})] = None
+    estimator: Annotated[str, AfterValidator(check_row_estimator), Field(
+        description="advantage estimator of the summary table (one that needs no group ids or critic values)",
+        json_schema_extra={"allowed": row_estimator_names})] = "reinforce_plus_plus"
+    resume: Annotated[bool, Field(description="play only the episodes --out lacks (same seed and task), "
+                                  "appending them; a torn last line is repaired first")] = False
+    append: Annotated[bool, Field(description="append to an existing --out (without --resume/--append an "
+                                  "existing non-empty --out is refused, never emptied)")] = False
+    max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
+                                               "this fraction end with an error")] = 0.1
+    retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
+                                             "all servers down this long stops the run")] = 300.0
+
+    def check(self) -> None:
+        """The rules across options (OptionError), then the default ``out``: never an earlier run's file."""
+        TaskOptions.check(self)
+        if self.backend == "http" and not self.server:
+            raise OptionError("backend", "needs at least one {server} URL (e.g. {server} http://127.0.0.1:8000)", "http")
+        if self.resume and self.append:
+            raise OptionError(None, "{resume} and {append} exclude each other: {resume} appends only the missing episodes")
+        if self.server and self.backend != "http":
+            raise OptionError("server", f"used by {{backend}} http only (got {{backend}} {self.backend})", self.server[0])
+        if self.out is None:  # README's command runs again without touching the last run's file
+            self.out = DEFAULT_OUT if self.resume or self.append else free_path(DEFAULT_OUT)
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser("rollout", help="play episodes and write them as JSON Lines (--help)",
+                                 description="Play episodes of a task with a model and write them as JSON Lines; print "
+                                 "a summary and the batch's returns and advantages (--estimator).")
+    add_options(parser, RolloutOptions)
+    parser.set_defaults(run=run, prog="agent-loop rollout")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the options (file, flags), check everything, play, print; the exit status."""
+    opts = resolve(RolloutOptions, args)
+    try:
+        task = opts.load()
+    except ValueError as error:  # PluginError: a plug-in that cannot load
+        raise UsageError(str(error)) from None
+    return play(opts, task, lambda path: save_config(dataclasses.asdict(opts), path))
+
+
+def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
+    """Checked options from ``values`` (flags, or a config file's keys with ``keys=True``); UsageError."""
+    return validate(RolloutOptions, values, keys=keys)
+
+
+def check_world(opts: RolloutOptions) -> str:
+    """Check the model folder, the output path and the servers; return the model path. Reads only."""
+    if opts.model is not None:
+        preflight.check_model_dir(opts.model, opts.backend)
+    preflight.check_output_file(opts.out)
+    path = model_path(opts.model)
+    if opts.backend == "http":
+        preflight.probe_servers(opts.server, model=path)
+    return path
+
+
+def play(opts: RolloutOptions, task, save_options=None) -> int:
+    """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well."""
+    path = check_world(opts)
+    from transformers import AutoTokenizer
+
+    from agent_loop.runners.jsonl import OutputExistsError
+    from agent_loop.runners.local import plan_output
+
+    out = Path(opts.out)
+    try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
+        mode, todo = plan_output(out, range(opts.episodes), opts.seed, task.name, resume=opts.resume,
+                                 append=opts.append)
+    except (OSError, ValueError, OutputExistsError) as error:
+        raise UsageError(f"--out {out}: {error}") from None
+    if not todo:
+        Console().print(f"{out} already holds all {opts.episodes} episodes (seed {opts.seed}); nothing to play")
+        return 0
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if save_options is not None:
+        save_options(out.with_name(out.stem + ".config.yaml"))  # the resolved settings: rerun with --config
+    spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode)
+    started = time.perf_counter()
+    stats = _stream(opts, spec, path, out)
+    if not report(opts, stats, tokenizer, time.perf_counter() - started, path, out, task.name):
+        return 1
+    from agent_loop.runners.local import error_status
+
+    status, error_lines = error_status(stats, opts.max_error_fraction)
+    for line in error_lines:
+        Console().print(line, markup=False)
+    return status
+
+
+def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path):
+    from agent_loop.runners.local import stream_rollouts
+
+    backend = make_backend(opts.backend, path, BackendSettings(servers=opts.server, retry_deadline_s=opts.retry_deadline_s))
+
+    async def play_all():
+        try:
+            return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE)
+        finally:
+            backend.close()  # vLLM: stop the engine now, not in a half-torn-down interpreter
+
+    try:
+        stats, _ = asyncio.run(play_all())
+    except Exception as error:
+        if is_fatal(error):  # e.g. every server down past the deadline; finished episodes are kept
+            raise SystemExit(f"agent-loop rollout stopped: {error}\n(finished episodes are in {out}; "
+                             "rerun with --resume to play the rest)") from None
+        raise
+    return stats
+
+
+def report(opts: RolloutOptions, stats, tokenizer, elapsed: float, path: str, out: Path, name: str) -> bool:
+    """The summary, the speed, the returns table and where it went; False (and why, on stderr) when there was
+    nothing to compute returns on."""
+    console = Console()
+    console.print(summary_table(stats, f"{name} rollout"))
+    console.print(f"{stats.episodes / elapsed:.2f} episodes/s, {stats.assistant_tokens / elapsed:.0f} assistant "
+                  f"tokens/s ({elapsed:.1f} s, concurrency {opts.concurrency}, backend {opts.backend}, model {path})")
+    problem = failure_summary(stats)
+    if problem is None:
+        sample = sorted(stats.sample, key=lambda t: t.info["index"])
+        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma, opts.estimator))
+    console.print(f"wrote {stats.episodes} trajectories to {out}  (look inside: agent-loop inspect {out})")
+    if problem is not None:
+        Console(stderr=True).print(f"[red]error:[/red] {problem}", highlight=False, soft_wrap=True)
+    return problem is None

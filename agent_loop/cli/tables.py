@@ -1,0 +1,67 @@
+"""The tables the rollout command prints: a run's summary and what the estimator gives its batch."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from agent_loop.runners.stats import RolloutStats
+
+
+def summary_table(stats: RolloutStats, title: str) -> Table:
+    """Success, reward, turns, token counts, finish reasons and tool errors of a run (its RolloutStats)."""
+    table = Table(title=title, show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("episodes", f"{stats.episodes}"),
+        ("success rate", f"{stats.success_rate:.3f}"),
+        ("mean reward", f"{stats.mean('reward_sum'):.3f}"),
+        ("mean turns", f"{stats.mean('turns'):.2f}"),
+        ("assistant tokens / episode", f"{stats.mean('assistant_tokens'):.1f}"),
+        ("observation tokens / episode", f"{stats.mean('observation_tokens'):.1f}"),
+        ("tool calls / episode", f"{stats.mean('tool_calls'):.2f}"),
+        ("finish reasons", ", ".join(f"{k} {v}" for k, v in stats.finish_reasons.most_common())),
+        ("tool errors", ", ".join(f"{k} {v}" for k, v in stats.tool_errors.most_common()) or "none"),
+        ("template mismatch / drift episodes", f"{stats.template_mismatches} / {stats.template_drifts}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def failure_summary(stats: RolloutStats) -> str | None:
+    """Why a run has nothing to summarize (every episode errored, or too few assistant tokens to whiten), from
+    the episodes' own records; None when there is something to summarize."""
+    from advantages import whitenable
+
+    errors = stats.finish_reasons.get("error", 0)
+    if stats.episodes and errors == stats.episodes:
+        first = "; ".join(f"episode {i}: {message}" for i, message in stats.first_errors)
+        return f"every episode ({errors}) ended in a backend error; first: {first}"
+    if not whitenable(stats.assistant_tokens):
+        return (f"the {stats.episodes} episodes sampled {stats.assistant_tokens} assistant tokens in all "
+                f"(finish reasons: {dict(stats.finish_reasons)}); nothing to compute returns on")
+    return None
+
+
+def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str = "reinforce_plus_plus") -> Table:
+    """Collate the batch and show what the registered ``estimator`` gives the assistant tokens."""
+    from advantages import get_estimator
+    from agent_loop.runners.batch import trajectories_to_batch
+
+    batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
+    adv, returns = get_estimator(estimator)(batch.token_level_rewards, batch.response_mask, gamma=gamma, spans=batch.spans)
+    mask = batch.response_mask.bool()
+    table = Table(title=f"batch tensors and {estimator} (gamma={gamma}), "
+                        f"episodes {trajectories[0].info['index']}-{trajectories[-1].info['index']}")
+    table.add_column("tensor")
+    table.add_column("value", justify="right")
+    table.add_row("responses shape (b, t)", str(tuple(batch.responses.shape)))
+    table.add_row("ASSISTANT / OBSERVATION / PAD tokens",
+                  " / ".join(str(int((batch.spans == k).sum())) for k in (1, 2, 0)))
+    table.add_row("mean return on ASSISTANT tokens", f"{returns[mask].mean():.4f}")
+    table.add_row("first-turn ASSISTANT tokens with nonzero return",
+                  f"{int(((batch.turn_ids == 0) & mask & (returns != 0)).sum())}")
+    table.add_row("advantage mean / std (ASSISTANT)", f"{adv[mask].mean():.3f} / {adv[mask].std():.3f}")
+    table.add_row("max |return| on OBSERVATION/PAD", f"{returns.masked_fill(mask, 0).abs().max():.1f}")
+    return table

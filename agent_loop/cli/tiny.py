@@ -1,0 +1,53 @@
+"""``agent-loop tiny [--force]``: build (or reuse) the built-in tiny agent and print its evaluation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+PROG = "agent-loop tiny"
+DESCRIPTION = "build (or reuse) the built-in tiny agent and print its evaluation"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    return parser
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = add_arguments(commands.add_parser("tiny", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION))
+    parser.set_defaults(run=run, prog=PROG)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_loop.tiny.build import build, build_dir, build_lock, build_record
+
+    target = build_dir()
+    if args.force:
+        with build_lock(target):
+            build(target)
+    record = build_record()
+    table = Table(title=f"tiny agent {record['recipe']} at {target}")
+    for column in ("stage", "step", "task", "decoding", "episodes", "well-formed", "right args", "success"):
+        table.add_column(column)
+    for stage, info in record["stages"].items():
+        for row in info["eval"]:
+            table.add_row(
+                stage, str(info["step"]), row["task"], "greedy" if row["greedy"] else "T=1.0", str(row["episodes"]),
+                f"{row['well_formed']:.1%}", f"{row['right_arguments']:.1%}", f"{row['success']:.1%}",
+            )
+    console = Console()
+    console.print(table)
+    console.print(f"build {record['build_seconds']:.0f} s (evaluation {record['eval_seconds']:.0f} s), "
+                  f"{record['parameters']:,} parameters, vocabulary {record['vocab_size']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agent_loop.tiny [--force]``."""
+    return run(add_arguments(argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)).parse_args(
+        sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,385 @@
+"""Token-in, token-out chat formatting (docs/design.md section 4).
+
+The prompt is rendered once with the tokenizer's chat template. Assistant tokens are kept as sampled
+and never re-encoded. What follows an assistant turn (tool results, user or environment turns, the
+next generation prompt, and the template text after the model's end-of-turn token) is derived from
+the *episode's own messages*: the conversation so far plus the new messages is rendered in one go,
+the render must start with the text the model has already seen (the previous one-go render, up to
+its generation prompt), and the text after the assistant turn's end-of-turn marker is encoded on its
+own as the observation. So templates that keep conversation-global state (numbered calls, a flag
+set once) are exact by construction, and a template that rewrites earlier text is detected at the
+turn where it does (:class:`Observation.mismatch`), never silently wrong.
+
+Exactness is checked on text, and ids are encoded segment by segment as the model saw them: a BPE
+merge across the generation prompt (``"\\n"`` + ``"\\n"``) is not a refusal. End of turn: the last
+special token of the run the template writes after an assistant's content (``<|eot|><|x|>`` -> ``<|x|>``),
+or, for families with none (GLM-4), the next role's token (``<|observation|>``, ``<|user|>``), which
+the model samples and which is kept in the assistant span.
+
+Templates that fail the up-front probe (their generation prompt is not how they render the assistant
+turn, or appending a message rewrites earlier turns) raise :class:`TemplateError` naming the cause,
+unless ``history_mode="keep_seen"``: then the episode keeps the tokens the model saw, the observation
+is what the template renders after the episode's own messages, the drift from a fresh render is
+recorded, and a warning is given once per formatter.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import jinja2
+
+from agent_loop.episode.config import HISTORY_MODES
+from agent_loop.episode.tool_formats import default_call_id, find_tool_format
+
+# Synthetic text used only to probe the template; the reasoning block keeps templates that render
+# reasoning only when it is non-empty (Qwen3) on the same branch before and after the delta.
+_SYNTHETIC_SYSTEM = "You are a helpful assistant."
+_SYNTHETIC_USER = "What is 2 + 3?"
+_SYNTHETIC_REASONING = "I should use a tool."
+_SYNTHETIC_CONTENT = "Let me check."
+_EOT_PROBE = "The answer is 5."
+_SENTINEL = "\u2063\u2063SENTINEL\u2063\u2063"  # marks where a new message's content lands in a render
+
+_KEEP_SEEN_FIX = ("pass history_mode='keep_seen' (LoopConfig.history_mode) to train on the tokens the model saw "
+                  "with the drift from a fresh render recorded, or pass chat_template= a template that renders "
+                  "append-only")
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be used for token-in, token-out rollouts (or failed to render)."""
+
+
+@dataclass
+class Observation:
+    """The tokens to append after an assistant turn, and how they relate to a fresh one-go render.
+
+    ``rendered``: the one-go render of the episode's messages up to and including the next generation
+    prompt (pass it to the next :meth:`ChatFormatter.observation`). ``mismatch``: ``None`` when the
+    text the model has seen is a prefix of that render; else where they first differ
+    (``{"char", "token", "seen", "fresh"}``: offsets in the fresh render and the text around them).
+    """
+
+    ids: list[int]
+    rendered: str
+    mismatch: dict | None = None
+
+
+def first_difference(a, b) -> int:
+    """Index of the first differing item of two sequences (strings, token lists): the shorter length if
+    one is a prefix of the other (also when they are equal)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class ChatFormatter:
+    """Renders prompts and observations with a chat template, as token ids.
+
+    ``tools`` are JSON schemas (``transformers.utils.get_json_schema`` output) passed to the template;
+    ``chat_template`` overrides the tokenizer's; ``history_mode`` is ``"strict"`` (refuse templates that
+    are not append-only) or ``"keep_seen"`` (run them, recording the drift); ``template_kwargs`` are
+    extra template variables (e.g. ``enable_thinking=False``).
+    """
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None, *,
+                 history_mode: str = "strict", **template_kwargs):
+        if history_mode not in HISTORY_MODES:
+            raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.chat_template = chat_template
+        self.history_mode = history_mode
+        self.template_kwargs = template_kwargs
+        self.template_text = chat_template or getattr(tokenizer, "chat_template", None) or ""
+        self.tool_format = find_tool_format(self.template_text)  # None: a template without tool calls
+        self._special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        self._probed: dict[tuple, TemplateError | None] = {}
+        self._synthetic: dict[tuple, tuple[list[dict], str]] = {}
+        self.warned = False
+        self.stop_opens_next_turn = False  # True for families whose turn ends on the next role's token (GLM-4)
+        self.end_of_turn_ids: list[int] = self._find_end_of_turn_ids()
+        self._stop_texts = {t: tokenizer.decode([t]) for t in self.end_of_turn_ids}
+
+    # -- rendering -------------------------------------------------------------------------------
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages`` (with the tool schemas)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. dict arguments where the template wants a string
+            roles = [m.get("role") for m in messages]
+            raise TemplateError(
+                f"chat template failed to render messages with roles {roles}: {e}. Check what this template accepts "
+                "(some want tool-call arguments as a JSON string, reject content next to tool calls, a system role, "
+                "or need template variables: pass them as ChatFormatter keyword arguments), or pass chat_template=") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of the template's text, encoded as ``apply_chat_template(tokenize=True)`` does."""
+        return self.encode(self.render_text(messages, add_generation_prompt))
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
+        """The first prompt (ids, text): ``messages`` rendered once, with the tool schemas and the generation prompt."""
+        text = self.render_text(messages, add_generation_prompt=True)
+        return self.encode(text), text
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.prompt(messages)[0]
+
+    def call_id(self, name: str, index: int) -> str:
+        """The id of the episode's ``index``-th tool call (0-based, counted over the whole episode), in the
+        tool format's own id format (:attr:`ToolFormat.call_id`)."""
+        return self.tool_format.make_call_id(name, index) if self.tool_format else default_call_id(index)
+
+    # -- observations ----------------------------------------------------------------------------
+
+    def observation(self, history: list[dict], seen: str, new_messages: list[dict],
+                    stop_id: int | None = None, sampled: str | None = None) -> Observation:
+        """What to append after the assistant turn that ends ``history``, derived from the episode's messages.
+
+        ``seen``: the one-go render the model's context came from (the previous :attr:`Observation.rendered`,
+        or the prompt text), ending with the generation prompt of that assistant turn. ``stop_id``: the
+        end-of-turn token the model sampled; ``None`` if the turn was cut (then the observation starts
+        with the template's end-of-turn marker, so the next turn sees a closed assistant turn). ``sampled``:
+        the text of the assistant turn as sampled (without its stop token); when the fresh render shows
+        the turn exactly so, one render suffices, else the turn's own render (as the last message) is
+        compared too, so a template that rewrites the last turn once more messages follow is caught.
+        """
+        if not new_messages:
+            raise ValueError("an observation needs at least one new message")
+        self._probe(new_messages)
+        messages = list(history) + list(new_messages)
+        fresh = self.render_text(messages, add_generation_prompt=True)
+        mismatch, before = None, seen
+        if fresh.startswith(seen):
+            marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+            if marker is not None and fresh[len(seen): marker[0]] != sampled:
+                alone = self.render_text(history)  # the turn as it rendered when it was the last message
+                end = self._marker(alone, len(seen), len(alone), stop_id, first=True)
+                before = alone[: end[1] if end else len(alone)]
+        if not fresh.startswith(before):
+            pos = first_difference(before, fresh)
+            mismatch = {"char": pos, "token": len(self.encode(fresh[:pos])),
+                        "seen": before[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+            marker = self._marker(fresh, 0, self._new_content_start(history, new_messages, fresh), stop_id, first=False)
+        if marker is None:
+            raise TemplateError(
+                f"no end-of-turn marker {list(self._stop_texts.values())} closes the assistant turn in the render "
+                f"{fresh[len(seen) if mismatch is None else 0:][-300:]!r}; pass chat_template= a template that "
+                "closes assistant turns with a special token")
+        start, end = marker
+        return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch)
+
+    def final_mismatch(self, messages: list[dict], seen: str) -> dict | None:
+        """Check a finished episode that ends with an assistant turn: the one-go render of ``messages`` must
+        start with ``seen`` (the generation prompt the last turn was sampled after); else where they differ."""
+        fresh = self.render_text(messages)
+        if fresh.startswith(seen):
+            return None
+        pos = first_difference(seen, fresh)
+        return {"char": pos, "token": len(self.encode(fresh[:pos])),
+                "seen": seen[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+
+    def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
+        """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
+
+        The loop uses :meth:`observation` with the episode's own messages instead.
+        """
+        if not new_messages:
+            raise ValueError("observation_ids needs at least one new message")
+        history, seen = self._synthetic_history(self._tool_key(new_messages))
+        stop = self.end_of_turn_ids[0] if after_stop else None
+        return self.observation(history, seen, new_messages, stop_id=stop).ids
+
+    @staticmethod
+    def assistant_message(text: str, tool_calls: list[dict] | None = None) -> dict:
+        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts)."""
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = [
+                {"id": c.get("id", default_call_id(i)), "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for i, c in enumerate(tool_calls)]
+        return message
+
+    def _marker(self, text: str, lo: int, hi: int, stop_id: int | None, first: bool) -> tuple[int, int] | None:
+        """(start, end) of the end-of-turn marker closing the assistant turn within ``text[lo:hi]``.
+
+        ``first``: the first marker after ``lo`` (the turn starts at ``lo``); else the last before ``hi``
+        (``hi`` is where the new messages' content starts). The model's own stop token is preferred.
+        """
+        texts = [self._stop_texts[stop_id]] if stop_id in self._stop_texts else []
+        texts += [t for t in self._stop_texts.values() if t and t not in texts]
+        for candidates in (texts[:1], texts):
+            found = [(text.find(t, lo, hi), t) if first else (text.rfind(t, lo, hi), t) for t in candidates]
+            found = [(i, t) for i, t in found if i >= 0]
+            if found:
+                i, t = (min if first else max)(found)
+                return i, i + len(t)
+        return None
+
+    def _new_content_start(self, history: list[dict], new_messages: list[dict], fresh: str) -> int:
+        """Where the first new message's content starts in ``fresh`` (a render with it marked differs there)."""
+        marked = [dict(m) for m in new_messages]
+        marked[0]["content"] = _SENTINEL + str(marked[0].get("content") or "")
+        other = self.render_text(list(history) + marked, add_generation_prompt=True)
+        return first_difference(fresh, other)
+
+    # -- the up-front probe ----------------------------------------------------------------------
+
+    def _probe(self, new_messages: list[dict]) -> None:
+        """Check once per message structure that the template is append-only for it (strict mode: raise)."""
+        key = (tuple(m.get("role") for m in new_messages), self._tool_key(new_messages))
+        if key not in self._probed:
+            self._probed[key] = None  # the probe itself calls observation(): do not recurse
+            try:
+                self._probed[key] = self._probe_error(new_messages)
+            except TemplateError as e:
+                self._probed[key] = e
+        error = self._probed[key]
+        if error is None:
+            return
+        if self.history_mode == "strict":
+            raise error
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"history_mode='keep_seen': {error.args[0].split('. ')[0]}; episodes keep the tokens the "
+                          "model saw and record the drift from a fresh render (Trajectory.metrics['template_drift'])",
+                          stacklevel=3)
+
+    def _probe_error(self, new_messages: list[dict]) -> TemplateError | None:
+        roles = [m.get("role") for m in new_messages]
+        history, seen = self._synthetic_history(self._tool_key(new_messages))
+        got = self.observation(history, seen, new_messages, stop_id=self.end_of_turn_ids[0])
+        if got.mismatch is not None:
+            return TemplateError(
+                f"chat template is not append-only: appending messages with roles {roles} rewrites the earlier "
+                f"text at character {got.mismatch['char']}: before {got.mismatch['seen']!r}, after "
+                f"{got.mismatch['fresh']!r} (it drops or rewrites earlier turns, e.g. their reasoning). {_KEEP_SEEN_FIX}")
+        answered = self.render_text(history + list(new_messages) + [{"role": "assistant", "content": _EOT_PROBE}])
+        if not answered.startswith(got.rendered):
+            pos = first_difference(got.rendered, answered)
+            return TemplateError(
+                f"chat template is not append-only: the generation prompt after messages with roles {roles} is not "
+                f"how the next assistant turn renders (at character {pos}: generation prompt "
+                f"{got.rendered[max(0, pos - 40): pos + 20]!r}, rendered turn {answered[max(0, pos - 40): pos + 20]!r}). "
+                f"{_KEEP_SEEN_FIX}")
+        return None
+
+    def _synthetic_history(self, key: tuple) -> tuple[list[dict], str]:
+        """A fixed conversation ending in an assistant turn that made one call per tool message of ``key``,
+        and the render the model would have seen before that turn (its generation prompt).
+
+        Templates that check that tool results answer the preceding calls (Mistral) need matching calls.
+        """
+        if key not in self._synthetic:
+            calls = [{"id": call_id or self.call_id(name or "tool", i), "type": "function",
+                      "function": {"name": name or "tool", "arguments": {}}}
+                     for i, (name, call_id) in enumerate(key)]
+            head = self._synthetic_head()
+            seen = self.render_text(head, add_generation_prompt=True)
+            assistant, turn = self._render_synthetic_turn(head, calls)
+            if not turn.startswith(seen) and self.history_mode == "strict":
+                pos = first_difference(seen, turn)
+                raise TemplateError(
+                    "chat template is not append-only: its generation prompt is not how it renders the assistant "
+                    f"turn after the generation prompt (at character {pos}: generation prompt "
+                    f"{seen[max(0, pos - 40):]!r}, rendered turn {turn[max(0, pos - 40): pos + 40]!r}). {_KEEP_SEEN_FIX}")
+            self._synthetic[key] = (head + [assistant], seen)
+        return self._synthetic[key]
+
+    @staticmethod
+    def _tool_key(messages: list[dict]) -> tuple:
+        return tuple((m.get("name"), m.get("tool_call_id")) for m in messages if m.get("role") == "tool")
+
+    def _synthetic_head(self) -> list[dict]:
+        """A system and a user message, or only the user message where the template rejects a system role."""
+        user = {"role": "user", "content": _SYNTHETIC_USER}
+        try:
+            self.render_text([{"role": "system", "content": _SYNTHETIC_SYSTEM}, user], add_generation_prompt=True)
+            return [{"role": "system", "content": _SYNTHETIC_SYSTEM}, user]
+        except TemplateError:
+            return [user]
+
+    def _render_synthetic_turn(self, head: list[dict], calls: list[dict]) -> tuple[dict, str]:
+        """The synthetic assistant turn (with reasoning, text and ``calls``) and the render ending with it.
+
+        Falls back to empty content where the template rejects content next to tool calls (Mistral v3),
+        and to JSON-string arguments where it wants strings (Functionary, FireFunction).
+        """
+        contents = [f"<think>\n{_SYNTHETIC_REASONING}\n</think>\n\n{_SYNTHETIC_CONTENT}"] + ([""] if calls else [])
+        string_args = [{**c, "function": {**c["function"], "arguments": "{}"}} for c in calls]
+        attempts = [(content, c) for c in (calls, string_args) for content in contents]
+        for n, (content, turn_calls) in enumerate(attempts):
+            assistant = {"role": "assistant", "content": content, **({"tool_calls": turn_calls} if turn_calls else {})}
+            try:
+                return assistant, self.render_text(head + [assistant])
+            except TemplateError:
+                if n == len(attempts) - 1:
+                    raise
+
+    # -- end of turn -----------------------------------------------------------------------------
+
+    def _specials_after(self, text: str, end: int, lo: int = 0) -> tuple[list[int], set[int]]:
+        """The run of adjacent special tokens that starts with the first special token at or after ``end``,
+        and the special tokens of ``text[lo:end]`` but its first (which closes the message before ``lo``)."""
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        run, last_end, before = [], None, []
+        for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+            if s < end:
+                if s >= lo and tid in self._special_ids:
+                    before.append(tid)
+                continue
+            if tid in self._special_ids and (last_end is None or s == last_end):
+                run.append(tid)
+                last_end = e
+            elif run:
+                break
+        return run, set(before[1:])
+
+    def _find_end_of_turn_ids(self) -> list[int]:
+        """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
+        ``<|eom_id|>``); for families that write none, the tokens that open the next user or tool turn."""
+        head = [{"role": "user", "content": _SYNTHETIC_USER}]
+        assistant = {"role": "assistant", "content": _EOT_PROBE}
+        text = self.render_text(head + [assistant])
+        end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
+        run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
+        # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
+        # the next turn (a token that also opened this one after the user's closing token, e.g.
+        # <|eot_id|><|start_header_id|> from templates that always add the header)
+        closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
+        ids = closing[-1:]
+        if not ids:  # GLM-4 style: the model ends its turn by opening the next one
+            followers = [[{"role": "user", "content": _SYNTHETIC_USER}]]
+            if self.tools:
+                followers.append([{"role": "tool", "name": "tool", "tool_call_id": self.call_id("tool", 0), "content": "5"}])
+            for follower in followers:
+                try:
+                    following = self.render_text(head + [assistant] + follower)
+                except TemplateError:
+                    continue
+                if following.startswith(text):
+                    ids += [t for t in self._specials_after(following, len(text))[0][:1] if t not in ids]
+            self.stop_opens_next_turn = bool(ids)
+        if not ids:
+            after = text[end:end + 20] or self.render_text(head + [assistant, head[0]])[end:end + 20]
+            raise TemplateError(
+                f"no special token ends an assistant turn of this template: its content is followed by {after!r}, "
+                "which this tokenizer does not encode as a special token, so generation cannot stop on it; add that "
+                "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
+                "the next turn opens) with a special token")
+        extra = [self.tokenizer.eos_token_id]
+        # the end of a turn that expects a tool result, in the formats that render results inside the model's
+        # turn, opened by a token the model writes (ToolFormat.stop_tokens: Llama 3.1, harmony, Apertus, Gemma 4)
+        for token in self.tool_format.stop_tokens if self.tool_format else ():
+            if token in self.template_text:
+                extra.append(self.tokenizer.convert_tokens_to_ids(token))
+        ids += [t for t in extra if t is not None and t != self.tokenizer.unk_token_id and t not in ids]
+        return ids
+

@@ -1,0 +1,459 @@
+"""Tool-call parsers: the model's text of one assistant turn -> tool calls, parse errors and the text content.
+
+One parser per tool-call format that vLLM serves (written here, matched to the formats the families'
+chat templates render; see docs/templates.md for which template gets which):
+
+- ``hermes``: Hermes/Qwen2.5/Qwen3 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+- ``qwen3_xml``: Qwen3-Coder/Qwen3.5 ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``
+- ``glm45``: GLM-4.5+ ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``
+- ``llama3_json``: Llama 3.x/4 ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated)
+- ``pythonic``: Llama 3.2/4, Gemma 3, ToolACE ``[f(a=1, b="x"), g()]``
+- ``mistral``: ``[TOOL_CALLS][{...}, ...]`` (JSON list) and ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` forms
+- ``deepseek``: DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME`` + a fenced JSON block) and V3.1 (``NAME<｜tool▁sep｜>{...}``)
+- ``kimi_k2``: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``
+- ``granite``: ``<|tool_call|>[{...}]``; ``granite_20b_fc``: ``<function_call> {...}``
+- ``command_r``: ``Action: ```json [{"tool_name": ..., "parameters": {...}}] ````
+- ``nemotron``: ``<TOOLCALL>[{...}]</TOOLCALL>``
+- ``functools``: FireFunction / Phi-4-mini ``functools[{...}]``; ``functionary``: ``NAME\\n{...}>>>NAME\\n{...}``
+- ``internlm2``: ``<|action_start|><|plugin|>{...}<|action_end|>``; ``tool_calls_block``: Hunyuan/MiniMax
+  ``<tool_calls>[...]</tool_calls>``; ``apertus``: ``<|tools_prefix|>[{"NAME": {...}}]<|tools_suffix|>``
+- ``harmony``: gpt-oss ``to=functions.NAME<|channel|>commentary json<|message|>{...}``
+- ``gemma``: Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`` and FunctionGemma ``<start_function_call>...``
+- ``xlam``: a bare JSON list ``[{"name": ..., "arguments": {...}}]``
+
+Malformed calls become :class:`ParseError` items (error kind ``malformed_json``), never exceptions, so
+the loop can answer them with an error observation. Which parser a chat template gets is the tool-format
+table's business (:mod:`agent_loop.episode.tool_formats`).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParsedCall:
+    """One well-formed tool call."""
+
+    name: str
+    arguments: dict
+
+
+@dataclass
+class ParseError:
+    """A call the model attempted that could not be parsed (error kind ``malformed_json``)."""
+
+    raw: str  # the text of the attempted call
+    error: str  # what was wrong, readable by the model
+
+
+@dataclass
+class ParsedTurn:
+    """What an assistant turn said: its text without the calls, the calls in order, and the failed ones."""
+
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+    errors: list[ParseError] = field(default_factory=list)
+
+
+Item = ParsedCall | ParseError
+
+
+def _turn(content: str, items: list[Item]) -> ParsedTurn:
+    return ParsedTurn(content.strip(), [c for c in items if isinstance(c, ParsedCall)],
+                      [e for e in items if isinstance(e, ParseError)])
+
+
+def _arguments(raw: str, name: str, arguments) -> Item:
+    if isinstance(arguments, str):  # some models encode the arguments twice
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return ParseError(raw, f"malformed JSON in tool call arguments: {e}")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(name, str) or not name:
+        return ParseError(raw, "a tool call needs a string name")
+    if not isinstance(arguments, dict):
+        return ParseError(raw, f"tool call arguments must be a JSON object, got {type(arguments).__name__}")
+    return ParsedCall(name, arguments)
+
+
+def _call_from_obj(raw: str, obj, name_key: str = "name", arguments_key: str = "arguments") -> Item:
+    if not isinstance(obj, dict) or not isinstance(obj.get(name_key), str):
+        return ParseError(raw, f'a tool call must be a JSON object with a string "{name_key}"')
+    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))  # tolerate either key
+    return _arguments(raw, obj[name_key], arguments)
+
+
+def _call_from_json(raw: str, arguments_key: str = "arguments", name_key: str = "name") -> Item:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ParseError(raw, f"malformed JSON in tool call: {e}")
+    return _call_from_obj(raw, obj, name_key, arguments_key)
+
+
+def _calls_from_json_list(raw: str, name_key: str = "name", arguments_key: str = "arguments") -> list[Item]:
+    """A JSON list of call objects (a single object is accepted too)."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return [ParseError(raw, f"malformed JSON in tool calls: {e}")]
+    objs = obj if isinstance(obj, list) else [obj]
+    return [_call_from_obj(json.dumps(o), o, name_key, arguments_key) for o in objs]
+
+
+def _json_sequence(body: str, arguments_key: str, separators: str = "; \n\t,") -> list[Item]:
+    """Concatenated JSON call objects (``{...}{...}``, ``{...}; {...}``, one per line)."""
+    decoder, items, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            _, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            items.append(_call_from_json(body[pos:].strip(), arguments_key))  # records the error
+            break
+        items.append(_call_from_json(body[pos:end], arguments_key))
+        pos = end
+        while pos < len(body) and body[pos] in separators:
+            pos += 1
+    return items
+
+
+def _blocks(text: str, start: str, end: str) -> tuple[list[str], str]:
+    """The bodies of ``start ... end`` blocks (an unclosed last block runs to the end) and the text outside them."""
+    pattern = re.compile(re.escape(start) + r"(.*?)(?:" + re.escape(end) + r"|$)", re.DOTALL)
+    return [m.group(1) for m in pattern.finditer(text)], pattern.sub("", text)
+
+
+def _string_params(schemas: list[dict] | None, name: str) -> set[str]:
+    """The parameters of tool ``name`` whose schema type is string (their text is kept as written)."""
+    for schema in schemas or []:
+        function = schema.get("function", schema)
+        if function.get("name") == name:
+            properties = function.get("parameters", {}).get("properties", {})
+            return {k for k, v in properties.items() if v.get("type") == "string"}
+    return set()
+
+
+def _value(text: str):
+    """A parameter value written as plain text: JSON where it parses (numbers, objects, ...), else the string."""
+    if text in ("None", "True", "False"):  # Python spellings some templates write
+        return {"None": None, "True": True, "False": False}[text]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+# -- the parsers ---------------------------------------------------------------------------------
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Hermes/Qwen: each call is ``<tool_call>{json}</tool_call>``; an unclosed last call is parsed to the end."""
+    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
+    return _turn(content, [_call_from_json(b.strip()) for b in bodies])
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
+
+    Values of string-typed parameters (per the tool ``schemas``) are kept as written; other values are JSON
+    where they parse (numbers, booleans, objects, lists), else strings, as vLLM's parser does.
+    """
+    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
+    items: list[Item] = []
+    for body in bodies:
+        m = _XML_FUNCTION.search(body)
+        if m is None:
+            items.append(ParseError(body, "a tool call must be <function=NAME>...</function>"))
+            continue
+        name = m.group(1).strip()
+        strings = _string_params(schemas, name)
+        items.append(ParsedCall(name, {k.strip(): v if k.strip() in strings else _value(v)
+                                       for k, v in _XML_PARAMETER.findall(m.group(2))}))
+    return _turn(content, items)
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """GLM-4.5/4.6/4.7: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``
+    (values typed as in :func:`parse_qwen3_xml`)."""
+    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
+    items: list[Item] = []
+    for body in bodies:
+        name = body.split("<arg_key>", 1)[0].strip()
+        if not name or "\n" in name or "{" in name:
+            items.append(ParseError(body, "a tool call must start with the function name"))
+            continue
+        strings = _string_params(schemas, name)
+        items.append(ParsedCall(name, {k.strip(): v if k.strip() in strings else _value(v) for k, v in _GLM_ARG.findall(body)}))
+    return _turn(content, items)
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str) -> ParsedTurn:
+    """Llama 3.x/4 JSON: the turn is ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated).
+
+    A turn that does not start with ``{`` (after the optional tag) is plain content.
+    """
+    body = text.strip()
+    tagged = body.startswith(_PYTHON_TAG)
+    body = body.removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return ParsedTurn(text.strip() if not tagged else body)
+    return _turn("", _json_sequence(body, "parameters"))
+
+
+def _python_call(node: ast.expr, raw: str) -> Item:
+    if not isinstance(node, ast.Call) or node.args:
+        return ParseError(raw, "each pythonic tool call must be NAME(keyword=value, ...)")
+    name = ast.unparse(node.func)
+    try:
+        return ParsedCall(name, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+    except (ValueError, SyntaxError, TypeError) as e:
+        return ParseError(raw, f"tool call arguments must be Python literals: {e}")
+
+
+def parse_pythonic(text: str) -> ParsedTurn:
+    """Pythonic calls (Llama 3.2/4, Gemma 3, ToolACE): ``[f(a=1, b="x"), g()]``, optionally inside
+    ``<|python_start|>...<|python_end|>``. A turn that does not start with ``[`` is plain content."""
+    body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    if not body.startswith("["):
+        return ParsedTurn(text.strip())
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError as e:
+        return _turn("", [ParseError(body, f"malformed pythonic tool calls: {e.msg}")])
+    if not isinstance(tree, ast.List):
+        return _turn("", [ParseError(body, "pythonic tool calls must be a list [f(...), ...]")])
+    return _turn("", [_python_call(node, body) for node in tree.elts])
+
+
+_MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)$", re.DOTALL)
+
+
+def parse_mistral(text: str) -> ParsedTurn:
+    """Mistral: ``[TOOL_CALLS][{"name", "arguments"}, ...]`` (v3/v7/Nemo) or, per call,
+    ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` / ``[TOOL_CALLS]NAME[ARGS]{...}`` (v11+, Small 3.2, Devstral)."""
+    content, *parts = text.split("[TOOL_CALLS]")
+    items: list[Item] = []
+    for part in parts:
+        part = part.strip()
+        named = _MISTRAL_NAMED.match(part)
+        if named:
+            items.append(_arguments(part, named.group(1), named.group(3).strip()))
+        elif part.startswith(("[", "{")):
+            items += _calls_from_json_list(part)
+        else:
+            items.append(ParseError(part, "a Mistral tool call must be NAME[ARGS]{...} or a JSON list of calls"))
+    return _turn(content, items)
+
+
+_DS_BEGIN, _DS_SEP, _DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_DS_SECTION = re.compile(r"<｜tool▁calls▁begin｜>.*?(?:<｜tool▁calls▁end｜>|$)", re.DOTALL)
+_FENCED = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+
+def parse_deepseek(text: str) -> ParsedTurn:
+    """DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```````) and V3.1
+    (``NAME<｜tool▁sep｜>{...}``), each inside ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``."""
+    bodies, _ = _blocks(text, _DS_BEGIN, _DS_END)
+    items: list[Item] = []
+    for body in bodies:
+        left, sep, right = body.partition(_DS_SEP)
+        if not sep:
+            items.append(ParseError(body, f"a DeepSeek tool call must contain {_DS_SEP}"))
+            continue
+        if left.strip() == "function":  # V3/R1: the name on the first line, the arguments in a fenced block
+            name, _, args = right.partition("\n")
+            fenced = _FENCED.match(args)
+            items.append(_arguments(body, name.strip(), fenced.group(1) if fenced else args.strip()))
+        else:
+            items.append(_arguments(body, left.strip(), right.strip()))
+    return _turn(_DS_SECTION.sub("", text), items)
+
+
+_KIMI_SECTION = re.compile(r"<\|tool_calls_section_begin\|>.*?(?:<\|tool_calls_section_end\|>|$)", re.DOTALL)
+_KIMI_ID = re.compile(r"^\s*(?:functions\.)?([^:\s]+)(?::\d+)?\s*$")
+
+
+def parse_kimi_k2(text: str) -> ParsedTurn:
+    """Kimi K2: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``."""
+    bodies, _ = _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>")
+    items: list[Item] = []
+    for body in bodies:
+        call_id, sep, args = body.partition("<|tool_call_argument_begin|>")
+        m = _KIMI_ID.match(call_id)
+        items.append(_arguments(body, m.group(1), args.strip()) if sep and m else
+                     ParseError(body, "a Kimi tool call must be functions.NAME:IDX<|tool_call_argument_begin|>{...}"))
+    return _turn(_KIMI_SECTION.sub("", text), items)
+
+
+def _marker_then_list(name: str, marker: str, end: str | None = None, name_key: str = "name",
+                      arguments_key: str = "arguments"):
+    """A parser for formats that write one JSON list of calls after ``marker`` (up to ``end``)."""
+    def parse(text: str) -> ParsedTurn:
+        content, sep, rest = text.partition(marker)
+        if not sep:
+            return ParsedTurn(text.strip())
+        body, _, after = rest.partition(end) if end else (rest, "", "")
+        fenced = _FENCED.match(body)
+        return _turn(content + after, _calls_from_json_list((fenced.group(1) if fenced else body).strip(), name_key, arguments_key))
+    parse.__name__ = parse.__qualname__ = name
+    return parse
+
+
+parse_granite = _marker_then_list("parse_granite", "<|tool_call|>")
+parse_granite.__doc__ = "Granite 3.x: ``<|tool_call|>[{\"name\", \"arguments\"}, ...]``."
+parse_nemotron = _marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>")
+parse_nemotron.__doc__ = "Nemotron: ``<TOOLCALL>[{\"name\", \"arguments\"}, ...]</TOOLCALL>``."
+_functools_list = _marker_then_list("parse_functools", "functools")
+
+
+def parse_functools(text: str) -> ParsedTurn:
+    """FireFunction v2 / Phi-4-mini: ``functools[{"name", "arguments"}, ...]``; also the bare
+    ``{...},{...}`` that the Phi-4-mini template renders for past calls."""
+    if "functools" not in text and text.strip().startswith("{"):
+        return _turn("", _json_sequence(text.strip(), "arguments"))
+    return _functools_list(text)
+_command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_name", "parameters")
+_command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
+
+
+def parse_command_r(text: str) -> ParsedTurn:
+    """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
+    (the plan in ``<|START_THINKING|>`` is content); Command R/R+: ``Action: ```json [{"tool_name", "parameters"}] ````."""
+    if "<|START_ACTION|>" in text:
+        return _command_r7b_action(text)
+    return _command_r_action(text)
+
+
+def parse_granite_20b_fc(text: str) -> ParsedTurn:
+    """Granite 20B function calling: each call is ``<function_call> {json}``."""
+    content, *parts = text.split("<function_call>")
+    return _turn(content, [_call_from_json(p.strip()) for p in parts])
+
+
+def parse_internlm2(text: str) -> ParsedTurn:
+    """InternLM2: ``<|action_start|><|plugin|>\\n{json}<|action_end|>``."""
+    bodies, content = _blocks(text, "<|action_start|>", "<|action_end|>")
+    return _turn(content, [_call_from_json(b.removeprefix("<|plugin|>").strip()) for b in bodies])
+
+
+def parse_tool_calls_block(text: str) -> ParsedTurn:
+    """Hunyuan-A13B / MiniMax-M1: ``<tool_calls>`` + a JSON list or one JSON object per line + ``</tool_calls>``."""
+    bodies, content = _blocks(text, "<tool_calls>", "</tool_calls>")
+    items: list[Item] = []
+    for body in map(str.strip, bodies):
+        items += _calls_from_json_list(body) if body.startswith("[") else _json_sequence(body, "arguments")
+    return _turn(content, items)
+
+
+def parse_apertus(text: str) -> ParsedTurn:
+    """Apertus: ``<|tools_prefix|>[{"NAME": {arguments}}, ...]<|tools_suffix|>``."""
+    bodies, content = _blocks(text, "<|tools_prefix|>", "<|tools_suffix|>")
+    items: list[Item] = []
+    for body in bodies:
+        try:
+            objs = json.loads(body)
+        except json.JSONDecodeError as e:
+            items.append(ParseError(body, f"malformed JSON in tool calls: {e}"))
+            continue
+        for obj in objs if isinstance(objs, list) else [objs]:
+            if isinstance(obj, dict) and len(obj) == 1:
+                (name, args), = obj.items()
+                items.append(_arguments(json.dumps(obj), name, args))
+            else:
+                items.append(ParseError(json.dumps(obj), 'each Apertus tool call must be {"NAME": {arguments}}'))
+    return _turn(content, items)
+
+
+_HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?<\|message\|>(.*?)(?=<\|call\|>|<\|end\|>|<\|start\|>|$)",
+                           re.DOTALL)
+_HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """gpt-oss (harmony): ``to=functions.NAME<|channel|>commentary json<|message|>{...}``; content is the final channel."""
+    items = [_arguments(m.group(0), m.group(1), m.group(2).strip()) for m in _HARMONY_CALL.finditer(text)]
+    final = _HARMONY_FINAL.findall(text)
+    return _turn("".join(final) if final or items else text, items)
+
+
+def parse_functionary(text: str) -> ParsedTurn:
+    """Functionary v3.2: ``NAME\\n{json}>>>NAME\\n{json}`` after the ``>>>`` of the prompt; ``all`` is text."""
+    content, items = [], []
+    for part in text.split(">>>"):
+        name, _, body = part.partition("\n")
+        if name.strip() in ("all", ""):
+            content.append(body if name.strip() else part)
+        else:
+            items.append(_arguments(part, name.strip(), body.strip() or "{}"))
+    return _turn("".join(content), items)
+
+
+_GEMMA_STRINGS = ('<|"|>', "<escape>")
+
+
+def _gemma_value(s: str, i: int):
+    """Parse Gemma's argument syntax from ``s[i:]``: ``<|"|>str<|"|>``, ``{k:v,...}``, ``[v,...]``, bare literals."""
+    for q in _GEMMA_STRINGS:
+        if s.startswith(q, i):
+            end = s.index(q, i + len(q))
+            return s[i + len(q): end], end + len(q)
+    if s.startswith("{", i):
+        out, i = {}, i + 1
+        while not s.startswith("}", i):
+            colon = s.index(":", i)
+            key = s[i:colon].strip()
+            out[key], i = _gemma_value(s, colon + 1)
+            i += s.startswith(",", i)
+        return out, i + 1
+    if s.startswith("[", i):
+        out, i = [], i + 1
+        while not s.startswith("]", i):
+            value, i = _gemma_value(s, i)
+            out.append(value)
+            i += s.startswith(",", i)
+        return out, i + 1
+    m = re.compile(r"[^,}\]]*").match(s, i)
+    return _value(m.group(0).strip()), m.end()
+
+
+_GEMMA_CALL = re.compile(r"(?:<\|tool_call>|<start_function_call>)call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|<end_function_call>|$)",
+                         re.DOTALL)
+
+
+def parse_gemma(text: str) -> ParsedTurn:
+    """Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>,n:2}<tool_call|>`` and FunctionGemma
+    ``<start_function_call>call:NAME{k:<escape>v<escape>}<end_function_call>``."""
+    items: list[Item] = []
+    for m in _GEMMA_CALL.finditer(text):
+        try:
+            args, _ = _gemma_value(m.group(2), 0)
+            items.append(_arguments(m.group(0), m.group(1), args))
+        except (ValueError, IndexError) as e:
+            items.append(ParseError(m.group(0), f"malformed Gemma tool call arguments: {e}"))
+    return _turn(_GEMMA_CALL.sub("", text), items)
+
+
+def parse_xlam(text: str) -> ParsedTurn:
+    """xLAM: the turn is a JSON list ``[{"name", "arguments"}, ...]`` (optionally fenced); anything else is content."""
+    body = text.strip()
+    fenced = _FENCED.match(body)
+    body = fenced.group(1) if fenced else body
+    if not body.startswith("["):
+        return ParsedTurn(text.strip())
+    return _turn("", _calls_from_json_list(body))

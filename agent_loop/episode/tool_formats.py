@@ -1,0 +1,101 @@
+"""Tool-call formats: everything the loop knows about a family's way of calling tools, one table row each.
+
+A row says how to recognise the format in a chat template (``markers``), how to read the model's calls
+(``parser``), what opens a call in the model's text (``call_markers``: the final-answer rule asks them,
+:func:`agent_loop.tasks.rewards.final_answer`), which extra tokens end a turn that expects a tool
+result (``stop_tokens``, where the template writes them), and the format of tool-call ids
+(``call_id``). Adding a format: its parser in :mod:`agent_loop.episode.parsers` and one row in
+:data:`TOOL_FORMATS` (the first row whose markers the template holds wins, so specific rows come first).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import agent_loop.episode.parsers as p
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One tool-call format (see the module docstring)."""
+
+    name: str
+    markers: tuple[tuple[str, ...], ...]  # alternatives; each is a set of strings the template text holds
+    parser: Callable[..., p.ParsedTurn]
+    call_markers: tuple[str, ...] = ()  # text that opens a tool call in the model's output
+    stop_tokens: tuple[str, ...] = ()  # tokens that end a turn awaiting a tool result (where the template has them)
+    call_id: str = "call{index:05d}"  # the episode's index-th call (0-based); 9 alphanumerics, as Mistral requires
+    schema_typed: bool = False  # values are written as bare text: the parser needs the schemas for string types
+
+    def matches(self, template: str) -> bool:
+        return any(all(m in template for m in alternative) for alternative in self.markers)
+
+    def parser_for(self, tools: list[dict] | None = None) -> Callable[[str], p.ParsedTurn]:
+        """The parser; for schema-typed formats with ``tools`` (JSON schemas), one that keeps string-typed
+        parameters as strings."""
+        return functools.partial(self.parser, schemas=tools) if self.schema_typed and tools else self.parser
+
+    def make_call_id(self, name: str, index: int) -> str:
+        return self.call_id.format(name=name, index=index)
+
+
+TOOL_FORMATS: list[ToolFormat] = [
+    ToolFormat("kimi_k2", (("<|tool_calls_section_begin|>",),), p.parse_kimi_k2,
+               ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
+               call_id="functions.{name}:{index}"),  # vLLM's Kimi parser reads the name from the id
+    ToolFormat("deepseek", (("<｜tool▁call▁begin｜>",),), p.parse_deepseek, ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")),
+    ToolFormat("qwen3_xml", (("<function=", "<parameter="),), p.parse_qwen3_xml, ("<tool_call>", "<function="),
+               schema_typed=True),
+    ToolFormat("glm45", (("<arg_key>",),), p.parse_glm45, ("<tool_call>",), schema_typed=True),
+    ToolFormat("hermes", (("<tool_call>",),), p.parse_hermes, ("<tool_call>",)),
+    ToolFormat("mistral", (("[TOOL_CALLS]",),), p.parse_mistral, ("[TOOL_CALLS]",)),
+    ToolFormat("nemotron", (("<TOOLCALL>",),), p.parse_nemotron, ("<TOOLCALL>",)),
+    ToolFormat("granite", (("<|tool_call|>",),), p.parse_granite, ("<|tool_call|>",)),
+    ToolFormat("granite_20b_fc", (("<function_call>",),), p.parse_granite_20b_fc, ("<function_call>",)),
+    ToolFormat("internlm2", (("<|action_start|>",),), p.parse_internlm2, ("<|action_start|>",)),
+    ToolFormat("tool_calls_block", (("<tool_calls>",),), p.parse_tool_calls_block, ("<tool_calls>",)),
+    ToolFormat("apertus", (("<|tools_prefix|>",),), p.parse_apertus, ("<|tools_prefix|>",), ("<|tools_suffix|>",)),
+    ToolFormat("harmony", (("<|call|>", "<|channel|>"),), p.parse_harmony, ("to=functions.",), ("<|call|>",)),
+    ToolFormat("gemma", (("<|tool_call>",), ("<start_function_call>",)), p.parse_gemma,
+               ("<|tool_call>", "<start_function_call>"), ("<|tool_response>",)),
+    ToolFormat("functools", (("functools",),), p.parse_functools, ("functools[",)),
+    ToolFormat("functionary", ((">>>all",),), p.parse_functionary),
+    ToolFormat("command_r", (("<|START_ACTION|>",), ("Action:", "tool_name")), p.parse_command_r,
+               ("<|START_ACTION|>", "Action:")),
+    ToolFormat("llama3_json", (("<|python_tag|>",),), p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
+    ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic),
+    ToolFormat("xlam", (('[{"name": "tool_call_name"',),), p.parse_xlam),
+    ToolFormat("llama3_json", (("<|start_header_id|>", "parameters"), ("<|header_start|>", "parameters")),
+               p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
+]
+
+# what opens a call in any format: the final-answer rule for an episode whose format is unknown
+ANY_CALL_MARKERS = tuple(dict.fromkeys(m for f in TOOL_FORMATS for m in f.call_markers))
+
+
+def default_call_id(index: int) -> str:
+    """The id of a format without its own: ``call`` + 5 digits."""
+    return ToolFormat.call_id.format(index=index)
+
+
+def find_tool_format(template: str) -> ToolFormat | None:
+    """The first row of :data:`TOOL_FORMATS` whose markers ``template`` holds, or None."""
+    return next((f for f in TOOL_FORMATS if f.matches(template or "")), None)
+
+
+def tool_format_for_template(template: str) -> ToolFormat:
+    """:func:`find_tool_format`, or ValueError naming the supported families' markers."""
+    found = find_tool_format(template)
+    if found is None:
+        known = "; ".join(" + ".join(alt) for f in TOOL_FORMATS for alt in f.markers)
+        raise ValueError("no tool-call parser fits this chat template: it contains none of the tool-call markers "
+                         f"of the supported families ({known}); add a row for its format to "
+                         "agent_loop.episode.tool_formats.TOOL_FORMATS")
+    return found
+
+
+def parser_for_template(template: str, tools: list[dict] | None = None) -> Callable[[str], p.ParsedTurn]:
+    """The parser of the template's tool format (see :meth:`ToolFormat.parser_for`); ValueError if none fits."""
+    return tool_format_for_template(template).parser_for(tools)

@@ -1,0 +1,221 @@
+"""Run many episodes concurrently (asyncio) and write each Trajectory as a JSON line as soon as it finishes.
+
+One bad episode never aborts a run: an exception from an episode (a tool that broke the tokenizer, a
+backend that kept failing) becomes a Trajectory with finish "error" and the error in
+``metrics["error"]``, and the run goes on. Only an exception marked ``fatal`` (the HTTP backend's
+circuit breaker: every server down for longer than its retry deadline) stops the run; the episodes
+already written stay, and ``agent-loop rollout --resume`` plays the rest later.
+
+Memory stays flat however many episodes a run plays: finished episodes go to the file and into
+:class:`~agent_loop.runners.stats.RolloutStats` (O(1) running counts), and are kept in memory only when
+asked (:func:`run_rollouts` asks; :func:`stream_rollouts` keeps nothing but a bounded sample).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import traceback
+from pathlib import Path
+from typing import Iterable
+
+from tqdm.auto import tqdm
+
+from agent_loop.backends.base import Backend, check_backend, is_fatal
+from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop import formatter_for, run_episode
+from agent_loop.episode.tools import ToolExecutor
+from agent_loop.runners.jsonl import JsonlWriter, check_output, written_episodes
+from agent_loop.runners.spec import RunSpec
+from agent_loop.runners.stats import RolloutStats
+from agent_loop.tasks.base import Task
+from agent_loop.types import Trajectory
+
+
+def error_trajectory(task: Task, index: int, seed: int, error: BaseException | str, tokenizer=None) -> Trajectory:
+    """The record of an episode that raised: finish "error", no response, the error text in ``metrics["error"]``.
+
+    Its prompt ids are rendered when that still works (so a training batch keeps its shape), else empty.
+    """
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    prompt_ids: list[int] = []
+    messages: list[dict] = []
+    try:
+        episode = task.make_episode(index, seed)
+        messages = [dict(m) for m in episode.messages]
+        if tokenizer is not None:
+            prompt_ids = formatter_for(tokenizer, ToolExecutor(episode.tools).schemas).prompt_ids(messages)
+    except Exception:  # the prompt itself may be what failed; the record still names the episode
+        pass
+    metrics = {"turns": 0, "turn_tokens": [], "assistant_tokens": 0, "observation_tokens": 0, "tool_calls": 0,
+               "tool_errors": {}, "observation_truncations": 0, "generate_s": 0.0, "tools_s": 0.0, "total_s": 0.0,
+               "error": message}
+    return Trajectory(prompt_ids=prompt_ids, response_ids=[], spans=[], turn_ids=[], logprobs=[], messages=messages,
+                      reward=0.0, finish_reason="error", metrics=metrics,
+                      info={"task": task.name, "index": index, "seed": seed, "success": False})
+
+
+async def play_episode(task: Task, index: int, backend: Backend, tokenizer, config: LoopConfig | None = None,
+                       seed: int = 0) -> Trajectory:
+    """``run_episode``, with any non-fatal exception turned into an :func:`error_trajectory`."""
+    try:
+        return await run_episode(task, index, backend, tokenizer, config, seed)
+    except Exception as error:
+        if is_fatal(error):
+            raise
+        trajectory = error_trajectory(task, index, seed, error, tokenizer)
+        trajectory.metrics["traceback"] = "".join(traceback.format_exception(error)[-3:])[-2000:]
+        return trajectory
+
+
+class TrajectorySink:
+    """Where finished episodes go, in finishing order: a JSON line each (one whole-line write, so an
+    interrupted run keeps what had finished; see :mod:`agent_loop.runners.jsonl`), running statistics, and a
+    progress bar with the running success rate.
+
+    ``output_mode``: "new" refuses an existing non-empty file, "append"/"resume" add to it (a torn last
+    line is cut first). Memory: ``stats`` (O(1)); the trajectories themselves only with ``keep=True``.
+    """
+
+    def __init__(self, total: int, description: str, output_path: str | Path | None = None, progress: bool = True,
+                 output_mode: str = "new", *, keep: bool = False, stats: RolloutStats | None = None):
+        self.results: dict[int, Trajectory] | None = {} if keep else None
+        self.stats = stats if stats is not None else RolloutStats()
+        self.file = JsonlWriter(output_path, output_mode) if output_path else None
+        self.bar = tqdm(total=total, desc=description, unit="ep", disable=not progress)
+
+    def add(self, trajectory: Trajectory) -> None:
+        if self.results is not None:
+            self.results[trajectory.info["index"]] = trajectory
+        self.stats.add(trajectory)
+        if self.file:
+            self.file.write_line(trajectory.to_json())
+        if not self.bar.disable:  # the postfix is redrawn with the bar (tqdm rate-limits that), not per episode
+            self.bar.set_postfix_str(f"success={self.stats.success_rate:.2f}", refresh=False)
+        self.bar.update()
+
+    def in_order(self, indices: list[int]) -> list[Trajectory]:
+        if self.results is None:
+            raise RuntimeError("TrajectorySink(keep=False) keeps no trajectories; pass keep=True to get them back")
+        return [self.results[i] for i in indices]
+
+    def __enter__(self) -> "TrajectorySink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+async def stream_rollouts(spec: RunSpec, backend: Backend, *, concurrency: int = 16, keep: bool = False,
+                          sample_size: int = 0, total: int | None = None) -> tuple[RolloutStats, list[Trajectory] | None]:
+    """Play ``spec.episodes`` with at most ``concurrency`` in flight; return running statistics (and, with
+    ``keep=True``, the trajectories in the order of ``spec.episodes``).
+
+    ``concurrency`` worker tasks pull the next index when one finishes, so a run of any length holds
+    ``concurrency`` episodes in flight and no more (``spec.episodes`` may be a lazy iterable; ``total``
+    sizes the progress bar then). Without ``keep``, memory does not grow with the run: each Trajectory
+    goes to ``spec.output_path`` (written at once, so an interrupted run keeps every episode that had
+    finished) and into the :class:`RolloutStats`, whose ``sample`` holds the first ``sample_size``
+    episodes. An episode that raises is recorded with finish "error"; a fatal backend error cancels the
+    rest and is raised. The backend's :meth:`~agent_loop.backends.base.Backend.end_run` runs before returning.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    check_backend(backend)
+    episodes = spec.episodes if total is not None else list(spec.episodes)
+    total = len(episodes) if total is None else total
+    todo, order, head = iter(episodes), [], []
+    if keep or sample_size:
+        head = list(itertools.islice(todo, sample_size))
+        todo = _tracked(itertools.chain(head, todo), order if keep else None)
+    stats = RolloutStats(sample_indices=frozenset(head))
+    try:
+        with TrajectorySink(total, f"rollout {spec.task.name}", spec.output_path, spec.progress, spec.output_mode,
+                            keep=keep, stats=stats) as sink:
+            async def worker() -> None:
+                for index in todo:  # one shared iterator: each index is played once
+                    sink.add(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
+
+            await _all_or_none([asyncio.ensure_future(worker()) for _ in range(min(concurrency, max(total, 1)))])
+    finally:
+        await backend.end_run()
+    return stats, (sink.in_order(order) if keep else None)
+
+
+def _tracked(indices: Iterable[int], order: list[int] | None) -> Iterable[int]:
+    """``indices``, each appended to ``order`` (when given) as it is handed out."""
+    for index in indices:
+        if order is not None:
+            order.append(index)
+        yield index
+
+
+async def _all_or_none(workers: list[asyncio.Future]) -> None:
+    """Wait for every worker; on a fatal error (or a cancellation) stop the rest, then raise the first error."""
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+
+
+async def run_rollouts(
+    task: Task,
+    backend: Backend,
+    tokenizer,
+    episodes: Iterable[int],
+    config: LoopConfig | None = None,
+    seed: int = 0,
+    concurrency: int = 16,
+    output_path: str | Path | None = None,
+    progress: bool = True,
+    output_mode: str = "new",
+) -> list[Trajectory]:
+    """Play ``episodes`` (episode indices) with at most ``concurrency`` in flight; return them in index order.
+
+    Keeps every Trajectory in memory (what a training step needs); for long runs use
+    :func:`stream_rollouts`, which keeps only running statistics. With ``output_path``, each finished
+    Trajectory is appended and flushed at once, so an interrupted run keeps every episode that had finished.
+    """
+    spec = RunSpec(task, tokenizer, episodes, config, seed, output_path, output_mode, progress)
+    _, trajectories = await stream_rollouts(spec, backend, concurrency=concurrency, keep=True)
+    return trajectories
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    """Read a JSON Lines file written by :func:`run_rollouts` (strict: any bad line raises)."""
+    with open(path, encoding="utf-8") as f:
+        return [Trajectory.from_json(line) for line in f if line.strip()]
+
+
+def plan_output(path: str | Path, episodes: Iterable[int], seed: int, task_name: str, *, resume: bool = False,
+                append: bool = False) -> tuple[str, list[int]]:
+    """Check the output before anything runs; return its mode and the episodes still to play.
+
+    Without ``resume``/``append`` an existing non-empty file is refused (``OutputExistsError``), never
+    emptied; ``resume`` drops the episodes the file already holds for this seed and task (by index).
+    """
+    if resume and append:
+        raise ValueError("--resume and --append exclude each other")
+    mode = "resume" if resume else "append" if append else "new"
+    check_output(path, mode)
+    indices = list(episodes)
+    if resume:
+        done = written_episodes(path, seed, task_name)
+        indices = [i for i in indices if i not in done]
+    return mode, indices
+
+
+def error_status(stats: RolloutStats, max_error_fraction: float) -> tuple[int, list[str]]:
+    """Exit status (0, or 1 when more than ``max_error_fraction`` of the episodes ended with an error) and
+    lines to print about the errors (their count and the first ones, by episode index)."""
+    failed = stats.finish_reasons.get("error", 0)
+    if not failed:
+        return 0, []
+    lines = [f"{failed} of {stats.episodes} episodes ended with an error; the first:",
+             *(f"episode {index}: {message[:300]}" for index, message in sorted(stats.first_errors))]
+    return int(failed > max_error_fraction * stats.episodes), lines

@@ -1,0 +1,4 @@
+"""Tasks: the contract (:mod:`.base`), the built-in tasks (:mod:`.builtin`), tasks written as code
+(:mod:`.environment`) and from data (:mod:`.dataset`), reward rules (:mod:`.rewards`), groups of samples
+(:mod:`.grouping`), plug-ins named by a string (:mod:`.plugins`) and the registry behind ``--task``
+(:mod:`.registry`). docs/design.md sections 2 and 6a."""

@@ -1,0 +1,231 @@
+"""Tasks from data: prompts from a list, JSONL, Parquet or a Hugging Face dataset on disk; rewards from
+Python callables, weighted sums of them, or built-in rules (:mod:`agent_loop.tasks.rewards`); tools from
+plain functions or MCP-style schemas (:mod:`agent_loop.episode.tools`).
+
+The short path::
+
+    from agent_loop import DatasetTask
+
+    def reverse(text: str) -> str:
+        '''Reverse a string.
+
+        Args:
+            text: The string to reverse.
+        '''
+        return text[::-1]
+
+    task = DatasetTask([{"prompt": "Reverse 'abc'.", "answer": "cba"}], reward="exact", tools=[reverse])
+
+Rows. Each row is a dict with a prompt (``prompt``: a string, or a list of chat messages as in verl's
+parquet files; ``messages`` works too) and optionally a reference answer (``answer``, or verl's
+``reward_model.ground_truth``). Every other column is kept as the row's metadata: it goes into
+``Trajectory.info["row"]`` and reaches reward functions as ``row``. A file with bad rows keeps its good
+rows; each bad one is named ``FILE:LINE: reason`` in ``DatasetTask.skipped`` and in a warning.
+
+Rewards. A reward function takes, by name, any of ``completion`` (the final answer: the text of the
+last assistant message, "" if that message still calls a tool), ``answer``, ``messages``,
+``tool_calls`` (``ToolCallRecord`` list), ``row`` and ``episode``, and returns a number. Several
+functions are summed with ``reward_weights`` (1.0 each by default), as in TRL; each one's value is
+kept in ``info["rewards"]``. A function that raises or returns a non-number is recorded in
+``info["reward_error"]`` and the episode's reward is 0.0 (never a partial sum); the run goes on.
+Built-in rules by name: ``exact``, ``contains``, ``number``, ``regex:PATTERN`` (see :data:`RULES`).
+
+Per-turn rewards (optional): ``turn_reward`` takes, by name, any of ``turn``, ``message`` (that
+assistant turn's message), ``tool_calls`` (that turn's calls), ``answer``, ``row``, ``messages``,
+``episode`` and returns a number; the loop places it on the turn's last assistant token.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from agent_loop.episode.tools import tool
+from agent_loop.tasks.base import Task, episode_rng
+from agent_loop.tasks.rewards import (
+    TURN_REWARD_ARGUMENTS,
+    argument_picker,
+    as_reward,
+    function_name,
+    reward_terms,
+    score_episode,
+)
+from agent_loop.types import Episode, ToolCallRecord
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+# --- rows ----------------------------------------------------------------------------------------
+
+
+def _messages_of(prompt: Any) -> list[dict]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and prompt:
+        messages = []
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+                raise ValueError(f"prompt message {i} must be a dict with a role in {ROLES} and a string content, got {message!r}")
+            messages.append({"role": message["role"], "content": message["content"]})
+        return messages
+    raise ValueError(f"prompt must be a non-empty string or list of messages, got {prompt!r}")
+
+
+def _plain(value: Any) -> Any:
+    """Metadata as JSON values (a Trajectory is written as JSON)."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def normalize_row(row: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> dict:
+    """``{"messages", "answer", "row"}`` from one dataset row (see the module docstring); ValueError if unusable."""
+    if isinstance(row, str):
+        row = {prompt_key: row}
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
+    key = prompt_key if prompt_key in row else "messages" if "messages" in row else None
+    if key is None:
+        raise ValueError(f"no {prompt_key!r} field (keys: {', '.join(map(str, row)) or 'none'})")
+    answer = row.get(answer_key)
+    if answer is None and isinstance(row.get("reward_model"), dict):  # verl's parquet layout
+        answer = row["reward_model"].get("ground_truth")
+    metadata = {k: v for k, v in row.items() if k not in (key, answer_key)}
+    return {"messages": _messages_of(row[key]), "answer": _plain(answer), "row": _plain(metadata)}
+
+
+def _read_jsonl(path: Path) -> Iterable[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield where, ValueError(f"not JSON ({error.msg} at column {error.colno})")
+
+
+def _read_table(source: Any, split: str | None) -> Iterable[tuple[str, Any]]:
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        else:
+            from datasets import DatasetDict, load_from_disk
+
+            source = load_from_disk(str(path))
+            if isinstance(source, DatasetDict):
+                names = list(source)
+                chosen = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+                if chosen not in names:
+                    raise ValueError(f"{path}: choose a split with split=... (splits: {', '.join(names)})")
+                source = source[chosen]
+            rows = source
+        label = str(path)
+    else:
+        rows, label = source, type(source).__name__
+    for i, row in enumerate(rows):
+        yield f"{label}:row {i}", row
+
+
+def load_prompts(source: Any, prompt_key: str = "prompt", answer_key: str = "answer",
+                 split: str | None = None) -> tuple[list[dict], list[str]]:
+    """Rows of ``source`` and the bad ones: ``(rows, skipped)``, each skipped entry ``"FILE:LINE: reason"``.
+
+    ``source``: a list of dicts or strings, a ``.jsonl`` file, a ``.parquet`` file, a folder written by
+    ``datasets.Dataset.save_to_disk`` (or a ``DatasetDict``: ``split``, default ``train``), or a
+    ``datasets.Dataset``. ValueError if the source does not exist or has no usable row.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.exists():
+            raise ValueError(f"prompts file not found: {path}")
+        items = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_table(path, split)
+    elif isinstance(source, (list, tuple)):
+        items = ((f"prompts[{i}]", row) for i, row in enumerate(source))
+    else:
+        items = _read_table(source, split)
+    rows, skipped = [], []
+    for where, raw in items:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            rows.append(normalize_row(raw, prompt_key, answer_key))
+        except ValueError as error:
+            skipped.append(f"{where}: {error}")
+    if not rows:
+        detail = "; ".join(skipped[:3]) or "it is empty"
+        raise ValueError(f"no usable prompt in {source if isinstance(source, (str, Path)) else 'the prompts'}: {detail}")
+    return rows, skipped
+
+
+# --- the tasks ------------------------------------------------------------------------------------
+
+
+class DatasetTask(Task):
+    """A task whose episodes are the rows of a dataset (see the module docstring).
+
+    Episode ``i`` plays row ``i % len(rows)``: in file order, or with ``shuffle`` in a new order every
+    pass through the data (deterministic in the seed and the pass).
+    """
+
+    def __init__(self, prompts: Any, reward: Callable | str | Sequence[Callable | str], tools: Sequence[Callable] = (),
+                 *, reward_weights: Sequence[float] | None = None, turn_reward: Callable | None = None,
+                 system: str | None = None, name: str = "dataset", shuffle: bool = False,
+                 prompt_key: str = "prompt", answer_key: str = "answer", split: str | None = None):
+        self.name = name
+        self.rows, self.skipped = load_prompts(prompts, prompt_key, answer_key, split)
+        if self.skipped:
+            warnings.warn(f"{len(self.skipped)} bad prompt rows skipped ({len(self.rows)} kept): "
+                          + "; ".join(self.skipped[:5]) + (" ..." if len(self.skipped) > 5 else ""), stacklevel=2)
+        self.rewards = reward_terms(reward, reward_weights)
+        self.turn_reward = turn_reward
+        self._turn_picker = turn_reward and argument_picker(turn_reward, TURN_REWARD_ARGUMENTS, "turn reward")
+        self.tools = [tool(fn) for fn in tools]
+        self.system = system
+        self.shuffle = shuffle
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row_index(self, index: int, seed: int = 0) -> int:
+        """The row that episode ``index`` plays."""
+        rounds, position = divmod(index, len(self.rows))
+        if not self.shuffle:
+            return position
+        order = list(range(len(self.rows)))
+        episode_rng(self.name, seed, rounds).shuffle(order)
+        return order[position]
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        row_index = self.row_index(index, seed)
+        row = self.rows[row_index]
+        messages = copy.deepcopy(row["messages"])
+        if self.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system})
+        return Episode(messages=messages, tools=list(self.tools), answer=row["answer"],
+                       info={"row_index": row_index, "row": row["row"]})
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        """The weighted sum of the reward functions; 0.0 with ``info["reward_error"]`` if any of them fails."""
+        return score_episode(self.rewards, episode, messages, tool_calls)
+
+    def turn_rewards(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> list[float] | None:
+        """One reward per assistant turn from ``turn_reward`` (None without one); all 0.0 with
+        ``info["turn_reward_error"]`` if it fails."""
+        if self.turn_reward is None:
+            return None
+        replies = [m for m in messages[len(episode.messages):] if m.get("role") == "assistant"]
+        base = {"answer": episode.answer, "row": episode.info.get("row", {}), "messages": messages, "episode": episode}
+        try:
+            return [as_reward(self.turn_reward(**self._turn_picker(
+                {**base, "turn": turn, "message": message, "tool_calls": [c for c in tool_calls if c.turn == turn]}))) for turn, message in enumerate(replies)]
+        except Exception as error:
+            episode.info["turn_reward_error"] = f"turn reward {function_name(self.turn_reward)!r} raised {type(error).__name__}: {error}"
+            return [0.0] * len(replies)

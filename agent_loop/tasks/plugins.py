@@ -1,0 +1,164 @@
+"""Tasks, tools and rewards named by a string (the plug-in points of ``--task``, ``--tools``, ``--reward``).
+
+- ``package.module:Name`` or ``path/to/file.py[:Name]`` (``--task``): ``Name`` is a task object, a task
+  class (made with no arguments) or a function returning a task. A file without ``:Name`` must define
+  exactly one task (a ``TASK`` variable, or one class with ``make_episode`` and ``reward``).
+- ``--prompts FILE`` with ``--reward SPEC`` (repeatable) and ``--tools MODULE``: a
+  :class:`~agent_loop.tasks.dataset.DatasetTask`. ``SPEC`` is a built-in rule (``exact``, ``number``,
+  ``contains``, ``regex:PATTERN``) or ``module:function``. ``MODULE`` (a dotted name or a ``.py`` file)
+  gives its ``TOOLS`` list if it has one, else its ``TOOL_SCHEMAS`` (MCP-style) served by its
+  ``call_tool(name, arguments)`` or by its functions of those names, else every public function it defines.
+
+Every failure is a :class:`PluginError` that says which option, what was asked for and what went wrong.
+Built-in task names are the registry's (:mod:`agent_loop.tasks.registry`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agent_loop.episode.tools import tool, tools_from_schemas
+from agent_loop.tasks.base import Task, as_task, is_task
+from agent_loop.tasks.dataset import DatasetTask
+from agent_loop.tasks.rewards import get_rule
+
+
+class PluginError(ValueError):
+    """A plug-in (task, tools, reward) named on the command line or in a config cannot be used."""
+
+
+def import_module(spec: str, option: str, shown: str | None = None):
+    """A module by dotted name or ``.py`` file path; PluginError with the reason if it does not import
+    (naming ``option`` and ``shown``, the string the user gave; default ``spec``)."""
+    shown = shown or spec
+    path = Path(spec)
+    try:
+        if spec.endswith(".py") or path.is_file():
+            if not path.is_file():
+                raise PluginError(f"{option} {shown!r}: file not found")
+            name = f"agent_loop_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
+            if name in sys.modules:
+                return sys.modules[name]
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            return module
+        return importlib.import_module(spec)
+    except PluginError:
+        raise
+    except ModuleNotFoundError as error:
+        raise PluginError(f"{option} {shown!r} does not import: {error} "
+                          "(a dotted module on the Python path, or a path to a .py file)") from None
+    except Exception as error:
+        raise PluginError(f"{option} {shown!r} does not import: {type(error).__name__}: {error}") from error
+
+
+def import_object(spec: str, option: str) -> tuple[Any, Any]:
+    """``module:Name`` -> ``(module, object)``; ``module`` alone -> ``(module, None)``."""
+    module_part, _, attribute = spec.rpartition(":") if ":" in spec and not _is_drive(spec) else (spec, "", "")
+    module = import_module(module_part, option, shown=spec)
+    if not attribute:
+        return module, None
+    if not hasattr(module, attribute):
+        public = [n for n in vars(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(attribute, public, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise PluginError(f"{option} {spec!r}: module {module_part!r} has no {attribute!r}{hint}")
+    return module, getattr(module, attribute)
+
+
+def _is_drive(spec: str) -> bool:
+    return len(spec) > 1 and spec[1] == ":" and spec[0].isalpha() and spec.count(":") == 1  # C:\\tasks.py
+
+
+def _instantiate(obj: Any, spec: str) -> Any:
+    if is_task(obj):
+        task = obj
+    elif inspect.isclass(obj) or callable(obj):
+        try:
+            task = obj()
+        except Exception as error:
+            raise PluginError(f"--task {spec!r}: calling {getattr(obj, '__name__', obj)}() raised "
+                              f"{type(error).__name__}: {error}") from error
+    else:
+        task = obj
+    if not is_task(task):
+        raise PluginError(f"--task {spec!r} is not a task: a task has make_episode(index, seed) and "
+                          "reward(episode, messages, tool_calls) (agent_loop.Environment or DatasetTask)")
+    if not isinstance(getattr(task, "name", None), str) or not task.name:
+        try:
+            task.name = type(task).__name__
+        except AttributeError:
+            raise PluginError(f"--task {spec!r}: the task needs a string attribute 'name'") from None
+    return as_task(task)
+
+
+def load_plugin_task(spec: str) -> Task:
+    """A task from ``package.module:Name`` or a ``.py`` file (see the module docstring)."""
+    module, obj = import_object(spec, "--task")
+    if obj is None:
+        candidates = [getattr(module, "TASK")] if hasattr(module, "TASK") else [
+            value for value in vars(module).values()
+            if inspect.isclass(value) and value.__module__ == module.__name__
+            and callable(getattr(value, "make_episode", None)) and callable(getattr(value, "reward", None))]
+        if len(candidates) != 1:
+            found = ", ".join(getattr(c, "__name__", "?") for c in candidates) or "none"
+            raise PluginError(f"--task {spec!r}: name the task as {spec}:Name (task classes found: {found}; "
+                              "or define TASK = ... in the file)")
+        obj = candidates[0]
+    return _instantiate(obj, spec)
+
+
+def load_tools(spec: str) -> list[Callable]:
+    """The tools of a module or ``.py`` file (see the module docstring)."""
+    module = import_module(spec, "--tools")
+    if hasattr(module, "TOOLS"):
+        functions = list(module.TOOLS)
+    elif hasattr(module, "TOOL_SCHEMAS"):
+        return tools_from_schemas(module.TOOL_SCHEMAS, getattr(module, "call_tool", module))
+    else:
+        functions = [value for name, value in vars(module).items()
+                     if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")]
+    if not functions:
+        raise PluginError(f"--tools {spec!r} defines no tool: give it public functions, a TOOLS list, "
+                          "or TOOL_SCHEMAS with call_tool(name, arguments)")
+    try:
+        return [tool(fn) for fn in functions]
+    except TypeError as error:
+        raise PluginError(f"--tools {spec!r}: {error}") from None
+
+
+def load_reward(spec: str) -> Callable:
+    """A built-in rule name or ``module:function``."""
+    if ":" not in spec or spec.startswith("regex:"):
+        try:
+            return get_rule(spec)
+        except ValueError as error:
+            raise PluginError(f"--reward: {error}; or module:function") from None
+    _, fn = import_object(spec, "--reward")
+    if not callable(fn):
+        raise PluginError(f"--reward {spec!r} is not a function")
+    return fn
+
+
+def task_from_prompts(prompts: str, reward: Sequence[str], tools: str | None = None,
+                      reward_weights: Sequence[float] | None = None, system: str | None = None) -> DatasetTask:
+    """The DatasetTask of ``--prompts`` with its ``--reward`` specs and ``--tools`` module."""
+    try:
+        return DatasetTask(prompts, [load_reward(r) for r in reward], load_tools(tools) if tools else (),
+                           reward_weights=reward_weights, system=system, name=Path(prompts).stem)
+    except (ValueError, TypeError) as error:
+        if isinstance(error, PluginError):
+            raise
+        raise PluginError(f"--prompts {prompts!r}: {error}") from None

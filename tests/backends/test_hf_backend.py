@@ -1,0 +1,117 @@
+"""transformers backend: batching of concurrent requests, logprobs, stop tokens, max_tokens, seeds.
+
+Runs a real (small, randomly initialised) Qwen2 model; the tiny agent's end-to-end use is in test_loop.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from agent_loop.backends.base import SamplingParams
+from agent_loop.backends.hf import TransformersBackend, _filter_logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def teacher_forced_logprobs(model, prompt, tokens):
+    """Serial reference: one full forward pass over prompt + tokens, log-softmax at each sampled position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_concurrent_requests_share_one_batch_and_match_serial_runs(model):
+    backend = TransformersBackend(model)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12]]
+    sampling = [SamplingParams(max_tokens=24, temperature=1.0, seed=11),
+                SamplingParams(max_tokens=9, temperature=0.0, seed=12),
+                SamplingParams(max_tokens=30, temperature=0.7, top_k=10, top_p=0.9, seed=13)]
+
+    async def together():
+        return await asyncio.gather(*[backend.generate(p, s) for p, s in zip(prompts, sampling)])
+
+    batched = run(together())
+    assert backend.batch_sizes == [3]
+    alone = [run(backend.generate(p, s)) for p, s in zip(prompts, sampling)]
+    assert backend.batch_sizes == [3, 1, 1, 1]
+    for prompt, params, a, b in zip(prompts, sampling, batched, alone):
+        # left padding must not change what a request samples: same seed, same tokens
+        assert a.token_ids == b.token_ids
+        assert len(a.token_ids) == len(a.logprobs) == params.max_tokens and a.finish_reason == "length"
+        reference = teacher_forced_logprobs(model, prompt, a.token_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_computes_logits_of_the_last_position_only(model):
+    """The head runs on one position per row, also over a long prompt (a 151k vocabulary's prompt
+    logits at concurrency 64 would take GiBs)."""
+    positions = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+    try:
+        result = run(TransformersBackend(model).generate(list(range(1, 41)), SamplingParams(max_tokens=3, temperature=0.0)))
+    finally:
+        hook.remove()
+    assert len(result.token_ids) == 3 and positions == [1, 1, 1]
+
+
+def test_greedy_is_argmax_and_stop_token_ends_the_turn(model):
+    backend = TransformersBackend(model)
+    free = run(backend.generate([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0)))
+    # the same prompt with the 4th greedy token as a stop token stops right there, token included
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    cut = run(backend.generate([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop])))
+    assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
+    # greedy: every token is the argmax of the teacher-forced distribution
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7] + free.token_ids])).logits[0, 2:-1]
+    assert logits.argmax(-1).tolist() == free.token_ids
+
+
+def test_seeds_make_sampling_reproducible(model):
+    backend = TransformersBackend(model)
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=5)
+    a = run(backend.generate([1, 2], params))
+    b = run(backend.generate([1, 2], params))
+    c = run(backend.generate([1, 2], SamplingParams(max_tokens=32, temperature=1.0, seed=6)))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert torch.isinf(_filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [False, False, True, True]
+    probs = torch.softmax(logits, -1)  # 0.64, 0.24, 0.09, 0.03: top_p 0.8 keeps the first two
+    kept = ~torch.isinf(_filter_logits(logits, top_k=0, top_p=0.8))
+    assert kept.tolist() == [True, True, False, False] and probs[0] < 0.8 < probs[:2].sum()
+
+
+def test_backend_failure_reaches_every_caller(model):
+    backend = TransformersBackend(model)
+    out_of_vocab = [1000]  # an id past the embedding table: the model raises
+
+    async def both():
+        return await asyncio.gather(backend.generate(out_of_vocab, SamplingParams(max_tokens=2)),
+                                    backend.generate([1], SamplingParams(max_tokens=2)), return_exceptions=True)
+
+    results = run(both())
+    assert all(isinstance(r, Exception) for r in results)
+
+
+def test_update_weights_changes_generation(model):
+    backend = TransformersBackend(Qwen2ForCausalLM(model.config).eval())
+    backend.update_weights(model.state_dict())
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    assert run(backend.generate([3, 4], params)).token_ids == run(TransformersBackend(model).generate([3, 4], params)).token_ids
