@@ -102,4 +102,4 @@ def build(cls, values: dict):
 
 def checked(options):
     """``options`` (a declared dataclass built in code) checked as :func:`build` checks values: a new instance."""
-    return build(type(options), {f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+    return build(type(options), pick(type(options), options))

@@ -130,6 +130,11 @@ def collate_rewards(
     """
     _check_row_counts("spans", len(spans), (("turn_ids", turn_ids), ("rewards", rewards)))
     _check_row_lengths("spans", spans, (("turn_ids", turn_ids),), spans)
+    return _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
+
+
+def _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`collate_rewards` on lists whose rows and lengths are already checked."""
     span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
     validate_spans(span_tensor)
     turn_tensor = _pad(turn_ids, torch.int16, -1)
@@ -165,15 +170,15 @@ def collate(
     ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t), ``token_level_rewards`` (b, t)
     (outcome reward on the last ASSISTANT token, per-turn rewards on each turn's last ASSISTANT
     token), ``prompts`` (b, p) left-padded, ``input_ids`` (b, p + t), ``attention_mask`` (b, p + t)
-    and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` come from
-    :func:`collate_rewards`.
+    and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` are built as
+    :func:`collate_rewards` builds them (after this function's own checks of the lists).
 
     Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid.
     """
     per_token = (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs))
     _check_row_counts("response_ids", len(response_ids), (("prompt_ids", prompt_ids), *per_token, ("rewards", rewards)))
     _check_row_lengths("response_ids", response_ids, per_token, spans)
-    span_tensor, turn_tensor, token_level_rewards = collate_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
+    span_tensor, turn_tensor, token_level_rewards = _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
     responses = _pad(response_ids, torch.long, pad_token_id)
     prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
     attention_mask = _attention_mask(prompt_ids, span_tensor)

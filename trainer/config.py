@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field
 
 from agent_loop.config import OptionError, closest, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
-from agent_loop.runners.spec import RunOptions
+from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
 from agent_loop.tasks.registry import TaskOptions
 
 # The learning rate measured stable on the tiny agent at 32 episodes per AdamW step; smaller batches scale it
@@ -39,22 +39,6 @@ def kl_kind_names() -> str:
 def check_kl_kind(name: str) -> str:
     if name not in kl_kinds():
         raise ValueError(f"unknown KL estimator{closest(name, kl_kinds())} (choose {one_of(kl_kinds())})")
-    return name
-
-
-def estimators() -> list[str]:
-    from advantages import ESTIMATORS
-
-    return sorted(ESTIMATORS)
-
-
-def estimator_names() -> str:
-    return one_of(estimators())
-
-
-def check_estimator(name: str) -> str:
-    if name not in estimators():
-        raise ValueError(f"unknown advantage estimator{closest(name, estimators())} (choose {estimator_names()})")
     return name
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal
@@ -37,13 +38,14 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+@functools.cache
 def _declared(cls) -> dict[str, tuple[Any, FieldInfo]]:
-    """field name -> (base type, pydantic FieldInfo merged from the Annotated metadata)."""
+    """field name -> (base type, pydantic FieldInfo merged from the Annotated metadata); once per class."""
     hints = typing.get_type_hints(cls, include_extras=True)
     declared = {}
     for field in dataclasses.fields(cls):
-        base, *extras = typing.get_args(hints[field.name]) if typing.get_origin(hints[field.name]) is typing.Annotated \
-            else (hints[field.name],)
+        hint = hints[field.name]
+        base, *extras = typing.get_args(hint) if typing.get_origin(hint) is typing.Annotated else (hint,)
         infos = [e for e in extras if isinstance(e, FieldInfo)]
         declared[field.name] = (base, FieldInfo.merge_field_infos(*infos) if infos else FieldInfo())
     return declared

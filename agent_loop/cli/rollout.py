@@ -26,37 +26,14 @@ from agent_loop.backends.registry import BACKENDS, make_backend
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
-from agent_loop.config import OptionError, closest, one_of, pick
+from agent_loop.config import OptionError, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
-from agent_loop.runners.spec import RunOptions, RunSpec
+from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
 
 DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
-
-
-def row_estimators() -> list[str]:
-    """Registered advantage estimators a file of rollouts can show alone: they need no group ids and no
-    critic values (imports torch when called)."""
-    from advantages import ESTIMATORS
-
-    return sorted(n for n, e in ESTIMATORS.items() if not (e.needs_index or e.needs_values))
-
-
-def row_estimator_names() -> str:
-    return one_of(row_estimators())
-
-
-def check_row_estimator(name: str) -> str:
-    from advantages import ESTIMATORS
-
-    names = row_estimators()
-    if name in names:
-        return name
-    if name in ESTIMATORS:
-        raise ValueError(f"needs group ids or critic values, which a file of rollouts lacks (choose {one_of(names)})")
-    raise ValueError(f"unknown advantage estimator{closest(name, names)} (choose {one_of(names)})")
 
 
 def free_path(path: str) -> str:

@@ -1,5 +1,6 @@
-"""What a run of rollouts is, whichever runner plays it: the one run specification, and the options every
-command that plays episodes shares."""
+"""What a run of rollouts is, whichever runner plays it: the one run specification, the options every
+command that plays episodes shares, and the estimator choices both commands check (``train``: any
+registered one; ``rollout``: those a file of rollouts can show alone)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Annotated, Any, Iterable
 
 from pydantic import Field
 
+from agent_loop.config import closest, one_of
 from agent_loop.episode.config import LoopConfig
 from agent_loop.tasks.base import Task, as_task
 
@@ -44,3 +46,34 @@ class RunOptions:
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once (the transformers backend "
                                       "decodes them as one batch)")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns")] = 1.0
+
+
+def estimators(per_row: bool = False) -> list[str]:
+    """The registered advantage estimators (``advantages.ESTIMATORS``; imports torch when called). ``per_row``:
+    only those a file of rollouts can show alone, needing no group ids and no critic values."""
+    from advantages import ESTIMATORS
+
+    return sorted(n for n, e in ESTIMATORS.items() if not per_row or not (e.needs_index or e.needs_values))
+
+
+def estimator_names() -> str:
+    return one_of(estimators())
+
+
+def row_estimator_names() -> str:
+    return one_of(estimators(per_row=True))
+
+
+def check_estimator(name: str, per_row: bool = False) -> str:
+    """A name in advantages' registry (``per_row``: one that needs neither group ids nor critic values);
+    ValueError saying what is allowed."""
+    names = estimators(per_row)
+    if name in names:
+        return name
+    if name in estimators():
+        raise ValueError(f"needs group ids or critic values, which a file of rollouts lacks (choose {one_of(names)})")
+    raise ValueError(f"unknown advantage estimator{closest(name, names)} (choose {one_of(names)})")
+
+
+def check_row_estimator(name: str) -> str:
+    return check_estimator(name, per_row=True)

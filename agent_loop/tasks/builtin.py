@@ -9,8 +9,8 @@
 Reward rule (all three tasks), precisely: take the last assistant message; if it still asks for a tool
 (it has ``tool_calls``, or its text holds a call marker of the episode's tool format, e.g. ``<tool_call>``)
 the reward is 0.0. Otherwise take the LAST number in its text (regex ``-?\\d+(\\.\\d+)?``, thousands
-separators not allowed); the reward is 1.0 if that number equals the episode's ``answer`` exactly, else 0.0. "The answer is 449." scores
-1.0 for answer 449; "449 or 450" scores 0.0.
+separators not allowed); the reward is 1.0 if that number equals the episode's ``answer`` exactly, else
+0.0. "The answer is 449." scores 1.0 for answer 449; "449 or 450" scores 0.0.
 
 The outcome depends on what the model did before a tool observation: the calculator returns the
 value of the expression the model wrote, and the model is meant to copy that value into its answer.

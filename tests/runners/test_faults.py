@@ -320,20 +320,6 @@ def test_all_servers_down_past_the_deadline_stops_the_run_and_keeps_finished_epi
 # -- a Ray actor killed mid-run ---------------------------------------------------------------------
 
 
-class SlowPidBackend(ScriptedBackend):
-    """The scripted calculator backend, 50 ms per request, logging the serving process id to a file."""
-
-    def __init__(self, script, log_path):
-        super().__init__(script)
-        self.log_path = log_path
-
-    async def generate(self, prompt_ids, sampling, session_id=None):
-        with open(self.log_path, "a") as log:
-            log.write(f"{os.getpid()}\n")
-        await asyncio.sleep(0.05)
-        return await super().generate(prompt_ids, sampling, session_id)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_ray_actor_is_replaced_and_the_run_completes(qwen_tokenizer, tmp_path):
@@ -369,7 +355,7 @@ def test_a_killed_ray_actor_is_replaced_and_the_run_completes(qwen_tokenizer, tm
         with pytest.warns(UserWarning, match="died"):
             spec = RunSpec(ArithmeticTask(), qwen_tokenizer, range(60), test_ray_runner.CONFIG, seed=3, output_path=out,
                            progress=False)
-            got = run_rollouts_ray(spec, functools.partial(SlowPidBackend, script, log), num_workers=2,
+            got = run_rollouts_ray(spec, functools.partial(test_ray_runner.PidLoggingBackend, script, log, delay_s=0.05), num_workers=2,
                                    concurrency_per_worker=4)
         killer.join(5)
     finally:
@@ -505,7 +491,6 @@ def test_error_status_counts_errors_and_shows_the_first(qwen_tokenizer):
 
 
 def test_an_episode_that_raises_is_written_as_an_error_and_the_run_goes_on(qwen_tokenizer, tmp_path):
-    from agent_loop.backends.scripted import ScriptedBackend
     from agent_loop.cli.tables import summary_table
     from agent_loop.runners.local import run_rollouts
     from agent_loop.runners.stats import RolloutStats

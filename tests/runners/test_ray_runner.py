@@ -89,15 +89,17 @@ def test_ray_runner_equals_in_process_runner(tokenizer, local_ray, tmp_path):
 
 
 class PidLoggingBackend(ScriptedBackend):
-    """The scripted backend, appending the id of the process that served each request to a file."""
+    """The scripted backend, appending the id of the process that served each request to a file, and
+    taking ``delay_s`` per request."""
 
-    def __init__(self, script, log_path):
+    def __init__(self, script, log_path, delay_s: float = 0.0):
         super().__init__(script)
-        self.log_path = log_path
+        self.log_path, self.delay_s = log_path, delay_s
 
     async def generate(self, prompt_ids, sampling, session_id=None):
         with open(self.log_path, "a") as log:
             log.write(f"{os.getpid()}\n")
+        await asyncio.sleep(self.delay_s)
         return await super().generate(prompt_ids, sampling, session_id)
 
 
