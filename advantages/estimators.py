@@ -9,6 +9,11 @@ Python loop over groups or tokens, no host sync for tensor ids.
 
 Positional arguments are verl's (``core_algos.compute_*_advantage``); our additions (``spans``,
 ``whiten``, ``validate``) are keyword-only.
+
+Every estimator's advantages are exactly 0 off the ASSISTANT tokens, for any batch, with or without
+``validate``. A whitened estimator (REINFORCE++, its baseline and ablations, GAE) needs 2 ASSISTANT
+tokens: ``validate=True`` raises ``ValueError`` below that (as verl's ``masked_whiten``), and
+``validate=False`` gives advantages exactly 0 everywhere (:mod:`advantages.stats` says why).
 """
 
 import torch
@@ -41,7 +46,8 @@ def reinforce_plus_plus(
 
     ``returns`` are :func:`~advantages.returns.discounted_returns` (verl after PR #7300); the
     advantages are the returns whitened over every ASSISTANT token of the batch (``whiten=False``
-    keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten.
+    keeps them raw). ``validate`` also checks there are at least 2 ASSISTANT tokens to whiten;
+    without it such a batch gets advantages exactly 0 everywhere (the returns as always).
     """
     if whiten:
         return whitened_discounted_returns(token_level_rewards, response_mask, gamma, spans=spans, validate=validate)
@@ -156,9 +162,10 @@ def rloo(
 
 
 def _whitened(returns: torch.Tensor, response_mask: torch.Tensor, whiten: bool, validate: bool):
-    """``(advantages, returns)``: the returns whitened over the ASSISTANT tokens, or raw without ``whiten``."""
+    """``(advantages, returns)``: the returns whitened over the ASSISTANT tokens, or raw without
+    ``whiten``; the advantages are exactly 0 off them either way (the ablations' returns are not)."""
     if not whiten:
-        return returns, returns
+        return torch.where(response_mask.bool(), returns, 0.0), returns
     return masked_whiten(returns, response_mask, check=validate), returns
 
 

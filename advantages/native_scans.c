@@ -12,7 +12,8 @@
  * double and less a shift (the row's first value, so the squares do not cancel when the mean
  * dwarfs the spread); rows are merged by Chan's formula, and one more pass writes the whitened
  * values, (v - mean) / sqrt(var + eps) on the steps (verl's masked_whiten, Bessel-corrected), 0
- * elsewhere. Fewer than 2 steps give NaN everywhere, as verl's whitening does. */
+ * elsewhere. Fewer than 2 steps have no variance: the scale is 0, so the output is 0 everywhere
+ * (advantages/stats.py says why; the callers' validation raises there, as verl does). */
 #include <math.h>
 #include <stdint.h>
 
@@ -58,12 +59,11 @@ static void merge(moments row, double *n, double *mean, double *m2) {
     }                                                                                                 \
     VECTOR_CLONES static void whiten_##N(const T *values, const T *steps, T *out, int64_t size,       \
                                          double n, double mean, double m2, double eps) {              \
-        /* Bessel-corrected; below 2 steps NaN everywhere, as verl's masked_whiten gives */           \
-        double scale = n < 2 ? NAN : 1.0 / sqrt(m2 / (n - 1) + eps);                                  \
-        int everywhere = n < 2;                                                                       \
+        /* Bessel-corrected; below 2 steps scale 0: 0 everywhere (a single step's centred value is 0) */ \
+        double scale = n < 2 ? 0.0 : 1.0 / sqrt(m2 / (n - 1) + eps);                                  \
         for (int64_t i = 0; i < size; i++) {                                                          \
             T whitened = (T)(((double)values[i] - mean) * scale);                                     \
-            out[i] = (steps[i] != 0) | everywhere ? whitened : (T)0;                                  \
+            out[i] = steps[i] != 0 ? whitened : (T)0;                                                 \
         }                                                                                             \
     }
 

@@ -72,7 +72,7 @@ def native_whitened_returns(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`native_returns` and their whitening over the steps (verl's ``masked_whiten``,
     Bessel-corrected, ``eps`` added to the variance): ``(advantages, returns)``, exactly 0 off the
-    steps (below 2 steps the advantages are NaN everywhere, as verl's whitening gives); or None.
+    steps (below 2 steps the advantages are 0 everywhere: :mod:`advantages.stats`); or None.
     The moments are summed per group of rows just after it is scanned, while it is in the cache,
     and one more pass whitens (``native_scans.c``)."""
     function = _function("whitened_returns", rewards, steps)

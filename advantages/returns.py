@@ -139,7 +139,8 @@ def whitened_discounted_returns(
     (:func:`~advantages.native_scans.native_whitened_returns`); where it cannot run, the torch
     scan's returns are whitened by :func:`whiten_zero_off_mask`. No host sync without
     ``validate``. ``validate`` also requires :data:`~advantages.stats.MIN_WHITEN_TOKENS` ASSISTANT
-    tokens (in the same sync); without it such a batch gives NaN advantages, as verl's whitening does.
+    tokens (in the same sync), raising ``ValueError`` as verl's ``masked_whiten`` does; without it
+    such a batch gets advantages exactly 0 everywhere (:mod:`advantages.stats`; every path).
     """
     check_discount("gamma", gamma)
     count = check_batch(token_level_rewards, response_mask, spans, validate, count=True)
@@ -165,16 +166,25 @@ def whiten_zero_off_mask(values: torch.Tensor, steps: torch.Tensor, count: int |
     sum. Two passes for the moments, in the scan dtype (float32 for half precisions): the sum
     (a cascade sum, so the mean is accurate) and the squares of the centred values summed per row
     by a batched dot product, rows added in float64 (Bessel-corrected). Then one in-place pass
-    scales the centred values. ``count`` (the number of steps, when known on the host) saves a
-    reduction. No host sync.
+    scales the centred values. ``count`` (the number of steps, when known on the host: validated,
+    so at least 2) saves a reduction. No host sync. Without ``count``, fewer than 2 steps give
+    exactly 0 everywhere (:mod:`advantages.stats`): the divisors are clamped to 1, so the centred
+    values are exactly 0 (none, or ``v - v``) and their sum of squares is 0.
     """
     work = as_dtype(values, steps.dtype)
-    n = steps.sum() if count is None else count
-    mean = work.sum().div_(n)
+    if count is None:  # on the device; clamped, since 0/0 would make every position NaN
+        n = steps.sum()
+        tokens, pairs = n.clamp(min=1), (n - 1).clamp_(min=1)
+    else:
+        tokens, pairs = count, count - 1
+    # A non-finite value on a step (unvalidated rewards, or GAE's values) makes the mean or the scale
+    # non-finite, and 0 * NaN would reach every position: they are made finite, so off the steps the
+    # result stays exactly 0, while the step holding the bad value stays NaN.
+    mean = work.sum().div_(tokens).nan_to_num_(0.0, 0.0, 0.0)
     centred = torch.addcmul(work, steps, mean, value=-1)  # values - mean on the steps, 0 elsewhere
     rows = centred.unsqueeze(1)  # (b, 1, t): one dot product per row
     m2 = torch.bmm(rows, rows.transpose(1, 2)).sum(dtype=torch.float64)
-    scale = m2.div_(n - 1).add_(WHITEN_EPS).rsqrt_().to(centred.dtype)  # in place: 0-d temporaries cost too
+    scale = m2.div_(pairs).add_(WHITEN_EPS).rsqrt_().nan_to_num_(0.0, 0.0, 0.0).to(centred.dtype)  # in place: 0-d temporaries cost too
     return as_dtype(centred.mul_(scale), values.dtype)
 
 
@@ -252,7 +262,8 @@ def gae(
     ASSISTANT tokens and exactly 0 elsewhere (verl leaves carried values there; its loss masks them).
     With ``whiten`` (verl's default) the advantages are whitened over the batch's ASSISTANT tokens
     after ``returns`` is formed, as in :func:`whitened_discounted_returns` (on CUDA the kernel
-    reduces their moments in the same pass; ``validate`` then also requires 2 ASSISTANT tokens).
+    reduces their moments in the same pass; ``validate`` then also requires 2 ASSISTANT tokens, and
+    without it fewer than 2 give advantages exactly 0 everywhere).
     Validation as in :func:`discounted_returns`.
     """
     check_discount("gamma", gamma)
@@ -288,7 +299,9 @@ def _gae_scan(rewards, values, steps, gamma, lam):
     ``V_next`` is needed. Its rounding grows like ``1 / lam``; below the threshold ``V_next`` comes
     from a fill from the right and ``delta`` is scanned as written.
     """
-    rewards_, values_ = as_dtype(rewards, steps.dtype), as_dtype(values, steps.dtype)
+    rewards_ = as_dtype(rewards, steps.dtype)
+    # values off the steps are never read (the critic's value there may be anything, even NaN): 0 * NaN is NaN
+    values_ = torch.where(steps.bool(), as_dtype(values, steps.dtype), 0.0)
     if lam >= GAE_ONE_SCAN_MIN_LAM:
         advantages = carry_scan(torch.add(rewards_, values_, alpha=(1 - lam) / lam), steps, gamma * lam)
         advantages.addcmul_(values_, steps, value=-1 / lam)

@@ -5,6 +5,13 @@ leak into a result (``torch.where``, so even a NaN there is ignored).
 
 The whitening's constants live here, once, for every whitening in :mod:`advantages` (the torch,
 compiled and Triton paths): :data:`WHITEN_EPS` and :data:`MIN_WHITEN_TOKENS`.
+
+**Fewer than 2 tokens.** A Bessel-corrected variance needs two tokens. Checked (``check=True``, the
+estimators' ``validate=True``), such a batch raises ``ValueError``, as verl's ``masked_var`` does.
+Unchecked (the hot path, which cannot raise without a host sync), every whitening here gives
+exactly 0 everywhere: off the mask as always, and on the mask too, where the centred value of a
+single token is exactly 0 already (``v - mean(v)``; it is also what the biased variance's whitening
+gives). A NaN there would turn the loss and then the weights NaN; a 0 advantage gives no gradient.
 """
 
 import torch
@@ -65,10 +72,15 @@ def masked_whiten(
 ) -> torch.Tensor:
     """``(values - mean) / sqrt(var + eps)`` over the set positions, 0 elsewhere (same shape and dtype).
 
-    ``shift_mean=False`` adds the mean back (only rescales). ``check`` as in :func:`masked_var`.
+    ``shift_mean=False`` adds the mean back (only rescales). ``check`` as in :func:`masked_var`;
+    with ``check=False`` fewer than 2 set positions give 0 on them (the module docstring), plus
+    the mean with ``shift_mean=False``.
     """
     mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask, check=check) + eps)
+    scale = torch.rsqrt(masked_var(values, mask, check=check) + eps)
+    if not check:  # no variance below 2 tokens: scale 0 (the centred value is 0 there anyway), no host sync
+        scale = torch.where(mask.bool().sum() >= MIN_WHITEN_TOKENS, scale, 0.0)
+    whitened = (values - mean) * scale
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, 0.0)

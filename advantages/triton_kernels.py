@@ -288,7 +288,7 @@ if triton is not None:
     @triton.jit
     def _whitening_stats_kernel(moments_ptr, stats_ptr, b, eps, ROWS: tl.constexpr):
         """One program: the batch's mean and whitening scale ``1 / sqrt(var + eps)`` (Bessel-corrected;
-        NaN below 2 tokens) from per-row ``(count, mean, M2)``, merged in float64 a block of rows at a
+        0 below 2 tokens, so the whitened values are 0: advantages/stats.py) from per-row ``(count, mean, M2)``, merged in float64 a block of rows at a
         time (Chan et al.)."""
         count = tl.zeros((), tl.float64)
         mean = tl.zeros((), tl.float64)
@@ -309,20 +309,20 @@ if triton is not None:
             m2 = m2 + block_m2 + shift * shift * count * weight
             count = total
         scale = 1.0 / tl.sqrt(m2 / (count - 1.0) + eps)
-        scale = tl.where(count >= 2.0, scale, scale * float("nan"))
+        scale = tl.where(count >= 2.0, scale, 0.0)
         tl.store(stats_ptr, mean.to(tl.float32))
         tl.store(stats_ptr + 1, scale.to(tl.float32))
 
     @triton.jit
     def _whiten_kernel(values_ptr, spans_ptr, out_ptr, stats_ptr, size, BLOCK: tl.constexpr, ASSISTANT: tl.constexpr):
-        """``(value - mean) * scale`` on ASSISTANT tokens, 0 elsewhere (NaN everywhere when the scale is)."""
+        """``(value - mean) * scale`` on ASSISTANT tokens, exactly 0 elsewhere."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = offs < size
         mean = tl.load(stats_ptr)
         scale = tl.load(stats_ptr + 1)
         value = tl.load(values_ptr + offs, mask=keep, other=0.0).to(tl.float32)
         span = tl.load(spans_ptr + offs, mask=keep, other=0)
-        whitened = tl.where(span == ASSISTANT, (value - mean) * scale, 0.0 * scale)  # 0, or NaN with the scale
+        whitened = tl.where(span == ASSISTANT, (value - mean) * scale, 0.0)
         tl.store(out_ptr + offs, whitened.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -430,8 +430,8 @@ def triton_whiten(values: torch.Tensor, spans: torch.Tensor, moments: torch.Tens
     ``moments`` is ``(b, 3)`` float32 per-row ``(count, mean, M2)`` of ``values`` on ASSISTANT tokens
     (from :func:`triton_discounted_returns_with_moments` or :func:`triton_gae_with_moments`). Returns
     ``(values - mean) / sqrt(var + eps)`` (Bessel-corrected) on ASSISTANT tokens, exactly 0
-    elsewhere, in ``values``' dtype (float32 arithmetic); below 2 ASSISTANT tokens NaN everywhere,
-    as verl's ``masked_whiten`` gives. Two launches, no host sync: one program merges the rows'
+    elsewhere, in ``values``' dtype (float32 arithmetic); below 2 ASSISTANT tokens 0 everywhere
+    (:mod:`advantages.stats` says why). Two launches, no host sync: one program merges the rows'
     moments in float64 (Chan et al.), then one elementwise pass.
     """
     _check_inputs(spans, values=values)

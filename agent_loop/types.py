@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +23,67 @@ FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error"
 
 # error kinds of a tool call, each counted in Trajectory.metrics["tool_errors"]
 TOOL_ERROR_KINDS = ("malformed_json", "unknown_tool", "invalid_arguments", "exception", "timeout")
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _numpy_value(value: Any) -> Any:
+    """A numpy (or torch) scalar or array as plain JSON values; TypeError for anything else."""
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _clean(value: Any, counts: Counter) -> Any:
+    """``value`` as strict JSON values: non-finite numbers -> None, lone surrogates -> U+FFFD, numpy values ->
+    their Python values, anything else -> its ``str``; each repair counted in ``counts``."""
+    if isinstance(value, str):
+        value, replaced = _SURROGATE.subn("\ufffd", value)
+        counts["surrogates"] += replaced
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
+        counts["non_finite"] += 1
+        return None
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, dict):
+        return {_clean(k if isinstance(k, str) else str(k), counts): _clean(v, counts) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v, counts) for v in value]
+    try:
+        return _clean(_numpy_value(value), counts)
+    except TypeError:
+        counts["unserialisable"] += 1
+        return _clean(str(value), counts)
+
+
+def json_values(value: Any) -> tuple[Any, dict[str, int]]:
+    """``value`` made of strict JSON values (the replacements of :func:`strict_json`) and the repairs made."""
+    counts: Counter = Counter()
+    value = _clean(value, counts)
+    return value, {k: v for k, v in counts.items() if v}
+
+
+def strict_json(data: Any) -> tuple[str, dict[str, int]]:
+    """``data`` as strict JSON text (no NaN/Infinity tokens, encodable as UTF-8) and the repairs made.
+
+    Numpy/torch scalars and arrays become their values (not a repair). What strict JSON cannot hold is
+    replaced and counted: a NaN or infinite number by ``null`` (``non_finite``), a lone surrogate by
+    U+FFFD (``surrogates``), any other object by its ``str`` (``unserialisable``).
+    """
+    try:  # the common case: one C-speed pass
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False, default=_numpy_value)
+        text.encode("utf-8")
+        return text, {}
+    except (ValueError, TypeError, UnicodeEncodeError):
+        pass
+    counts: Counter = Counter()
+    text = json.dumps(_clean(data, counts), ensure_ascii=False, allow_nan=False)
+    return text, {k: v for k, v in counts.items() if v}
 
 
 @dataclass
@@ -78,7 +143,16 @@ class Trajectory:
         return bool(recorded) if recorded is not None else self.reward > 0
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+        """The record as one line of strict JSON (:func:`strict_json`); what had to be replaced is counted in
+        the line's ``metrics["json_repairs"]`` (the Trajectory itself is left as it is)."""
+        data = dataclasses.asdict(self)
+        text, repairs = strict_json(data)
+        if not repairs:
+            return text
+        warnings.warn("values JSON cannot hold (NaN/inf numbers, lone surrogates, objects) were replaced in the "
+                      "records written; each record counts its own in metrics.json_repairs", stacklevel=2)
+        data["metrics"] = {**data["metrics"], "json_repairs": repairs}
+        return strict_json(data)[0]
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trajectory":

@@ -1,4 +1,5 @@
-"""Where rewards sit: on the last ASSISTANT token of a row (outcome) or of each turn (per-turn rewards)."""
+"""Where rewards sit: on the last ASSISTANT token of a row (outcome) or of each turn (per-turn rewards),
+and what to do with a reward found on an OBSERVATION token (:func:`relocate_observation_rewards`)."""
 
 import torch
 
@@ -58,3 +59,51 @@ def place_rewards(
         row = int(torch.nonzero(lost)[0, 0])
         raise ValueError(f"row {row}: a nonzero reward has no ASSISTANT token to sit on and would be lost")
     return rewards[:, :t]
+
+
+OBSERVATION_REWARD_POLICIES = ("raise", "move", "drop")
+
+
+def relocate_observation_rewards(
+    token_level_rewards: torch.Tensor, spans: torch.Tensor, policy: str = "raise"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a policy to the rewards that sit on OBSERVATION tokens (a trajectory that ends in a tool
+    output, as custom verl agent loops produce, puts its reward there; every return would lose it).
+
+    Args:
+        token_level_rewards: ``(b, t)`` float rewards.
+        spans: ``(b, t)`` SpanKind (mask-only callers: :func:`~masking.spans.spans_from_response_mask`).
+        policy: ``"raise"``: ValueError naming the row and position of the first such reward (one
+            host sync, to decide); ``"move"``: add each to the last ASSISTANT token before it in its
+            row (a reward with no ASSISTANT token before it stays where it is); ``"drop"``: set them
+            to 0, as verl's REINFORCE++ and GAE loops ignore them.
+
+    Returns:
+        ``(rewards, count)``: new ``(b, t)`` rewards in the input's dtype (the input is not changed)
+        and a 0-dim int64 tensor, the number of rewards moved or dropped. No host sync for "move"
+        and "drop". Only finite nonzero rewards on OBSERVATION tokens are touched: NaN/inf and
+        rewards on PAD stay where they are, for validation to name (nothing is lost silently).
+    """
+    if policy not in OBSERVATION_REWARD_POLICIES:
+        raise ValueError(f"observation reward policy must be one of {OBSERVATION_REWARD_POLICIES}, got {policy!r}")
+    if token_level_rewards.dim() != 2 or spans.shape != token_level_rewards.shape:
+        raise ValueError(f"spans {tuple(spans.shape)} and token_level_rewards {tuple(token_level_rewards.shape)} "
+                         "must both be (b, t)")
+    found = (spans == SpanKind.OBSERVATION) & (token_level_rewards != 0) & torch.isfinite(token_level_rewards)
+    if policy == "raise":
+        if bool(found.any()):
+            row, pos = torch.nonzero(found)[0].tolist()
+            raise ValueError(
+                f"token_level_rewards: reward {float(token_level_rewards[row, pos])} at row {row}, position {pos} "
+                "sits on an OBSERVATION token and would be lost; move it to an ASSISTANT token "
+                "(observation_reward='move') or drop it as verl does (observation_reward='drop')"
+            )
+        return token_level_rewards, found.sum()
+    if policy == "move":
+        positions = torch.arange(spans.shape[1], device=spans.device).expand(spans.shape)
+        before = torch.where(spans == SpanKind.ASSISTANT, positions, -1).cummax(dim=1).values  # -1: none yet
+        found &= before >= 0
+    kept = torch.where(found, 0.0, token_level_rewards)  # a Python scalar keeps the rewards' dtype
+    if policy == "move":
+        kept = kept.scatter_add(1, before.clamp(min=0), torch.where(found, token_level_rewards, 0.0))
+    return kept, found.sum()

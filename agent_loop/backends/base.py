@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 
@@ -47,11 +48,21 @@ class BackendSettings:
 
     servers: list[str] = field(default_factory=list)  # http: server root URLs
     served_model_name: str | None = None  # http: the name the servers serve (default: the model path)
-    retry_deadline_s: float = 300.0  # http: how long one request retries
+    retry_deadline_s: float = 300.0  # http: the whole wait of one request (all its attempts)
+    request_timeout_s: float = 600.0  # http: one attempt
     device: str = "cpu"  # hf
     dtype: str = "float32"  # hf: a torch dtype name
     max_batch_size: int = 64  # hf: requests decoded together
     pad_token_id: int = 0  # hf
+
+    @classmethod
+    def from_options(cls, options, **overrides) -> "BackendSettings":
+        """The settings a command's options hold (``server`` -> ``servers``, the fields of the same name), then
+        ``overrides``."""
+        values = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        if getattr(options, "server", None) is not None:
+            values["servers"] = list(options.server)
+        return cls(**{**values, **overrides})
 
 
 class Backend(abc.ABC):
@@ -76,6 +87,16 @@ class Backend(abc.ABC):
         """One continuation of ``prompt_ids``. ``session_id`` names the episode a request belongs to (the same
         for all its turns), so a backend over several servers can keep an episode on one server and reuse its
         prefix cache."""
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens (prompt and completion) one request may hold, when the backend knows it (vLLM's
+        ``max_model_len``, the model's ``max_position_embeddings``); None: unknown."""
+        return None
+
+    def describe(self, session_id: str | None = None) -> str:
+        """Who answered ``session_id``'s last request, for error messages (a server URL for the http backend)."""
+        return type(self).__name__
 
     def update_weights(self, state_dict: dict) -> None:
         """Generate with these weights from now on (between runs); raise if they did not take."""
@@ -108,6 +129,35 @@ def check_backend(backend) -> Backend:
         raise TypeError(f"{type(backend).__name__} is not a backend: subclass agent_loop.backends.base.Backend "
                         "(write its generate(prompt_ids, sampling, session_id))")
     return backend
+
+
+class BadOutputError(ValueError):
+    """A backend answered, but with something no episode may keep (ids outside the vocabulary, NaN logprobs)."""
+
+
+def check_result(result: GenerationResult, sampling: SamplingParams, vocab_size: int | None) -> GenerationResult:
+    """``result`` if it is something an episode may keep, else BadOutputError saying what is wrong: at least
+    one and at most ``max_tokens`` ids, each in ``[0, vocab_size)``, one finite logprob <= 0 per id, finish
+    ``stop`` or ``length``. The one check of every backend's answer (the loop calls it)."""
+    ids, logprobs = result.token_ids, result.logprobs
+    if not ids or len(ids) > sampling.max_tokens:
+        raise BadOutputError(f"returned {len(ids)} token ids for a request of at most {sampling.max_tokens}")
+    if not all(type(i) is int for i in ids):  # noqa: E721  (bools and floats are not token ids)
+        bad = next(i for i in ids if type(i) is not int)  # noqa: E721
+        raise BadOutputError(f"returned a token id that is not an integer: {bad!r}")
+    low, high = min(ids), max(ids)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        raise BadOutputError(f"returned token id {low if low < 0 else high}, outside the vocabulary "
+                             f"[0, {vocab_size if vocab_size is not None else 'inf'})")
+    if len(logprobs) != len(ids):
+        raise BadOutputError(f"returned {len(logprobs)} logprobs for {len(ids)} token ids")
+    bad = next((i for i, p in enumerate(logprobs)  # finite and <= 0, with a little slack for float rounding
+                if not (isinstance(p, (int, float)) and math.isfinite(p) and p <= 1e-4)), None)
+    if bad is not None:
+        raise BadOutputError(f"returned logprob {logprobs[bad]!r} for token {bad} (not a finite number <= 0)")
+    if result.finish_reason not in ("stop", "length"):
+        raise BadOutputError(f"returned finish_reason {result.finish_reason!r} (not 'stop' or 'length')")
+    return result
 
 
 def is_fatal(error: BaseException) -> bool:

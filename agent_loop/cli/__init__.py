@@ -1,8 +1,9 @@
-"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``inspect``, ``tiny``).
+"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``inspect``, ``serve``, ``tiny``).
 
 One module per command, each with ``add_parser(commands)`` and ``run(args)``. Only this package parses
 argv, reads config files, runs preflight checks or prints tables; a usage error is one line on stderr
-naming the option, exit status 2 (docs/errors.md).
+naming the option, exit status 2; SIGINT and SIGTERM stop a command cleanly with one line saying what is
+written and how to go on (``agent_loop.cli.stops``, docs/errors.md).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import sys
 
 import agent_loop.cli.inspect as inspect_command
 import agent_loop.cli.rollout as rollout_command
+import agent_loop.cli.serve as serve_command
 import agent_loop.cli.tiny as tiny_command
 import agent_loop.cli.train as train_command
-from agent_loop.cli.options import USAGE_EXIT, UsageError
+from agent_loop.cli.stops import run_command
 
-COMMANDS = (rollout_command, inspect_command, train_command, tiny_command)
+COMMANDS = (rollout_command, inspect_command, train_command, serve_command, tiny_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,12 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``agent-loop COMMAND ...``; returns the exit status (2: a usage error, reported in one line)."""
+    """``agent-loop COMMAND ...``; returns the exit status (2: a usage error, 130/143: stopped by SIGINT/SIGTERM,
+    each reported in one line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]  # the command's own arguments (train --nproc relaunches itself with them)
-    try:
-        return args.run(args)
-    except UsageError as error:
-        print(f"{args.prog}: error: {error}", file=sys.stderr)
-        return USAGE_EXIT
+    return run_command(args.prog, args)

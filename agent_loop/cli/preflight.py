@@ -87,7 +87,7 @@ async def _probe(url: str, model: str | None, timeout_s: float) -> str | None:
     except aiohttp.ClientError as error:
         return f"unreachable ({error})"
     if model is not None and model not in served:
-        return f"serves {served}, not {model!r} (the served model name must be the --model path)"
+        return f"serves {served}, not {model!r} (give the served name with --served-model-name; without it the --model path is asked for)"
     return None
 
 

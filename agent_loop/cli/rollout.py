@@ -4,6 +4,11 @@ Options are :class:`RolloutOptions`: the run's (:class:`~agent_loop.runners.spec
 task's (:class:`~agent_loop.tasks.registry.TaskOptions`) and the loop's
 (:class:`~agent_loop.episode.config.LoopConfig`), plus this command's own. Every check runs before
 anything starts; a bad value is one line on stderr naming the option, exit status 2 (docs/errors.md).
+
+One output per run: ``--out`` is locked for the life of the run (``agent_loop.runners.outputs``); a
+``--resume`` with settings that change what an episode is (the loop's and the task's options, the model,
+the seed) is refused unless ``--allow-config-change``. A stop by SIGINT/SIGTERM or a write that fails
+(a full disk, a file size limit) is one line naming the file and the ``--resume`` command that goes on.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import asyncio
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -29,20 +35,15 @@ from agent_loop.cli.tables import failure_summary, returns_table, summary_table
 from agent_loop.config import OptionError, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
+from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
 
 DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
-
-
-def free_path(path: str) -> str:
-    """``path`` if nothing is there, else the first free ``stem-N.suffix`` beside it (N = 2, 3, ...)."""
-    target, number = Path(path), 2
-    while target.exists():
-        target = Path(path).with_name(f"{Path(path).stem}-{number}{Path(path).suffix}")
-        number += 1
-    return str(target)
+# what an episode is: a --resume that changes one of these would mix two kinds of episodes in one file
+EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f in dataclasses.fields(cls)}
+                             | {"model", "seed"})
 
 
 @dataclass
@@ -55,6 +56,9 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
     server: Annotated[list[Annotated[str, AfterValidator(server_root)]], Field(
         description="server root URL for --backend http; repeat for several servers (probed with GET /v1/models "
                     "at start)", json_schema_extra={"allowed": "an http(s) URL, repeatable"})] = field(default_factory=list)
+    served_model_name: Annotated[str | None, Field(
+        description="the model name the --server(s) serve (agent-loop serve's default: policy); unset: the "
+                    "--model path")] = None
     episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
     out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
                                      f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
@@ -67,6 +71,10 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
                                   "appending them; a torn last line is repaired first")] = False
     append: Annotated[bool, Field(description="append to an existing --out (without --resume/--append an "
                                   "existing non-empty --out is refused, never emptied)")] = False
+    allow_config_change: Annotated[bool, Field(
+        description="--resume even when settings that change what an episode is (sampling, turns, budgets, "
+                    "task, prompts, model, seed) differ from those saved beside --out (the differences are "
+                    "listed)")] = False
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
     retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
@@ -79,10 +87,13 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
             raise OptionError("backend", "needs at least one {server} URL (e.g. {server} http://127.0.0.1:8000)", "http")
         if self.resume and self.append:
             raise OptionError(None, "{resume} and {append} exclude each other: {resume} appends only the missing episodes")
+        if self.served_model_name is not None and self.backend != "http":
+            raise OptionError("served_model_name", f"used by {{backend}} http only (got {{backend}} {self.backend})",
+                              self.served_model_name)
         if self.server and self.backend != "http":
             raise OptionError("server", f"used by {{backend}} http only (got {{backend}} {self.backend})", self.server[0])
         if self.out is None:  # README's command runs again without touching the last run's file
-            self.out = DEFAULT_OUT if self.resume or self.append else free_path(DEFAULT_OUT)
+            self.out = DEFAULT_OUT if self.resume or self.append else fresh_path(DEFAULT_OUT)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -101,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         task = opts.load()
     except ValueError as error:  # PluginError: a plug-in that cannot load
         raise UsageError(str(error)) from None
-    return play(opts, task, lambda path: save_config(dataclasses.asdict(opts), path))
+    return play(opts, task, lambda path: save_config(dataclasses.asdict(opts), path), args=args)
 
 
 def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
@@ -116,34 +127,95 @@ def check_world(opts: RolloutOptions) -> str:
     preflight.check_output_file(opts.out)
     path = model_path(opts.model)
     if opts.backend == "http":
-        preflight.probe_servers(opts.server, model=path)
+        preflight.probe_servers(opts.server, model=opts.served_model_name or path)
     return path
 
 
-def play(opts: RolloutOptions, task, save_options=None) -> int:
-    """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well."""
+def go_on(opts: RolloutOptions, argv: list[str] | None) -> str:
+    """The command that plays the rest of this run: its own arguments, ``--out`` made explicit, ``--resume``."""
+    from agent_loop.cli.stops import go_on_command
+
+    return go_on_command("agent-loop rollout", list(argv or []), drop={"--out": True, "--resume": False,
+                         "--append": False}, add=["--out", str(opts.out), "--resume"])
+
+
+def held_note(out: Path, argv: list[str] | None, opts: RolloutOptions):
+    """What a stop leaves behind: how many whole episodes ``out`` holds, and the command that goes on."""
+    from agent_loop.runners.jsonl import count_lines
+
+    return lambda: (f"{out} holds {count_lines(out)} whole episodes (each line one finished episode); "
+                    f"to play the rest: {go_on(opts, argv)}")
+
+
+def check_resume_settings(opts: RolloutOptions, saved_path: Path) -> None:
+    """Refuse a ``--resume`` whose episodes would differ from those already in ``--out`` (their settings saved
+    at ``saved_path``) unless ``--allow-config-change``; then the differences are a warning."""
+    import yaml
+
+    from agent_loop.runners.outputs import changed_settings
+
+    if not saved_path.is_file():
+        warnings.warn(f"--resume: no saved settings ({saved_path}) to compare this run's with", stacklevel=2)
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise UsageError(f"--resume: cannot read the saved settings {saved_path}: {error}") from None
+    changes = changed_settings(saved, dataclasses.asdict(opts), EPISODE_SETTINGS)
+    if not changes:
+        return
+    listing = "; ".join(changes)
+    if not opts.allow_config_change:
+        raise UsageError(f"--resume: settings differ from those the episodes in {opts.out} were played with "
+                         f"({saved_path}): {listing} (pass --allow-config-change to add such episodes to it anyway)")
+    warnings.warn(f"--resume with changed settings ({saved_path} keeps the first run's): {listing}", stacklevel=2)
+
+
+def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namespace | None = None) -> int:
+    """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well.
+
+    ``--out`` is locked from before it is read until the run ends (a second run into it is refused)."""
+    from agent_loop.runners.outputs import OutputLockedError, RunLock
+
     path = check_world(opts)
+    out = Path(opts.out)
+    try:
+        lock = RunLock(out).acquire()
+    except (OutputLockedError, OSError) as error:
+        raise UsageError(f"--out {out}: {error}") from None
+    try:
+        return _play_locked(opts, task, save_options, path, out, args)
+    finally:
+        lock.release()
+
+
+def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path, args) -> int:
     from transformers import AutoTokenizer
 
     from agent_loop.runners.jsonl import OutputExistsError
     from agent_loop.runners.local import plan_output
 
-    out = Path(opts.out)
+    argv = getattr(args, "argv", None)
     try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
-        mode, todo = plan_output(out, range(opts.episodes), opts.seed, task.name, resume=opts.resume,
-                                 append=opts.append)
+        mode, todo, total = plan_output(out, range(opts.episodes), opts.seed, task.name, resume=opts.resume,
+                                        append=opts.append)
     except (OSError, ValueError, OutputExistsError) as error:
         raise UsageError(f"--out {out}: {error}") from None
-    if not todo:
+    saved = out.with_name(out.stem + ".config.yaml")
+    if opts.resume:
+        check_resume_settings(opts, saved)
+    if not total:
         Console().print(f"{out} already holds all {opts.episodes} episodes (seed {opts.seed}); nothing to play")
         return 0
+    if args is not None:
+        args.stop_note = held_note(out, argv, opts)
     tokenizer = AutoTokenizer.from_pretrained(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if save_options is not None:
-        save_options(out.with_name(out.stem + ".config.yaml"))  # the resolved settings: rerun with --config
+    if save_options is not None and (mode == "new" or not saved.exists()):  # the settings the episodes were played with
+        save_options(saved)  # rerun with --config
     spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode)
     started = time.perf_counter()
-    stats = _stream(opts, spec, path, out)
+    stats = _stream(opts, spec, path, out, total, argv)
     if not report(opts, stats, tokenizer, time.perf_counter() - started, path, out, task.name):
         return 1
     from agent_loop.runners.local import error_status
@@ -154,14 +226,17 @@ def play(opts: RolloutOptions, task, save_options=None) -> int:
     return status
 
 
-def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path):
+def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: int, argv: list[str] | None):
+    from agent_loop.runners.jsonl import count_lines
     from agent_loop.runners.local import stream_rollouts
+    from agent_loop.runners.outputs import is_write_failure
 
-    backend = make_backend(opts.backend, path, BackendSettings(servers=opts.server, retry_deadline_s=opts.retry_deadline_s))
+    backend = make_backend(opts.backend, path, BackendSettings.from_options(opts))  # --server, deadlines, timeouts
 
     async def play_all():
         try:
-            return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE)
+            return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE,
+                                         total=total)
         finally:
             backend.close()  # vLLM: stop the engine now, not in a half-torn-down interpreter
 
@@ -171,6 +246,9 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path):
         if is_fatal(error):  # e.g. every server down past the deadline; finished episodes are kept
             raise SystemExit(f"agent-loop rollout stopped: {error}\n(finished episodes are in {out}; "
                              "rerun with --resume to play the rest)") from None
+        if is_write_failure(error):  # a full disk or a file size limit: the partial line was cut
+            raise SystemExit(f"agent-loop rollout stopped: {error}; {out} holds {count_lines(out)} whole episodes; "
+                             f"make room (or raise the file size limit), then: {go_on(opts, argv)}") from None
         raise
     return stats
 

@@ -1,4 +1,5 @@
-"""``agent-loop tiny [--force]``: build (or reuse) the built-in tiny agent and print its evaluation."""
+"""``agent-loop tiny [--force]``: unpack the shipped tiny agent (or reuse the cached one; ``--force``: rebuild it
+from its recipe here) and print its evaluation."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 PROG = "agent-loop tiny"
-DESCRIPTION = "build (or reuse) the built-in tiny agent and print its evaluation"
+DESCRIPTION = "unpack (or reuse) the shipped tiny agent, or rebuild it with --force, and print its evaluation"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    parser.add_argument("--force", action="store_true", help="rebuild from the recipe here (minutes), replacing the cached or shipped build")
     return parser
 
 
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
             )
     console = Console()
     console.print(table)
-    console.print(f"build {record['build_seconds']:.0f} s (evaluation {record['eval_seconds']:.0f} s), "
+    shipped = target / "shipped.txt"
+    origin = f"shipped ({shipped.read_text().strip()}); built in" if shipped.exists() else "built here in"
+    console.print(f"{origin} {record['build_seconds']:.0f} s (evaluation {record['eval_seconds']:.0f} s), "
                   f"{record['parameters']:,} parameters, vocabulary {record['vocab_size']}")
     return 0
 

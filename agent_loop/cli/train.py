@@ -3,21 +3,31 @@
 Options are checked first (values, then the model folder, ``--resume`` and ``--output-dir``); a bad one
 is one line on stderr naming the option, exit status 2, before any model is loaded. ``torchrun -m trainer``
 runs :func:`main` in every process.
+
+One output per run: ``--output-dir`` is locked for the life of the run (by the launcher, for its
+``--nproc`` workers; ``agent_loop.runners.outputs``), and a folder holding an earlier run is refused
+unless ``--resume`` or ``--overwrite``. A stop by SIGINT/SIGTERM or a write that fails (a full disk, a
+file size limit) is one line naming the folder and the ``--resume`` command that goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
-from agent_loop.cli.options import USAGE_EXIT, UsageError, add_options, resolve, validate
+from agent_loop.cli.options import UsageError, add_options, resolve, validate
+from agent_loop.cli.stops import go_on_command, run_command
+from agent_loop.runners.outputs import FOLDER_LOCK, HELD_ENV, OutputLockedError, RunLock, is_write_failure
 from trainer.config import TrainConfig
 
 PROG = "agent-loop train"
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync")  # what --overwrite deletes
 DESCRIPTION = ("Train an agent with multi-turn tool-calling rollouts and PPO-clip (defaults: the built-in tiny "
                "agent's middling warm start on the arithmetic task, 2 CPU threads).")
 
@@ -48,22 +58,84 @@ def check_world(config: TrainConfig) -> None:
             raise UsageError(f"--wandb-project {config.wandb_project}: wandb is not installed (pip install wandb)") from None
 
 
+def claim_output(config: TrainConfig) -> RunLock | None:
+    """Lock ``--output-dir`` for this run and check it holds no earlier run (unless ``--resume``; ``--overwrite``
+    deletes the earlier run's files first). None in a worker of a launcher that holds the lock, and in
+    torchrun ranks other than 0 (rank 0 holds it)."""
+    if os.environ.get(HELD_ENV) or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    folder = Path(config.output_dir)
+    try:
+        lock = RunLock(folder, folder=True).acquire()
+    except (OutputLockedError, OSError) as error:
+        raise UsageError(f"--output-dir {folder}: {error}") from None
+    earlier = sorted(p.name for p in folder.iterdir() if p.name != FOLDER_LOCK)
+    if earlier and config.resume is None and not config.overwrite:
+        lock.release()
+        raise UsageError(f"--output-dir {folder}: holds an earlier run ({', '.join(earlier[:5])}"
+                         f"{', ...' if len(earlier) > 5 else ''}); pass --resume {folder} to continue it, "
+                         "--overwrite to replace it, or another --output-dir")
+    if config.overwrite:
+        for name in RUN_OUTPUTS:
+            target = folder / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    return lock
+
+
+def go_on(config: TrainConfig, argv: list[str]) -> str:
+    """The command that continues this run from its latest complete checkpoint."""
+    return go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": True, "--overwrite": False},
+                         add=["--output-dir", config.output_dir, "--resume", config.output_dir])
+
+
+def stop_note(config: TrainConfig, argv: list[str]):
+    """What a stop leaves behind: the complete checkpoints kept, and the command that goes on."""
+
+    def note() -> str:
+        steps = sorted((Path(config.output_dir) / "checkpoints").glob("step_*"))
+        if not steps:
+            again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": True, "--overwrite": False},
+                                  add=["--output-dir", config.output_dir, "--overwrite"])
+            return f"no checkpoint was saved yet in {config.output_dir} (--save-every {config.save_every}); to start again: {again}"
+        return (f"checkpoints up to {steps[-1].name} are in {config.output_dir}/checkpoints; to go on from the "
+                f"latest complete one: {go_on(config, argv)}")
+
+    return note
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve and check the options, train, print where the metrics and checkpoints went; exit status 0.
 
-    ``--nproc N`` (N > 1) outside torchrun relaunches this command in N processes under torchrun;
-    under torchrun (``WORLD_SIZE`` set) every process trains its share and rank 0 prints."""
+    ``--nproc N`` (N > 1) outside torchrun relaunches this command in N processes under torchrun (their
+    output folder locked here); under torchrun (``WORLD_SIZE`` set) every process trains its share and
+    rank 0 prints."""
     config = resolve(TrainConfig, args)
     try:
         task = config.load()
     except ValueError as error:  # PluginError: a plug-in that cannot load
         raise UsageError(str(error)) from None
     check_world(config)
-    if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from trainer.distributed import relaunch_under_torchrun
+    argv = list(getattr(args, "argv", None) or [])
+    lock = claim_output(config)
+    args.stop_note = stop_note(config, argv)
+    try:
+        if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            from trainer.distributed import relaunch_under_torchrun
 
-        return relaunch_under_torchrun(config.nproc, args.argv)
-    return train(config, task)
+            os.environ[HELD_ENV] = str(lock.path)  # the workers write into the folder this process holds
+            return relaunch_under_torchrun(config.nproc, [*argv, "--output-dir", config.output_dir])
+        return train(config, task)
+    except OSError as error:
+        if not is_write_failure(error):
+            raise
+        raise SystemExit(f"{PROG}: stopped: cannot write into {config.output_dir}: {error.strerror} "
+                         f"({error.filename or 'a file'}); {stop_note(config, argv)()}") from None
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train(config: TrainConfig, task) -> int:
@@ -99,10 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_options(argparse.ArgumentParser(prog=PROG, description=DESCRIPTION), TrainConfig)
     args = parser.parse_args(argv)
-    args.argv = argv
-    try:
-        return run(args)
-    except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return USAGE_EXIT
+    args.argv, args.run = argv, run
+    return run_command(PROG, args)
 

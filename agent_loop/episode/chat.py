@@ -153,6 +153,11 @@ class ChatFormatter:
         if not new_messages:
             raise ValueError("an observation needs at least one new message")
         self._probe(new_messages)
+        return self._observe(history, seen, new_messages, stop_id, sampled)
+
+    def _observe(self, history: list[dict], seen: str, new_messages: list[dict], stop_id: int | None,
+                 sampled: str | None = None) -> Observation:
+        """:meth:`observation` without the up-front probe (which itself observes)."""
         messages = list(history) + list(new_messages)
         fresh = self.render_text(messages, add_generation_prompt=True)
         mismatch, before = None, seen
@@ -255,7 +260,7 @@ class ChatFormatter:
     def _probe_error(self, new_messages: list[dict]) -> TemplateError | None:
         roles = [m.get("role") for m in new_messages]
         history, seen = self._synthetic_history(self._tool_key(new_messages))
-        got = self.observation(history, seen, new_messages, stop_id=self.end_of_turn_ids[0])
+        got = self._observe(history, seen, new_messages, stop_id=self.end_of_turn_ids[0])
         if got.mismatch is not None:
             return TemplateError(
                 f"chat template is not append-only: appending messages with roles {roles} rewrites the earlier "
@@ -269,7 +274,28 @@ class ChatFormatter:
                 f"how the next assistant turn renders (at character {pos}: generation prompt "
                 f"{got.rendered[max(0, pos - 40): pos + 20]!r}, rendered turn {answered[max(0, pos - 40): pos + 20]!r}). "
                 f"{_KEEP_SEEN_FIX}")
-        return None
+        return self._second_round_error(history, new_messages, got)
+
+    def _second_round_error(self, history: list[dict], new_messages: list[dict], first: Observation) -> TemplateError | None:
+        """Play a second round of the same calls and results (new ids) after the first: a template whose state
+        over the conversation rewrites the first round once a second follows (tool results numbered by a count
+        of the whole chat, say) is append-only for one round and not for two; one-go and incremental differ."""
+        calls = history[-1].get("tool_calls") or []
+        offset = len(calls)
+        renamed = {c["id"]: self.call_id(c["function"]["name"], offset + i) for i, c in enumerate(calls)}
+        again = {**history[-1], "tool_calls": [{**c, "id": renamed[c["id"]]} for c in calls]} if calls else history[-1]
+        results = [{**m, "tool_call_id": renamed.get(m.get("tool_call_id"), m.get("tool_call_id"))}
+                   if m.get("role") == "tool" and "tool_call_id" in m else m for m in new_messages]
+        got = self._observe(list(history) + list(new_messages) + [again], first.rendered, results,
+                            stop_id=self.end_of_turn_ids[0])
+        if got.mismatch is None:
+            return None
+        roles = [m.get("role") for m in new_messages]
+        return TemplateError(
+            f"chat template is not append-only across rounds: a second round of messages with roles {roles} rewrites "
+            f"the first round's text at character {got.mismatch['char']}: before {got.mismatch['seen']!r}, after "
+            f"{got.mismatch['fresh']!r} (state kept over the whole conversation, e.g. tool results numbered by a "
+            f"count of the chat, changes text the model has already seen). {_KEEP_SEEN_FIX}")
 
     def _synthetic_history(self, key: tuple) -> tuple[list[dict], str]:
         """A fixed conversation ending in an assistant turn that made one call per tool message of ``key``,

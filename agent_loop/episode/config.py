@@ -34,6 +34,9 @@ class LoopConfig:
     max_parallel_tool_calls: _count("tool calls run at once within a turn") = 4
     tool_timeout_s: Annotated[float, Field(gt=0, description="seconds a tool call may run before it ends in a "
                                            "timeout error observation")] = 10.0
+    reward_timeout_s: Annotated[float, Field(gt=0, description="seconds the task's reward, turn rewards, metrics "
+                                             "and success of one episode may take (on a thread of their own); "
+                                             "longer: the episode ends with an error, reward 0")] = 60.0
     temperature: Annotated[float, Field(ge=0, description="sampling temperature; 0 = greedy")] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass; 1 = off")] = 1.0
     top_k: _count("sample among the k likeliest tokens; 0 = off", low=0) = 0

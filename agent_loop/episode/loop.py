@@ -10,12 +10,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from agent_loop.backends.base import Backend, GenerationResult, SamplingParams, check_backend, is_fatal
+from agent_loop.backends.base import (
+    Backend,
+    BadOutputError,
+    GenerationResult,
+    SamplingParams,
+    check_backend,
+    check_result,
+    is_fatal,
+)
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.tool_formats import tool_format_for_template
@@ -46,6 +56,53 @@ def formatter_for(tokenizer, schemas: list[dict], history_mode: str = "strict") 
     if key not in by_schemas:
         by_schemas[key] = ChatFormatter(tokenizer, tools=schemas, history_mode=history_mode)
     return by_schemas[key]
+
+
+_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_limits(tokenizer) -> tuple[int, int | None]:
+    """``(vocabulary size, context length or None)`` of the model beside ``tokenizer``: the larger of the
+    tokenizer's length and config.json's ``vocab_size`` (embedding rows are often padded), and config.json's
+    ``max_position_embeddings`` (read once per tokenizer; no config.json: the tokenizer's length, no limit)."""
+    if tokenizer not in _LIMITS:
+        config: dict = {}
+        folder = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            config = config.get("text_config") or config
+        except (OSError, ValueError, AttributeError):
+            config = {}
+        vocab = max(len(tokenizer), int(config.get("vocab_size") or 0))
+        context = config.get("max_position_embeddings")
+        _LIMITS[tokenizer] = (vocab, int(context) if context else None)
+    return _LIMITS[tokenizer]
+
+
+async def call_bounded(fn, timeout_s: float, name: str):
+    """``fn()`` on a daemon thread of its own, awaited for at most ``timeout_s`` (TimeoutError after).
+
+    Its own thread, not the default executor: a call that never returns keeps only that thread (which
+    does not keep the process alive) and never the event loop or another episode's call."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not future.done():  # given up on (timed out or cancelled): drop the late answer
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def work() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001  (even SystemExit from user code ends this call only)
+            value, error = None, exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has closed meanwhile: nobody waits for this answer
+            pass
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await asyncio.wait_for(future, timeout_s)
 
 
 async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams, session_id: str,
@@ -127,6 +184,8 @@ class _Context:
     session_id: str
     seed: int
     index: int
+    vocab_size: int | None = None  # the model's (model_limits): a sampled id must be below it
+    context_length: int | None = None  # the model's, when the backend does not know its own
 
 
 def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
@@ -139,18 +198,41 @@ def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch
     state.template_diffs.append({"turn": turn, **mismatch})
 
 
-async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
-    """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
+async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tuple[GenerationResult | None, SamplingParams]:
+    """Turn ``turn``'s checked generation (None: ``state.error`` says why) and the sampling it asked for.
+
+    The prompt must leave room in the model's context (else an error before anything is generated, however
+    long the prompt: no backend builds tensors for it), and a turn asks for no more tokens than that room."""
     config, formatter = ctx.config, ctx.formatter
+    prompt = ctx.prompt_ids + state.response_ids
+    room = config.max_tokens
+    context = ctx.backend.context_length or ctx.context_length
+    if context is not None:
+        room = min(room, context - len(prompt))
     sampling = SamplingParams(
-        max_tokens=min(config.max_tokens, config.max_response_tokens - len(state.response_ids)),
+        max_tokens=min(room, config.max_response_tokens - len(state.response_ids)),
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
         stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(ctx.seed, ctx.index, turn),
     )
+    if room < 1:  # only the first turn's prompt can (later ones end in observation_overflow first)
+        state.error = (f"ContextLengthError: turn {turn}: the prompt of {len(prompt)} tokens leaves no room in the "
+                       f"model's context of {context} tokens")
+        return None, sampling
     t0 = time.perf_counter()
-    result, state.error = await _generate_with_retries(
-        ctx.backend, ctx.prompt_ids + state.response_ids, sampling, ctx.session_id, config)
+    result, state.error = await _generate_with_retries(ctx.backend, prompt, sampling, ctx.session_id, config)
     state.timings["generate_s"] += time.perf_counter() - t0
+    if result is not None:
+        try:  # what came back is checked, whichever backend sent it; a bad answer is not retried
+            check_result(result, sampling, ctx.vocab_size)
+        except BadOutputError as bad:
+            result, state.error = None, f"BadOutputError: turn {turn}: {ctx.backend.describe(ctx.session_id)} {bad}"
+    return result, sampling
+
+
+async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
+    """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
+    config, formatter = ctx.config, ctx.formatter
+    result, sampling = await _generate_turn(ctx, state, turn)
     if result is None:
         return "error"
     state.append(result.token_ids, SpanKind.ASSISTANT, turn, result.logprobs)
@@ -188,8 +270,10 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     state.messages += new_messages
     _template_diff(config, state, turn, obs.mismatch)
     state.seen = obs.rendered
-    if len(state.response_ids) + len(obs.ids) >= config.max_response_tokens:
-        return "observation_overflow"  # no room left for the observation and a next turn
+    context = ctx.backend.context_length or ctx.context_length
+    room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(ctx.prompt_ids))
+    if len(state.response_ids) + len(obs.ids) >= room:
+        return "observation_overflow"  # no room left (budget or model context) for the observation and a next turn
     state.append(obs.ids, SpanKind.OBSERVATION, turn)
     state.turn_tokens[-1]["observation"] = len(obs.ids)
     return None
@@ -209,7 +293,8 @@ async def run_episode(
     episode = task.make_episode(index, seed)
     toolbox = ToolExecutor(episode.tools)
     formatter = formatter_for(tokenizer, toolbox.schemas, config.history_mode)
-    episode.tool_format = formatter.tool_format or tool_format_for_template(formatter.template_text)
+    # a task (or the verl AgentLoop's tool_format option) may fix the format; else the template's
+    episode.tool_format = episode.tool_format or formatter.tool_format or tool_format_for_template(formatter.template_text)
     state = _EpisodeState(messages=[dict(m) for m in episode.messages])
     prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(
@@ -219,22 +304,53 @@ async def run_episode(
         session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
         seed=seed, index=index,
     )
+    ctx.vocab_size, ctx.context_length = model_limits(tokenizer)
     finish_reason = "max_turns"
     for turn in range(config.max_turns):
         if (ended := await _play_turn(ctx, state, turn)) is not None:
             finish_reason = ended
             break
-    return _finish(task, episode, ctx, state, finish_reason, time.perf_counter() - started)
-
-
-def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str,
-            elapsed_s: float) -> Trajectory:
-    """Score the episode and assemble its Trajectory record."""
     if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
         _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
-    reward = float(task.reward(episode, state.messages, state.records))
-    turn_rewards = task.turn_rewards(episode, state.messages, state.records)
-    task_metrics = task.episode_metrics(episode, state.messages, state.records)
+    score = await _score(task, episode, state, config.reward_timeout_s)
+    if score.error is not None:  # the episode was played (its tokens are kept); its score is what failed
+        finish_reason = "error"
+        episode.info["reward_error"] = score.error
+    return _finish(task, episode, ctx, state, finish_reason, score, time.perf_counter() - started)
+
+
+@dataclass
+class _Score:
+    reward: float = 0.0
+    turn_rewards: list[float] | None = None
+    task_metrics: dict = field(default_factory=dict)
+    success: bool = False
+    error: str | None = None  # why scoring failed (then the rest are the defaults)
+
+
+async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: float) -> _Score:
+    """The task's reward, turn rewards, metrics and success of a played episode, computed on a thread of their
+    own for at most ``timeout_s`` (a reward that hangs ends this episode only, the event loop never waits on
+    it); a hook that raises or times out gives the error and a zero reward."""
+    def score() -> _Score:
+        reward = float(task.reward(episode, state.messages, state.records))
+        return _Score(reward, task.turn_rewards(episode, state.messages, state.records),
+                      task.episode_metrics(episode, state.messages, state.records) or {},
+                      bool(task.success(episode, reward)))
+
+    try:
+        return await call_bounded(score, timeout_s, f"reward-{task.name}")
+    except asyncio.TimeoutError:
+        return _Score(error=f"RewardTimeout: scoring {task.name} episode took longer than {timeout_s:g} s "
+                            "(reward_timeout_s); reward 0")
+    except Exception as error:
+        return _Score(error=f"{type(error).__name__}: {error}")
+
+
+def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str, score: _Score,
+            elapsed_s: float) -> Trajectory:
+    """Assemble the episode's Trajectory record."""
+    reward, turn_rewards, task_metrics = score.reward, score.turn_rewards, score.task_metrics
     metrics = {
         "turns": len(state.turn_tokens),
         "turn_tokens": state.turn_tokens,
@@ -257,8 +373,10 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         metrics["task"] = task_metrics
     if state.error:
         metrics["backend_error"] = state.error
+    if score.error:
+        metrics["error"] = score.error
     info = {"task": task.name, "index": ctx.index, "seed": ctx.seed, "answer": episode.answer,
-            "success": bool(task.success(episode, reward)), **episode.info}
+            "success": score.success, **episode.info}
     name_or_path = getattr(ctx.tokenizer, "name_or_path", None)
     if name_or_path:
         info["model_path"] = str(name_or_path)

@@ -22,13 +22,16 @@ chat templates render; see docs/templates.md for which template gets which):
 - ``xlam``: a bare JSON list ``[{"name": ..., "arguments": {...}}]``
 
 Malformed calls become :class:`ParseError` items (error kind ``malformed_json``), never exceptions, so
-the loop can answer them with an error observation. Which parser a chat template gets is the tool-format
+the loop can answer them with an error observation. A parser that finds one of its own call markers in
+a turn but reads no call from it reports a malformed call, never "no call" (:func:`_reads_its_markers`):
+a call the model meant must not vanish from the episode. Which parser a chat template gets is the tool-format
 table's business (:mod:`agent_loop.episode.tool_formats`).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -149,9 +152,28 @@ def _value(text: str):
         return text
 
 
+def _reads_its_markers(*markers: str):
+    """Decorate a parser: a turn holding one of ``markers`` (what opens a call in this format) from which the
+    parser read neither a call nor an error gets a :class:`ParseError`, so the malformed call is answered
+    with an error observation instead of passing as a final answer."""
+    def decorate(parse):
+        @functools.wraps(parse)
+        def checked(text: str, *args, **kwargs) -> ParsedTurn:
+            turn = parse(text, *args, **kwargs)
+            found = next((m for m in markers if m in text), None) if not (turn.calls or turn.errors) else None
+            if found is not None:
+                turn.errors.append(ParseError(text.strip(), f"malformed tool call: the turn contains {found!r} "
+                                                            "but no call in this format could be read from it"))
+            return turn
+        checked.call_markers = markers
+        return checked
+    return decorate
+
+
 # -- the parsers ---------------------------------------------------------------------------------
 
 
+@_reads_its_markers("<tool_call>")
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes/Qwen: each call is ``<tool_call>{json}</tool_call>``; an unclosed last call is parsed to the end."""
     bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
@@ -162,6 +184,7 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOT
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
+@_reads_its_markers("<tool_call>", "<function=")
 def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
 
@@ -185,6 +208,7 @@ def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
+@_reads_its_markers("<tool_call>", "<arg_key>")
 def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     """GLM-4.5/4.6/4.7: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``
     (values typed as in :func:`parse_qwen3_xml`)."""
@@ -203,6 +227,7 @@ def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
 _PYTHON_TAG = "<|python_tag|>"
 
 
+@_reads_its_markers(_PYTHON_TAG)
 def parse_llama3_json(text: str) -> ParsedTurn:
     """Llama 3.x/4 JSON: the turn is ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated).
 
@@ -226,6 +251,7 @@ def _python_call(node: ast.expr, raw: str) -> Item:
         return ParseError(raw, f"tool call arguments must be Python literals: {e}")
 
 
+@_reads_its_markers("<|python_start|>")
 def parse_pythonic(text: str) -> ParsedTurn:
     """Pythonic calls (Llama 3.2/4, Gemma 3, ToolACE): ``[f(a=1, b="x"), g()]``, optionally inside
     ``<|python_start|>...<|python_end|>``. A turn that does not start with ``[`` is plain content."""
@@ -244,6 +270,7 @@ def parse_pythonic(text: str) -> ParsedTurn:
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)$", re.DOTALL)
 
 
+@_reads_its_markers("[TOOL_CALLS]")
 def parse_mistral(text: str) -> ParsedTurn:
     """Mistral: ``[TOOL_CALLS][{"name", "arguments"}, ...]`` (v3/v7/Nemo) or, per call,
     ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` / ``[TOOL_CALLS]NAME[ARGS]{...}`` (v11+, Small 3.2, Devstral)."""
@@ -266,6 +293,7 @@ _DS_SECTION = re.compile(r"<｜tool▁calls▁begin｜>.*?(?:<｜tool▁calls▁
 _FENCED = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
 
 
+@_reads_its_markers("<｜tool▁calls▁begin｜>", _DS_BEGIN)
 def parse_deepseek(text: str) -> ParsedTurn:
     """DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```````) and V3.1
     (``NAME<｜tool▁sep｜>{...}``), each inside ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``."""
@@ -289,6 +317,7 @@ _KIMI_SECTION = re.compile(r"<\|tool_calls_section_begin\|>.*?(?:<\|tool_calls_s
 _KIMI_ID = re.compile(r"^\s*(?:functions\.)?([^:\s]+)(?::\d+)?\s*$")
 
 
+@_reads_its_markers("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
 def parse_kimi_k2(text: str) -> ParsedTurn:
     """Kimi K2: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``."""
     bodies, _ = _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>")
@@ -315,13 +344,14 @@ def _marker_then_list(name: str, marker: str, end: str | None = None, name_key: 
     return parse
 
 
-parse_granite = _marker_then_list("parse_granite", "<|tool_call|>")
+parse_granite = _reads_its_markers("<|tool_call|>")(_marker_then_list("parse_granite", "<|tool_call|>"))
 parse_granite.__doc__ = "Granite 3.x: ``<|tool_call|>[{\"name\", \"arguments\"}, ...]``."
-parse_nemotron = _marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>")
+parse_nemotron = _reads_its_markers("<TOOLCALL>")(_marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>"))
 parse_nemotron.__doc__ = "Nemotron: ``<TOOLCALL>[{\"name\", \"arguments\"}, ...]</TOOLCALL>``."
 _functools_list = _marker_then_list("parse_functools", "functools")
 
 
+@_reads_its_markers("functools[")
 def parse_functools(text: str) -> ParsedTurn:
     """FireFunction v2 / Phi-4-mini: ``functools[{"name", "arguments"}, ...]``; also the bare
     ``{...},{...}`` that the Phi-4-mini template renders for past calls."""
@@ -332,6 +362,7 @@ _command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_
 _command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
 
 
+@_reads_its_markers("<|START_ACTION|>", "Action:")
 def parse_command_r(text: str) -> ParsedTurn:
     """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
     (the plan in ``<|START_THINKING|>`` is content); Command R/R+: ``Action: ```json [{"tool_name", "parameters"}] ````."""
@@ -340,18 +371,21 @@ def parse_command_r(text: str) -> ParsedTurn:
     return _command_r_action(text)
 
 
+@_reads_its_markers("<function_call>")
 def parse_granite_20b_fc(text: str) -> ParsedTurn:
     """Granite 20B function calling: each call is ``<function_call> {json}``."""
     content, *parts = text.split("<function_call>")
     return _turn(content, [_call_from_json(p.strip()) for p in parts])
 
 
+@_reads_its_markers("<|action_start|>")
 def parse_internlm2(text: str) -> ParsedTurn:
     """InternLM2: ``<|action_start|><|plugin|>\\n{json}<|action_end|>``."""
     bodies, content = _blocks(text, "<|action_start|>", "<|action_end|>")
     return _turn(content, [_call_from_json(b.removeprefix("<|plugin|>").strip()) for b in bodies])
 
 
+@_reads_its_markers("<tool_calls>")
 def parse_tool_calls_block(text: str) -> ParsedTurn:
     """Hunyuan-A13B / MiniMax-M1: ``<tool_calls>`` + a JSON list or one JSON object per line + ``</tool_calls>``."""
     bodies, content = _blocks(text, "<tool_calls>", "</tool_calls>")
@@ -361,6 +395,7 @@ def parse_tool_calls_block(text: str) -> ParsedTurn:
     return _turn(content, items)
 
 
+@_reads_its_markers("<|tools_prefix|>")
 def parse_apertus(text: str) -> ParsedTurn:
     """Apertus: ``<|tools_prefix|>[{"NAME": {arguments}}, ...]<|tools_suffix|>``."""
     bodies, content = _blocks(text, "<|tools_prefix|>", "<|tools_suffix|>")
@@ -385,6 +420,7 @@ _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?
 _HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
 
 
+@_reads_its_markers("to=functions.")
 def parse_harmony(text: str) -> ParsedTurn:
     """gpt-oss (harmony): ``to=functions.NAME<|channel|>commentary json<|message|>{...}``; content is the final channel."""
     items = [_arguments(m.group(0), m.group(1), m.group(2).strip()) for m in _HARMONY_CALL.finditer(text)]
@@ -405,48 +441,102 @@ def parse_functionary(text: str) -> ParsedTurn:
 
 
 _GEMMA_STRINGS = ('<|"|>', "<escape>")
+_GEMMA_CLOSE = {"<|tool_call>": "<tool_call|>", "<start_function_call>": "<end_function_call>"}
+_GEMMA_OPEN = re.compile("|".join(map(re.escape, _GEMMA_CLOSE)))
+_GEMMA_HEAD = re.compile(r"\s*call\s*:\s*([A-Za-z0-9_.\-]+)\s*")
+_GEMMA_BARE = re.compile(r"[^,}\]]*")
+
+
+def _skip_space(s: str, i: int) -> int:
+    while i < len(s) and s[i].isspace():
+        i += 1
+    return i
 
 
 def _gemma_value(s: str, i: int):
-    """Parse Gemma's argument syntax from ``s[i:]``: ``<|"|>str<|"|>``, ``{k:v,...}``, ``[v,...]``, bare literals."""
+    """Parse Gemma's argument syntax from ``s[i:]``: ``<|"|>str<|"|>``, ``{k:v,...}``, ``[v,...]``, bare
+    literals; returns ``(value, end)``. ValueError (never a hang) for anything cut short or out of place."""
+    i = _skip_space(s, i)
+    if i >= len(s):
+        raise ValueError("the arguments end before a value")
     for q in _GEMMA_STRINGS:
         if s.startswith(q, i):
-            end = s.index(q, i + len(q))
+            end = s.find(q, i + len(q))
+            if end < 0:
+                raise ValueError(f"a string opened with {q} at character {i} is never closed")
             return s[i + len(q): end], end + len(q)
-    if s.startswith("{", i):
-        out, i = {}, i + 1
-        while not s.startswith("}", i):
-            colon = s.index(":", i)
-            key = s[i:colon].strip()
-            out[key], i = _gemma_value(s, colon + 1)
-            i += s.startswith(",", i)
+    if s[i] in "{[":
+        close, out = ("}", {}) if s[i] == "{" else ("]", [])
+        i = _skip_space(s, i + 1)
+        while not s.startswith(close, i):
+            if i >= len(s):
+                raise ValueError(f"a {'{' if close == '}' else '['} is never closed by {close}")
+            if close == "}":
+                key, i = _gemma_key(s, i)
+                out[key], i = _gemma_value(s, i)
+            else:
+                value, i = _gemma_value(s, i)
+                out.append(value)
+            i = _skip_space(s, i)
+            if s.startswith(",", i):
+                i = _skip_space(s, i + 1)
+            elif not s.startswith(close, i):
+                raise ValueError(f"expected ',' or {close!r} at character {i}, found {s[i:i + 20]!r}")
         return out, i + 1
-    if s.startswith("[", i):
-        out, i = [], i + 1
-        while not s.startswith("]", i):
-            value, i = _gemma_value(s, i)
-            out.append(value)
-            i += s.startswith(",", i)
-        return out, i + 1
-    m = re.compile(r"[^,}\]]*").match(s, i)
+    m = _GEMMA_BARE.match(s, i)
+    if not m.group(0).strip():
+        raise ValueError(f"no value at character {i}")
     return _value(m.group(0).strip()), m.end()
 
 
-_GEMMA_CALL = re.compile(r"(?:<\|tool_call>|<start_function_call>)call:([^{\s]+)(\{.*?\})(?:<tool_call\|>|<end_function_call>|$)",
-                         re.DOTALL)
+def _gemma_key(s: str, i: int) -> tuple[str, int]:
+    """A key (bare or ``<|"|>``-quoted) and the position after its ``:``."""
+    if any(s.startswith(q, i) for q in _GEMMA_STRINGS):
+        key, i = _gemma_value(s, i)
+    else:
+        colon = s.find(":", i)
+        if colon < 0:
+            raise ValueError(f"a key at character {i} has no ':'")
+        key, i = s[i:colon].strip(), colon
+    i = _skip_space(s, i)
+    if not s.startswith(":", i) or not key:
+        raise ValueError(f"expected KEY: at character {i}")
+    return key, i + 1
 
 
+def _gemma_call(text: str, opened: int, marker: str) -> tuple[Item, int]:
+    """The call opened by ``marker`` at ``opened`` (a ParsedCall or a ParseError, never nothing) and where it ends."""
+    close = _GEMMA_CLOSE[marker]
+    closed = text.find(close, opened)
+    fallback_end = closed + len(close) if closed >= 0 else len(text)
+    head = _GEMMA_HEAD.match(text, opened + len(marker))
+    if head is None or not text.startswith("{", head.end()):
+        raw = text[opened:fallback_end]
+        return ParseError(raw, f"a Gemma tool call must be {marker}call:NAME{{key:value,...}}{close}"), fallback_end
+    try:
+        arguments, i = _gemma_value(text, head.end())
+    except ValueError as e:
+        return ParseError(text[opened:fallback_end], f"malformed Gemma tool call arguments: {e}"), fallback_end
+    i = _skip_space(text, i)
+    if text.startswith(close, i) or i == len(text):  # closed, or cut at the end of the turn
+        end = min(len(text), i + len(close)) if text.startswith(close, i) else i
+        return _arguments(text[opened:end], head.group(1), arguments), end
+    return ParseError(text[opened:fallback_end], f"text after a Gemma tool call's arguments, before {close}"), fallback_end
+
+
+@_reads_its_markers("<|tool_call>", "<start_function_call>")
 def parse_gemma(text: str) -> ParsedTurn:
     """Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>,n:2}<tool_call|>`` and FunctionGemma
-    ``<start_function_call>call:NAME{k:<escape>v<escape>}<end_function_call>``."""
+    ``<start_function_call>call:NAME{k:<escape>v<escape>}<end_function_call>``: every opened call is a call
+    or a ParseError."""
     items: list[Item] = []
-    for m in _GEMMA_CALL.finditer(text):
-        try:
-            args, _ = _gemma_value(m.group(2), 0)
-            items.append(_arguments(m.group(0), m.group(1), args))
-        except (ValueError, IndexError) as e:
-            items.append(ParseError(m.group(0), f"malformed Gemma tool call arguments: {e}"))
-    return _turn(_GEMMA_CALL.sub("", text), items)
+    content, pos = [], 0
+    while (m := _GEMMA_OPEN.search(text, pos)) is not None:
+        content.append(text[pos:m.start()])
+        item, pos = _gemma_call(text, m.start(), m.group(0))
+        items.append(item)
+    content.append(text[pos:])
+    return _turn("".join(content), items)
 
 
 def parse_xlam(text: str) -> ParsedTurn:

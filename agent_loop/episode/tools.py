@@ -276,7 +276,8 @@ def _openai_schema(schema: dict) -> dict:
         raise ValueError(f"not a tool schema (needs 'name' and 'inputSchema', or 'type': 'function'): {schema!r}")
     if not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"tool schema without a name: {schema!r}")
-    function = {"description": "", "parameters": {"type": "object", "properties": {}}, **function}
+    defaults = {"description": "", "parameters": {"type": "object", "properties": {}}}
+    function = {**function, **{k: v for k, v in defaults.items() if k not in function}}  # the given key order: the prompt renders it
     return {"type": "function", "function": function}
 
 

@@ -3,8 +3,11 @@
 Nothing is loaded whole: :func:`iter_records` yields one :class:`Record` per good line (with its
 1-based line number and byte offset, so a record can be read again with :func:`read_at`). A bad
 line becomes one message naming the file and the line; after :data:`MAX_PROBLEMS` messages the rest
-are only counted. A file that is not JSON Lines at all (binary data, or its first lines are not
-JSON objects) raises :class:`InputError` with one message: the command prints one line and exits 2.
+are only counted. Lines are read with a cap on their length (``agent_loop.runners.jsonl.iter_lines``): a
+longer one (a binary tail without newlines) is skipped unread, with a message, so memory stays bounded
+and the good lines before and after it are shown. A file that is not JSON Lines at all (its first line
+binary, or its first lines not JSON objects) raises :class:`InputError` with one message: the command
+prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from agent_loop.runners.jsonl import MAX_LINE_BYTES, iter_lines
 from agent_loop.types import Trajectory
 
 MAX_PROBLEMS = 20  # messages kept per file; further bad lines are counted
-SNIFF_BYTES = 8192  # the start of the file checked for binary data
+SNIFF_BYTES = 8192  # the start of the file (of its first line) checked for binary data
 NOT_JSON_LINES = 3  # this many lines that are not even damaged JSON objects, before any good one: not JSON Lines
 
 
@@ -79,6 +83,8 @@ def open_checked(path: Path):
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     head = f.read(SNIFF_BYTES)
     f.seek(0)
+    if b"\n" in head:  # only the first line: good lines followed by a damaged tail are still shown
+        head = head[: head.index(b"\n") + 1]
     nul = head.find(b"\x00")
     if nul >= 0:
         f.close()
@@ -98,12 +104,15 @@ def iter_records(path: str | Path, problems: Problems) -> Iterator[Record]:
     """
     path = Path(path)
     with open_checked(path) as f:
-        offset, number, parsed_json, not_json = 0, 0, False, 0
-        for raw in f:
-            start, offset, number = offset, offset + len(raw), number + 1
+        parsed_json, not_json = False, 0
+        for number, start, raw, whole in iter_lines(f):
+            where = f"{path}:{number}"
+            if raw is None:
+                problems.add(f"{where}: longer than {MAX_LINE_BYTES} bytes, skipped unread"
+                             + ("" if whole else " (a binary or truncated tail?)"))
+                continue
             if not raw.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 traj = parse_line(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:

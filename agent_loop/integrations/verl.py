@@ -8,36 +8,93 @@ spans from a verl batch (docs/verl.md).
 verl is imported only inside :func:`register` (``pip install agent-loop[verl]``); the rest needs
 torch only. Both estimators run the loop-free scans (the fused Triton kernels on CUDA) instead of
 verl's Python loop over tokens, with the same values (verl after PR #7300 / #2337).
+
+**Rewards on observation tokens.** A custom verl agent loop whose trajectory ends in a tool output
+puts the reward on an OBSERVATION token (a 0 of ``response_mask``); verl's REINFORCE++ and GAE loops
+then drop it silently. The plugin does the same by default (``observation_reward="drop"``), or moves
+it to the last ASSISTANT token before it (``"move"``), or raises (``"raise"``):
+:func:`masking.rewards.relocate_observation_rewards`. verl's estimators cannot return metrics, so
+every call that moves or drops rewards logs their number (one ``logging`` warning on the
+``agent_loop.integrations.verl`` logger), and :func:`observation_reward_count` returns the total of
+this process, for an AgentLoop or trainer to report. Reading the count costs one host sync per call
+(the validation the plugin runs costs one already).
 """
+
+import logging
+import os
 
 import torch
 
 from advantages import gae, reinforce_plus_plus
 from agent_loop.integrations.spans import spans_from_masks
+from masking.rewards import OBSERVATION_REWARD_POLICIES, relocate_observation_rewards
+from masking.spans import spans_from_response_mask
 
 REINFORCE_PLUS_PLUS = "agent_loop_reinforce_plus_plus"
 GAE = "agent_loop_gae"
+OBSERVATION_REWARD_ENV = "AGENT_LOOP_VERL_OBSERVATION_REWARD"  # register()'s default, for processes that register on import
+DEFAULT_OBSERVATION_REWARD = "drop"  # what verl's own loops do
+
+logger = logging.getLogger(__name__)
+_settings: dict[str, str | None] = {"observation_reward": None}  # set by register()
+_seen = {"observation_rewards": 0}
 
 
-def reinforce_plus_plus_for_verl(token_level_rewards, response_mask, config=None, **verl_kwargs):
+def observation_reward_count() -> int:
+    """How many rewards on observation tokens the plugin's estimators moved or dropped in this process."""
+    return _seen["observation_rewards"]
+
+
+def _observation_policy(observation_reward: str | None) -> str:
+    """The policy to use: the argument, else ``$AGENT_LOOP_VERL_OBSERVATION_REWARD``, else "drop";
+    ValueError for an unknown one."""
+    policy = observation_reward or os.environ.get(OBSERVATION_REWARD_ENV) or DEFAULT_OBSERVATION_REWARD
+    if policy not in OBSERVATION_REWARD_POLICIES:
+        raise ValueError(f"observation_reward must be one of {OBSERVATION_REWARD_POLICIES}, got {policy!r}")
+    return policy
+
+
+def _place_observation_rewards(token_level_rewards, response_mask, name: str, observation_reward: str | None):
+    """The rewards after the observation-reward policy (every 0 of the mask is an observation, as in verl);
+    logs and counts what was moved or dropped."""
+    policy = _observation_policy(observation_reward or _settings["observation_reward"])
+    rewards, count = relocate_observation_rewards(token_level_rewards, spans_from_response_mask(response_mask), policy)
+    moved = int(count)  # one host sync; verl's estimators cannot return metrics
+    if moved:
+        _seen["observation_rewards"] += moved
+        action = "moved to the last assistant token before them" if policy == "move" else "dropped, as verl does"
+        logger.warning("%s: %d reward(s) on observation tokens %s (observation_reward=%r)", name, moved, action, policy)
+    return rewards
+
+
+def reinforce_plus_plus_for_verl(
+    token_level_rewards, response_mask, config=None, *, observation_reward: str | None = None, **verl_kwargs
+):
     """verl's estimator call (``fn(token_level_rewards=, response_mask=, config=, index=, ...)``) ->
     carry-through REINFORCE++ with ``gamma = config.gamma`` (verl's ``AlgoConfig``; 1.0 without one).
 
-    ``verl_kwargs`` are the optional batch fields verl's ``compute_advantage`` passes to every
-    registered estimator (``index``, ``reward_baselines``, ...); REINFORCE++ uses none of them, as
-    verl's own ``compute_reinforce_plus_plus_outcome_advantage``. Returns ``(advantages, returns)``.
+    ``(b, t)`` rewards and mask -> ``(advantages, returns)`` ``(b, t)``. ``verl_kwargs`` are the
+    optional batch fields verl's ``compute_advantage`` passes to every registered estimator
+    (``index``, ``reward_baselines``, ...); REINFORCE++ uses none of them, as verl's own
+    ``compute_reinforce_plus_plus_outcome_advantage``. Rewards on observation tokens follow
+    ``observation_reward`` (default: the one given to :func:`register`; module docstring); the
+    batch is then validated (ValueError, as verl's whitening, for fewer than 2 assistant tokens).
     """
     gamma = 1.0 if config is None else float(config.gamma)
     with torch.no_grad():
-        return reinforce_plus_plus(token_level_rewards, response_mask, gamma)
+        rewards = _place_observation_rewards(token_level_rewards, response_mask, REINFORCE_PLUS_PLUS, observation_reward)
+        return reinforce_plus_plus(rewards, response_mask, gamma)
 
 
-def gae_for_verl(token_level_rewards, response_mask, config=None, values=None, **verl_kwargs):
+def gae_for_verl(
+    token_level_rewards, response_mask, config=None, values=None, *, observation_reward: str | None = None, **verl_kwargs
+):
     """verl's estimator call -> carry-through GAE with ``config.gamma`` and ``config.lam``.
 
     verl 0.9's ``compute_advantage`` passes ``values`` only to its built-in ``gae``; under this
     registry name it raises ValueError unless the caller passes ``values``. To run verl's own ``gae``
-    path on these scans instead, use ``register(replace_builtin_gae=True)``.
+    path on these scans instead, use ``register(replace_builtin_gae=True)``. Rewards on observation
+    tokens as in :func:`reinforce_plus_plus_for_verl`.
     """
     if values is None:
         raise ValueError(
@@ -45,27 +102,41 @@ def gae_for_verl(token_level_rewards, response_mask, config=None, values=None, *
             "'gae'; call agent_loop.integrations.verl.register(replace_builtin_gae=True) and keep adv_estimator=gae"
         )
     gamma, lam = (1.0, 1.0) if config is None else (float(config.gamma), float(config.lam))
-    return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+    return _carry_through_gae(token_level_rewards, values, response_mask, gamma, lam, GAE, observation_reward)
 
 
-def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
+def compute_gae_advantage_return(
+    token_level_rewards, values, response_mask, gamma, lam, *, observation_reward: str | None = None
+):
     """Drop-in for verl's ``core_algos.compute_gae_advantage_return`` (same arguments and values on
-    ASSISTANT tokens; ``returns`` are 0 off them, where verl leaves carried values its losses mask)."""
+    ASSISTANT tokens; ``returns`` are 0 off them, where verl leaves carried values its losses mask).
+    Rewards on observation tokens as in :func:`reinforce_plus_plus_for_verl`."""
+    return _carry_through_gae(token_level_rewards, values, response_mask, gamma, lam, "gae", observation_reward)
+
+
+def _carry_through_gae(token_level_rewards, values, response_mask, gamma, lam, name: str, observation_reward):
     with torch.no_grad():
-        return gae(token_level_rewards, values, response_mask, float(gamma), float(lam))
+        rewards = _place_observation_rewards(token_level_rewards, response_mask, name, observation_reward)
+        return gae(rewards, values, response_mask, float(gamma), float(lam))
 
 
-def register(replace_builtin_gae: bool = False) -> list[str]:
+def register(replace_builtin_gae: bool = False, *, observation_reward: str | None = None) -> list[str]:
     """Add :data:`REINFORCE_PLUS_PLUS` and :data:`GAE` to verl's estimator registry; returns the names.
 
     ``replace_builtin_gae``: also point ``verl.trainer.ppo.core_algos.compute_gae_advantage_return``
     (which verl's trainer calls for ``adv_estimator=gae``) at :func:`compute_gae_advantage_return`.
-    Registering twice is a no-op. ImportError (naming the extra) if verl is not installed.
+    ``observation_reward``: "drop" (verl's behaviour), "move" or "raise" for rewards on observation
+    tokens (module docstring); None reads ``$AGENT_LOOP_VERL_OBSERVATION_REWARD`` (so a process that
+    registers on import can be configured), else "drop". Checked before verl is touched (ValueError).
+    Registering twice is a no-op, but each call sets the policy. ImportError (naming the extra) if
+    verl is not installed.
     """
+    policy = _observation_policy(observation_reward)
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as error:
         raise ImportError("the verl plugin needs verl: pip install 'agent-loop[verl]'") from error
+    _settings["observation_reward"] = policy
     core_algos.register_adv_est(REINFORCE_PLUS_PLUS)(reinforce_plus_plus_for_verl)
     core_algos.register_adv_est(GAE)(gae_for_verl)
     if replace_builtin_gae:

@@ -4,7 +4,11 @@ Each record is written with one ``os.write`` of its encoded line on a file opene
 process killed between records leaves whole lines; a kill inside the write of a huge line can still
 leave a torn last line, which :func:`repair_tail` cuts off (with a warning) before anything is
 appended after it. An existing output is never emptied: a new run refuses it, ``append``/``resume``
-repair its tail and add to it.
+repair its tail and add to it. A write that fails (a full disk, a file size limit) cuts the part of its
+line that got written, so the file still ends with a whole line, and raises :class:`OutputWriteError`.
+
+Files are read a line at a time with a cap on a line's length (:func:`iter_lines`, :data:`MAX_LINE_BYTES`):
+memory stays bounded whatever a damaged file holds (a gigabyte of NUL bytes, a binary tail).
 """
 
 from __future__ import annotations
@@ -13,8 +17,15 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 MODES = ("new", "append", "resume")
+MAX_LINE_BYTES = 32 << 20  # a longer line is skipped unread, not loaded (no episode we write comes near it)
+_BLOCK = 1 << 20
+
+
+class OutputWriteError(OSError):
+    """A record could not be written (its partial line was cut off); the message names the file."""
 
 
 class OutputExistsError(FileExistsError):
@@ -91,11 +102,17 @@ class JsonlWriter:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write_line(self, line: str) -> None:
+        """Append ``line`` whole, or raise OutputWriteError with the file as it was (a partial line is cut)."""
         data = (line.rstrip("\n") + "\n").encode("utf-8")
         view = memoryview(data)
-        while view:  # a regular file takes it in one call; loop only for the rare short write
-            written = os.write(self.fd, view)
-            view = view[written:]
+        start = os.fstat(self.fd).st_size  # one writer (the run's lock), so this is where the line begins
+        try:
+            while view:  # a regular file takes it in one call; loop only for the rare short write
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as error:
+            os.ftruncate(self.fd, start)  # shrinking is allowed under a size limit and on a full disk
+            raise OutputWriteError(error.errno, f"cannot write {self.path}: {error.strerror}") from None
 
     def close(self) -> None:
         if self.fd is not None:
@@ -109,27 +126,63 @@ class JsonlWriter:
         self.close()
 
 
+def iter_lines(f, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, bytes | None, bool]]:
+    """``(number, offset, line, whole)`` for each line of the binary file ``f``, in constant memory.
+
+    ``number`` is 1-based, ``offset`` the byte where the line starts, ``line`` its bytes (None when it is
+    longer than ``max_bytes``: skipped unread), ``whole`` whether it ends with a newline (False only for
+    the last line of a file that does not end with one).
+    """
+    number, offset = 0, 0
+    while True:
+        line = f.readline(max_bytes + 1)
+        if not line:
+            return
+        number, start = number + 1, offset
+        offset += len(line)
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while True:  # skip the rest of the oversized line, a block at a time
+                block = f.readline(_BLOCK)
+                offset += len(block)
+                if not block or block.endswith(b"\n"):
+                    break
+            yield number, start, None, bool(block)
+            continue
+        yield number, start, line, line.endswith(b"\n")
+
+
 def written_episodes(path: str | Path, seed: int, task: str | None = None) -> set[int]:
     """Episode indices already in ``path`` for ``seed`` (and ``task``, if given); a torn last line is ignored.
 
-    A bad line before the last raises ValueError naming its line number: the file is not ours to guess about.
+    Read a line at a time (memory: the set, not the file). A bad line before the last raises ValueError
+    naming its line number: the file is not ours to guess about.
     """
     path = Path(path)
     if not path.exists():
         return set()
     done: set[int] = set()
     with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    last = len(lines) - 1  # after the final newline: b"" for a whole file, the torn bytes otherwise
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            info = json.loads(raw)["info"]
-        except (ValueError, KeyError, TypeError) as error:
-            if number - 1 == last:
-                continue  # torn tail: repaired when the file is opened for appending
-            raise ValueError(f"{path}: line {number} is not a trajectory record ({error}); cannot resume from it") from None
-        if info.get("seed") == seed and (task is None or info.get("task") == task):
-            done.add(int(info["index"]))
+        for number, _, raw, whole in iter_lines(f):
+            if raw is not None and not raw.strip():
+                continue
+            try:
+                if raw is None:
+                    raise ValueError(f"longer than {MAX_LINE_BYTES} bytes")
+                info = json.loads(raw)["info"]
+            except (ValueError, KeyError, TypeError) as error:
+                if not whole:
+                    continue  # torn tail: repaired when the file is opened for appending
+                raise ValueError(f"{path}: line {number} is not a trajectory record ({error}); "
+                                 "cannot resume from it") from None
+            if info.get("seed") == seed and (task is None or info.get("task") == task):
+                done.add(int(info["index"]))
     return done
+
+
+def count_lines(path: str | Path) -> int:
+    """How many whole lines ``path`` holds (0 when missing), read a block at a time."""
+    try:
+        with open(path, "rb") as f:
+            return sum(block.count(b"\n") for block in iter(lambda: f.read(_BLOCK), b""))
+    except FileNotFoundError:
+        return 0

@@ -192,22 +192,25 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
         return [Trajectory.from_json(line) for line in f if line.strip()]
 
 
-def plan_output(path: str | Path, episodes: Iterable[int], seed: int, task_name: str, *, resume: bool = False,
-                append: bool = False) -> tuple[str, list[int]]:
-    """Check the output before anything runs; return its mode and the episodes still to play.
+def plan_output(path: str | Path, episodes: range, seed: int, task_name: str, *, resume: bool = False,
+                append: bool = False) -> tuple[str, Iterable[int], int]:
+    """Check the output before anything runs; return its mode, the episodes still to play (a lazy iterable:
+    ``--episodes 50000000`` builds no list) and how many they are.
 
     Without ``resume``/``append`` an existing non-empty file is refused (``OutputExistsError``), never
-    emptied; ``resume`` drops the episodes the file already holds for this seed and task (by index).
+    emptied; ``resume`` drops the episodes the file already holds for this seed and task (by index; the
+    file is read a line at a time, memory is the set of indices written).
     """
     if resume and append:
         raise ValueError("--resume and --append exclude each other")
     mode = "resume" if resume else "append" if append else "new"
     check_output(path, mode)
-    indices = list(episodes)
-    if resume:
-        done = written_episodes(path, seed, task_name)
-        indices = [i for i in indices if i not in done]
-    return mode, indices
+    if not resume:
+        return mode, episodes, len(episodes)
+    done = written_episodes(path, seed, task_name)
+    if not done:
+        return mode, episodes, len(episodes)
+    return mode, (i for i in episodes if i not in done), len(episodes) - sum(1 for i in done if i in episodes)
 
 
 def error_status(stats: RolloutStats, max_error_fraction: float) -> tuple[int, list[str]]:

@@ -46,6 +46,8 @@ class RunOptions:
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once (the transformers backend "
                                       "decodes them as one batch)")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns")] = 1.0
+    request_timeout_s: Annotated[float, Field(gt=0, description="http backend: seconds one attempt of a request "
+                                              "may take before it is retried (the retry deadline bounds them all)")] = 600.0
 
 
 def estimators(per_row: bool = False) -> list[str]:

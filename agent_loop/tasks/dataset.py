@@ -53,9 +53,11 @@ from agent_loop.tasks.rewards import (
     reward_terms,
     score_episode,
 )
-from agent_loop.types import Episode, ToolCallRecord
+from agent_loop.types import Episode, ToolCallRecord, json_values
 
 ROLES = ("system", "user", "assistant", "tool")
+LINE_FORMATS = (".jsonl", ".json")  # one JSON object (or string) per line
+FORMATS = "a .jsonl or .json file (one JSON object per line), a .parquet file, or a folder saved by datasets' save_to_disk"
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -97,14 +99,25 @@ def normalize_row(row: Any, prompt_key: str = "prompt", answer_key: str = "answe
     return {"messages": _messages_of(row[key]), "answer": _plain(answer), "row": _plain(metadata)}
 
 
+MAX_ROW_BYTES = 16 << 20  # a longer line is skipped unread (a binary file, a runaway row), not loaded
+
+
 def _read_jsonl(path: Path) -> Iterable[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    """Each line's row, or the ValueError that makes it a bad row (not UTF-8, not JSON, too long)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), 1):
             where = f"{path}:{number}"
+            if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass  # skip the rest of the line a block at a time
+                yield where, ValueError(f"longer than {MAX_ROW_BYTES} bytes")
+                continue
+            if not raw.strip():
+                continue
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as error:
+                yield where, ValueError(f"not UTF-8 text (byte {error.start} of the line)")
             except json.JSONDecodeError as error:
                 yield where, ValueError(f"not JSON ({error.msg} at column {error.colno})")
 
@@ -119,7 +132,10 @@ def _read_table(source: Any, split: str | None) -> Iterable[tuple[str, Any]]:
         else:
             from datasets import DatasetDict, load_from_disk
 
-            source = load_from_disk(str(path))
+            try:
+                source = load_from_disk(str(path))
+            except (FileNotFoundError, OSError) as error:  # a folder datasets did not write
+                raise ValueError(f"not a folder saved by datasets' save_to_disk ({error}); accepted: {FORMATS}") from None
             if isinstance(source, DatasetDict):
                 names = list(source)
                 chosen = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
@@ -146,19 +162,29 @@ def load_prompts(source: Any, prompt_key: str = "prompt", answer_key: str = "ans
         path = Path(source)
         if not path.exists():
             raise ValueError(f"prompts file not found: {path}")
-        items = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_table(path, split)
+        if path.is_file() and path.suffix not in (*LINE_FORMATS, ".parquet"):
+            raise ValueError(f"unknown prompts format {path.suffix or '(no suffix)'} (accepted: {FORMATS})")
+        items = _read_jsonl(path) if path.suffix in LINE_FORMATS else _read_table(path, split)
     elif isinstance(source, (list, tuple)):
         items = ((f"prompts[{i}]", row) for i, row in enumerate(source))
     else:
         items = _read_table(source, split)
-    rows, skipped = [], []
+    rows, skipped, repaired = [], [], []
     for where, raw in items:
         try:
             if isinstance(raw, Exception):
                 raise raw
-            rows.append(normalize_row(raw, prompt_key, answer_key))
+            row, repairs = json_values(normalize_row(raw, prompt_key, answer_key))  # numpy values -> plain ones too
         except ValueError as error:
             skipped.append(f"{where}: {error}")
+            continue
+        rows.append(row)
+        if repairs:  # a lone surrogate (valid JSON, unencodable text) would break the tokenizer and the writer
+            repaired.append(f"{where}: {', '.join(f'{n} {kind}' for kind, n in repairs.items())}")
+    if repaired:
+        warnings.warn(f"{len(repaired)} prompt rows held values text cannot hold (lone surrogates -> U+FFFD, "
+                      "NaN -> null), replaced: " + "; ".join(repaired[:5]) + (" ..." if len(repaired) > 5 else ""),
+                      stacklevel=2)
     if not rows:
         detail = "; ".join(skipped[:3]) or "it is empty"
         raise ValueError(f"no usable prompt in {source if isinstance(source, (str, Path)) else 'the prompts'}: {detail}")

@@ -7,7 +7,10 @@
   :class:`~agent_loop.tasks.dataset.DatasetTask`. ``SPEC`` is a built-in rule (``exact``, ``number``,
   ``contains``, ``regex:PATTERN``) or ``module:function``. ``MODULE`` (a dotted name or a ``.py`` file)
   gives its ``TOOLS`` list if it has one, else its ``TOOL_SCHEMAS`` (MCP-style) served by its
-  ``call_tool(name, arguments)`` or by its functions of those names, else every public function it defines.
+  ``call_tool(name, arguments)`` or by its functions of those names, else every public function it
+  defines (functions it imports from elsewhere are not tools: list them in ``TOOLS`` to serve them).
+  A module with no tool is an error.
+- A ``.py`` file imports like a script: the modules beside it import (its folder goes on ``sys.path``).
 
 Every failure is a :class:`PluginError` that says which option, what was asked for and what went wrong.
 Built-in task names are the registry's (:mod:`agent_loop.tasks.registry`).
@@ -45,6 +48,7 @@ def import_module(spec: str, option: str, shown: str | None = None):
             name = f"agent_loop_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
             if name in sys.modules:
                 return sys.modules[name]
+            _importable_beside(path)
             module_spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module
@@ -58,10 +62,19 @@ def import_module(spec: str, option: str, shown: str | None = None):
     except PluginError:
         raise
     except ModuleNotFoundError as error:
-        raise PluginError(f"{option} {shown!r} does not import: {error} "
-                          "(a dotted module on the Python path, or a path to a .py file)") from None
+        where = (f"{error.name!r} is neither installed nor a module beside {path.name}" if path.is_file()
+                 else "a dotted module on the Python path (PYTHONPATH=. for the current folder), or a path to a .py file")
+        raise PluginError(f"{option} {shown!r} does not import: {error} ({where})") from None
     except Exception as error:
         raise PluginError(f"{option} {shown!r} does not import: {type(error).__name__}: {error}") from error
+
+
+def _importable_beside(path: Path) -> None:
+    """Put a plug-in file's folder on ``sys.path``, as ``python file.py`` does, so the file can import its
+    neighbours (at load time and later, from inside its functions)."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def import_object(spec: str, option: str) -> tuple[Any, Any]:
@@ -74,7 +87,7 @@ def import_object(spec: str, option: str) -> tuple[Any, Any]:
         public = [n for n in vars(module) if not n.startswith("_")]
         close = difflib.get_close_matches(attribute, public, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise PluginError(f"{option} {spec!r}: module {module_part!r} has no {attribute!r}{hint}")
+        raise PluginError(f"{option} {spec!r}: no {attribute!r} in {module_part}{hint}")
     return module, getattr(module, attribute)
 
 

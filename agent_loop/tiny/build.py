@@ -6,6 +6,12 @@ vLLM) and ``build.json`` (timings and evaluation). A build runs in a temporary f
 place at the end, so an interrupted build leaves no broken cache, under a file lock, so two
 processes never build at once.
 
+Shipped builds: the repository ships the builds of this recipe (``agent_loop/tiny/weights/<folder>.tar.xz``,
+checked against :data:`SHIPPED_SHA256`), so first use unpacks them in a second instead of training for
+minutes, and every machine gets the same weights (the recipe is not bit-reproducible across CPUs).
+``agent-loop tiny --force`` rebuilds from the recipe; tests/tiny/test_shipped.py checks that a build
+here still behaves like the shipped one.
+
 Environment: ``AGENT_LOOP_CACHE`` (cache root), ``AGENT_LOOP_TINY_THREADS`` (torch threads for the
 build; default 2, use 1 on a busy machine), ``AGENT_LOOP_TINY_STEPS`` (a shorter or longer training,
 for experiments; it gets its own cache folder).
@@ -16,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import hashlib
 import json
 import os
 import shutil
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +50,10 @@ TRAIN_STEPS = 1000
 # check is closest to MID_TARGET (a middling start for RL); copying the expression is learned late in
 # training (BENCHMARKS.md, "Tiny agent build")
 MID_FRACTIONS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (0.74, 0.76, 0.78, 0.8, 0.82, 0.84), 0.45, 64, 404
+SHIPPED_DIR = Path(__file__).parent / "weights"
+SHIPPED_SHA256 = {  # cache folder name -> sha256 of its shipped archive (made by scripts/ship_tiny_agent.sh)
+    "tiny-agent-v8": "13fa4940f8ad76b6e0c2c9ee9ec6800461da1115c65cff5b17822524e796322a",
+}
 TOKENIZER_DIALOGUES = 3000
 TOKENIZER_SEED, TRAIN_SEED = 101, 202
 EVAL_SEED, EVAL_EPISODES = 303, {"arithmetic": 100, "lookup": 50}
@@ -57,7 +69,8 @@ def build_dir() -> Path:
 
 
 def tiny_agent_path(stage: str = "final") -> Path:
-    """Folder of the tiny agent (tokenizer and model) at ``stage`` ("final" or "mid"); builds it on first use."""
+    """Folder of the tiny agent (tokenizer and model) at ``stage`` ("final" or "mid"); on first use unpacks the
+    shipped build (or builds it, where none is shipped)."""
     return cached_stage(build_dir(), stage, lambda folder: _build_into(folder, True))
 
 
@@ -68,9 +81,35 @@ def cached_stage(target: Path, stage: str, build_into: Callable[[Path], dict]) -
         raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
     if not target.exists():
         with build_lock(target):
-            if not target.exists():
+            if not target.exists() and not unpack_shipped(target):
                 build(target, build_into=build_into)
     return target / stage
+
+
+def shipped_archive(name: str) -> Path | None:
+    """The shipped archive of the cache folder ``name``, or None if the repository ships none."""
+    return SHIPPED_DIR / f"{name}.tar.xz" if name in SHIPPED_SHA256 else None
+
+
+def unpack_shipped(target: Path) -> bool:
+    """Unpack the shipped build of ``target`` (the caller holds the build lock) into place; False if none is
+    shipped. RuntimeError if the archive is not the one :data:`SHIPPED_SHA256` names (a damaged checkout)."""
+    archive = shipped_archive(target.name)
+    if archive is None:
+        return False
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != SHIPPED_SHA256[target.name]:
+        raise RuntimeError(f"{archive} is damaged (sha256 {digest}, expected {SHIPPED_SHA256[target.name]}); "
+                           "restore it from git, or delete it to build the tiny agent from its recipe")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.unpack-", dir=target.parent))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(scratch, filter="data")
+        (scratch / target.name / "shipped.txt").write_text(f"unpacked from {archive.name}, sha256 {digest}\n")
+        (scratch / target.name).rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return True
 
 
 @contextlib.contextmanager

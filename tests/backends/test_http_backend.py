@@ -62,7 +62,7 @@ class StubServer:
     async def running(self):
         app = web.Application()
         app.add_routes([web.get("/v1/models", self.models), web.post("/v1/completions", self.completions)])
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)  # handlers that hang are not waited for at the end
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()
         try:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from reference_returns import discounted_returns_ref
+from reference_returns import discounted_returns_ref, whiten_ref
 
 from advantages import (
     ESTIMATORS,
@@ -378,6 +378,85 @@ def test_plugin_estimators_take_verls_call_and_match_verls_loops():
     torch.testing.assert_close(returns, expected_returns * mask)
     dropin = verl_plugin.compute_gae_advantage_return(rewards, values, mask, 0.9, 0.95)
     assert all(torch.equal(a, b) for a, b in zip(dropin, (advantages, returns)))
+
+
+def verl_batch_ending_in_a_tool_output():
+    """verl_multi_turn_batch with row 0's reward on its tool output (position 3, a 0 of the mask), as
+    verl's reward manager puts it on the last valid token of a trajectory that ends in a tool call."""
+    responses, attention_mask, response_mask, rewards = verl_multi_turn_batch()
+    rewards[0, 5], rewards[0, 3] = 0.0, 1.0
+    return responses, attention_mask, response_mask.double(), rewards
+
+
+@pytest.fixture
+def plugin_defaults(monkeypatch):
+    """The plugin as a fresh process sees it: no register() call yet, no policy in the environment."""
+    monkeypatch.setitem(verl_plugin._settings, "observation_reward", None)
+    monkeypatch.delenv(verl_plugin.OBSERVATION_REWARD_ENV, raising=False)
+
+
+def test_plugin_drops_observation_rewards_as_verl_and_logs_the_count(plugin_defaults, caplog):
+    """Called exactly as verl's compute_advantage calls a registered estimator (and, for
+    replace_builtin_gae, as its gae branch calls compute_gae_advantage_return): by default the
+    reward on the observation token is dropped, value for value as verl's own loops, and logged."""
+    _, _, mask, rewards = verl_batch_ending_in_a_tool_output()
+    config = SimpleNamespace(gamma=0.9, lam=0.95, norm_adv_by_std_in_grpo=True)
+    values = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    before = verl_plugin.observation_reward_count()
+    with caplog.at_level("WARNING", logger="agent_loop.integrations.verl"):
+        advantages, returns = verl_plugin.reinforce_plus_plus_for_verl(
+            token_level_rewards=rewards, response_mask=mask, config=config, index=np.array(["a", "a", "b"], dtype=object),
+            reward_baselines=torch.zeros(3))
+        gae_advantages, gae_returns = verl_plugin.compute_gae_advantage_return(
+            token_level_rewards=rewards, values=values, response_mask=mask, gamma=0.9, lam=0.95)
+    expected_advantages, expected_returns = verl_reinforce_plus_plus_loop(rewards, mask, 0.9)  # verl drops it
+    torch.testing.assert_close(returns, expected_returns)
+    torch.testing.assert_close(advantages, expected_advantages)
+    assert returns[0].abs().sum() == 0  # row 0's only reward was the dropped one
+    expected_gae, expected_gae_returns = verl_gae_loop(rewards, values, mask, 0.9, 0.95)
+    torch.testing.assert_close(gae_advantages, expected_gae * mask)
+    torch.testing.assert_close(gae_returns, expected_gae_returns * mask)
+    assert verl_plugin.observation_reward_count() == before + 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "agent_loop_reinforce_plus_plus: 1 reward(s) on observation tokens dropped, as verl does (observation_reward='drop')",
+        "gae: 1 reward(s) on observation tokens dropped, as verl does (observation_reward='drop')",
+    ]
+    caplog.clear()
+    clean = verl_multi_turn_batch()[3]
+    verl_plugin.reinforce_plus_plus_for_verl(token_level_rewards=clean, response_mask=mask, config=config)
+    assert caplog.records == [] and verl_plugin.observation_reward_count() == before + 2  # nothing to log
+
+
+def test_plugin_moves_or_raises_on_observation_rewards(plugin_defaults, monkeypatch):
+    _, _, mask, rewards = verl_batch_ending_in_a_tool_output()
+    spans = torch.where(mask.bool(), A, O).to(torch.int8)  # as the plugin sees the mask: every 0 an observation
+    config = SimpleNamespace(gamma=0.9, lam=0.95)
+    moved = rewards.clone()
+    moved[0, 1], moved[0, 3] = 1.0, 0.0  # the last assistant token before position 3
+    expected_returns = discounted_returns_ref(moved, spans, 0.9)
+    advantages, returns = verl_plugin.reinforce_plus_plus_for_verl(rewards, mask, config, observation_reward="move")
+    torch.testing.assert_close(returns, expected_returns)
+    torch.testing.assert_close(advantages, whiten_ref(expected_returns, spans))
+    assert returns[0, 0].item() == pytest.approx(0.9)  # the reward now reaches the first turn
+    monkeypatch.setenv(verl_plugin.OBSERVATION_REWARD_ENV, "move")  # how a process that registers on import is set
+    torch.testing.assert_close(verl_plugin.reinforce_plus_plus_for_verl(rewards, mask, config)[1], expected_returns)
+    with pytest.raises(ValueError, match="reward 1.0 at row 0, position 3 sits on an OBSERVATION token"):
+        verl_plugin.reinforce_plus_plus_for_verl(rewards, mask, config, observation_reward="raise")
+    monkeypatch.setenv(verl_plugin.OBSERVATION_REWARD_ENV, "keep")
+    with pytest.raises(ValueError, match=r"observation_reward must be one of \('raise', 'move', 'drop'\), got 'keep'"):
+        verl_plugin.reinforce_plus_plus_for_verl(rewards, mask, config)
+    with pytest.raises(ValueError, match="got 'keep'"):  # checked before verl is imported or touched
+        verl_plugin.register(observation_reward="keep")
+
+
+def test_plugin_keeps_verls_meaning_for_few_assistant_tokens(plugin_defaults):
+    """verl's masked_whiten raises below 2 masked tokens; so does the plugin (it validates)."""
+    rewards = torch.zeros(2, 4, dtype=torch.float64)
+    mask = torch.zeros(2, 4, dtype=torch.float64)
+    mask[1, 0], rewards[1, 0] = 1.0, 1.0
+    with pytest.raises(ValueError, match="need at least 2 unmasked tokens.*got 1"):
+        verl_plugin.reinforce_plus_plus_for_verl(token_level_rewards=rewards, response_mask=mask, config=SimpleNamespace(gamma=1.0))
 
 
 def test_plugin_register_needs_verl():

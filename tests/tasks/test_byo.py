@@ -346,7 +346,7 @@ def test_task_paths_that_do_not_import_say_why(tmp_path):
         load_task(str(broken))
     with pytest.raises(PluginError, match="file not found"):
         load_task(str(tmp_path / "nothing.py"))
-    with pytest.raises(PluginError, match="has no 'ArithmeticTsk'; did you mean 'ArithmeticTask'"):
+    with pytest.raises(PluginError, match="no 'ArithmeticTsk' in agent_loop.tasks.builtin; did you mean 'ArithmeticTask'"):
         load_task("agent_loop.tasks.builtin:ArithmeticTsk")
     with pytest.raises(PluginError, match="not a built-in task.*did you mean 'arithmetic'"):
         load_task("arithmetc")
@@ -354,6 +354,32 @@ def test_task_paths_that_do_not_import_say_why(tmp_path):
         load_task("agent_loop.tasks.builtin:LOOKUP_KEYS")
     with pytest.raises(PluginError, match=r"calling calculator\(\) raised TypeError"):
         load_task("agent_loop.tasks.builtin:calculator")
+
+
+def test_a_task_file_imports_its_neighbours_and_a_misspelled_name_gets_a_hint(tmp_path, monkeypatch):
+    folder = tmp_path / "units"
+    folder.mkdir()
+    (folder / "units_tools.py").write_text("def to_metres(feet: float) -> float:\n    return feet * 0.3048\n")
+    (folder / "units_task.py").write_text(textwrap.dedent('''
+        from units_tools import to_metres
+        from agent_loop import Environment
+
+        class UnitConvert(Environment):
+            def sample(self, rng):
+                return f"{to_metres(10):.3f}"
+
+            def score(self, completion, row):
+                return 1.0
+    '''))
+    (folder / "lost_task.py").write_text("import units_toolz\n")
+    monkeypatch.chdir(tmp_path)  # not the file's folder: the import must not depend on where one stands
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    task = load_task("units/units_task.py:UnitConvert")
+    assert task.make_episode(0).messages[-1]["content"] == "3.048"
+    with pytest.raises(PluginError, match="no 'UnitConvrt' in units/units_task.py; did you mean 'UnitConvert'"):
+        load_task("units/units_task.py:UnitConvrt")
+    with pytest.raises(PluginError, match="'units_toolz' is neither installed nor a module beside lost_task.py"):
+        load_task("units/lost_task.py")
 
 
 def test_task_from_a_module_class_object_or_file(tmp_path):
@@ -383,7 +409,7 @@ def test_options_that_do_not_go_together(tmp_path):
         task_from_options(task="lookup", prompts=str(prompts), reward=["exact"])
     with pytest.raises(ValueError, match="prompts needs a reward"):
         task_from_options(prompts=str(prompts))
-    with pytest.raises(PluginError, match="--reward 'agent_loop.tasks.builtin:nope'.*has no 'nope'"):
+    with pytest.raises(PluginError, match="--reward 'agent_loop.tasks.builtin:nope': no 'nope' in agent_loop.tasks.builtin"):
         load_reward("agent_loop.tasks.builtin:nope")
     task = task_from_options(prompts=str(prompts), reward=["exact", "agent_loop.tasks.builtin:answer_reward"])
     assert task.name == "p" and [r[0] for r in task.rewards] == ["exact_match", "answer_reward"]

@@ -195,6 +195,7 @@ def fake_build(calls: list, fail: bool = False, delay: float = 0.0):
 
 def test_cache_builds_once_under_concurrency(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny_build, "SHIPPED_SHA256", {})  # the recipe's path (the shipped build is unpacked instead)
     calls = []
     monkeypatch.setattr(tiny_build, "_build_into", fake_build(calls, delay=0.3))
     paths = []
@@ -212,6 +213,7 @@ def test_cache_builds_once_under_concurrency(tmp_path, monkeypatch):
 
 def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_LOOP_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny_build, "SHIPPED_SHA256", {})  # the recipe's path (the shipped build is unpacked instead)
     calls = []
     monkeypatch.setattr(tiny_build, "_build_into", fake_build(calls, fail=True))
     with pytest.raises(KeyboardInterrupt):

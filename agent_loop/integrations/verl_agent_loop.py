@@ -1,0 +1,354 @@
+"""Our episode loop as a verl AgentLoop, registered in verl's agent-loop registry as ``agent_loop`` when this
+module imports (docs/verl.md, "Our agent loop inside verl").
+
+verl's ``AgentLoopWorker`` makes one :class:`AgentLoop` per dataset row and awaits its ``run``; we play one
+episode with :func:`agent_loop.episode.loop.run_episode` (token-in/token-out chat formatting, our tool-call
+parsers, our tool execution, the task's reward) against verl's server manager
+(:class:`~agent_loop.integrations.verl_backend.VerlServerBackend`), and return verl's ``AgentLoopOutput``:
+``response_mask`` is our spans (1 ASSISTANT, 0 OBSERVATION), ``response_logprobs`` the sampling logprobs,
+and ``extra_fields`` (which verl's worker turns into ``non_tensor_batch`` columns) hold ``spans``,
+``turn_ids``, ``tool_calls`` (our records as dicts), ``messages``, ``finish_reason``, ``truncated``,
+``reward_source``, ``agent_loop_reward``, ``turn_scores`` (our per-turn rewards) and ``tool_rewards``.
+
+Options (:class:`VerlLoopOptions`) come from the trainer config's top-level ``agent_loop`` section
+(``+agent_loop.task=arithmetic`` on verl's command line) and, overriding it, from the keys of an entry in
+verl's ``agent_loop_config_path`` file (``- name: my_loop`` / ``_target_: ...verl_agent_loop.AgentLoop`` /
+``task: ...``). This module imports verl; the backend and everything else it uses do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from typing import Any, Callable
+from uuid import uuid4
+
+from pydantic import TypeAdapter
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
+
+from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop import formatter_for, run_episode
+from agent_loop.episode.tool_formats import TOOL_FORMATS
+from agent_loop.episode.tools import Tool, ToolExecutor, tools_from_schemas
+from agent_loop.integrations.verl_backend import VerlServerBackend
+from agent_loop.tasks.base import Task, as_task
+from agent_loop.tasks.dataset import DatasetTask
+from agent_loop.types import Episode, ToolCallRecord, Trajectory
+from masking.kinds import SpanKind
+
+AGENT_NAME = "agent_loop"
+# the keyword arguments verl 0.9's AgentLoopWorker gives every agent loop (besides tools=)
+VERL_KWARGS = frozenset({"trainer_config", "server_manager", "tokenizer", "processor", "dataset_cls", "data_config",
+                         "hf_model_type"})
+REWARD_SOURCES = ("auto", "agent_loop", "verl")
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlLoopOptions:
+    """What the verl AgentLoop plays (see the module docstring for where the keys are written).
+
+    - ``task``: one of our tasks (a registry name such as ``arithmetic``, ``package.module:Name`` or
+      ``file.py[:Name]``); episode ``index`` of it is played for a row whose ``index`` (verl's
+      ``extra_info.index``) is ``index``, with the row's ``reward_model.ground_truth`` as the episode's
+      answer where the task gives none. Without a task the row is the episode: its ``raw_prompt`` messages,
+      ``reward_model.ground_truth`` as the answer.
+    - ``reward``: for row episodes, our reward rules or functions (``number``, ``exact``, ``contains``,
+      ``regex:P``, ``module:function``; one or a list), with ``reward_weights``.
+    - ``tool_functions``: a module or ``.py`` file of plain functions (our ``--tools``), added to verl's
+      tools (``multi_turn.tool_config_path`` / ``function_tool_path``) and the task's.
+    - ``tool_format``: our tool-call format by name (``hermes``, ``qwen3_xml``, ...); default: the one the
+      chat template's markers name.
+    - ``reward_source``: ``agent_loop`` (our reward is ``reward_score``, which verl places as ``rm_scores``
+      on the last response token and uses instead of its reward manager), ``verl`` (verl's reward manager
+      scores the rows; ours is kept in ``extra_fields["agent_loop_reward"]``), ``auto`` (``agent_loop``
+      when a task or reward is given, else ``verl``).
+    - ``loop``: :class:`~agent_loop.episode.config.LoopConfig` fields (``max_turns``, ``max_tokens``,
+      ``max_observation_tokens``, ...); ``max_response_tokens`` is verl's ``rollout.response_length``.
+    - ``seed``: the task's episode stream; ``system``: a system prompt for row episodes.
+    """
+
+    task: str | None = None
+    reward: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None
+    tool_functions: str | None = None
+    tool_format: str | None = None
+    reward_source: str = "auto"
+    loop: str = "{}"  # LoopConfig fields as sorted JSON (the options are hashable, to cache what they load)
+    seed: int = 0
+    system: str | None = None
+
+    @classmethod
+    def from_mapping(cls, values: dict) -> "VerlLoopOptions":
+        """Options from a config mapping; ValueError naming an unknown key or a bad value."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"agent_loop options: unknown key(s) {unknown}; known: {sorted(fields)}")
+        values = dict(values)
+        for key in ("reward", "reward_weights"):
+            if isinstance(values.get(key), (str, int, float)):
+                values[key] = [values[key]]
+        values["reward"] = tuple(str(r) for r in values.get("reward") or ())
+        if values.get("reward_weights") is not None:
+            values["reward_weights"] = tuple(float(w) for w in values["reward_weights"])
+        values["loop"] = json.dumps(dict(values.get("loop") or {}), sort_keys=True)
+        options = cls(**values)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        if self.reward_source not in REWARD_SOURCES:
+            raise ValueError(f"agent_loop.reward_source must be one of {REWARD_SOURCES}, got {self.reward_source!r}")
+        if self.task and self.reward:
+            raise ValueError("agent_loop: give a task (it brings its reward) or a reward for row episodes, not both")
+        if self.reward_source == "agent_loop" and not (self.task or self.reward):
+            raise ValueError("agent_loop.reward_source=agent_loop needs a task or a reward to score with")
+        if self.tool_format is not None and self.tool_format not in {f.name for f in TOOL_FORMATS}:
+            raise ValueError(f"agent_loop.tool_format {self.tool_format!r} is not one of ours: "
+                             f"{sorted({f.name for f in TOOL_FORMATS})}")
+
+    @property
+    def scores(self) -> str:
+        """Who scores the rows: "agent_loop" or "verl"."""
+        if self.reward_source != "auto":
+            return self.reward_source
+        return "agent_loop" if (self.task or self.reward) else "verl"
+
+    def loop_config(self, response_length: int) -> LoopConfig:
+        """Our loop's options, with verl's ``response_length`` as the episode's token budget."""
+        fields = json.loads(self.loop)
+        given = fields.get("max_response_tokens")
+        if given is not None and given > response_length:
+            raise ValueError(f"agent_loop.loop.max_response_tokens={given} exceeds verl's rollout.response_length="
+                             f"{response_length}")
+        fields.setdefault("max_response_tokens", response_length)
+        try:
+            return TypeAdapter(LoopConfig).validate_python(fields)
+        except Exception as error:  # pydantic's ValidationError names the field and the value
+            raise ValueError(f"agent_loop.loop: {error}") from None
+
+
+def options_from(trainer_config, kwargs: dict) -> VerlLoopOptions:
+    """The options of the trainer config's ``agent_loop`` section, overridden by ``kwargs`` (the keys of an
+    ``agent_loop_config_path`` entry other than verl's ``name``)."""
+    from omegaconf import OmegaConf
+
+    section = trainer_config.get("agent_loop") if trainer_config is not None else None
+    values = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+    given = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in kwargs.items()}
+    return _options(json.dumps({**values, **given}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)
+def _options(text: str) -> VerlLoopOptions:  # verl makes an AgentLoop per row: parse each config once
+    return VerlLoopOptions.from_mapping(json.loads(text))
+
+
+@functools.lru_cache(maxsize=16)
+def _task(spec: str) -> Task:
+    from agent_loop.tasks.registry import load_task
+
+    return as_task(load_task(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _tool_functions(spec: str) -> tuple[Callable, ...]:
+    from agent_loop.tasks.plugins import load_tools
+
+    return tuple(load_tools(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _rewards(specs: tuple[str, ...]) -> tuple[Callable, ...]:
+    from agent_loop.tasks.plugins import load_reward
+
+    return tuple(load_reward(s) for s in specs)
+
+
+def _no_reward() -> float:
+    """Row episodes that verl's reward manager scores: our loop still needs a reward function."""
+    return 0.0
+
+
+# --- verl's tools as ours -----------------------------------------------------------------------------
+
+
+def verl_tool_functions(verl_tools: list, tools_kwargs: dict | None, tool_rewards: list[float]) -> list[Callable]:
+    """verl's tools (``BaseTool`` subclasses and ``FunctionTool``) as our tool functions, for one episode.
+
+    Each call runs as verl's ``ToolAgentLoop`` runs it: a ``FunctionTool`` is called with the arguments; a
+    ``BaseTool`` gets ``create(create_kwargs=tools_kwargs[name]["create_kwargs"])``, ``execute`` and
+    ``release``. The model reads the response's text; the tool reward is appended to ``tool_rewards``.
+    Failures are our tool errors (the model reads them; the record says ``exception``).
+    """
+    if not verl_tools:
+        return []
+    by_name = {tool.name: tool for tool in verl_tools}
+    kwargs_of = dict(tools_kwargs or {})
+
+    async def call_tool(name: str, arguments: dict):
+        tool = by_name[name]
+        if isinstance(tool, FunctionTool):
+            response, reward, _ = normalize_function_tool_return(await tool.call(arguments))
+        else:
+            create = (kwargs_of.get(name) or {}).get("create_kwargs", {})
+            instance_id, _ = await tool.create(create_kwargs=create)
+            try:
+                response, reward, _ = await tool.execute(instance_id, arguments)
+            finally:
+                await tool.release(instance_id)
+        if getattr(response, "image", None) or getattr(response, "video", None):
+            raise ValueError(f"tool {name!r} returned an image or video: the agent_loop AgentLoop is text-only")
+        if reward is not None:
+            tool_rewards.append(float(reward))
+        return response.text or ""
+
+    schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in verl_tools]
+    return tools_from_schemas(schemas, call_tool)
+
+
+# --- the episode of a row ------------------------------------------------------------------------------
+
+
+class _Prepared(Task):
+    """``task`` with its episode already made (from a verl row): the loop plays that one episode."""
+
+    def __init__(self, task: Task, episode: Episode):
+        self.task, self.episode, self.name = task, episode, task.name
+
+    def make_episode(self, index: int, seed: int = 0) -> Episode:
+        return self.episode
+
+    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
+        return self.task.reward(episode, messages, tool_calls)
+
+    def success(self, episode: Episode, reward: float) -> bool:
+        return self.task.success(episode, reward)
+
+    def turn_rewards(self, episode, messages, tool_calls):
+        return self.task.turn_rewards(episode, messages, tool_calls)
+
+    def episode_metrics(self, episode, messages, tool_calls):
+        return self.task.episode_metrics(episode, messages, tool_calls)
+
+
+def _plain(value: Any) -> Any:
+    """A verl row value (numpy arrays and scalars from parquet) as plain Python."""
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Callable]) -> _Prepared:
+    """The episode verl's row ``row`` (the AgentLoop's ``run`` kwargs) plays, with its task; ValueError naming
+    the row's index for a row that cannot be played."""
+    index = int(_plain(row.get("index", 0)) or 0)
+    ground_truth = (_plain(row.get("reward_model")) or {}).get("ground_truth")
+    tools = list(extra_tools) + (list(_tool_functions(options.tool_functions)) if options.tool_functions else [])
+    try:
+        if options.task:
+            task = _task(options.task)
+            episode = task.make_episode(index, options.seed)
+            episode.tools = list(episode.tools) + tools
+            if episode.answer is None:
+                episode.answer = ground_truth
+        else:
+            data = {"prompt": _plain(row.get("raw_prompt")), "answer": ground_truth,
+                    **{k: _plain(row[k]) for k in ("data_source", "extra_info") if k in row}}
+            rewards = _rewards(options.reward) if options.reward else [_no_reward]
+            task = DatasetTask([data], list(rewards), tools, reward_weights=options.reward_weights,
+                               system=options.system, name="verl")
+            episode = task.make_episode(0)
+    except ValueError as error:
+        raise ValueError(f"verl row with index {index}: {error}") from None
+    names = [Tool.from_function(fn).name for fn in episode.tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"verl row with index {index}: two tools share a name: {sorted(names)}")
+    if options.tool_format:
+        episode.tool_format = next(f for f in TOOL_FORMATS if f.name == options.tool_format)
+    episode.info.update({"verl_index": index, "ground_truth": _plain(ground_truth)})
+    return _Prepared(task, episode)
+
+
+# --- the AgentLoop -------------------------------------------------------------------------------------
+
+
+@register(AGENT_NAME)
+class AgentLoop(AgentLoopBase):
+    """verl's agent loop that plays our episode loop (module docstring). verl makes one per row."""
+
+    def __init__(self, *args, tools=None, **kwargs):
+        # what is not verl's (AgentLoopBase's arguments, an agent_loop_config_path entry's name) is ours
+        ours = {k: kwargs.pop(k) for k in list(kwargs) if k not in VERL_KWARGS}
+        ours.pop("name", None)
+        super().__init__(*args, **kwargs)
+        self.options = options_from(self.config, ours)
+        self.verl_tools = list(tools.tools) if tools is not None else []
+        self.response_length = int(self.rollout_config.response_length)
+        self.prompt_length = int(self.rollout_config.prompt_length)
+        self.loop_config = self.options.loop_config(self.response_length)
+        turns = self.rollout_config.multi_turn.get("max_assistant_turns")
+        if turns and "max_turns" not in json.loads(self.options.loop):
+            self.loop_config.max_turns = int(turns)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        tool_rewards: list[float] = []
+        task = episode_for_row(self.options, kwargs, verl_tool_functions(
+            self.verl_tools, _plain(kwargs.get("tools_kwargs")), tool_rewards))
+        self._check_prompt(task.episode, task.episode.info["verl_index"])
+        priority = int(_plain(kwargs.get("priority", 0)) or 0)
+        request_id = f"det-{priority}" if self.rollout_config.get("full_determinism", False) else uuid4().hex
+        backend = VerlServerBackend(self.server_manager, sampling_params, request_id)
+        trajectory = await run_episode(task, task.episode.info["verl_index"], backend, self.tokenizer,
+                                       self.loop_config, seed=self.options.seed)
+        if trajectory.metrics.get("backend_error"):  # as verl's own loops: a failed server fails the step
+            raise RuntimeError(f"verl row with index {task.episode.info['verl_index']}: generation failed: "
+                               f"{trajectory.metrics['backend_error']}")
+        return self.output(trajectory, backend, tool_rewards)
+
+    def _check_prompt(self, episode: Episode, index: int) -> None:
+        """A prompt longer than verl's ``prompt_length`` is an error before anything is generated (cutting it,
+        as verl's own loops do, would train on a context the model never saw)."""
+        formatter = formatter_for(self.tokenizer, ToolExecutor(episode.tools).schemas, self.loop_config.history_mode)
+        prompt_ids, _ = formatter.prompt([dict(m) for m in episode.messages])
+        if len(prompt_ids) > self.prompt_length:
+            raise ValueError(f"verl row with index {index}: the prompt has {len(prompt_ids)} tokens, more than "
+                             f"rollout.prompt_length={self.prompt_length}; raise it or shorten the prompt")
+
+    def output(self, trajectory: Trajectory, backend: VerlServerBackend, tool_rewards: list[float]) -> AgentLoopOutput:
+        """verl's output of a played episode, cut to ``response_length`` (``truncated`` says so)."""
+        n = self.response_length
+        spans = trajectory.spans[:n]
+        cut = len(trajectory.response_ids) > n
+        scores = self.options.scores
+        turns = trajectory.metrics.get("turn_tokens", [])
+        extra = {
+            "spans": spans, "turn_ids": trajectory.turn_ids[:n],
+            "tool_calls": [dataclasses.asdict(r) for r in trajectory.tool_calls],
+            "messages": trajectory.messages,
+            "finish_reason": "length" if cut else trajectory.finish_reason,
+            "truncated": bool(cut or trajectory.truncated),
+            "reward_source": scores, "agent_loop_reward": trajectory.reward,
+            "turn_scores": list(trajectory.turn_rewards or []), "tool_rewards": tool_rewards,
+            "agent_loop_info": _plain(json.loads(json.dumps(trajectory.info, default=str))),
+        }
+        return AgentLoopOutput(
+            prompt_ids=trajectory.prompt_ids,
+            response_ids=trajectory.response_ids[:n],
+            response_mask=[int(s == SpanKind.ASSISTANT) for s in spans],
+            response_logprobs=trajectory.logprobs[:n] if backend.logprobs_given else None,
+            reward_score=trajectory.reward if scores == "agent_loop" else None,
+            num_turns=1 + len(turns) + sum(1 for t in turns if t.get("observation")),  # verl: user + assistant + tool
+            metrics=AgentLoopMetrics(generate_sequences=trajectory.metrics.get("generate_s", 0.0),
+                                     tool_calls=trajectory.metrics.get("tools_s", 0.0),
+                                     num_preempted=backend.num_preempted),
+            extra_fields=extra,
+        )
