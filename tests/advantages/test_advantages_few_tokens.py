@@ -35,18 +35,6 @@ WHITENED = ("reinforce_plus_plus", "gae", "reinforce_plus_plus_baseline", "reset
 ESTIMATORS = (*WHITENED, "grpo", "rloo")
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def scan_path(request, monkeypatch):
-    """The CPU scans: the compiled loops, or the torch scans (no C compiler, other dtypes, CUDA
-    without Triton)."""
-    if request.param == "torch":
-        for function in ("native_returns", "native_whitened_returns", "native_gae"):
-            monkeypatch.setattr(f"advantages.returns.{function}", lambda *args, **kwargs: None)
-    else:
-        assert compiled_scans() is not None
-    return request.param
-
-
 def few_token_batch(tokens: int, dtype: torch.dtype):
     """(3, 6) spans with observations and trailing padding holding ``tokens`` ASSISTANT tokens (row 1
     first, then row 0; row 2 never has one), a nonzero reward on each, and critic values everywhere."""

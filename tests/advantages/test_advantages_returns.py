@@ -14,7 +14,7 @@ from reference_returns import (
 )
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
-from advantages.native_scans import compiled_scans, native_gae, native_returns, native_whitened_returns
+from advantages.native_scans import native_gae, native_returns, native_whitened_returns
 from advantages.returns import WHITEN_EPS, whitened_discounted_returns
 from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
@@ -52,18 +52,6 @@ def random_rewards(spans: torch.Tensor, generator: torch.Generator, dtype=torch.
     noise = torch.randn(spans.shape, generator=generator, dtype=torch.float64)
     keep = (torch.rand(spans.shape, generator=generator) < density) & (spans == A)
     return torch.where(keep, noise, 0.0).to(dtype)
-
-
-@pytest.fixture(params=["compiled", "torch"])
-def scan_path(request, monkeypatch):
-    """The CPU scans: the compiled loops (advantages.native_scans), or the torch scans that run
-    without a C compiler, for other dtypes and on CUDA without Triton."""
-    if request.param == "torch":
-        for function in ("native_returns", "native_whitened_returns", "native_gae"):
-            monkeypatch.setattr(f"advantages.returns.{function}", lambda *args, **kwargs: None)
-    else:
-        assert compiled_scans() is not None
-    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
