@@ -118,13 +118,17 @@ class Trajectory:
     truncated: bool = False
     metrics: dict = field(default_factory=dict)  # timings, token counts, tool error counts
     info: dict = field(default_factory=dict)  # task name, episode index, seed, answer, success, model path
+    # per response token, the returns and advantages a training step used on this episode (the trainer's
+    # rollouts/step_NNNNNN.jsonl); None in rollout files and for episodes a step did not train on
+    returns: list[float] | None = None
+    advantages: list[float] | None = None
 
     def check(self) -> None:
         """Raise ValueError if the per-token lists disagree in length, hold a span kind other than
         ASSISTANT/OBSERVATION, or a reward has no ASSISTANT token to sit on (it would be lost)."""
         n = len(self.response_ids)
-        for name in ("spans", "turn_ids", "logprobs"):
-            if len(getattr(self, name)) != n:
+        for name in ("spans", "turn_ids", "logprobs", "returns", "advantages"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries but response_ids has {n}")
         for pos, kind in enumerate(self.spans):
             if kind not in (SpanKind.ASSISTANT, SpanKind.OBSERVATION):

@@ -45,7 +45,7 @@ _OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.mul
 _HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
 RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
-                                "eval_episodes", "allow_config_change", "nproc", "parallel", "overwrite"})
+                                "eval_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite"})
 
 
 class CheckpointError(ValueError):
@@ -87,7 +87,7 @@ def trainer_state(trainer) -> dict:
         "optimizer": full_optimizer_state(trainer.optimizer),
         "value_head": full_state_dict(trainer.value_head) if trainer.value_head else None,
         "initial_model": str(trainer.initial_model),
-        "config": dataclasses.asdict(trainer.config),  # plain values (TrainConfig's fields are str/number/list/None)
+        "config": trainer.config.resolved(),  # plain, resolved values (the learning rate used) (TrainConfig's fields are str/number/list/None)
         "rng": rng_state(),
     }
 

@@ -125,6 +125,8 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
     wandb_project: Annotated[str | None, Field(description="also log each step to this Weights & Biases project "
                                                "(needs `pip install wandb`; WANDB_MODE=offline works without "
                                                "an account)")] = None
+    save_rollouts_every: _int(0, "steps between saved training rollouts (OUTPUT_DIR/rollouts/step_NNNNNN.jsonl, "
+                                 "with the returns and advantages each step used); 0 = none") = 1
     save_every: _int(1, "steps between checkpoints (and one at the end)") = 20
     eval_every: _int(0, "steps between greedy evaluations on held-out questions; 0 = never") = 0
     eval_episodes: _int(1, "held-out questions per evaluation") = 100

@@ -27,9 +27,27 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "template_mismatch": float(stats.template_mismatch_turns),
         "template_drift": float(stats.template_drift_turns),
     }
-    metrics.update({f"finish/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})
-    metrics.update({f"tool_errors/{kind}": float(stats.tool_errors[kind]) for kind in TOOL_ERROR_KINDS})
+    metrics.update({f"finish_frac/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})
+    metrics.update({f"tool_errors_count/{kind}": float(stats.tool_errors[kind]) for kind in TOOL_ERROR_KINDS})
+    metrics.update({"errors/reward": float(stats.reward_errors), "errors/tool": float(sum(stats.tool_errors.values())),
+                    "errors/template": float(stats.template_mismatch_turns)})
     return metrics
+
+
+def first_errors(trajectories: Sequence[Trajectory]) -> dict[str, str]:
+    """The first message of each kind of error in the episodes: ``reward`` (``info["reward_error"]``), ``tool``
+    (a failed tool call) and ``template`` (``metrics["template_first_diff"]``); kinds not seen are absent."""
+    found: dict[str, str] = {}
+    for t in trajectories:
+        if "reward" not in found and t.info.get("reward_error"):
+            found["reward"] = str(t.info["reward_error"])
+        if "tool" not in found:
+            failed = next((c for c in t.tool_calls if getattr(c, "error_kind", None)), None)
+            if failed is not None:
+                found["tool"] = f"{failed.error_kind}: {failed.error or ''}"
+        if "template" not in found and t.metrics.get("template_first_diff"):
+            found["template"] = str(t.metrics["template_first_diff"])
+    return found
 
 
 def progress_summary(history: Sequence[dict[str, float]], window: int = 5) -> str:
@@ -115,6 +133,11 @@ def compact_line(step: int, metrics: dict[str, float]) -> str:
              f"turns {metrics['turns']:.2f}", f"loss {metrics['loss']:+.4f}", f"clip {metrics['clip_frac']:.3f}",
              f"kl {metrics['ppo_kl']:+.2e}", f"ent {metrics['entropy']:.3f}", f"gnorm {metrics['grad_norm']:.3f}",
              f"lp-mismatch {metrics['logprob_mismatch/mean_abs']:.1e}"]
+    errors = [f"{kind} {metrics.get(f'errors/{kind}', 0):.0f}" for kind in ("reward", "tool", "template")
+              if metrics.get(f"errors/{kind}")]
+    if errors:
+        parts.append("errors " + " ".join(errors))
+    parts.append(f"lr {metrics['lr']:.1e}")
     if "eval/success" in metrics:
         parts.append(f"eval {metrics['eval/success']:.3f}")
     parts.append(f"{metrics['time/step_s']:.1f}s")

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trainer.checkpoint as checkpoint
+import trainer.rollout_files as rollout_files
 from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.registry import make_backend
@@ -57,7 +58,7 @@ from trainer.distributed import (
     resolve_device,
 )
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
-from trainer.metrics import MetricsLogger, compact_line, masked_summary, rollout_metrics
+from trainer.metrics import MetricsLogger, compact_line, first_errors, masked_summary, rollout_metrics
 from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
@@ -199,8 +200,10 @@ class Trainer:
         if self.dp.is_main:
             self.logger = MetricsLogger(self.output_dir, fresh=not config.resume, tensorboard=config.tensorboard,
                                         wandb_project=config.wandb_project, run_config=config.resolved())
+            rollout_files.move_aside_after(self.output_dir, self.step)  # numbering goes on without duplicates
         else:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
+        self._warned: set[str] = set()  # error kinds already warned about (first message, once per run)
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
         # off_policy: the next step's rollouts, played in a background thread while this step trains
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if config.off_policy else None
@@ -318,18 +321,28 @@ class Trainer:
                 stats[name] += (value * weight).item()
         stats = self.dp.sum_stats(stats)
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.trained_parameters, self.config.max_grad_norm))
-        skipped = bool(grad_norm == 0)  # all-zero advantages carry no signal, but AdamW would still move along its momentum
+        # all-zero advantages carry no signal, but AdamW would still move along its momentum; a non-finite
+        # gradient would make every weight NaN
+        skipped = bool(grad_norm == 0) or not bool(torch.isfinite(grad_norm))
+        if skipped and grad_norm != 0:
+            warnings.warn(f"step {self.step + 1}: non-finite gradient norm ({grad_norm.item()}): AdamW step "
+                          "skipped (metrics skipped_updates)", stacklevel=3)
         if not skipped:
             self.optimizer.step()
         return {**stats, "grad_norm": grad_norm.item(), "skipped_updates": float(skipped)}
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based ``step``: linear warm-up by trainer step (resumes with the step)."""
+        return self.config.learning_rate * min(1.0, (step + 1) / max(1, self.config.warmup_steps))
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over the batch in shuffled mini-batches, one AdamW step each; returns the
         mean of their stats and ``loss/first``, the first mini-batch's loss (before any step: a function of
         the weights and the batch only)."""
         config = self.config
-        for group in self.optimizer.param_groups:  # linear warm-up, by trainer step (resumes with the step)
-            group["lr"] = config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
@@ -339,6 +352,7 @@ class Trainer:
                     history[name].append(value)
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
         metrics["loss/first"] = history["loss"][0]
+        metrics["lr"] = lr
         metrics["clip_frac"] = metrics.pop("clipfrac")
         metrics["ppo_kl"] = metrics.pop("approx_kl")
         return metrics
@@ -358,6 +372,7 @@ class Trainer:
         metrics = rollout_metrics(trajectories)  # over every episode: a failed one counts as a failure
         kept, dropped = usable_episodes(trajectories, self.config.group_size, self.estimator.needs_index)
         metrics.update(dropped)
+        self._warn_errors(trajectories)
         if not any(SpanKind.ASSISTANT in t.spans for t in kept):
             return self._skip_step(metrics, trajectories, started, rolled)
         metrics["skipped_steps"] = 0.0
@@ -366,9 +381,12 @@ class Trainer:
         # the pushed ones (each token's logprob is that of the weights that sampled it): a lag of at most 1
         metrics["policy_lag"] = float(lag)
         metrics.update(self.score(batch, sampler_is_behaviour=lag > 0))
+        self._warn_no_signal(kept, metrics)
         metrics.update(self.update(batch, self.step))
+        self.save_rollouts(trajectories, kept, batch)
         pushed = time.perf_counter()
-        self.push_weights()
+        if metrics["skipped_updates"] < 1.0:  # else no AdamW step was taken: the weights did not change
+            self.push_weights()
         metrics["time/weight_sync_s"] = time.perf_counter() - pushed
         self.step += 1
         done = time.perf_counter()
@@ -378,20 +396,51 @@ class Trainer:
         metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
         return metrics
 
+    def _warn_errors(self, trajectories) -> None:
+        """Warn once per run per kind (reward, tool, template) with its first message; the counts are in metrics."""
+        for kind, message in first_errors(trajectories).items():
+            if kind not in self._warned:
+                self._warned.add(kind)
+                warnings.warn(f"step {self.step + 1}: first {kind} error (counted each step as errors/{kind}; "
+                              f"warned once): {message[:300]}", stacklevel=3)
+
+    def _warn_no_signal(self, kept, metrics: dict[str, float]) -> None:
+        """Warn when every advantage of the step is 0 (no learning signal), saying why."""
+        if metrics.get("advantages/min", 0.0) != 0.0 or metrics.get("advantages/max", 0.0) != 0.0:
+            return
+        rewards = {t.reward for t in kept}
+        reasons = []
+        if len(rewards) == 1:
+            reasons.append(f"all {len(kept)} rewards equal ({next(iter(rewards)):g})")
+        if all(t.truncated for t in kept):
+            reasons.append("every episode was truncated (hit --max-tokens / --max-response-tokens / --max-turns)")
+        warnings.warn(f"step {self.step + 1} has no learning signal: every advantage is 0"
+                      + (f" ({'; '.join(reasons)})" if reasons else ""), stacklevel=3)
+
     def _skip_step(self, metrics: dict[str, float], played: list, started: float, rolled: float) -> dict[str, float]:
         """A step with nothing to train on (every episode failed, or none has an ASSISTANT token): no update,
         no push (the weights did not change), a warning naming the first error; the step still counts, so the
         next step plays new questions instead of failing on the same ones forever."""
-        metrics["skipped_steps"] = 1.0
+        metrics["skipped_steps"], metrics["lr"] = 1.0, self.lr_at(self.step)
         first = next((t.metrics.get("error", "") for t in played if t.finish_reason == "error"), "")
         warnings.warn(f"step {self.step + 1} skipped: none of its {len(played)} episodes can be trained on "
                       f"({metrics['episodes/dropped_failed']:.0f} failed, {metrics['episodes/dropped_lone']:.0f} "
-                      f"left alone in their group)" + (f"; the first error: {first[:300]}" if first else ""),
+                      f"left alone in their group, the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""),
                       stacklevel=3)
+        self.save_rollouts(played, [], None)
         self.step += 1
         done = time.perf_counter()
         metrics.update({"time/rollout_s": rolled - started, "time/train_s": done - rolled, "time/step_s": done - started})
         return metrics
+
+    def save_rollouts(self, trajectories, kept, batch) -> None:
+        """Rank 0 writes this step's episodes (every rank's) with the returns and advantages the update used
+        (``trainer.rollout_files``), when ``save_rollouts_every`` keeps the step."""
+        step = self.step + 1
+        if self.dp.is_main and rollout_files.keeps(step, self.config.save_rollouts_every):
+            how = rollout_files.made_with(self.config, self.estimator)
+            rollout_files.write_step(self.output_dir, step,
+                                     rollout_files.annotated(trajectories, kept, batch, step, how))
 
     def push_weights(self) -> None:
         """The policy's weights to this rank's rollout backend, or (rank 0) to the shared rollout servers when

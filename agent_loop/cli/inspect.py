@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--episode", type=int_at_least(0), action="append", metavar="N",
                         help="show the episode whose info.index is N; repeatable")
     parser.add_argument("--worst", type=int_at_least(1), nargs="?", const=1, metavar="K",
-                        help="show the K lowest-reward episodes (default K: 1)")
+                        help="show the K lowest-reward episodes with their values per token (as --values; default K: 1)")
     parser.add_argument("--failed", action="store_true", help="only failed episodes")
     parser.add_argument("--all", action="store_true",
                         help=f"show every episode (up to --max-episodes), not only the {INFORMATIVE} most informative")
@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="terminal: a table per turn with each token's logprob, reward, return and advantage")
     parser.add_argument("--compare", action="store_true",
                         help="returns under carry-through, reset-at-observation and ignore-mask side by side")
-    parser.add_argument("--estimator", choices=list(LABEL), default="reinforce_plus_plus",
-                        help="registered estimator whose returns and (whitened) advantages are shown "
-                             "(default: reinforce_plus_plus, carry-through)")
+    parser.add_argument("--estimator", choices=list(LABEL), default=None,
+                        help="registered estimator whose returns and (whitened) advantages are computed "
+                             "(default: info['estimator'] of the file, else reinforce_plus_plus, carry-through); "
+                             "episodes of a training step file show the step's own values")
     parser.add_argument("--gamma", type=discount, default=None,
                         help="discount of the returns, in [0, 1] (default: info['gamma'] of the file, else 1.0)")
     parser.add_argument("--tokenizer", metavar="DIR",

@@ -27,7 +27,7 @@ from agent_loop.runners.outputs import FOLDER_LOCK, HELD_ENV, OutputLockedError,
 from trainer.config import TrainConfig
 
 PROG = "agent-loop train"
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync")  # what --overwrite deletes
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync", "rollouts")  # what --overwrite deletes
 DESCRIPTION = ("Train an agent with multi-turn tool-calling rollouts and PPO-clip (defaults: the built-in tiny "
                "agent's middling warm start on the arithmetic task, 2 CPU threads).")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from agent_loop.inspect.choices import INFORMATIVE, LABEL
+from agent_loop.inspect.choices import INFORMATIVE
 from agent_loop.inspect.load import InputError
 from agent_loop.inspect.output import write_atomically
 
@@ -50,7 +50,7 @@ def run(args, console: Console | None = None) -> int:
         return compare_runs(args, console, err)
     path = args.rollouts[0]
     try:
-        scanned = scan(path, selection_of(args), args.gamma, args.compare, estimator=LABEL[args.estimator])
+        scanned = scan(path, selection_of(args), args.gamma, args.compare, estimator=args.estimator)
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
@@ -70,7 +70,7 @@ def run(args, console: Console | None = None) -> int:
     if not args.quiet:
         from agent_loop.inspect.terminal import render
 
-        render(view, console, values=args.values, compare=args.compare, all_mode=bool(args.all))
+        render(view, console, values=args.values or bool(args.worst), compare=args.compare, all_mode=bool(args.all))
     if args.html:
         from agent_loop.inspect.html import render as render_html
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import html
 import json
 
+from agent_loop.inspect.choices import plural
 from agent_loop.inspect.tokens import show_whitespace, turns
-from agent_loop.inspect.view import InspectView
+from agent_loop.inspect.view import InspectView, row_values_note
 from masking.spans import SpanKind
 
 CSS = """
@@ -116,7 +117,7 @@ function chart(row){
   svg.addEventListener('mouseleave',()=>{row.toks.forEach(t=>t.classList.remove('hl'));row.mark(null);tip.style.display='none';});
   const legend=document.createElement('div'); legend.className='legend';
   legend.innerHTML=series.map(([k,c,dash])=>`<span style="color:${c}">${dash?'┈':'━'} ${D.names[k]}</span>`).join('')+
-    '<span style="color:#d62728">╌ R carried across an observation (grey)</span>';
+    '<span style="color:#d62728">╌ R carried across an observation (red, dashed, over the grey observation band)</span>';
   row.el.querySelector('.chart-slot').append(svg,legend);
 }
 function show(row,k,e){
@@ -247,8 +248,9 @@ def episode_head(view: InspectView, row: int) -> str:
     why = f' · <i>{esc(view.reasons[row])}</i>' if view.reasons[row] else ""
     return (f'<h2>episode {view.ids[row]} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
             f"reward {traj.reward:g} · finish {esc(traj.finish_reason)}{' (truncated)' if traj.truncated else ''} · "
-            f"{len(set(traj.turn_ids))} turns · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation "
-            f"tokens · line {view.lines[row]}{why}</h2>")
+            f"{plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} "
+            f"observation tokens · line {view.lines[row]}{why}</h2>"
+            f'<div class="values-note">values: {esc(row_values_note(view, row))}</div>')
 
 
 def episode(view: InspectView, row: int) -> str:
@@ -271,9 +273,12 @@ def episode(view: InspectView, row: int) -> str:
 def overview(view: InspectView, compare: bool) -> str:
     s, n = view.summary, max(view.summary.episodes, 1)
     summary = (f"<table><tr><th>episodes</th><th>success rate</th><th>mean reward</th><th>mean turns</th><th>tool calls</th>"
-               f"<th>tool errors</th></tr><tr><td>{s.episodes}</td><td>{s.successes / n:.0%}</td>"
+               f"<th>tool errors</th><th>reward errors</th><th>template mismatches</th></tr>"
+               f"<tr><td>{s.episodes}</td><td>{s.successes / n:.0%}</td>"
                f"<td>{s.reward_sum / n:.3f}</td><td>{s.turns / n:.2f}</td><td>{s.tool_calls}</td>"
-               f"<td>{sum(s.tool_errors.values())}</td></tr></table>")
+               f"<td>{sum(s.tool_errors.values())}</td><td class=\"{'err' if s.reward_errors else ''}\">{s.reward_errors}</td>"
+               f"<td class=\"{'err' if s.template_mismatches else ''}\">{s.template_mismatches}</td></tr></table>"
+               + problems_html(view))
     finish_table = ('<table><tr><th class="l">finish reason</th><th>episodes</th></tr>'
                     + "".join(f'<tr><td class="l">{esc(k)}</td><td>{c}</td></tr>' for k, c in s.finish_reasons.most_common())
                     + "".join(f'<tr><td class="l err">tool error: {esc(k)}</td><td>{c}</td></tr>'
@@ -303,6 +308,14 @@ def overview(view: InspectView, compare: bool) -> str:
         parts.append(compare_table(view))
     parts.append("</section>")
     return "".join(parts)
+
+
+def problems_html(view: InspectView) -> str:
+    """The summary's problem lines (reward errors with their first messages, ...), one paragraph each."""
+    from agent_loop.inspect.terminal import problem_lines
+
+    return "".join(f'<p class="{"problem" if line.plain.startswith("values:") else "err problem"}">{esc(line.plain)}</p>'
+                   for line in problem_lines(view))
 
 
 def compare_table(view: InspectView) -> str:
@@ -351,7 +364,9 @@ def render(view: InspectView, compare: bool = False) -> str:
     colorbar = ('<span id="colorbar"><span id="cb-name"></span><span id="cb-lo"></span>'
                 '<span class="bar" title="white: 0"></span><span id="cb-hi"></span><span>(white: 0)</span></span>')
     header = (f"<h1>agent-loop inspect · {esc(view.source)}</h1><span>colour by: {radios}</span>{colorbar}"
-              f"<span>{keys}</span><span>gamma {view.stats.gamma:g} ({esc(view.gamma_note)})</span>{filters(view)}")
+              f"<span>{keys}</span><span>gamma {view.stats.gamma:g} ({esc(view.gamma_note)}) · returns "
+              f"{esc(view.stats.estimator)} ({esc(view.estimator_note)})</span>"
+              + (f"<span><b>{esc(view.trained_note)}</b></span>" if view.trained_note else "") + filters(view))
     warnings = "".join(f'<div class="card warn">warning: {esc(p)}</div>' for p in view.problems)
     rows = range(len(view.trajectories))
     episodes = "".join(episode(view, r) for r in rows) or '<div class="card warn">no episode matches the selection</div>'

@@ -90,25 +90,55 @@ def episode_axes(ax, view: InspectView, row: int, compare: bool) -> None:
         ax.text(0.5, 0.5, f"{'failed' if not ok else 'no reward'}: every return is 0 (reward {traj.reward:g}); "
                 "the advantages only reflect the file's mean", transform=ax.transAxes, ha="center", va="center",
                 fontsize=10, color="#b00020", bbox=dict(facecolor="white", edgecolor="#b00020", alpha=0.9), gid="zero-note")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def flat(view: InspectView, row: int) -> bool:
+    """Whether every return and reward of the row is 0 (a flat failure: its advantages only reflect the mean)."""
+    v, spans = view.values, view.trajectories[row].spans
+    assistant = np.asarray(spans) == SpanKind.ASSISTANT
+    n = len(spans)
+    return not (np.any(v.returns[row, :n].numpy()[assistant]) or np.any(v.token_level_rewards[row, :n].numpy()))
+
+
+def panel_rows(view: InspectView) -> list[int]:
+    """The rows that get a panel: the selected ones with nonzero values first (in selection order),
+    flat ones only while panels are left; at most MAX_EPISODE_PLOTS."""
+    if view.values is None:
+        return []
+    is_flat = {row: flat(view, row) for row in view.selected}
+    return ([r for r in view.selected if not is_flat[r]] + [r for r in view.selected if is_flat[r]])[:MAX_EPISODE_PLOTS]
+
+
+def one_legend(fig: Figure, axes) -> None:
+    """One legend for the figure: every label drawn on any panel, once."""
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="outside right upper")
 
 
 def figure(view: InspectView, compare: bool = False) -> Figure:
-    """The figure: up to MAX_EPISODE_PLOTS of the selected episodes, with a title that says the gamma
-    and how many episodes were left out."""
-    rows = view.selected[:MAX_EPISODE_PLOTS]
+    """The figure: up to MAX_EPISODE_PLOTS of the selected episodes (:func:`panel_rows`), one legend, and
+    a title that says the gamma, where the values come from and how many episodes were left out."""
+    rows = panel_rows(view)
     fig, axes = plt.subplots(max(len(rows), 1), 1, figsize=(12, 2.4 * max(len(rows), 1) + 0.9), squeeze=False,
                              constrained_layout=True)
     for ax, row in zip(axes[:, 0], rows):
         episode_axes(ax, view, row, compare)
+    one_legend(fig, axes[:, 0])
     axes[-1, 0].set_xlabel("response position (token); grey: observation tokens, dotted: a new assistant turn")
     if not rows:
         axes[0, 0].text(0.5, 0.5, "no episode matches the selection", ha="center", va="center")
     matching = view.matching
     left_out = matching - len(rows)
+    flat_out = sum(flat(view, r) for r in view.selected) - sum(flat(view, r) for r in rows)
     shown = f"{len(rows)} of {matching} episodes shown" + (
-        f" ({left_out} left out: --episode N, --worst K, --failed choose others)" if left_out else "")
-    fig.suptitle(f"{view.source} · returns with gamma {view.stats.gamma:g} ({view.gamma_note}) · {shown}",
+        f" ({left_out} left out" + (f", {flat_out} of them with all values 0" if flat_out else "")
+        + ": --episode N, --worst K, --failed choose others)" if left_out else "")
+    values = f" · {view.trained_note}" if view.trained_note else ""
+    fig.suptitle(f"{view.source} · returns with gamma {view.stats.gamma:g} ({view.gamma_note}){values}\n{shown}",
                  fontsize=10, x=0.01, ha="left")
     return fig
 

@@ -45,6 +45,7 @@ class Brief:
     finish: str
     tokens: int
     digest: str
+    values: str = ""  # digest of the recorded returns and advantages ("" when the episode carries none)
 
     @property
     def key(self) -> tuple:
@@ -58,8 +59,10 @@ def briefs(path: str | Path, problems: Problems) -> tuple[list[Brief], RolloutSt
     for ordinal, record in enumerate(iter_records(path, problems)):
         t = record.trajectory
         digest = hashlib.blake2b(repr(t.response_ids).encode(), digest_size=8).hexdigest()
+        values = "" if t.returns is None else hashlib.blake2b(repr((t.returns, t.advantages)).encode(),
+                                                                digest_size=8).hexdigest()
         out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), t.success,
-                         t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest))
+                         t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest, values))
         summary.add(t, index=out[-1].index)
     return out, summary
 
@@ -144,10 +147,21 @@ def stats(summary: RolloutStats) -> dict[str, str]:
 
 
 def tokens_state(pair: Pair) -> str:
-    """"same", "differ at P" for the pairs read in full, else "differ" (known from the digests)."""
-    if pair.a.digest == pair.b.digest and pair.a.tokens == pair.b.tokens:
-        return "same"
-    return f"differ at {pair.divergence}" if pair.divergence is not None else "differ"
+    """What differs between the two episodes: "same", or the tokens ("differ at P" for the pairs read in
+    full, else their lengths), the outcome fields and the recorded values (step files), comma-separated."""
+    a, b, out = pair.a, pair.b, []
+    if a.digest != b.digest or a.tokens != b.tokens:
+        if pair.divergence is not None:
+            out.append(f"tokens differ at {pair.divergence}")
+        else:
+            out.append(f"tokens differ ({a.tokens} vs {b.tokens})" if a.tokens != b.tokens
+                       else f"tokens differ (same length {a.tokens}, other ids)")
+    out += [f"{name} {x} vs {y}" for name, x, y in (("reward", f"{a.reward:g}", f"{b.reward:g}"),
+                                                     ("finish", a.finish, b.finish), ("turns", a.turns, b.turns))
+            if x != y]
+    if a.values != b.values:
+        out.append("values differ" if a.values and b.values else f"values only in {'A' if a.values else 'B'}")
+    return ", ".join(out) or "same"
 
 
 def outcome(b: Brief) -> str:
@@ -175,7 +189,7 @@ def changes(c: Comparison) -> str:
 
 def pairs_table(c: Comparison, rows: list[int]) -> Table:
     table = Table(title=f"matched episodes ({len(rows)} of {len(c.pairs)} listed)", title_justify="left")
-    for name in ("episode", "seed", "A", "B", "tokens"):
+    for name in ("episode", "seed", "A", "B", "what differs"):
         table.add_column(name, no_wrap=True, justify="right" if name in ("episode", "seed") else "left")
     for i in rows:
         p = c.pairs[i]
@@ -246,7 +260,7 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
         for i, p in enumerate(c.pairs[:limit]))
     more = (f'<p class="err">{len(c.pairs) - limit} more matched episodes not listed (--max-episodes)</p>'
             if len(c.pairs) > limit else "")
-    pairs = more + ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">tokens</th></tr>'
+    pairs = more + ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">what differs</th></tr>'
              + rows + "</table>")
     text = TokenText(tokenizer)
     sections = []

@@ -9,10 +9,11 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from agent_loop.inspect.choices import plural
 from agent_loop.inspect.tokens import Segment, show_whitespace, turns
 from agent_loop.inspect.values import COMPARED
 from agent_loop.inspect.values import carried as carried_runs
-from agent_loop.inspect.view import InspectView
+from agent_loop.inspect.view import InspectView, row_values_note
 from masking.spans import SpanKind
 
 # two shades per span so that neighbouring tokens stay distinguishable
@@ -43,7 +44,7 @@ def episode_header(view: InspectView, row: int) -> Text:
     header = Text.assemble(
         (f"episode {view.ids[row]}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
         f" · finish {traj.finish_reason}{' (truncated)' if traj.truncated else ''}",
-        f" · {len(set(traj.turn_ids))} turns · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation tokens",
+        f" · {plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation tokens",
     )
     if traj.info.get("task"):
         header.append(f" · task {traj.info['task']}")
@@ -80,7 +81,7 @@ def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> 
     """One row per assistant token; each observation run collapsed into one row (its returns are 0
     and the running return is carried through it unchanged)."""
     v = view.values
-    table = Table(title=f"values of turn {turn} (gamma {v.gamma:g})", title_justify="left", expand=True)
+    table = Table(title=f"values of turn {turn} ({row_values_note(view, row)})", title_justify="left", expand=True)
     for name in ("pos", "token", "id", "logprob", "reward", "return", "advantage"):
         table.add_column(name, justify="left" if name == "token" else "right", no_wrap=True, overflow="ellipsis",
                          ratio=3 if name == "token" else None)
@@ -126,8 +127,31 @@ def episode(view: InspectView, row: int, values: bool = False) -> Group:
     return Group(*parts)
 
 
+def problem_lines(view: InspectView) -> list[Text]:
+    """Reward errors, tool errors, template mismatches and failed episodes, with their first messages."""
+    s, out = view.summary, []
+    if s.reward_errors:
+        first = "; ".join(f"episode {i}: {m}" for i, m in s.first_reward_errors)
+        out.append(Text(f"reward errors: {plural(s.reward_errors, 'episode')} scored 0 because the reward "
+                        f"could not be computed (first: {first})", style="bold red"))
+    if s.tool_errors:
+        out.append(Text(f"tool errors: {plural(sum(s.tool_errors.values()), 'call')} failed ("
+                        + ", ".join(f"{k} {c}" for k, c in s.tool_errors.most_common()) + ")", style="red"))
+    if s.template_mismatches:
+        out.append(Text(f"template mismatches: {plural(s.template_mismatches, 'episode')} "
+                        f"({plural(s.template_mismatch_turns, 'turn')}) whose tokens differ from a one-go render "
+                        "of their messages", style="red"))
+    errors = [(i, m) for i, m in s.first_errors if not str(m).startswith("reward: ")]
+    if errors:
+        out.append(Text("episode errors (first): " + "; ".join(f"episode {i}: {m}" for i, m in errors), style="red"))
+    if view.trained_note:
+        out.append(Text(f"values: {view.trained_note}", style="bold cyan"))
+    return out
+
+
 def batch_summary(view: InspectView, shown: str) -> Group:
-    """The whole file in one pass, as a two-column table that fits 80 columns without wrapping."""
+    """The whole file in one pass, as a two-column table that fits 80 columns without wrapping, then
+    one line per kind of problem (these wrap)."""
     s = view.summary
     table = Table(show_header=False)
     table.add_column("metric", style="bold", no_wrap=True)
@@ -139,14 +163,16 @@ def batch_summary(view: InspectView, shown: str) -> Group:
         ("mean reward", f"{s.reward_sum / n:.3f}"),
         ("mean turns", f"{s.turns / n:.2f}"),
         ("finish reasons", ", ".join(f"{k} {c}" for k, c in s.finish_reasons.most_common())),
-        ("tool calls", f"{s.tool_calls} ({sum(s.tool_errors.values())} errors: {errors})"),
+        ("tool calls", f"{s.tool_calls} ({plural(sum(s.tool_errors.values()), 'error')}: {errors})"),
+        ("reward errors", str(s.reward_errors)),
+        ("template diffs", str(s.template_mismatches)),  # template mismatches; 14 columns keep 80 wide
         ("tokens", f"{s.assistant_tokens} assistant / {s.observation_tokens} observation"),
         ("gamma", f"{view.stats.gamma:g} ({view.gamma_note})"),
-        ("returns", view.stats.estimator),
+        ("returns", f"{view.stats.estimator} ({view.estimator_note})" if view.estimator_note else view.stats.estimator),
         ("shown", shown),
     ):
         table.add_row(name, value)
-    return Group(Text(f"{view.source}: {s.episodes} episodes", style="bold"), table)
+    return Group(Text(f"{view.source}: {plural(s.episodes, 'episode')}", style="bold"), table, *problem_lines(view))
 
 
 def estimator_table(view: InspectView) -> Table:

@@ -40,7 +40,8 @@ class TokenText:
             return load_tokenizer(str(path))
         except (OSError, ValueError) as exc:
             self._failed.add(path)
-            self.problems.append(f"cannot load tokenizer {path!s} ({type(exc).__name__}); showing token ids")
+            self.problems.append(f"cannot load tokenizer {path!s} ({type(exc).__name__}); showing token ids "
+                                 "(give --tokenizer DIR: a local tokenizer folder)")
             return None
 
     def pieces(self, traj: Trajectory, ids: list[int]) -> list[str]:

@@ -120,6 +120,7 @@ class BatchValues:
     advantages: torch.Tensor  # those returns whitened with the whole file's statistics (REINFORCE++)
     compare: dict[str, torch.Tensor]  # COMPARED name -> discounted returns under that estimator
     gamma: float
+    recorded: list[bool] = field(default_factory=list)  # per row: returns/advantages as the trainer recorded them
 
     @property
     def token_level_rewards(self) -> torch.Tensor:
@@ -151,7 +152,18 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
         advantage = torch.where(assistant, (returns.double() - returns_moments.mean) * scale, 0.0).to(returns.dtype)
     else:
         advantage = returns.clone()
-    return BatchValues(batch, returns, advantage, compare, gamma)
+    returns, recorded = returns.clone(), [has_recorded_values(t) for t in trajectories]
+    for row, t in enumerate(trajectories):  # one copy per recorded row, not per token
+        if recorded[row]:
+            n = len(t.response_ids)
+            returns[row, :n] = torch.tensor(t.returns, dtype=returns.dtype)
+            advantage[row, :n] = torch.tensor(t.advantages, dtype=advantage.dtype)
+    return BatchValues(batch, returns, advantage, compare, gamma, recorded)
+
+
+def has_recorded_values(traj: Trajectory) -> bool:
+    """Whether ``traj`` carries the returns and advantages a training step used on it."""
+    return traj.returns is not None and traj.advantages is not None
 
 
 def carried(values: torch.Tensor, spans: list[int]) -> list[tuple[int, int, float]]:

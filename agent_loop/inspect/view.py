@@ -9,10 +9,10 @@ import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_loop.inspect.choices import INFORMATIVE
+from agent_loop.inspect.choices import INFORMATIVE, LABEL
 from agent_loop.inspect.load import Problems, Record, iter_records
 from agent_loop.inspect.tokens import TokenText
-from agent_loop.inspect.values import BatchValues, FileStats, compute_values
+from agent_loop.inspect.values import BatchValues, FileStats, compute_values, has_recorded_values
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
 
@@ -132,6 +132,37 @@ class Scan:
     problems: Problems
     gamma_note: str  # where the gamma came from
     wanted_ids_missing: list[int]
+    estimator_note: str = "default"  # where the estimator of the computed values came from
+    trained: "Trained | None" = None  # the episodes that carry a training step's own values
+
+
+@dataclass
+class Trained:
+    """What a trainer's step file says about the values it used: how many episodes carry them, at which
+    steps, under which estimators (``info["step"]``, ``info["estimator"]``, ``info["lam"]``)."""
+
+    episodes: int = 0
+    steps: set = field(default_factory=set)
+    estimators: set = field(default_factory=set)
+    lams: set = field(default_factory=set)
+
+    def add(self, traj: Trajectory) -> None:
+        if not has_recorded_values(traj):
+            return
+        self.episodes += 1
+        for name, into in (("step", self.steps), ("estimator", self.estimators), ("lam", self.lams)):
+            if traj.info.get(name) is not None:
+                into.add(traj.info[name])
+
+    def line(self, total: int) -> str:
+        """e.g. "as trained at step 2, estimator reinforce_plus_plus (3 of 4 episodes; ...)"."""
+        def join(values):
+            return ", ".join(map(str, sorted(values, key=str))) or "not recorded"
+        step = "step" + ("s" if len(self.steps) > 1 else "")
+        lam = f", lam {join(self.lams)}" if self.lams else ""
+        rest = "" if self.episodes == total else "; the others were not trained on: their values are computed"
+        return (f"as trained at {step} {join(self.steps)}, estimator {join(self.estimators)}{lam} "
+                f"({self.episodes} of {total} episodes carry the step's returns and advantages{rest})")
 
 
 def resolve_gamma(given: float | None, first: Trajectory) -> tuple[float, str]:
@@ -144,22 +175,40 @@ def resolve_gamma(given: float | None, first: Trajectory) -> tuple[float, str]:
     return 1.0, "default; the file records none, set --gamma"
 
 
+def resolve_estimator(given: str | None, first: Trajectory) -> tuple[str, str]:
+    """The COMPARED name of the computed returns: --estimator (a registry name) when given; else the
+    ``info["estimator"]`` the file records, when the views can compute it; else carry-through."""
+    if given is not None:
+        return LABEL.get(given, given), "--estimator"
+    recorded = first.info.get("estimator")
+    lam = f", lam {first.info['lam']:g}" if isinstance(first.info.get("lam"), (int, float)) else ""
+    if recorded in LABEL:
+        return LABEL[recorded], f"recorded in the file{lam}"
+    if recorded is not None:
+        return "carry-through", (f"the file records {recorded}{lam}, which the views do not compute; "
+                                 "carry-through computed, set --estimator")
+    return "carry-through", "default; the file records none"
+
+
 def scan(path: str | Path, selection: Selection | None = None, gamma: float | None = None, compare: bool = False,
-         problems: Problems | None = None, estimator: str = "carry-through") -> Scan:
+         problems: Problems | None = None, estimator: str | None = "carry-through") -> Scan:
     """Read ``path`` once: summarise every episode, gather value statistics, keep what ``selection`` asks for.
 
+    ``gamma``/``estimator`` (a COMPARED or registry name) None: what the file's first episode records.
     Raises load.InputError when the file is not JSON Lines (nothing is read past that point).
     """
     path = Path(path)
     selection = selection or Selection()
     problems = problems if problems is not None else Problems()
     summary, keeper, matching = RolloutStats(), Keeper(selection), 0
-    stats, note, chunk, seen_ids = None, "", [], set()
+    stats, note, chunk, seen_ids, trained, how = None, "", [], set(), Trained(), "default"
     for ordinal, record in enumerate(iter_records(path, problems)):
         traj = record.trajectory
         if stats is None:
             resolved, note = resolve_gamma(gamma, traj)
-            stats = FileStats(resolved, compare, estimator)
+            name, how = resolve_estimator(estimator, traj)
+            stats = FileStats(resolved, compare, name)
+        trained.add(traj)
         eid = episode_id(traj, ordinal)
         summary.add(traj, index=eid)
         if selection.matches(traj, eid):
@@ -171,12 +220,13 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
             stats.add(chunk)
             chunk = []
     if stats is None:
-        stats = FileStats(1.0 if gamma is None else gamma, compare, estimator)
+        stats = FileStats(1.0 if gamma is None else gamma, compare, LABEL.get(estimator, estimator or "carry-through"))
     if chunk:
         stats.add(chunk)
     missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
     kept, shown = keeper.result()
-    return Scan(path, summary, matching, stats, kept, shown, problems, note, missing)
+    return Scan(path, summary, matching, stats, kept, shown, problems, note, missing, how,
+                trained if trained.episodes else None)
 
 
 @dataclass
@@ -197,6 +247,17 @@ class InspectView:
     matching: int
     stats: FileStats
     gamma_note: str = ""
+    estimator_note: str = ""
+    trained_note: str = ""  # "as trained at step N, estimator E (...)" when episodes carry a step's values
+
+
+def row_values_note(view: InspectView, row: int) -> str:
+    """Where one row's returns and advantages come from: the training step's record, or computed here."""
+    info = view.trajectories[row].info
+    if view.values is not None and view.values.recorded and view.values.recorded[row]:
+        lam = f", lam {info['lam']:g}" if isinstance(info.get("lam"), (int, float)) else ""
+        return f"as trained at step {info.get('step', '?')}, estimator {info.get('estimator', 'not recorded')}{lam}"
+    return f"computed: {view.stats.estimator}, gamma {view.stats.gamma:g}"
 
 
 def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, selected: list[int] | None = None,
@@ -220,7 +281,11 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
             summary.add(t)
         if trajectories:
             stats.add(trajectories)
-        scanned = Scan(Path(name), summary, len(trajectories), stats, [], [], Problems(), "given", [])
+        trained = Trained()
+        for t in trajectories:
+            trained.add(t)
+        scanned = Scan(Path(name), summary, len(trajectories), stats, [], [], Problems(), "given", [], "given",
+                       trained if trained.episodes else None)
     lines = lines or list(range(1, len(trajectories) + 1))
     ids = ids or [episode_id(t, i) for i, t in enumerate(trajectories)]
     text = TokenText(tokenizer_dir)
@@ -240,4 +305,6 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
         matching=scanned.matching,
         stats=scanned.stats,
         gamma_note=scanned.gamma_note,
+        estimator_note=scanned.estimator_note,
+        trained_note=scanned.trained.line(scanned.summary.episodes) if scanned.trained else "",
     )

@@ -14,6 +14,11 @@ from agent_loop.types import Trajectory
 from masking.kinds import SpanKind
 
 
+def reward_error(trajectory: Trajectory) -> str | None:
+    """Why scoring the episode failed (its reward function raised, hung or returned a non-number), or None."""
+    return trajectory.info.get("reward_error")
+
+
 def episode_error(trajectory: Trajectory) -> str | None:
     """The error an episode ended with (raised, or from the backend), or None."""
     if trajectory.finish_reason != "error":
@@ -27,8 +32,9 @@ class RolloutStats:
 
     ``per_turn`` holds, per assistant turn, ``[episodes, assistant tokens, observation tokens]``.
     ``first_errors`` keeps the first ``max_errors`` errors (index, message), so a run whose episodes all
-    failed can say why; ``sample`` keeps the episodes whose index is in ``sample_indices`` (for a summary
-    of the batch tensors without holding the whole run). ``first_index``/``last_index``: the smallest and
+    failed can say why (``first_reward_errors``: the same for reward failures, counted in ``reward_errors``);
+    ``sample`` keeps the episodes whose index is in ``sample_indices`` (for a summary of the batch tensors
+    without holding the whole run). ``first_index``/``last_index``: the smallest and
     largest episode index seen.
     """
 
@@ -48,6 +54,8 @@ class RolloutStats:
     tool_errors: Counter = field(default_factory=Counter)
     per_turn: dict[int, list[int]] = field(default_factory=dict)
     first_errors: list[tuple[int, str]] = field(default_factory=list)
+    reward_errors: int = 0  # episodes whose reward could not be computed (info["reward_error"])
+    first_reward_errors: list[tuple[int, str]] = field(default_factory=list)
     max_errors: int = 3
     sample_indices: frozenset = frozenset()
     sample: list[Trajectory] = field(default_factory=list)
@@ -72,6 +80,10 @@ class RolloutStats:
         self.task_metrics.update(metrics.get("task", {}))
         if trajectory.finish_reason == "error" and len(self.first_errors) < self.max_errors:
             self.first_errors.append((index if index is not None else -1, episode_error(trajectory)))
+        if (reward_message := reward_error(trajectory)) is not None:
+            self.reward_errors += 1
+            if len(self.first_reward_errors) < self.max_errors:
+                self.first_reward_errors.append((index if index is not None else -1, reward_message))
         if index in self.sample_indices:
             self.sample.append(trajectory)
         if isinstance(index, int):

@@ -656,7 +656,7 @@ def test_png_draws_carry_through_truthfully(rollouts, gamma):
     shown = build_view(scan(rollouts, Selection("all", 100), gamma=gamma, compare=True))
     fig = plots.figure(shown, compare=True)
     try:
-        for row, ax in zip(shown.selected, [a for a in fig.axes if a.get_lines()]):
+        for row, ax in zip(plots.panel_rows(shown), [a for a in fig.axes if a.get_lines()]):
             traj, lines = shown.trajectories[row], lines_by_gid(ax)
             spans = np.asarray(traj.spans)
             x, y = (np.asarray(a, dtype=float) for a in lines["return"].get_data())
@@ -697,7 +697,10 @@ def test_png_marks_zero_return_failures_and_left_out_episodes(batch, tmp_path):
     try:
         axes = [a for a in fig.axes if a.get_lines()]
         assert len(axes) == plots.MAX_EPISODE_PLOTS
-        for row, ax in zip(shown.selected, axes):
+        rows = plots.panel_rows(shown)  # the 8 episodes with nonzero values; the 4 flat failures left out
+        assert not any(plots.flat(shown, r) for r in rows) and rows == [r for r in shown.selected if not plots.flat(shown, r)]
+        assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in axes)
+        for row, ax in zip(rows, axes):
             note = [t for t in ax.texts if t.get_gid() == "zero-note"]
             zero = shown.trajectories[row].reward == 0 and not shown.trajectories[row].turn_rewards
             assert bool(note) == zero
@@ -705,7 +708,7 @@ def test_png_marks_zero_return_failures_and_left_out_episodes(batch, tmp_path):
                 assert "failed: every return is 0" in note[0].get_text()
                 assert "FAILED" in ax.get_title(loc="left")
         title = fig._suptitle.get_text()
-        assert "8 of 12 episodes shown (4 left out" in title
+        assert "8 of 12 episodes shown (4 left out, 4 of them with all values 0" in title
         assert "gamma 1 (default; the file records none, set --gamma)" in title
     finally:
         import matplotlib.pyplot as plt

@@ -255,8 +255,8 @@ def test_a_checkpoint_from_before_the_one_declaration_still_resumes(tiny_mid, tm
     first.train()
     path = first.checkpoint_dir(1) / STATE_FILE
     state = torch.load(path, weights_only=False)
-    state["config"] = {k: v for k, v in state["config"].items() if k not in NEWER_SETTINGS}
-    assert state["config"]["lr"] is None
+    assert state["config"]["lr"] == config.learning_rate  # checkpoints now record the resolved value
+    state["config"] = {**{k: v for k, v in state["config"].items() if k not in NEWER_SETTINGS}, "lr": None}
     torch.save(state, path)
     (first.checkpoint_dir(1) / "checkpoint.json").unlink()  # as before manifests: the essentials are checked
     resumed = Trainer(dataclasses.replace(config, steps=2, resume=str(tmp_path / "run")))
@@ -275,7 +275,8 @@ def test_cli_writes_metrics_and_checkpoint(tiny_mid, tmp_path, capsys, monkeypat
     (line,) = (out / "metrics.jsonl").read_text().splitlines()
     record = json.loads(line)
     assert record["step"] == 1
-    for key in ("reward", "success", "turns", "assistant_tokens", "finish/stop", "tool_errors/malformed_json",
+    for key in ("reward", "success", "turns", "assistant_tokens", "finish_frac/stop", "tool_errors_count/malformed_json", "errors/reward", "errors/tool",
+                "errors/template", "lr",
                 "ppo_kl", "clip_frac", "entropy", "grad_norm", "advantages/mean", "logprob_mismatch/mean_abs"):
         assert key in record, key
     checkpoint = out / "checkpoints" / "step_000001"

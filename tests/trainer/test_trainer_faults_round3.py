@@ -115,7 +115,7 @@ def test_a_reward_that_raises_for_one_episode_in_eight_does_not_stop_training(ti
         assert metrics["episodes/dropped_failed"] == 1.0 and metrics["skipped_steps"] == 0.0
         # grpo: episode 3's partner (episode 2, the same question) has no baseline left
         assert metrics["episodes/dropped_lone"] == (1.0 if estimator == "grpo" else 0.0)
-        assert metrics["finish/error"] == pytest.approx(1 / 8) and np.isfinite(metrics["loss"])
+        assert metrics["finish_frac/error"] == pytest.approx(1 / 8) and np.isfinite(metrics["loss"])
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["episodes/dropped_failed"] for r in logged] == [1.0, 1.0]
 

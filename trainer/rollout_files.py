@@ -1,0 +1,96 @@
+"""The episodes each training step trained on, on disk: ``OUTPUT_DIR/rollouts/step_NNNNNN.jsonl``.
+
+One ``Trajectory.to_json`` line per episode of the step (whole-line writes, ``JsonlWriter``), with the
+per-response-token ``returns`` and ``advantages`` the step used (None for episodes it dropped) and
+``info["step"]`` (1-based), ``info["trained"]``, ``info["gamma"]``, ``info["estimator"]`` and
+``info["lam"]`` / ``info["kl_coef"]`` where they apply. Files of steps after the step a run resumes
+from (left by the interrupted run) are moved aside, never deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from pathlib import Path
+
+from agent_loop.runners.jsonl import JsonlWriter
+
+FOLDER = "rollouts"
+_NAME = re.compile(r"step_(\d{6})\.jsonl$")
+
+
+def step_file(output_dir: str | Path, step: int) -> Path:
+    """The file of 1-based ``step``."""
+    return Path(output_dir) / FOLDER / f"step_{step:06d}.jsonl"
+
+
+def keeps(step: int, every: int) -> bool:
+    """Whether 1-based ``step`` is saved with ``save_rollouts_every = every`` (0: none)."""
+    return every > 0 and step % every == 0
+
+
+def move_aside_after(output_dir: str | Path, step: int) -> list[Path]:
+    """Rename the step files of steps after ``step`` to ``step_NNNNNN.jsonl.interrupted[-K]`` (a free name),
+    with a one-line warning; returns the new paths. Nothing is deleted or truncated."""
+    folder = Path(output_dir) / FOLDER
+    if not folder.is_dir():
+        return []
+    moved = []
+    for path in sorted(folder.iterdir()):
+        match = _NAME.match(path.name)
+        if not match or int(match.group(1)) <= step:
+            continue
+        target, k = path.with_name(path.name + ".interrupted"), 1
+        while target.exists():
+            k += 1
+            target = path.with_name(f"{path.name}.interrupted-{k}")
+        path.rename(target)
+        moved.append(target)
+    if moved:
+        warnings.warn(f"{folder}: moved {len(moved)} step file(s) of steps after step {step} aside (suffix "
+                      f".interrupted, from an earlier or interrupted run): {', '.join(p.name for p in moved[:3])}"
+                      f"{', ...' if len(moved) > 3 else ''}", stacklevel=2)
+    return moved
+
+
+def made_with(config, estimator) -> dict:
+    """How the step's values were computed: ``gamma``, ``estimator``, and ``lam`` / ``kl_coef`` where they apply."""
+    info = {"gamma": float(config.gamma), "estimator": config.estimator}
+    if "lam" in estimator.hyperparameters:
+        info["lam"] = float(config.lam)
+    if config.kl_coef > 0:
+        info["kl_coef"] = float(config.kl_coef)
+    return info
+
+
+def annotated(trajectories, kept, batch, step: int, how: dict) -> list:
+    """Copies of ``trajectories`` with ``info`` (step, trained, ``how``) and, for those in ``kept`` (row ``i``
+    of ``batch``), their returns and advantages unpadded over their response length. ``batch`` may be None
+    (a skipped step: nothing trained)."""
+    rows = {id(t): i for i, t in enumerate(kept)} if batch is not None else {}
+    if rows:  # one device-to-host copy for the file
+        advantages, returns = batch.advantages.detach().cpu(), batch.returns.detach().cpu()
+    out = []
+    for t in trajectories:
+        row = rows.get(id(t))
+        info = {**t.info, "step": step, "trained": row is not None, **how}
+        if row is None:
+            out.append(dataclasses.replace(t, info=info, returns=None, advantages=None))
+            continue
+        n = len(t.response_ids)
+        out.append(dataclasses.replace(t, info=info, returns=returns[row, :n].tolist(),
+                                       advantages=advantages[row, :n].tolist()))
+    return out
+
+
+def write_step(output_dir: str | Path, step: int, trajectories) -> Path:
+    """Write ``trajectories`` (already annotated) to the file of ``step``; returns its path."""
+    path = step_file(output_dir, step)
+    with JsonlWriter(path) as writer:
+        for t in trajectories:
+            writer.write_line(t.to_json())
+    return path
+
+
+__all__ = ["FOLDER", "annotated", "keeps", "made_with", "move_aside_after", "step_file", "write_step"]
