@@ -1,5 +1,6 @@
 """Carry-through returns, advantage estimators (one registry) and losses for multi-turn RL
-(docs/design.md section 3; verl correspondence in docs/verl.md). Depends on torch only."""
+(docs/design.md section 3; verl correspondence in docs/verl.md), and the sampler/trainer mismatch
+correction (``correct_rollouts``). Depends on torch only."""
 
 from advantages.estimators import (
     group_ids,
@@ -36,6 +37,15 @@ from advantages.registry import (
     register_adv_est,
 )
 from advantages.returns import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
+from advantages.rollout_correction import (
+    ROLLOUT_RS_OPTIONS,
+    RolloutCorrection,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+    correct_rollouts,
+    masked_quantiles,
+    mismatch_metrics,
+)
 from advantages.stats import (
     MIN_WHITEN_TOKENS,
     WHITEN_EPS,
@@ -53,13 +63,17 @@ __all__ = [
     "LOSS_AGG_MODES",
     "MIN_WHITEN_TOKENS",
     "POLICY_LOSSES",
+    "ROLLOUT_RS_OPTIONS",
     "WHITEN_EPS",
     "AdvantageEstimator",
     "Estimator",
+    "RolloutCorrection",
     "aggregate_loss",
     "check_whitenable",
     "cispo_policy_loss",
     "clipped_value_loss",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
     "discounted_returns",
     "entropy_from_logits",
     "entropy_loss",
@@ -73,9 +87,11 @@ __all__ = [
     "gspo_policy_loss",
     "kl_penalty",
     "masked_mean",
+    "masked_quantiles",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "ppo_clip_policy_loss",
     "register_adv_est",
     "register_policy_loss",
@@ -86,6 +102,7 @@ __all__ = [
     "reinforce_policy_loss",
     "returns_ignore_mask",
     "returns_reset_at_observation",
+    "correct_rollouts",
     "rloo",
     "whitenable",
 ]

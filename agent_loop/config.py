@@ -34,6 +34,12 @@ def closest(name: str, choices) -> str:
     return f"; did you mean {match[0]}?" if match else ""
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``"1 turn"``, ``"2 turns"``, ``"0 errors"``; ``many``: an irregular plural (``plural(n, "entry", "entries")``).
+    Every message that counts things says it this way."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
 class OptionError(ValueError):
     """A rule across options is broken: ``option`` (a field name) and what is wrong with its value.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 import warnings
 from collections import Counter
@@ -86,6 +87,14 @@ def strict_json(data: Any) -> tuple[str, dict[str, int]]:
     return text, {k: v for k, v in counts.items() if v}
 
 
+def _finite_numbers(values) -> bool:
+    """Whether every value is a finite real number (bools, strings and None are not)."""
+    kinds = set(map(type, values))
+    if not all(issubclass(k, numbers.Real) and k is not bool for k in kinds):
+        return False
+    return all(map(math.isfinite, values))
+
+
 @dataclass
 class ToolCallRecord:
     """One tool call the model made, and what came of it."""
@@ -122,12 +131,16 @@ class Trajectory:
     # rollouts/step_NNNNNN.jsonl); None in rollout files and for episodes a step did not train on
     returns: list[float] | None = None
     advantages: list[float] | None = None
+    # per response token, the policy version (trainer step of the weights) that sampled it on ASSISTANT tokens,
+    # -1 elsewhere; None when the backend reports no version. An episode that ran across a weight update
+    # (trainer/async_rollouts.py: partial rollouts) holds several versions
+    policy_versions: list[int] | None = None
 
     def check(self) -> None:
         """Raise ValueError if the per-token lists disagree in length, hold a span kind other than
         ASSISTANT/OBSERVATION, or a reward has no ASSISTANT token to sit on (it would be lost)."""
         n = len(self.response_ids)
-        for name in ("spans", "turn_ids", "logprobs", "returns", "advantages"):
+        for name in ("spans", "turn_ids", "logprobs", "returns", "advantages", "policy_versions"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries but response_ids has {n}")
         for pos, kind in enumerate(self.spans):
@@ -139,6 +152,24 @@ class Trajectory:
             turns = {t for t, s in zip(self.turn_ids, self.spans) if s == SpanKind.ASSISTANT}
             if len(self.turn_rewards) != len(turns):
                 raise ValueError(f"turn_rewards has {len(self.turn_rewards)} entries for {len(turns)} assistant turns")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Raise ValueError for a value of the wrong kind (a record written by another program or edited by hand;
+        the loop's records always pass): ids that are not integers, a logprob, return, advantage, reward or turn
+        reward that is not a finite number (``null`` where NaN was written), info or metrics not an object."""
+        for name in ("prompt_ids", "response_ids", "turn_ids"):
+            kinds = set(map(type, getattr(self, name)))  # one C-speed pass; the few kinds checked after
+            if not all(issubclass(k, numbers.Integral) and k is not bool for k in kinds):
+                raise ValueError(f"{name} holds a value that is not an integer")
+        for name in ("logprobs", "returns", "advantages", "turn_rewards"):
+            values = getattr(self, name)
+            if values is not None and not _finite_numbers(values):
+                raise ValueError(f"{name} holds a value that is not a finite number")
+        if not _finite_numbers([self.reward]):
+            raise ValueError(f"reward {self.reward!r} is not a finite number")
+        if not isinstance(self.finish_reason, str) or not isinstance(self.info, dict) or not isinstance(self.metrics, dict):
+            raise ValueError("finish_reason must be a string, info and metrics JSON objects")
 
     @property
     def success(self) -> bool:

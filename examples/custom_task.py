@@ -23,6 +23,11 @@ class Reverse(Environment):
     def score(self, completion, answer):
         return float(answer in completion)
 
+    def demonstrate(self, episode, rng):  # a solved episode, for `agent-loop warmstart`
+        call = {"name": "reverse", "arguments": {"text": episode.answer[::-1]}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "assistant", "content": f"The answer is {episode.answer}."}]
+
 
 if __name__ == "__main__":
     trajectories = rollout(Reverse(), model=(sys.argv[1:] or [None])[0], episodes=8, max_turns=3)

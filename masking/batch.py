@@ -33,11 +33,14 @@ class Batch:
     input_ids: torch.Tensor  # (b, p + t) long, cat(prompts, responses)
     attention_mask: torch.Tensor  # (b, p + t) long
     position_ids: torch.Tensor  # (b, p + t) long
+    rollout_logprobs: torch.Tensor | None = None  # (b, t) float, the sampler's logprobs (collate: = old_logprobs), kept
+    # when a trainer replaces old_logprobs by its own (advantages.rollout_correction compares the two)
     # Filled in by the trainer after collation:
     index: torch.Tensor | None = None  # (b,) long, the prompt group of each row (group estimators)
     values: torch.Tensor | None = None  # (b, t) float, value estimates (GAE)
     advantages: torch.Tensor | None = None  # (b, t) float
     returns: torch.Tensor | None = None  # (b, t) float
+    rollout_is_weights: torch.Tensor | None = None  # (b, t) float, importance weights of the policy loss (--rollout-is)
 
     @property
     def batch_size(self) -> int:
@@ -167,7 +170,8 @@ def collate(
     """Pad b trajectories into batch tensors.
 
     Returns a :class:`Batch` with ``responses`` (b, t) long, ``spans`` (b, t) int8, ``response_mask`` (b, t),
-    ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t), ``token_level_rewards`` (b, t)
+    ``turn_ids`` (b, t) int16 (-1 on PAD), ``old_logprobs`` (b, t) and ``rollout_logprobs`` (b, t) (both the
+    sampling logprobs, 0 off ASSISTANT tokens; a trainer may replace ``old_logprobs``), ``token_level_rewards`` (b, t)
     (outcome reward on the last ASSISTANT token, per-turn rewards on each turn's last ASSISTANT
     token), ``prompts`` (b, p) left-padded, ``input_ids`` (b, p + t), ``attention_mask`` (b, p + t)
     and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` are built as
@@ -182,23 +186,27 @@ def collate(
     responses = _pad(response_ids, torch.long, pad_token_id)
     prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
     attention_mask = _attention_mask(prompt_ids, span_tensor)
+    sampled = _pad(logprobs, dtype, 0.0)
     return Batch(
         responses=responses,
         spans=span_tensor,
         response_mask=response_mask_from_spans(span_tensor, dtype),
         turn_ids=turn_tensor,
-        old_logprobs=_pad(logprobs, dtype, 0.0),
+        old_logprobs=sampled,
         token_level_rewards=token_level_rewards,
         prompts=prompts,
         input_ids=torch.cat([prompts, responses], dim=1),
         attention_mask=attention_mask,
         position_ids=(torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
+        rollout_logprobs=sampled.clone(),
     )
 
 
 def uncollate(batch: Batch) -> list[dict[str, list]]:
     """Inverse of :func:`collate` for the per-token lists: one dict per row with ``prompt_ids``,
-    ``response_ids``, ``spans``, ``turn_ids`` and ``logprobs``, padding removed."""
+    ``response_ids``, ``spans``, ``turn_ids`` and ``logprobs`` (the sampler's: ``rollout_logprobs``, or
+    ``old_logprobs`` in a batch without them), padding removed."""
+    sampled = batch.old_logprobs if batch.rollout_logprobs is None else batch.rollout_logprobs
     prompt_lengths = batch.attention_mask[:, : batch.prompts.shape[1]].sum(1).tolist()
     response_lengths = (batch.spans != SpanKind.PAD).sum(1).tolist()
     rows = []
@@ -209,6 +217,6 @@ def uncollate(batch: Batch) -> list[dict[str, list]]:
             "response_ids": batch.responses[row, :n].tolist(),
             "spans": batch.spans[row, :n].tolist(),
             "turn_ids": batch.turn_ids[row, :n].tolist(),
-            "logprobs": batch.old_logprobs[row, :n].tolist(),
+            "logprobs": sampled[row, :n].tolist(),
         })
     return rows

@@ -95,9 +95,10 @@ def validate_token_level_rewards(token_level_rewards: torch.Tensor, spans: torch
     if where is not None:
         row, pos = where
         kind = SpanKind(int(spans[row, pos])).name
+        article = "an" if kind[0] in "AEIOU" else "a"  # an OBSERVATION, a PAD
         raise ValueError(
             f"token_level_rewards: reward {float(token_level_rewards[row, pos])} at row {row}, position {pos} "
-            f"sits on a {kind} token and would be lost; place rewards on ASSISTANT tokens"
+            f"sits on {article} {kind} token and would be lost; place rewards on ASSISTANT tokens"
         )
 
 

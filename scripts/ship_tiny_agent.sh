@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Pack a tiny-agent build from the cache into agent_loop/tiny/weights/ (deterministic tar, xz) and print
 # the sha256 to put in agent_loop/tiny/build.py's SHIPPED_SHA256:
-#   bash scripts/ship_tiny_agent.sh tiny-agent-v8          # after `agent-loop tiny --force` built it here
-#   bash scripts/ship_tiny_agent.sh tiny-agent-v8-chain
+#   bash scripts/ship_tiny_agent.sh tiny-agent-v9          # after `agent-loop tiny --force` built it here
+#   bash scripts/ship_tiny_agent.sh tiny-agent-v9-chain
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: ship_tiny_agent.sh CACHE_FOLDER_NAME}

@@ -2,7 +2,8 @@
 
 A save writes everything into a temporary folder beside the final one (``checkpoints/.tmp-step_N``):
 ``model/`` (a plain transformers model folder with its tokenizer), ``trainer_state.pt`` (optimizer,
-value head, step, RNG states, config) and, last, ``checkpoint.json`` (every file with its size).
+value head, step, RNG states, config; asynchronously also where the question stream stands) and, last,
+``checkpoint.json`` (every file with its size).
 Each file and folder is fsynced, the folder is renamed to ``step_N`` and the ``latest`` pointer is
 replaced atomically. A kill at any point leaves either the previous checkpoint or the new one.
 
@@ -89,6 +90,9 @@ def trainer_state(trainer) -> dict:
         "initial_model": str(trainer.initial_model),
         "config": trainer.config.resolved(),  # plain, resolved values (the learning rate used) (TrainConfig's fields are str/number/list/None)
         "rng": rng_state(),
+        # asynchronous (rank 0): the producer's place in the question stream (None: synchronous, or another rank;
+        # absent from older checkpoints: the stream restarts at step x prompts_per_step)
+        "producer": trainer.producer.position() if getattr(trainer, "producer", None) is not None else None,
     }
 
 
@@ -265,7 +269,23 @@ def load_state(path: Path) -> dict:
     missing = {"step", "optimizer", "initial_model", "config", "rng"} - set(state)
     if missing:
         raise CheckpointError(f"resume: {file} lacks {sorted(missing)}")
+    check_position(state.get("producer"), file)
     return state
+
+
+def check_position(position, file: Path) -> None:
+    """Refuse a trainer state whose producer position (``RolloutProducer.position``) is not None or
+    ``{"next_group": int >= 0, "pending": [int >= 0, ...]}`` with every pending group below ``next_group``."""
+    if position is None:
+        return
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    fine = (isinstance(position, dict) and whole(position.get("next_group"))
+            and isinstance(position.get("pending"), list)
+            and all(whole(g) and g < position["next_group"] for g in position["pending"]))
+    if not fine:
+        raise CheckpointError(f"resume: {file} holds an invalid producer position {position!r} (expected "
+                              "{'next_group': n, 'pending': [groups below n]})")
 
 
 def check_finite(named_tensors, where: str) -> None:

@@ -103,9 +103,27 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
     value_coef: _number("weight of the value head's loss (gae only)", ge=0) = 0.5
     recompute_old_logprobs: Annotated[bool, Field(
         description="recompute the PPO reference logprobs with the policy (off: use the sampler's)")] = True
+    max_staleness: _int(0, "asynchronous training: 0 = synchronous steps (play, then train); K >= 1 = a rollout "
+                           "producer keeps playing (on --rollout-servers or the in-process backend) while the "
+                           "trainer trains, episodes in flight take new weights between turns, and a step trains "
+                           "only on episodes whose oldest token was sampled at most K steps ago (older ones are "
+                           "dropped: episodes/dropped_stale; docs/design.md 8a)") = 0
     off_policy: Annotated[bool, Field(
-        description="one-step off-policy: step k+1's rollouts play while step k trains, the sampler's logprobs "
-                    "are the behaviour policy (metric policy_lag); one process, in-process backend only")] = False
+        description="deprecated: the same as --max-staleness 1")] = False
+
+    # sampler/trainer mismatch correction (advantages/rollout_correction.py; verl's algorithm.rollout_correction,
+    # docs/verl.md): the ratio rho = exp(old_logprob - rollout_logprob) of the trainer's logprobs to the sampler's
+    rollout_is: Annotated[Literal["off", "token", "sequence"], Field(
+        description="truncated importance sampling (verl's rollout_is): each ASSISTANT token's PPO loss times "
+                    "min(rho, --rollout-is-threshold), per token or one weight per episode (the product of its "
+                    "tokens' ratios); off: metrics (mismatch/*) only")] = "off"
+    rollout_is_threshold: _number("the cap C of the importance weights (verl's rollout_is_threshold)", gt=0) = 2.0
+    rollout_rs: Annotated[Literal["off", "token", "sequence"], Field(
+        description="masked importance sampling / rejection (verl's rollout_rs token_k1, seq_sum_k1): drop from the "
+                    "loss the ASSISTANT tokens whose ratio, or the episodes whose product ratio, lies outside "
+                    "[--rollout-rs-lower, --rollout-rs-upper]")] = "off"
+    rollout_rs_lower: _number("lower bound of the kept ratios (--rollout-rs)", gt=0) = 0.5
+    rollout_rs_upper: _number("upper bound of the kept ratios (--rollout-rs)", gt=0) = 2.0
 
     # LoRA (trainer/lora.py, the ``lora`` extra)
     lora_rank: _int(0, "LoRA rank; 0 = train every weight") = 0
@@ -186,8 +204,15 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
     def check(self) -> None:
         """The rules that tie training settings together (OptionError); then the default ``output_dir``."""
         TaskOptions.check(self)
+        if self.off_policy:  # the deprecated alias of --max-staleness 1
+            import warnings
+
+            warnings.warn("off_policy is deprecated: use max_staleness 1 (--max-staleness 1)", FutureWarning,
+                          stacklevel=2)
+            self.max_staleness = max(self.max_staleness, 1)
         if self.resume is not None and self.overwrite:
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
+        self.check_rollout_correction()
         if self.output_dir is None:
             self.output_dir = self.default_output_dir()
         if self.episodes_per_step % self.mini_batches:
@@ -199,6 +224,24 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
         if get_estimator(self.estimator).needs_index and self.group_size < 2:
             raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
                               f"(got {self.group_size})", self.estimator)
+
+    @property
+    def corrects_rollouts(self) -> bool:
+        """Whether the sampler/trainer mismatch is corrected (``rollout_is`` or ``rollout_rs`` on)."""
+        return self.rollout_is != "off" or self.rollout_rs != "off"
+
+    def rollout_correction_options(self) -> dict:
+        """The keywords of ``advantages.correct_rollouts`` these settings give."""
+        names = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_lower", "rollout_rs_upper")
+        return {name: getattr(self, name) for name in names}
+
+    def check_rollout_correction(self) -> None:
+        if self.rollout_rs_lower > self.rollout_rs_upper:
+            raise OptionError("rollout_rs_lower", "must not exceed {rollout_rs_upper} "
+                              f"({self.rollout_rs_upper})", self.rollout_rs_lower)
+        if self.corrects_rollouts and not self.recompute_old_logprobs:
+            raise OptionError(None, "{rollout_is} / {rollout_rs} weigh the trainer's recomputed logprobs against the "
+                              "sampler's: they need {recompute_old_logprobs} (without it the ratio is 1)")
 
     def default_output_dir(self) -> str:
         """The run folder of ``resume`` (a run folder, or the one a checkpoint folder is in), else a fresh one.

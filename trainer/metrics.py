@@ -73,6 +73,16 @@ def masked_summary(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[
     }
 
 
+def scalars(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim tensors -> floats, in one host sync (``advantages.rollout_correction``'s ``mismatch/*``: the
+    sampler/trainer KL k1 and k3, the ratio's mean, min, max and 5/50/95th percentiles, the shares of
+    ASSISTANT tokens capped and masked; a batch without ASSISTANT tokens gives NaN, written as null)."""
+    if not metrics:
+        return {}
+    values = torch.stack([value.detach().double().reshape(()) for value in metrics.values()]).tolist()
+    return dict(zip(metrics, values))
+
+
 def _tensorboard_writer(log_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter

@@ -2,8 +2,9 @@
 
 One ``Trajectory.to_json`` line per episode of the step (whole-line writes, ``JsonlWriter``), with the
 per-response-token ``returns`` and ``advantages`` the step used (None for episodes it dropped) and
-``info["step"]`` (1-based), ``info["trained"]``, ``info["gamma"]``, ``info["estimator"]`` and
-``info["lam"]`` / ``info["kl_coef"]`` where they apply. Files of steps after the step a run resumes
+``info["step"]`` (1-based), ``info["trained"]``, and how the values were made as ``agent-loop rollout``
+records it (:func:`made_with`): ``info["gamma"]``, ``info["estimator"]``, ``info["lam"]`` /
+``info["kl_coef"]`` where they apply, ``info["options"]``. Files of steps after the step a run resumes
 from (left by the interrupted run) are moved aside, never deleted.
 """
 
@@ -14,7 +15,11 @@ import re
 import warnings
 from pathlib import Path
 
+import agent_loop.runners.spec as spec
+from agent_loop.config import pick, plural
+from agent_loop.episode.config import LoopConfig
 from agent_loop.runners.jsonl import JsonlWriter
+from agent_loop.tasks.registry import TaskOptions
 
 FOLDER = "rollouts"
 _NAME = re.compile(r"step_(\d{6})\.jsonl$")
@@ -48,20 +53,19 @@ def move_aside_after(output_dir: str | Path, step: int) -> list[Path]:
         path.rename(target)
         moved.append(target)
     if moved:
-        warnings.warn(f"{folder}: moved {len(moved)} step file(s) of steps after step {step} aside (suffix "
+        warnings.warn(f"{folder}: moved {plural(len(moved), 'step file')} of steps after step {step} aside (suffix "
                       f".interrupted, from an earlier or interrupted run): {', '.join(p.name for p in moved[:3])}"
                       f"{', ...' if len(moved) > 3 else ''}", stacklevel=2)
     return moved
 
 
 def made_with(config, estimator) -> dict:
-    """How the step's values were computed: ``gamma``, ``estimator``, and ``lam`` / ``kl_coef`` where they apply."""
-    info = {"gamma": float(config.gamma), "estimator": config.estimator}
-    if "lam" in estimator.hyperparameters:
-        info["lam"] = float(config.lam)
-    if config.kl_coef > 0:
-        info["kl_coef"] = float(config.kl_coef)
-    return info
+    """How the step's values were computed and its episodes played, recorded as ``agent-loop rollout`` records
+    it (``agent_loop.runners.spec.made_with``): ``gamma``, ``estimator``, ``lam`` / ``kl_coef`` where they
+    apply, and ``options`` (the loop's and the task's options of ``config``)."""
+    return spec.made_with(config.gamma, config.estimator, {**pick(LoopConfig, config), **pick(TaskOptions, config)},
+                          lam=float(config.lam) if "lam" in estimator.hyperparameters else None,
+                          kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
 
 
 def annotated(trajectories, kept, batch, step: int, how: dict) -> list:

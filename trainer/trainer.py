@@ -16,7 +16,8 @@ One step (``Trainer.train_step``):
 ``config.device`` / ``config.dtype`` put the whole step on a GPU (bf16 autocast, fp32 master weights);
 with several processes (``torchrun``), trainer/distributed.py says how the step is split. Rollouts can
 run on vLLM servers that take the weights in place (``rollout_servers``, trainer/weight_sync.py);
-``lora_rank`` trains LoRA adapters (trainer/lora.py); ``off_policy`` plays step k+1 while step k trains.
+``lora_rank`` trains LoRA adapters (trainer/lora.py); ``max_staleness`` K >= 1 trains asynchronously: a
+rollout producer keeps playing while the trainer trains (trainer/async_rollouts.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import time
 import warnings
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trainer.checkpoint as checkpoint
 import trainer.rollout_files as rollout_files
 from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
+from advantages.rollout_correction import correct_rollouts
 from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.registry import make_backend
 from agent_loop.config import checked, pick
@@ -48,6 +48,7 @@ from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.grouping import GroupedTask
 from masking.batch import Batch
 from masking.kinds import SpanKind
+from trainer.async_rollouts import RolloutProducer, VersionedBackend, staleness_metrics
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import (
     NullLogger,
@@ -58,7 +59,7 @@ from trainer.distributed import (
     resolve_device,
 )
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
-from trainer.metrics import MetricsLogger, compact_line, first_errors, masked_summary, rollout_metrics
+from trainer.metrics import MetricsLogger, compact_line, first_errors, masked_summary, rollout_metrics, scalars
 from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
@@ -111,9 +112,6 @@ class Trainer:
         self.config = config = checked(config)  # the declarations and the rules: ValueError before anything loads
         if unstable := config.unstable_learning_rate():
             warnings.warn(unstable, stacklevel=2)
-        if config.off_policy and (config.rollout_servers or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-            raise ValueError("off_policy runs in one process with an in-process rollout backend (no --nproc, "
-                             "no --rollout-servers): its background rollouts would race the collectives / the server sync")
         self._set_up_processes()
         state, policy_path = self._resume_state()
         self._set_up_models(policy_path, state)
@@ -130,6 +128,7 @@ class Trainer:
         self.estimator = get_estimator(config.estimator)
         self.output_dir = Path(config.output_dir)
         self.step = 0
+        self.stream_position = None  # a resumed asynchronous run: where its producer stood (RolloutProducer.position)
 
     def _resume_state(self) -> tuple[dict | None, str]:
         """The checkpoint's trainer state when resuming (None otherwise) and the folder the policy loads from."""
@@ -189,13 +188,35 @@ class Trainer:
                 device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,
                 pad_token_id=self.pad_token_id))
         self.backend, self.weight_sync = backend, weight_sync
-        self.push_weights()
+        self.rollout_backend = VersionedBackend(backend, version=self.step)  # stamps each token with its weights' version
+        self.producer, self.asynchronous = None, False
+        self.push_weights(self.step)
         self.base_task = task if task is not None else config.load()
         self.task = GroupedTask(self.base_task, config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(**pick(LoopConfig, config))
+        if config.max_staleness:
+            self.start_producer(config.max_staleness)
+        elif self.stream_position is not None:
+            warnings.warn(f"resume: an asynchronous checkpoint resumed synchronously (--max-staleness 0): the question "
+                          f"stream restarts at step {self.step} x prompts_per_step, not where its producer stood "
+                          f"(group {self.stream_position['next_group']})", stacklevel=3)
+
+    def start_producer(self, max_staleness: int) -> None:
+        """Asynchronous rollouts from now on (``max_staleness`` >= 1 calls it at set-up): rank 0 starts a
+        ``RolloutProducer`` over this trainer's rollout backend, at most ``max_staleness`` versions ahead of
+        the trainer, and every step takes its episodes from it (rank 0 broadcasts them). With 0 it plays
+        exactly the synchronous steps' episodes with the same weights (tests/trainer/test_async_training.py).
+        Resumed, it goes on with the checkpoint's question stream (``stream_position``): no question twice."""
+        config, self.asynchronous = self.config, True
+        if self.dp.is_main:
+            self.producer = RolloutProducer(
+                self.task, self.rollout_backend, self.tokenizer, self.loop_config, seed=config.seed,
+                concurrency=config.concurrency, group_size=config.group_size, groups_per_step=config.prompts_per_step,
+                max_staleness=max_staleness, first_step=self.step, last_step=config.steps,
+                position=self.stream_position)
 
     def _set_up_logging(self) -> None:
-        """Metrics (rank 0), the evaluation history, and the off-policy prefetch thread."""
+        """Metrics (rank 0), the evaluation history."""
         config = self.config
         if self.dp.is_main:
             self.logger = MetricsLogger(self.output_dir, fresh=not config.resume, tensorboard=config.tensorboard,
@@ -205,9 +226,6 @@ class Trainer:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self._warned: set[str] = set()  # error kinds already warned about (first message, once per run)
         self.eval_history: list[tuple[int, float]] = []  # (step, greedy held-out success)
-        # off_policy: the next step's rollouts, played in a background thread while this step trains
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if config.off_policy else None
-        self._prefetch = None  # (step, Future)
 
     # --- one step ------------------------------------------------------------------------------------
 
@@ -219,9 +237,24 @@ class Trainer:
             self.task, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config, self.config.seed)))
 
     async def _play(self, task, episodes, loop_config, seed):
-        """``run_rollouts`` on the backend (which ends the run on it: HTTP pools live in one event loop)."""
-        return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
+        """``run_rollouts`` on the (versioned) backend, which ends the run on it (HTTP pools live in one event
+        loop) unless the producer's loop holds it."""
+        return await run_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
                                   concurrency=self.config.concurrency, progress=False)
+
+    def step_episodes(self) -> tuple[list, dict[str, float], list]:
+        """This step's episodes, how they were handed over (``time/idle_s``: the trainer waited for them,
+        ``episodes/dropped_stale``, ``producer/episodes_per_s``; asynchronously also ``producer/in_flight``,
+        ``producer/waiting``) and the episodes dropped as stale (rank 0, for the step's rollouts file).
+        Synchronous: played now (``rollouts``); asynchronous: taken from the producer by rank 0 and broadcast."""
+        if self.asynchronous:
+            taken, stale, metrics = self.producer.take(self.step) if self.dp.is_main else (None, [], None)
+            return *self.dp.broadcast_object((taken, metrics)), stale
+        started = time.perf_counter()
+        trajectories = self.rollouts(self.step)
+        waited = time.perf_counter() - started
+        return trajectories, {"time/idle_s": waited, "time/rollout_s": waited, "episodes/dropped_stale": 0.0,
+                              "producer/episodes_per_s": len(trajectories) / max(waited, 1e-9)}, []
 
     def make_batch(self, trajectories) -> Batch:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
@@ -245,18 +278,27 @@ class Trainer:
     def score(self, batch: Batch, *, sampler_is_behaviour: bool = False) -> dict[str, float]:
         """Fill in ``old_logprobs`` (recomputed), ``values``, ``token_level_rewards`` (with KL), ``advantages``, ``returns``.
 
-        Returns metrics: logprob mismatch between sampler and trainer, KL to the reference, advantage
-        and return statistics. ``sampler_is_behaviour`` (off-policy steps) keeps the sampler's logprobs as
-        ``old_logprobs`` whatever ``recompute_old_logprobs`` says: the policy has moved since they were sampled.
+        Returns metrics: logprob mismatch between sampler and trainer (``mismatch/*``), KL to the reference,
+        advantage and return statistics. ``sampler_is_behaviour`` (off-policy steps) keeps the sampler's logprobs
+        as ``old_logprobs`` whatever ``recompute_old_logprobs`` says (the policy has moved since they were
+        sampled), unless the mismatch is corrected (``rollout_is`` / ``rollout_rs``): then ``old_logprobs`` are
+        the recomputed ones and the importance weights correct the sampler's (the decoupled objective,
+        advantages/rollout_correction.py). The sampler's stay in ``rollout_logprobs``; with ``rollout_rs`` the
+        rejected tokens leave ``response_mask`` after the advantages (which see every ASSISTANT token).
         """
         config, mask = self.config, batch.response_mask
         metrics = {}
         recomputed, values = self.batch_logprobs(self.model, batch, values=self.value_head is not None)
-        mismatch = (recomputed - batch.old_logprobs).abs()
+        if batch.rollout_logprobs is None:
+            batch.rollout_logprobs = batch.old_logprobs
+        mismatch = (recomputed - batch.rollout_logprobs).abs()
         metrics["logprob_mismatch/mean_abs"] = masked_mean(mismatch, mask).item()
         metrics["logprob_mismatch/max_abs"] = torch.where(mask.bool(), mismatch, 0.0).max().item()
-        if config.recompute_old_logprobs and not sampler_is_behaviour:
+        correction = correct_rollouts(recomputed, batch.rollout_logprobs, mask, **config.rollout_correction_options())
+        metrics.update(scalars(correction.metrics))
+        if config.recompute_old_logprobs and (config.corrects_rollouts or not sampler_is_behaviour):
             batch.old_logprobs = recomputed
+        batch.rollout_is_weights = correction.weights
         if values is not None:
             batch.values = values
 
@@ -277,6 +319,7 @@ class Trainer:
         batch.advantages, batch.returns = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))
+        batch.response_mask = correction.loss_mask  # the loss mask: less the tokens --rollout-rs rejected
         return metrics
 
     def micro_batch_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -285,7 +328,7 @@ class Trainer:
         with self.autocast():
             logprobs, entropy, values = policy_outputs(self.model, micro)
         loss, stats = ppo_clip_policy_loss(micro.old_logprobs, logprobs, micro.advantages, mask,
-                                           clip_ratio=config.clip_ratio)
+                                           clip_ratio=config.clip_ratio, rollout_is_weights=micro.rollout_is_weights)
         stats["pg_loss"] = loss.detach()
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         if config.entropy_coef:
@@ -350,6 +393,12 @@ class Trainer:
             for rows in order.chunk(config.mini_batches):
                 for name, value in self.mini_batch_step(batch, rows).items():
                     history[name].append(value)
+        if not history:  # --rollout-rs rejected every ASSISTANT token of the step: nothing to train on
+            warnings.warn(f"step {step + 1}: --rollout-rs rejected every ASSISTANT token: no update (metrics "
+                          "mismatch/frac_masked, skipped_updates)", stacklevel=2)
+            nan = float("nan")
+            return {"loss": nan, "loss/first": nan, "pg_loss": nan, "clip_frac": nan, "ppo_kl": nan, "entropy": nan,
+                    "grad_norm": 0.0, "skipped_updates": 1.0, "lr": lr}
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
         metrics["loss/first"] = history["loss"][0]
         metrics["lr"] = lr
@@ -360,40 +409,33 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Run one step (rollouts, scoring, updates, weight push); return its metrics."""
         started = time.perf_counter()
-        lag = 0
-        if self._prefetch is not None and self._prefetch[0] == self.step:
-            trajectories, lag = self._prefetch[1].result(), 1
-        else:
-            trajectories = self.rollouts(self.step)
-        self._prefetch = None
-        if self._executor is not None and self.step + 1 < self.config.steps:
-            self._prefetch = (self.step + 1, self._executor.submit(self.rollouts, self.step + 1))
+        trajectories, metrics, stale = self.step_episodes()
         rolled = time.perf_counter()
-        metrics = rollout_metrics(trajectories)  # over every episode: a failed one counts as a failure
+        metrics.update(rollout_metrics(trajectories))  # over every episode: a failed one counts as a failure
         kept, dropped = usable_episodes(trajectories, self.config.group_size, self.estimator.needs_index)
         metrics.update(dropped)
         self._warn_errors(trajectories)
         if not any(SpanKind.ASSISTANT in t.spans for t in kept):
-            return self._skip_step(metrics, trajectories, started, rolled)
+            return self._skip_step(metrics, trajectories + stale, started, rolled)
         metrics["skipped_steps"] = 0.0
         batch = self.make_batch(kept)
-        # off-policy: sampled while the previous step trained, with its weights until its push, then with
-        # the pushed ones (each token's logprob is that of the weights that sampled it): a lag of at most 1
-        metrics["policy_lag"] = float(lag)
-        metrics.update(self.score(batch, sampler_is_behaviour=lag > 0))
+        # asynchronous: tokens sampled by older weights (each token's logprob is that of the weights that
+        # sampled it, Trajectory.policy_versions says which): the sampler's logprobs are the behaviour policy
+        metrics.update(staleness_metrics(kept, self.step, self.config.max_staleness))
+        metrics.update(self.score(batch, sampler_is_behaviour=metrics["staleness/max"] > 0))
         self._warn_no_signal(kept, metrics)
         metrics.update(self.update(batch, self.step))
-        self.save_rollouts(trajectories, kept, batch)
+        self.save_rollouts(trajectories + stale, kept, batch)  # stale ones too (info["stale"]): no episode unrecorded
         pushed = time.perf_counter()
-        if metrics["skipped_updates"] < 1.0:  # else no AdamW step was taken: the weights did not change
-            self.push_weights()
+        # no AdamW step taken: the weights did not change, only their version moves
+        self.push_weights(self.step + 1, changed=metrics["skipped_updates"] < 1.0)
         metrics["time/weight_sync_s"] = time.perf_counter() - pushed
         self.step += 1
         done = time.perf_counter()
-        metrics["time/rollout_s"] = rolled - started
         metrics["time/train_s"] = done - rolled
         metrics["time/step_s"] = done - started
-        metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
+        if not self.asynchronous:
+            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
         return metrics
 
     def _warn_errors(self, trajectories) -> None:
@@ -428,9 +470,10 @@ class Trainer:
                       f"left alone in their group, the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""),
                       stacklevel=3)
         self.save_rollouts(played, [], None)
+        self.push_weights(self.step + 1, changed=False)
         self.step += 1
         done = time.perf_counter()
-        metrics.update({"time/rollout_s": rolled - started, "time/train_s": done - rolled, "time/step_s": done - started})
+        metrics.update({"time/train_s": done - rolled, "time/step_s": done - started})
         return metrics
 
     def save_rollouts(self, trajectories, kept, batch) -> None:
@@ -442,29 +485,46 @@ class Trainer:
             rollout_files.write_step(self.output_dir, step,
                                      rollout_files.annotated(trajectories, kept, batch, step, how))
 
-    def push_weights(self) -> None:
-        """The policy's weights to this rank's rollout backend, or (rank 0) to the shared rollout servers when
-        a ``weight_sync`` pushes them; every rank waits. A failed push raises (the next rollouts would
-        otherwise sample from a stale policy)."""
-        state = merged_state_dict(self.policy)
+    def push_weights(self, version: int | None = None, *, changed: bool = True) -> None:
+        """The policy's weights, as ``version`` (default: the current step), to this rank's rollout backend, or
+        (rank 0) to the shared rollout servers when a ``weight_sync`` pushes them; asynchronously (rank 0)
+        through the producer, between requests. ``changed=False``: the weights are those already pushed (an
+        update skipped), only the version moves. Every rank waits. A failed push raises (the next rollouts
+        would otherwise sample from a stale policy)."""
+        version = self.step if version is None else version
+        state = merged_state_dict(self.policy) if changed else None  # every rank: FSDP gathers
+        if self.asynchronous:
+            if self.dp.is_main:
+                self.producer.push(None if state is None else lambda: self._load_weights(state), version)
+        else:
+            if state is not None and (self.weight_sync is None or self.dp.is_main):
+                self._load_weights(state)
+            if state is not None and (served := self.dp.broadcast_object(getattr(self.weight_sync, "served_model", None))):
+                self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
+            self.rollout_backend.version = version
+        self.dp.barrier()
+
+    def _load_weights(self, state: dict) -> None:
+        """``state`` into this rank's backend, or through the ``weight_sync`` into the rollout servers."""
         if self.weight_sync is None:
             self.backend.update_weights(state)
-        elif self.dp.is_main:
+        else:
             self.weight_sync.update_weights(state)
-        if served := self.dp.broadcast_object(getattr(self.weight_sync, "served_model", None)):
-            self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
-        self.dp.barrier()
+            if served := getattr(self.weight_sync, "served_model", None):
+                self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
 
     def evaluate(self, *, sampled: bool = False) -> dict[str, float]:
         """Success on ``eval_episodes`` held-out questions (the same questions, and with ``sampled`` the same
         sampling seeds, every time): greedy (``eval/success``, kept in ``eval_history``), or sampled at the
         rollouts' temperature (``eval/sampled_success``)."""
-        if self._prefetch is not None:
-            self._prefetch[1].result()  # one backend, one run of rollouts at a time
         loop_config = self.loop_config if sampled else dataclasses.replace(self.loop_config, temperature=0.0)
-        trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
-            self.base_task, self.dp.shard(range(self.config.eval_episodes)), loop_config,
-            self.config.seed + EVAL_SEED_OFFSET)))
+        episodes, seed = range(self.config.eval_episodes), self.config.seed + EVAL_SEED_OFFSET
+        if self.asynchronous:  # rank 0 plays them all on the producer's loop, where its backend lives
+            played = self.producer.run(self._play(self.base_task, episodes, loop_config, seed)) if self.dp.is_main else None
+            trajectories = self.dp.broadcast_object(played)
+        else:
+            trajectories = self.dp.gather_trajectories(asyncio.run(self._play(
+                self.base_task, self.dp.shard(episodes), loop_config, seed)))
         metrics = rollout_metrics(trajectories)
         if not sampled:
             self.eval_history.append((self.step, metrics["success"]))
@@ -500,8 +560,14 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             bar.close()
+            self.close_producer()
             self.logger.close()
         return history
+
+    def close_producer(self) -> None:
+        """Stop the asynchronous producer (its episodes in flight are cancelled); ``train`` does at its end."""
+        if self.producer is not None:
+            self.producer.close()
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
@@ -526,6 +592,7 @@ class Trainer:
         if state.get("value_head"):
             checkpoint.check_finite(state["value_head"].items(), f"{where} ({checkpoint.STATE_FILE}, value head)")
         self.step = state["step"]
+        self.stream_position = state.get("producer")  # None: synchronous (or an older checkpoint)
         load_full_optimizer_state_(self.optimizer, state["optimizer"])
         if self.value_head is not None:
             if state["value_head"] is None:

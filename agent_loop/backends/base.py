@@ -30,11 +30,14 @@ class GenerationResult(NamedTuple):
     """What a backend returns for one request: the sampled ids, their sampling logprobs, and why it stopped.
 
     finish_reason is "stop" (a stop token was sampled; it is the last id) or "length" (max_tokens reached).
+    policy_version: the version of the weights that sampled every token of it, when the backend knows it
+    (``trainer.async_rollouts.VersionedBackend``: weights change between requests, never during one).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    policy_version: int | None = None
 
 
 class FatalBackendError(RuntimeError):

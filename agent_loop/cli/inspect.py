@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"show every episode (up to --max-episodes), not only the {INFORMATIVE} most informative")
     parser.add_argument("--values", action="store_true",
                         help="terminal: a table per turn with each token's logprob, reward, return and advantage")
+    parser.add_argument("--color-by", choices=("span", "version"), default="span",
+                        help="terminal: colour tokens by span (default), or assistant tokens by the policy version "
+                             "that sampled them (the trainer's step files; an episode that ran across a "
+                             "weight update shows both)")
     parser.add_argument("--compare", action="store_true",
                         help="returns under carry-through, reset-at-observation and ignore-mask side by side")
     parser.add_argument("--estimator", choices=list(LABEL), default=None,

@@ -6,8 +6,8 @@ task's (:class:`~agent_loop.tasks.registry.TaskOptions`) and the loop's
 anything starts; a bad value is one line on stderr naming the option, exit status 2 (docs/errors.md).
 
 One output per run: ``--out`` is locked for the life of the run (``agent_loop.runners.outputs``); a
-``--resume`` with settings that change what an episode is (the loop's and the task's options, the model,
-the seed) is refused unless ``--allow-config-change``. A stop by SIGINT/SIGTERM or a write that fails
+``--resume`` or ``--append`` with settings that change what an episode is (the loop's and the task's
+options, the model, the seed) is refused unless ``--allow-config-change``. A stop by SIGINT/SIGTERM or a write that fails
 (a full disk, a file size limit) is one line naming the file and the ``--resume`` command that goes on.
 """
 
@@ -32,16 +32,16 @@ from agent_loop.backends.registry import BACKENDS, make_backend
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
-from agent_loop.config import OptionError, pick
+from agent_loop.config import OptionError, pick, plural
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.runners.outputs import fresh_path
-from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, row_estimator_names
+from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, made_with, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
 
 DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
-# what an episode is: a --resume that changes one of these would mix two kinds of episodes in one file
+# what an episode is: a --resume/--append that changes one of these would mix two kinds of episodes in one file
 EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f in dataclasses.fields(cls)}
                              | {"model", "seed"})
 
@@ -72,9 +72,9 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
     append: Annotated[bool, Field(description="append to an existing --out (without --resume/--append an "
                                   "existing non-empty --out is refused, never emptied)")] = False
     allow_config_change: Annotated[bool, Field(
-        description="--resume even when settings that change what an episode is (sampling, turns, budgets, "
-                    "task, prompts, model, seed) differ from those saved beside --out (the differences are "
-                    "listed)")] = False
+        description="--resume or --append even when settings that change what an episode is (sampling, turns, "
+                    "budgets, task, prompts, model, seed) differ from those saved beside --out (the differences "
+                    "are listed)")] = False
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
     retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
@@ -143,32 +143,33 @@ def held_note(out: Path, argv: list[str] | None, opts: RolloutOptions):
     """What a stop leaves behind: how many whole episodes ``out`` holds, and the command that goes on."""
     from agent_loop.runners.jsonl import count_lines
 
-    return lambda: (f"{out} holds {count_lines(out)} whole episodes (each line one finished episode); "
+    return lambda: (f"{out} holds {plural(count_lines(out), 'whole episode')} (each line one finished episode); "
                     f"to play the rest: {go_on(opts, argv)}")
 
 
 def check_resume_settings(opts: RolloutOptions, saved_path: Path) -> None:
-    """Refuse a ``--resume`` whose episodes would differ from those already in ``--out`` (their settings saved
-    at ``saved_path``) unless ``--allow-config-change``; then the differences are a warning."""
+    """Refuse a ``--resume`` or ``--append`` whose episodes would differ from those already in ``--out`` (their
+    settings saved at ``saved_path``) unless ``--allow-config-change``; then the differences are a warning."""
     import yaml
 
     from agent_loop.runners.outputs import changed_settings
 
+    flag = "--resume" if opts.resume else "--append"
     if not saved_path.is_file():
-        warnings.warn(f"--resume: no saved settings ({saved_path}) to compare this run's with", stacklevel=2)
+        warnings.warn(f"{flag}: no saved settings ({saved_path}) to compare this run's with", stacklevel=2)
         return
     try:
         saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as error:
-        raise UsageError(f"--resume: cannot read the saved settings {saved_path}: {error}") from None
+        raise UsageError(f"{flag}: cannot read the saved settings {saved_path}: {error}") from None
     changes = changed_settings(saved, dataclasses.asdict(opts), EPISODE_SETTINGS)
     if not changes:
         return
     listing = "; ".join(changes)
     if not opts.allow_config_change:
-        raise UsageError(f"--resume: settings differ from those the episodes in {opts.out} were played with "
+        raise UsageError(f"{flag}: settings differ from those the episodes in {opts.out} were played with "
                          f"({saved_path}): {listing} (pass --allow-config-change to add such episodes to it anyway)")
-    warnings.warn(f"--resume with changed settings ({saved_path} keeps the first run's): {listing}", stacklevel=2)
+    warnings.warn(f"{flag} with changed settings ({saved_path} keeps the first run's): {listing}", stacklevel=2)
 
 
 def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namespace | None = None) -> int:
@@ -202,10 +203,11 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     except (OSError, ValueError, OutputExistsError) as error:
         raise UsageError(f"--out {out}: {error}") from None
     saved = out.with_name(out.stem + ".config.yaml")
-    if opts.resume:
+    if opts.resume or (opts.append and out.is_file() and out.stat().st_size > 0):  # episodes to add to
         check_resume_settings(opts, saved)
     if not total:
-        Console().print(f"{out} already holds all {opts.episodes} episodes (seed {opts.seed}); nothing to play")
+        Console().print(f"{out} already holds {'all ' * (opts.episodes > 1)}{plural(opts.episodes, 'episode')} "
+                        f"(seed {opts.seed}); nothing to play")
         return 0
     if args is not None:
         args.stop_note = held_note(out, argv, opts)
@@ -213,7 +215,8 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     out.parent.mkdir(parents=True, exist_ok=True)
     if save_options is not None and (mode == "new" or not saved.exists()):  # the settings the episodes were played with
         save_options(saved)  # rerun with --config
-    spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode)
+    spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode,
+                   info=made_with(opts.gamma, opts.estimator, pick(TaskOptions, opts)))  # inspect reads them
     started = time.perf_counter()
     stats = _stream(opts, spec, path, out, total, argv)
     if not report(opts, stats, tokenizer, time.perf_counter() - started, path, out, task.name):
@@ -247,7 +250,8 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
             raise SystemExit(f"agent-loop rollout stopped: {error}\n(finished episodes are in {out}; "
                              "rerun with --resume to play the rest)") from None
         if is_write_failure(error):  # a full disk or a file size limit: the partial line was cut
-            raise SystemExit(f"agent-loop rollout stopped: {error}; {out} holds {count_lines(out)} whole episodes; "
+            raise SystemExit(f"agent-loop rollout stopped: {error}; {out} holds "
+                             f"{plural(count_lines(out), 'whole episode')}; "
                              f"make room (or raise the file size limit), then: {go_on(opts, argv)}") from None
         raise
     return stats
@@ -264,7 +268,8 @@ def report(opts: RolloutOptions, stats, tokenizer, elapsed: float, path: str, ou
     if problem is None:
         sample = sorted(stats.sample, key=lambda t: t.info["index"])
         console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma, opts.estimator))
-    console.print(f"wrote {stats.episodes} trajectories to {out}  (look inside: agent-loop inspect {out})")
+    console.print(f"wrote {plural(stats.episodes, 'trajectory', 'trajectories')} to {out}  (look inside: "
+                  f"agent-loop inspect {out})")
     if problem is not None:
         Console(stderr=True).print(f"[red]error:[/red] {problem}", highlight=False, soft_wrap=True)
     return problem is None

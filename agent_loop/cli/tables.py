@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from agent_loop.config import plural
 from agent_loop.runners.stats import RolloutStats
 
 
@@ -22,6 +23,7 @@ def summary_table(stats: RolloutStats, title: str) -> Table:
         ("tool calls / episode", f"{stats.mean('tool_calls'):.2f}"),
         ("finish reasons", ", ".join(f"{k} {v}" for k, v in stats.finish_reasons.most_common())),
         ("tool errors", ", ".join(f"{k} {v}" for k, v in stats.tool_errors.most_common()) or "none"),
+        ("reward errors (episodes ended as errors)", f"{stats.reward_errors}"),
         ("template mismatch / drift episodes", f"{stats.template_mismatches} / {stats.template_drifts}"),
     ]
     for name, value in rows:
@@ -37,9 +39,11 @@ def failure_summary(stats: RolloutStats) -> str | None:
     errors = stats.finish_reasons.get("error", 0)
     if stats.episodes and errors == stats.episodes:
         first = "; ".join(f"episode {i}: {message}" for i, message in stats.first_errors)
-        return f"every episode ({errors}) ended in a backend error; first: {first}"
+        scoring = f", {stats.reward_errors} of them in scoring (the reward failed or hung)" if stats.reward_errors else ""
+        return f"every episode ({errors}) ended in an error{scoring}; first: {first}"
     if not whitenable(stats.assistant_tokens):
-        return (f"the {stats.episodes} episodes sampled {stats.assistant_tokens} assistant tokens in all "
+        return (f"the {plural(stats.episodes, 'episode')} sampled "
+                f"{plural(stats.assistant_tokens, 'assistant token')} in all "
                 f"(finish reasons: {dict(stats.finish_reasons)}); nothing to compute returns on")
     return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import threading
 import time
 import weakref
@@ -31,6 +32,7 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.tool_formats import tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolExecutor, tool_messages
 from agent_loop.tasks.base import Task, as_task
+from agent_loop.tasks.rewards import as_reward
 from agent_loop.types import Episode, ToolCallRecord, Trajectory
 from masking.kinds import SpanKind
 
@@ -154,6 +156,7 @@ class _EpisodeState:
     spans: list[int] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # the sampling weights' version; -1 off ASSISTANT
     records: list[ToolCallRecord] = field(default_factory=list)
     turn_tokens: list[dict] = field(default_factory=list)  # per turn: assistant and observation token counts
     timings: Counter = field(default_factory=Counter)
@@ -163,11 +166,13 @@ class _EpisodeState:
     calls_made: int = 0  # tool calls so far: their ids are unique in the episode
     template_diffs: list[dict] = field(default_factory=list)  # turns whose fresh render differs from what was seen
 
-    def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None,
+               version: int | None = None) -> None:
         self.response_ids += ids
         self.spans += [int(kind)] * len(ids)
         self.turn_ids += [turn] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.policy_versions += [-1 if version is None else version] * len(ids)
 
 
 @dataclass
@@ -235,7 +240,7 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     result, sampling = await _generate_turn(ctx, state, turn)
     if result is None:
         return "error"
-    state.append(result.token_ids, SpanKind.ASSISTANT, turn, result.logprobs)
+    state.append(result.token_ids, SpanKind.ASSISTANT, turn, result.logprobs, result.policy_version)
     state.turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
 
     stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
@@ -332,9 +337,10 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
     """The task's reward, turn rewards, metrics and success of a played episode, computed on a thread of their
     own for at most ``timeout_s`` (a reward that hangs ends this episode only, the event loop never waits on
     it); a hook that raises or times out gives the error and a zero reward."""
-    def score() -> _Score:
-        reward = float(task.reward(episode, state.messages, state.records))
-        return _Score(reward, task.turn_rewards(episode, state.messages, state.records),
+    def score() -> _Score:  # a reward that is NaN, infinite or not a number fails like one that raises
+        reward = as_reward(task.reward(episode, state.messages, state.records), f"{task.name}'s reward")
+        turns = task.turn_rewards(episode, state.messages, state.records)
+        return _Score(reward, turns and [as_reward(r, f"{task.name}'s turn reward") for r in turns],
                       task.episode_metrics(episode, state.messages, state.records) or {},
                       bool(task.success(episode, reward)))
 
@@ -345,6 +351,13 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
                             "(reward_timeout_s); reward 0")
     except Exception as error:
         return _Score(error=f"{type(error).__name__}: {error}")
+
+
+def recorded_model_path(name_or_path: str) -> str:
+    """What ``info["model_path"]`` records: a local folder as an absolute path (so the record's tokenizer loads
+    from any working directory: ``agent-loop inspect``), anything else (a served or hub model name) as given."""
+    path = Path(name_or_path).expanduser()
+    return os.path.abspath(path) if path.is_dir() else name_or_path
 
 
 def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str, score: _Score,
@@ -379,10 +392,11 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
             "success": score.success, **episode.info}
     name_or_path = getattr(ctx.tokenizer, "name_or_path", None)
     if name_or_path:
-        info["model_path"] = str(name_or_path)
+        info["model_path"] = recorded_model_path(str(name_or_path))
     return Trajectory(
         prompt_ids=ctx.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,
         logprobs=state.logprobs, messages=state.messages, tool_calls=state.records, reward=reward,
         turn_rewards=turn_rewards, finish_reason=finish_reason, truncated=finish_reason == "length",
         metrics=metrics, info=info,
+        policy_versions=state.policy_versions if any(v >= 0 for v in state.policy_versions) else None,
     )

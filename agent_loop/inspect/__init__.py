@@ -67,10 +67,14 @@ def run(args, console: Console | None = None) -> int:
     view = build_view(scanned, tokenizer_dir=args.tokenizer)
     for problem in view.problems[len(scanned.problems.lines()):]:
         err.print(f"[yellow]warning:[/yellow] {problem}")
+    if getattr(args, "color_by", "span") == "version" and not any(t.policy_versions for t in view.trajectories):
+        err.print("[yellow]warning:[/yellow] --color-by version: the episodes shown record no policy versions "
+                  "(the trainer's step files do: OUTPUT_DIR/rollouts/); coloured by span")
     if not args.quiet:
         from agent_loop.inspect.terminal import render
 
-        render(view, console, values=args.values or bool(args.worst), compare=args.compare, all_mode=bool(args.all))
+        render(view, console, values=args.values or bool(args.worst), compare=args.compare, all_mode=bool(args.all),
+               color_by=getattr(args, "color_by", "span"))
     if args.html:
         from agent_loop.inspect.html import render as render_html
 

@@ -16,8 +16,3 @@ REGISTERED = {
 }
 LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> COMPARED name
 INFORMATIVE = 3  # episodes the terminal shows by default
-
-
-def plural(n: int, word: str) -> str:
-    """``1 turn``, ``2 turns``, ``0 errors``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"

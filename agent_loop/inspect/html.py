@@ -16,8 +16,8 @@ from __future__ import annotations
 import html
 import json
 
-from agent_loop.inspect.choices import plural
-from agent_loop.inspect.tokens import show_whitespace, turns
+from agent_loop.config import plural
+from agent_loop.inspect.tokens import show_whitespace, turns, versions_note
 from agent_loop.inspect.view import InspectView, row_values_note
 from masking.spans import SpanKind
 
@@ -124,6 +124,7 @@ function show(row,k,e){
   const d=row.d, t=row.toks[k], a=isA(d,k);
   const lines=[['text',JSON.stringify(t.textContent.replace(/\u21b5\n/g,'\n'))],['episode',row.el.dataset.id],['position',k],
     ['span',a?'assistant':'observation'],['token id',d.ids[k]],['turn',d.turn[k]]];
+  if(a&&d.ver)lines.push(['policy version',d.ver[k]]);
   if(a){lines.push(['logprob',fmt(d.lp[k])],['reward',fmt(d.r[k])],['return',fmt(d.ret[k])],['advantage',fmt(d.adv[k])]);
     if(D.compare)lines.push(['return, reset-at-observation',fmt(d.reset[k])],['return, ignore-mask',fmt(d.ignore[k])]);}
   else lines.push(['R carried',fmt(carried(d,'ret').find(([s,e])=>s<=k&&k<e)[2])+' (not a return of this token)']);
@@ -228,6 +229,8 @@ def row_data(view: InspectView, row: int, compare: bool) -> dict:
     data = {"spans": "".join(str(int(s)) for s in traj.spans), "ids": traj.response_ids, "turn": traj.turn_ids,
             "lp": numbers(traj.logprobs), "r": numbers(v.token_level_rewards[row, :n]),
             "ret": numbers(v.returns[row, :n]), "adv": numbers(v.advantages[row, :n])}
+    if traj.policy_versions is not None:
+        data["ver"] = traj.policy_versions
     if compare:
         data["reset"] = numbers(v.compare["reset-at-observation"][row, :n])
         data["ignore"] = numbers(v.compare["ignore-mask"][row, :n])
@@ -249,14 +252,15 @@ def episode_head(view: InspectView, row: int) -> str:
     return (f'<h2>episode {view.ids[row]} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
             f"reward {traj.reward:g} · finish {esc(traj.finish_reason)}{' (truncated)' if traj.truncated else ''} · "
             f"{plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} "
-            f"observation tokens · line {view.lines[row]}{why}</h2>"
+            f"observation tokens · line {view.lines[row]}{why}"
+            + (f" · {esc(versions_note(traj))}" if traj.policy_versions else "") + "</h2>"
             f'<div class="values-note">values: {esc(row_values_note(view, row))}</div>')
 
 
 def episode(view: InspectView, row: int) -> str:
     traj = view.trajectories[row]
     parts = [f'<section class="card episode" id="ep-{view.ids[row]}" {episode_attrs(view, row)}>', episode_head(view, row),
-             f"<details><summary>prompt ({len(traj.prompt_ids)} tokens)</summary><pre>{esc(view.prompts[row])}</pre></details>"]
+             f"<details><summary>prompt ({plural(len(traj.prompt_ids), 'token')})</summary><pre>{esc(view.prompts[row])}</pre></details>"]
     for turn, segs in turns(traj):
         parts.append(f'<div class="turn"><div class="turn-label">turn {turn}</div><div class="tokens">')
         parts.append(token_html(view, row, segs[0].start, segs[-1].end))
@@ -300,7 +304,7 @@ def overview(view: InspectView, compare: bool) -> str:
     held = (f"this page holds {len(trajs)} of the {view.matching} episodes that match the selection"
             + (" (the first ones in file order; --max-episodes, --episode, --worst, --failed choose others)"
                if len(trajs) < view.matching else ""))
-    parts = [f'<section class="card"><h2>file: {s.episodes} episodes</h2><div class="grid">', summary, finish_table,
+    parts = [f'<section class="card"><h2>file: {plural(s.episodes, "episode")}</h2><div class="grid">', summary, finish_table,
              turn_table, f'</div><h2>episodes in this page</h2><p class="{"err" if len(trajs) < view.matching else ""}">'
              f"{esc(held)}</p>", f"<details{' open' if len(trajs) <= 12 else ''}><summary>index of the episodes in this page"
              f"</summary>{index}</details>"]

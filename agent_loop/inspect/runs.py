@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 import agent_loop.inspect.html as page_html
+from agent_loop.config import plural
 from agent_loop.episode.chat import first_difference
 from agent_loop.inspect.load import InputError, Problems, iter_records, read_at
 from agent_loop.inspect.output import write_atomically
@@ -27,6 +29,8 @@ from masking.kinds import SpanKind
 
 SHOWN = 3  # pairs shown in full by default
 TABLE_ROWS = 20  # pairs listed by default
+DETAILED = 200  # listed pairs that differ whose differing positions are read (each pair read again by offset)
+NAMED = 5  # positions (or episodes) a cell or line names before "…"
 CONTEXT = 8  # tokens of shared context before the first divergence (terminal)
 AFTER = 40  # tokens of each run after it (terminal)
 
@@ -80,6 +84,15 @@ class Pair:
     divergence: int | None = None  # filled for the pairs read in full
     traj_a: object = None
     traj_b: object = None
+    token_diffs: list[int] | None = None  # positions (of the common length) whose token ids differ, once read
+    value_diffs: list[int] | None = None  # the same for the recorded returns and advantages (step files)
+
+    @property
+    def differs(self) -> bool:
+        """Whether the two episodes differ in tokens, outcome or recorded values (from the briefs alone)."""
+        a, b = self.a, self.b
+        return (a.digest, a.tokens, a.reward, a.finish, a.turns, a.values) != (
+            b.digest, b.tokens, b.reward, b.finish, b.turns, b.values)
 
 
 @dataclass
@@ -132,11 +145,39 @@ def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False
             return (p.a.success == p.b.success, p.a.digest == p.b.digest, i)
         shown = sorted(candidates, key=rank)[:SHOWN]
     for i in shown:
-        p = pairs[i]
-        p.traj_a, p.traj_b = read_at(path_a, p.a.offset), read_at(path_b, p.b.offset)
-        p.divergence = first_divergence(p.traj_a.response_ids, p.traj_b.response_ids)
+        read_pair(pairs[i], path_a, path_b)
     return Comparison((Path(path_a), Path(path_b)), (runs[0], runs[1]), (summaries[0], summaries[1]), pairs, only,
                       shown, problems)
+
+
+def positions(a: list | None, b: list | None) -> list[int]:
+    """The positions of the common length where ``a`` and ``b`` differ ([] when either is None)."""
+    if a is None or b is None:
+        return []
+    n = min(len(a), len(b))
+    return np.flatnonzero(np.asarray(a[:n], dtype=float) != np.asarray(b[:n], dtype=float)).tolist()
+
+
+def read_pair(pair: Pair, path_a, path_b) -> Pair:
+    """Read both episodes of ``pair`` in full (by byte offset) and fill where they differ."""
+    if pair.traj_a is None:
+        pair.traj_a, pair.traj_b = read_at(path_a, pair.a.offset), read_at(path_b, pair.b.offset)
+    ta, tb = pair.traj_a, pair.traj_b
+    pair.divergence = first_divergence(ta.response_ids, tb.response_ids)
+    pair.token_diffs = positions(ta.response_ids, tb.response_ids)
+    pair.value_diffs = sorted(set(positions(ta.returns, tb.returns)) | set(positions(ta.advantages, tb.advantages)))
+    return pair
+
+
+def detail(c: Comparison, rows: list[int]) -> None:
+    """Read the differing pairs among ``rows`` (at most DETAILED of them), so the table says where they differ."""
+    for i in [i for i in rows if c.pairs[i].differs and c.pairs[i].token_diffs is None][:DETAILED]:
+        read_pair(c.pairs[i], *c.paths)
+
+
+def named(values: list, cap: int = NAMED) -> str:
+    """``"3, 7, 9"``, or the first ``cap`` and ``…``."""
+    return ", ".join(map(str, values[:cap])) + (", …" if len(values) > cap else "")
 
 
 def stats(summary: RolloutStats) -> dict[str, str]:
@@ -147,21 +188,36 @@ def stats(summary: RolloutStats) -> dict[str, str]:
 
 
 def tokens_state(pair: Pair) -> str:
-    """What differs between the two episodes: "same", or the tokens ("differ at P" for the pairs read in
-    full, else their lengths), the outcome fields and the recorded values (step files), comma-separated."""
+    """What differs between the two episodes: "same", or the tokens (how many positions and which, once the
+    pair is read; else their lengths), the outcome fields and the recorded values (step files), comma-separated."""
     a, b, out = pair.a, pair.b, []
     if a.digest != b.digest or a.tokens != b.tokens:
-        if pair.divergence is not None:
-            out.append(f"tokens differ at {pair.divergence}")
-        else:
-            out.append(f"tokens differ ({a.tokens} vs {b.tokens})" if a.tokens != b.tokens
-                       else f"tokens differ (same length {a.tokens}, other ids)")
+        out.append(token_difference(pair))
     out += [f"{name} {x} vs {y}" for name, x, y in (("reward", f"{a.reward:g}", f"{b.reward:g}"),
                                                      ("finish", a.finish, b.finish), ("turns", a.turns, b.turns))
             if x != y]
     if a.values != b.values:
-        out.append("values differ" if a.values and b.values else f"values only in {'A' if a.values else 'B'}")
+        if not (a.values and b.values):
+            out.append(f"values only in {'A' if a.values else 'B'}")
+        elif pair.value_diffs is None:
+            out.append("values differ")
+        else:
+            out.append(f"values differ at {plural(len(pair.value_diffs), 'position')}: {named(pair.value_diffs)}"
+                       if pair.value_diffs else "values differ past the shorter run's end")
     return ", ".join(out) or "same"
+
+
+def token_difference(pair: Pair) -> str:
+    """How the token sequences of a pair differ: at how many positions and which (read pairs), and lengths."""
+    a, b, diffs = pair.a, pair.b, pair.token_diffs
+    lengths = f"lengths {a.tokens} vs {b.tokens}" if a.tokens != b.tokens else ""
+    if diffs is None:
+        return (f"tokens differ ({a.tokens} vs {b.tokens})" if lengths
+                else f"tokens differ (same length {a.tokens}, other ids)")
+    if not diffs:
+        return f"tokens differ: {lengths}, the first {min(a.tokens, b.tokens)} the same"
+    return (f"tokens differ at {plural(len(diffs), 'position')}: {named(diffs)}"
+            + (f" ({lengths})" if lengths else ""))
 
 
 def outcome(b: Brief) -> str:
@@ -183,8 +239,22 @@ def summary_table(c: Comparison) -> Table:
 
 
 def changes(c: Comparison) -> str:
-    return (f"{sum(p.a.success != p.b.success for p in c.pairs)} matched episodes changed outcome, "
-            f"{sum(p.a.digest != p.b.digest for p in c.pairs)} changed tokens")
+    """How many matched episodes changed outcome and tokens, and which (episode indices, the first few)."""
+    outcome_changed = [p.a.index for p in c.pairs if p.a.success != p.b.success]
+    tokens_changed = [p.a.index for p in c.pairs if p.a.digest != p.b.digest]
+
+    def which(indices):
+        return f" (episodes {named(indices)})" if indices else ""
+    return (f"{plural(len(outcome_changed), 'matched episode')} changed outcome{which(outcome_changed)}, "
+            f"{len(tokens_changed)} changed tokens{which(tokens_changed)}")
+
+
+def unlisted(c: Comparison, rows: list[int]) -> str:
+    """The line under the table about the pairs it leaves out: how many, how many of them differ, and which."""
+    left = [p for i, p in enumerate(c.pairs) if i >= len(rows)]
+    differ = [p.a.index for p in left if p.differs]
+    return (f"({plural(len(left), 'more matched episode')}, {len(differ)} of them with differences"
+            + (f": episodes {named(differ, 2 * NAMED)}" if differ else "") + "; --all or --episode N lists them)")
 
 
 def pairs_table(c: Comparison, rows: list[int]) -> Table:
@@ -219,7 +289,8 @@ def pair_view(c: Comparison, i: int, text: TokenText) -> list:
     d = p.divergence
     turn = p.traj_a.turn_ids[d] if d < len(p.traj_a.turn_ids) else p.traj_b.turn_ids[d]
     start = max(0, d - CONTEXT)
-    parts = [head, Text(f"first divergence at response position {d} (turn {turn}); {d} tokens in common", style="yellow")]
+    parts = [head, Text(f"first divergence at response position {d} (turn {turn}); {plural(d, 'token')} in common",
+                        style="yellow")]
     for name, traj in (("A", p.traj_a), ("B", p.traj_b)):
         line = Text(f"{name}: " + ("…" if start else ""))
         line.append_text(styled_tokens(text, traj, start, min(len(traj.response_ids), d + AFTER), d))
@@ -233,10 +304,11 @@ def render_terminal(c: Comparison, console: Console, tokenizer: str | None, show
     console.print(summary_table(c))
     console.print(changes(c))
     rows = list(range(len(c.pairs)))[: limit if show_all else TABLE_ROWS]
+    detail(c, rows)
     if c.pairs:
         console.print(pairs_table(c, rows))
         if len(rows) < len(c.pairs):
-            console.print(f"({len(c.pairs) - len(rows)} more matched episodes: --all lists them)", style="dim")
+            console.print(unlisted(c, rows), style="dim")
     text = TokenText(tokenizer)
     for i in c.shown:
         console.rule()
@@ -253,13 +325,13 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
                + "".join(f'<tr><td class="l">{esc(k)}</td><td>{a[k]}</td><td>{b[k]}</td></tr>' for k in a)
                + f'<tr><td class="l">matched (index, seed)</td><td>{len(c.pairs)}</td><td>{len(c.pairs)}</td></tr>'
                + f'<tr><td class="l">without a match</td><td>{len(c.only[0])}</td><td>{len(c.only[1])}</td></tr></table>')
+    detail(c, list(range(min(limit, len(c.pairs)))))
     rows = "".join(
         f'<tr class="pair" data-ep="{p.a.index}"><td>{"<a href=#pair-%d>%d</a>" % (p.a.index, p.a.index) if i in c.shown else p.a.index}'
         f"</td><td>{esc(p.a.seed)}</td><td class=\"{'' if p.a.success else 'err'}\">{esc(outcome(p.a))}</td>"
         f"<td class=\"{'' if p.b.success else 'err'}\">{esc(outcome(p.b))}</td><td class=\"l\">{esc(tokens_state(p))}</td></tr>"
         for i, p in enumerate(c.pairs[:limit]))
-    more = (f'<p class="err">{len(c.pairs) - limit} more matched episodes not listed (--max-episodes)</p>'
-            if len(c.pairs) > limit else "")
+    more = (f'<p class="err">{esc(unlisted(c, list(range(limit))))}</p>' if len(c.pairs) > limit else "")
     pairs = more + ('<table class="pairs"><tr><th>episode</th><th>seed</th><th>A</th><th>B</th><th class="l">what differs</th></tr>'
              + rows + "</table>")
     text = TokenText(tokenizer)
@@ -271,7 +343,7 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
                                        text.pieces(p.traj_b, p.traj_b.response_ids)])
         d = p.divergence
         note = ("identical token sequences" if d is None else
-                f"first divergence at response position {d}: {d} tokens in common (outlined in red from there)")
+                f"first divergence at response position {d}: {plural(d, 'token')} in common (outlined in red from there)")
         blocks = '<div class="runs">' + "".join(
             f'<div><h3>{name}: line {brief.line} · {esc(outcome(brief))} · finish {esc(brief.finish)}</h3>'
             f'<div class="tokens run-{name}">{page_html.token_html(view, k, 0, len(traj.response_ids), d)}</div></div>'

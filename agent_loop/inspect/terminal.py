@@ -9,8 +9,8 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from agent_loop.inspect.choices import plural
-from agent_loop.inspect.tokens import Segment, show_whitespace, turns
+from agent_loop.config import plural
+from agent_loop.inspect.tokens import Segment, show_whitespace, turns, versions_note
 from agent_loop.inspect.values import COMPARED
 from agent_loop.inspect.values import carried as carried_runs
 from agent_loop.inspect.view import InspectView, row_values_note
@@ -21,6 +21,8 @@ TOKEN_STYLES = {
     SpanKind.ASSISTANT: ("black on #9be59b", "black on #c9f2c9"),
     SpanKind.OBSERVATION: ("#303030 on #d0d0d0", "#303030 on #e6e6e6"),
 }
+# --color-by version: ASSISTANT tokens by the policy version that sampled them, the episode's oldest first
+VERSION_STYLES = ("black on #9be59b", "black on #f2d28b", "black on #9cc9f5", "black on #f0a3c0", "black on #c8b5f2")
 PROMPT_CHARS = 160  # the end of the prompt: the question and the generation prompt
 
 
@@ -28,7 +30,14 @@ def _fmt(x: float) -> str:
     return f"{x:+.3f}" if x else "0"
 
 
-def legend() -> Text:
+def legend(color_by: str = "span") -> Text:
+    if color_by == "version":
+        text = Text("assistant tokens by policy version: ")
+        for k, style in enumerate(VERSION_STYLES):
+            text.append(" oldest " if k == 0 else f" +{k} ", style=style)
+        text.append(" ")
+        text.append(" observation ", style=TOKEN_STYLES[SpanKind.OBSERVATION][0])
+        return text.append("  (versions relative to the episode's oldest; colours repeat after 5)", style="dim")
     text = Text("tokens: ")
     text.append(" assistant ", style=TOKEN_STYLES[SpanKind.ASSISTANT][0])
     text.append(" ")
@@ -48,17 +57,24 @@ def episode_header(view: InspectView, row: int) -> Text:
     )
     if traj.info.get("task"):
         header.append(f" · task {traj.info['task']}")
+    if note := versions_note(traj):
+        header.append(f" · {note}", style="magenta" if "partial" in note else "")
     if view.reasons[row]:
         header.append(f" · shown as {view.reasons[row]}", style="italic cyan")
     return header
 
 
-def segment_text(view: InspectView, row: int, segment: Segment) -> Text:
-    """The tokens of one segment, each with its span colour."""
-    pieces = view.pieces[row]
+def segment_text(view: InspectView, row: int, segment: Segment, color_by: str = "span") -> Text:
+    """The tokens of one segment, each with its span colour (``color_by="version"``: ASSISTANT tokens by the
+    policy version that sampled them, when the episode records versions)."""
+    pieces, versions = view.pieces[row], view.trajectories[row].policy_versions
+    by_version = color_by == "version" and versions is not None and segment.span == SpanKind.ASSISTANT
+    oldest = min((v for v in versions if v >= 0), default=0) if by_version else 0
     text = Text()
     for k, pos in enumerate(range(segment.start, segment.end)):
-        text.append(show_whitespace(pieces[pos]), style=TOKEN_STYLES[SpanKind(segment.span)][k % 2])
+        style = (VERSION_STYLES[(versions[pos] - oldest) % len(VERSION_STYLES)] if by_version
+                 else TOKEN_STYLES[SpanKind(segment.span)][k % 2])
+        text.append(show_whitespace(pieces[pos]), style=style)
     return text
 
 
@@ -103,19 +119,20 @@ def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> 
     return table
 
 
-def episode(view: InspectView, row: int, values: bool = False) -> Group:
-    """Header, prompt, then each turn: its tokens, its tool calls and (``values``) its value table."""
+def episode(view: InspectView, row: int, values: bool = False, color_by: str = "span") -> Group:
+    """Header, prompt, then each turn: its tokens (coloured by span or by policy version), its tool calls and
+    (``values``) its value table."""
     traj = view.trajectories[row]
     prompt = view.prompts[row].replace("\n", "↵")
     if len(prompt) > PROMPT_CHARS:
         prompt = "…" + prompt[-PROMPT_CHARS:]
     parts: list = [Rule(style="bold"), episode_header(view, row),
-                   Text(f"prompt ({len(traj.prompt_ids)} tokens): ", style="bold").append(prompt, style="dim")]
+                   Text(f"prompt ({plural(len(traj.prompt_ids), 'token')}): ", style="bold").append(prompt, style="dim")]
     for turn, segs in turns(traj):
         parts.append(Rule(f"turn {turn}", style="cyan", align="left"))
         body = Text()
         for seg in segs:
-            body.append_text(segment_text(view, row, seg))
+            body.append_text(segment_text(view, row, seg, color_by))
         parts.append(body)
         table = tool_table(view, row, turn)
         if table is not None:
@@ -132,7 +149,7 @@ def problem_lines(view: InspectView) -> list[Text]:
     s, out = view.summary, []
     if s.reward_errors:
         first = "; ".join(f"episode {i}: {m}" for i, m in s.first_reward_errors)
-        out.append(Text(f"reward errors: {plural(s.reward_errors, 'episode')} scored 0 because the reward "
+        out.append(Text(f"reward errors: {plural(s.reward_errors, 'episode')} ended as errors because the reward "
                         f"could not be computed (first: {first})", style="bold red"))
     if s.tool_errors:
         out.append(Text(f"tool errors: {plural(sum(s.tool_errors.values()), 'call')} failed ("
@@ -141,7 +158,8 @@ def problem_lines(view: InspectView) -> list[Text]:
         out.append(Text(f"template mismatches: {plural(s.template_mismatches, 'episode')} "
                         f"({plural(s.template_mismatch_turns, 'turn')}) whose tokens differ from a one-go render "
                         "of their messages", style="red"))
-    errors = [(i, m) for i, m in s.first_errors if not str(m).startswith("reward: ")]
+    reward_failed = {i for i, _ in s.first_reward_errors}  # listed above already
+    errors = [(i, m) for i, m in s.first_errors if i not in reward_failed and not str(m).startswith("reward: ")]
     if errors:
         out.append(Text("episode errors (first): " + "; ".join(f"episode {i}: {m}" for i, m in errors), style="red"))
     if view.trained_note:
@@ -149,16 +167,14 @@ def problem_lines(view: InspectView) -> list[Text]:
     return out
 
 
-def batch_summary(view: InspectView, shown: str) -> Group:
-    """The whole file in one pass, as a two-column table that fits 80 columns without wrapping, then
-    one line per kind of problem (these wrap)."""
+def batch_summary(view: InspectView, shown: str, width: int = 80) -> Group:
+    """The whole file in one pass, as a two-column table of one line per row that fits ``width`` columns
+    (a long value is cut with …, never the names), then one line per kind of problem (these wrap)."""
     s = view.summary
     table = Table(show_header=False)
-    table.add_column("metric", style="bold", no_wrap=True)
-    table.add_column("value", no_wrap=True, overflow="ellipsis")
     n = max(s.episodes, 1)
     errors = ", ".join(f"{k} {c}" for k, c in s.tool_errors.most_common()) or "none"
-    for name, value in (
+    rows = (
         ("success rate", f"{s.successes / n:.0%} ({s.successes} of {s.episodes})"),
         ("mean reward", f"{s.reward_sum / n:.3f}"),
         ("mean turns", f"{s.turns / n:.2f}"),
@@ -170,7 +186,11 @@ def batch_summary(view: InspectView, shown: str) -> Group:
         ("gamma", f"{view.stats.gamma:g} ({view.gamma_note})"),
         ("returns", f"{view.stats.estimator} ({view.estimator_note})" if view.estimator_note else view.stats.estimator),
         ("shown", shown),
-    ):
+    )
+    names = max(len(name) for name, _ in rows)
+    table.add_column("metric", style="bold", no_wrap=True, min_width=names)
+    table.add_column("value", no_wrap=True, overflow="ellipsis", max_width=max(width - names - 7, 8))  # 7: borders
+    for name, value in rows:
         table.add_row(name, value)
     return Group(Text(f"{view.source}: {plural(s.episodes, 'episode')}", style="bold"), table, *problem_lines(view))
 
@@ -223,17 +243,17 @@ def shown_line(view: InspectView, all_mode: bool) -> str:
 
 
 def render(view: InspectView, console: Console, values: bool = False, compare: bool = False,
-           all_mode: bool = False) -> None:
+           all_mode: bool = False, color_by: str = "span") -> None:
     """Print the file's summary (load problems are the caller's to report), then each selected episode
     (and the comparison when ``compare``)."""
-    console.print(batch_summary(view, shown_line(view, all_mode)))
+    console.print(batch_summary(view, shown_line(view, all_mode), console.width))
     if compare:
         console.print(estimator_table(view))
     if not view.selected:
         console.print(Panel("no episode matches the selection", style="yellow"))
         return
-    console.print(legend())
+    console.print(legend(color_by))
     for row in view.selected:
-        console.print(episode(view, row, values=values))
+        console.print(episode(view, row, values=values, color_by=color_by))
         if compare:
             console.print(compare_table(view, row))

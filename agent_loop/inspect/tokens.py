@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import groupby
+from pathlib import Path
 
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
@@ -18,6 +19,16 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def tokenizer_problem(path: str, error: BaseException, given: bool = False) -> str:
+    """The one-line warning when the tokenizer at ``path`` (``given`` by --tokenizer, else the record's
+    ``info["model_path"]``) cannot load: what failed, and that ``--tokenizer DIR`` names another."""
+    where = "--tokenizer" if given else "the file's info['model_path']"
+    relative = "" if given or Path(path).expanduser().is_absolute() else (
+        f", a relative path, read from this working directory ({Path.cwd()})")
+    return (f"cannot load tokenizer {path} ({type(error).__name__}; {where}{relative}); showing token ids: "
+            "give --tokenizer DIR, a local tokenizer folder")
 
 
 class TokenText:
@@ -40,8 +51,7 @@ class TokenText:
             return load_tokenizer(str(path))
         except (OSError, ValueError) as exc:
             self._failed.add(path)
-            self.problems.append(f"cannot load tokenizer {path!s} ({type(exc).__name__}); showing token ids "
-                                 "(give --tokenizer DIR: a local tokenizer folder)")
+            self.problems.append(tokenizer_problem(str(path), exc, given=bool(self.tokenizer_dir)))
             return None
 
     def pieces(self, traj: Trajectory, ids: list[int]) -> list[str]:
@@ -57,6 +67,20 @@ class TokenText:
         if tokenizer is None:
             return " ".join(str(i) for i in ids)
         return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def versions_note(traj: Trajectory) -> str:
+    """The policy versions that sampled the episode's ASSISTANT tokens (``Trajectory.policy_versions``, in the
+    trainer's step files): "" when none are recorded, "policy version 3", or "policy versions 3-4 (partial
+    rollout: 12 tokens of version 3, 20 of 4)" for an episode that ran across a weight update."""
+    counts: dict[int, int] = {}
+    for version in traj.policy_versions or ():
+        if version >= 0:
+            counts[version] = counts.get(version, 0) + 1
+    if len(counts) <= 1:
+        return "".join(f"policy version {v}" for v in counts)
+    parts = [f"{n} tokens of version {v}" if k == 0 else f"{n} of {v}" for k, (v, n) in enumerate(sorted(counts.items()))]
+    return f"policy versions {min(counts)}-{max(counts)} (partial rollout: {', '.join(parts)})"
 
 
 @dataclass

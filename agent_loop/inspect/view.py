@@ -165,29 +165,64 @@ class Trained:
                 f"({self.episodes} of {total} episodes carry the step's returns and advantages{rest})")
 
 
+def recorded_gamma(traj: Trajectory) -> float | None:
+    """The ``info["gamma"]`` an episode records (``agent-loop rollout``, a trainer's step file), when valid."""
+    value = traj.info.get("gamma")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 else None
+
+
 def resolve_gamma(given: float | None, first: Trajectory) -> tuple[float, str]:
-    """--gamma when given; else the ``info["gamma"]`` the rollout recorded; else 1.0 (the rollout default)."""
+    """--gamma when given (saying what the file records, when it differs); else the ``info["gamma"]`` the
+    file records; else 1.0 (the rollout default)."""
+    recorded = recorded_gamma(first)
     if given is not None:
-        return given, "--gamma"
-    recorded = first.info.get("gamma")
-    if isinstance(recorded, (int, float)) and 0 <= recorded <= 1:
-        return float(recorded), "recorded in the file"
+        if recorded is None or recorded == given:
+            return given, "--gamma" if recorded is None else "--gamma, as the file records"
+        return given, f"--gamma; the file records {recorded:g}"
+    if recorded is not None:
+        return recorded, "recorded in the file"
     return 1.0, "default; the file records none, set --gamma"
 
 
 def resolve_estimator(given: str | None, first: Trajectory) -> tuple[str, str]:
-    """The COMPARED name of the computed returns: --estimator (a registry name) when given; else the
-    ``info["estimator"]`` the file records, when the views can compute it; else carry-through."""
-    if given is not None:
-        return LABEL.get(given, given), "--estimator"
+    """The COMPARED name of the computed returns: --estimator (a registry name) when given (saying what the
+    file records, when it differs); else the ``info["estimator"]`` the file records, when the views can
+    compute it; else carry-through."""
     recorded = first.info.get("estimator")
     lam = f", lam {first.info['lam']:g}" if isinstance(first.info.get("lam"), (int, float)) else ""
+    if given is not None:
+        name = LABEL.get(given, given)
+        same = recorded is None or LABEL.get(recorded, recorded) == name
+        return name, "--estimator" if same else f"--estimator; the file records {recorded}{lam}"
     if recorded in LABEL:
         return LABEL[recorded], f"recorded in the file{lam}"
     if recorded is not None:
         return "carry-through", (f"the file records {recorded}{lam}, which the views do not compute; "
                                  "carry-through computed, set --estimator")
     return "carry-through", "default; the file records none"
+
+
+@dataclass
+class Recorded:
+    """The distinct gammas and estimators the episodes of a file record (a file appended to by runs with
+    other settings mixes them; the views compute with one and say so)."""
+
+    gammas: set = field(default_factory=set)
+    estimators: set = field(default_factory=set)
+    limit: int = 4  # distinct values kept of each
+
+    def add(self, traj: Trajectory) -> None:
+        for value, into in ((recorded_gamma(traj), self.gammas), (traj.info.get("estimator"), self.estimators)):
+            if value is not None and len(into) < self.limit:
+                into.add(value)
+
+    def mixed(self, note: str, values: set, what: str) -> str:
+        """``note``, plus what the file mixes when its episodes record more than one value."""
+        if len(values) < 2:
+            return note
+        listed = ", ".join(sorted(f"{v:g}" if isinstance(v, float) else str(v) for v in values))
+        more = " ..." if len(values) >= self.limit else ""
+        return f"{note}; its episodes record {listed}{more}: one {what} used for all"
 
 
 def scan(path: str | Path, selection: Selection | None = None, gamma: float | None = None, compare: bool = False,
@@ -202,6 +237,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
     problems = problems if problems is not None else Problems()
     summary, keeper, matching = RolloutStats(), Keeper(selection), 0
     stats, note, chunk, seen_ids, trained, how = None, "", [], set(), Trained(), "default"
+    recorded = Recorded()
     for ordinal, record in enumerate(iter_records(path, problems)):
         traj = record.trajectory
         if stats is None:
@@ -209,6 +245,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
             name, how = resolve_estimator(estimator, traj)
             stats = FileStats(resolved, compare, name)
         trained.add(traj)
+        recorded.add(traj)
         eid = episode_id(traj, ordinal)
         summary.add(traj, index=eid)
         if selection.matches(traj, eid):
@@ -225,6 +262,7 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
         stats.add(chunk)
     missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
     kept, shown = keeper.result()
+    note, how = recorded.mixed(note, recorded.gammas, "gamma"), recorded.mixed(how, recorded.estimators, "estimator")
     return Scan(path, summary, matching, stats, kept, shown, problems, note, missing, how,
                 trained if trained.episodes else None)
 

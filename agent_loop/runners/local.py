@@ -74,17 +74,21 @@ class TrajectorySink:
     progress bar with the running success rate.
 
     ``output_mode``: "new" refuses an existing non-empty file, "append"/"resume" add to it (a torn last
-    line is cut first). Memory: ``stats`` (O(1)); the trajectories themselves only with ``keep=True``.
+    line is cut first). ``info``: keys added to each episode's ``info`` (``RunSpec.recorded()``: how the
+    run was made). Memory: ``stats`` (O(1)); the trajectories themselves only with ``keep=True``.
     """
 
     def __init__(self, total: int, description: str, output_path: str | Path | None = None, progress: bool = True,
-                 output_mode: str = "new", *, keep: bool = False, stats: RolloutStats | None = None):
+                 output_mode: str = "new", *, keep: bool = False, stats: RolloutStats | None = None,
+                 info: dict | None = None):
+        self.info = info or {}
         self.results: dict[int, Trajectory] | None = {} if keep else None
         self.stats = stats if stats is not None else RolloutStats()
         self.file = JsonlWriter(output_path, output_mode) if output_path else None
         self.bar = tqdm(total=total, desc=description, unit="ep", disable=not progress)
 
     def add(self, trajectory: Trajectory) -> None:
+        trajectory.info.update({k: dict(v) if isinstance(v, dict) else v for k, v in self.info.items()})
         if self.results is not None:
             self.results[trajectory.info["index"]] = trajectory
         self.stats.add(trajectory)
@@ -133,7 +137,7 @@ async def stream_rollouts(spec: RunSpec, backend: Backend, *, concurrency: int =
     stats = RolloutStats(sample_indices=frozenset(head))
     try:
         with TrajectorySink(total, f"rollout {spec.task.name}", spec.output_path, spec.progress, spec.output_mode,
-                            keep=keep, stats=stats) as sink:
+                            keep=keep, stats=stats, info=spec.recorded()) as sink:
             async def worker() -> None:
                 for index in todo:  # one shared iterator: each index is played once
                     sink.add(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
@@ -174,14 +178,18 @@ async def run_rollouts(
     output_path: str | Path | None = None,
     progress: bool = True,
     output_mode: str = "new",
+    *,
+    info: dict | None = None,
 ) -> list[Trajectory]:
     """Play ``episodes`` (episode indices) with at most ``concurrency`` in flight; return them in index order.
 
     Keeps every Trajectory in memory (what a training step needs); for long runs use
     :func:`stream_rollouts`, which keeps only running statistics. With ``output_path``, each finished
     Trajectory is appended and flushed at once, so an interrupted run keeps every episode that had finished.
+    Each episode's ``info`` records the loop options (``options``) and ``info`` (``RunSpec.info``, e.g.
+    ``made_with(gamma=0.9)``).
     """
-    spec = RunSpec(task, tokenizer, episodes, config, seed, output_path, output_mode, progress)
+    spec = RunSpec(task, tokenizer, episodes, config, seed, output_path, output_mode, progress, info or {})
     _, trajectories = await stream_rollouts(spec, backend, concurrency=concurrency, keep=True)
     return trajectories
 
@@ -219,6 +227,7 @@ def error_status(stats: RolloutStats, max_error_fraction: float) -> tuple[int, l
     failed = stats.finish_reasons.get("error", 0)
     if not failed:
         return 0, []
-    lines = [f"{failed} of {stats.episodes} episodes ended with an error; the first:",
+    scoring = f" ({stats.reward_errors} in scoring: the reward failed or hung)" if stats.reward_errors else ""
+    lines = [f"{failed} of {stats.episodes} episodes ended with an error{scoring}; the first:",
              *(f"episode {index}: {message[:300]}" for index, message in sorted(stats.first_errors))]
     return int(failed > max_error_fraction * stats.episodes), lines

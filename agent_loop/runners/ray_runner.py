@@ -10,8 +10,11 @@ Backend, e.g. `functools.partial(VLLMEngineBackend, path)` for one engine per ac
 `functools.partial(OpenAIHTTPBackend, urls, model)` for actors sharing HTTP servers).
 
 Faults: an actor that dies (killed, out of memory, node lost) is replaced by a fresh one, and the
-episodes it had in flight are played again elsewhere (each is deterministic in its index and seed);
-episodes it had finished are already written and kept. An episode that raises is written with
+episodes it had in flight are played again elsewhere, before any new one (each is deterministic in its
+index and seed); episodes it had finished are already written and kept.
+
+Memory: the episode indices are pulled one at a time (``--episodes 50000000`` builds no list), and
+:func:`stream_rollouts_ray` keeps running statistics only, as the in-process runner does. An episode that raises is written with
 finish "error" (`agent_loop.runners.local.play_episode`); only a fatal backend error stops the run.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import warnings
 from collections import deque
 from typing import Callable
@@ -28,6 +32,7 @@ import ray
 from agent_loop.backends.base import Backend, is_fatal
 from agent_loop.runners.local import TrajectorySink, error_trajectory, play_episode
 from agent_loop.runners.spec import RunSpec
+from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
 
 _quiet = contextlib.suppress(Exception)  # closing or killing actors that may already be dead
@@ -52,17 +57,22 @@ class RolloutWorker:
 
 
 class _ActorPool:
-    """The actors of one run and their episodes: which slot runs what, replacements, replays."""
+    """The actors of one run and their episodes: which slot runs what, replacements, replays.
+
+    Indices are pulled from ``spec.episodes`` one at a time as slots free up (``--episodes 50000000`` builds
+    no list); memory is the episodes in flight plus those a dead actor left to replay."""
 
     def __init__(self, spec: RunSpec, backend_factory, num_workers: int, concurrency: int, options: dict,
-                 replacements: int, max_attempts: int):
+                 replacements: int, max_attempts: int, total: int, order: list[int] | None = None):
         self.spec, self.concurrency, self.max_attempts = spec, concurrency, max_attempts
-        self.replacements_left = replacements
+        self.replacements_left, self.left = replacements, total  # left: episodes not yet written
         self.options = {"max_concurrency": concurrency, **options}
-        self.refs = (ray.put(spec), ray.put(backend_factory))
-        self.todo = deque(spec.episodes)
-        self.attempts = dict.fromkeys(self.todo, 0)
-        self.workers: list = [self._new_worker() for _ in range(min(num_workers, max(len(self.todo), 1)))]
+        # the actors get the spec without its indices (a lazy iterable may not pickle; they need none)
+        self.refs = (ray.put(dataclasses.replace(spec, episodes=())), ray.put(backend_factory))
+        self.todo, self.order = iter(spec.episodes), order  # order: indices as first handed out (keep=True)
+        self.replays: deque[int] = deque()  # a dead actor's unfinished episodes, played before new ones
+        self.attempts: dict[int, int] = {}  # per episode in flight or waiting for its replay
+        self.workers: list = [self._new_worker() for _ in range(min(num_workers, max(total, 1)))]
         self.load = [0] * len(self.workers)  # episodes in flight per slot (on its current actor)
         self.in_flight: dict[ray.ObjectRef, tuple[int, object, int]] = {}  # ref -> (slot, actor, episode index)
 
@@ -78,15 +88,28 @@ class _ActorPool:
         for slot in range(len(self.workers)):
             while self._submit(slot):
                 pass
-        if self.todo and not self.in_flight and all(w is None for w in self.workers):
-            raise RuntimeError(f"every rollout worker died; {len(self.todo)} episodes not played "
+        if not self.in_flight and all(w is None for w in self.workers) and self._next_index(peek=True) is not None:
+            raise RuntimeError(f"every rollout worker died; {self.left} episodes not played "
                                "(the finished ones are written; rerun with --resume)")
 
+    def _next_index(self, peek: bool = False) -> int | None:
+        """The next episode to play: a replay first, else the next index of ``spec.episodes``; None when none is left."""
+        if not self.replays:
+            index = next(self.todo, None)
+            if index is None:
+                return None
+            if self.order is not None:
+                self.order.append(index)
+            self.replays.append(index)
+        return self.replays[0] if peek else self.replays.popleft()
+
     def _submit(self, slot: int) -> bool:
-        if not self.todo or self.workers[slot] is None or self.load[slot] >= self.concurrency:
+        if self.workers[slot] is None or self.load[slot] >= self.concurrency:
             return False
-        index = self.todo.popleft()
-        self.attempts[index] += 1
+        index = self._next_index()
+        if index is None:
+            return False
+        self.attempts[index] = self.attempts.get(index, 0) + 1
         self.in_flight[self.workers[slot].play.remote(index)] = (slot, self.workers[slot], index)
         self.load[slot] += 1
         return True
@@ -98,14 +121,19 @@ class _ActorPool:
         if self.workers[slot] is actor:
             self.load[slot] -= 1
         try:
-            sink.add(ray.get(done[0]))
+            self._written(sink, index, ray.get(done[0]))
         except ray.exceptions.RayActorError as error:
             self._actor_died(slot, actor, index, error, sink)
         except ray.exceptions.RayTaskError as error:
             cause = getattr(error, "cause", None) or error
             if is_fatal(cause):
                 raise cause from None
-            sink.add(error_trajectory(self.spec.task, index, self.spec.seed, cause, self.spec.tokenizer))
+            self._written(sink, index, error_trajectory(self.spec.task, index, self.spec.seed, cause, self.spec.tokenizer))
+
+    def _written(self, sink: TrajectorySink, index: int, trajectory: Trajectory) -> None:
+        sink.add(trajectory)
+        self.attempts.pop(index, None)
+        self.left -= 1
 
     def _actor_died(self, slot: int, actor, index: int, error: BaseException, sink: TrajectorySink) -> None:
         if self.workers[slot] is actor:  # first news of this death: replace the actor once
@@ -119,10 +147,10 @@ class _ActorPool:
                           + ("replaced it, replaying its episodes" if replaced else "no replacements left"), stacklevel=4)
         if self.attempts[index] >= self.max_attempts:
             spec = self.spec
-            sink.add(error_trajectory(spec.task, index, spec.seed, f"lost with {self.attempts[index]} dead actors: "
-                                      f"{error}", spec.tokenizer))
+            self._written(sink, index, error_trajectory(spec.task, index, spec.seed, f"lost with {self.attempts[index]} "
+                                                        f"dead actors: {error}", spec.tokenizer))
         else:
-            self.todo.appendleft(index)
+            self.replays.appendleft(index)
 
     def close(self) -> None:
         live = [w for w in self.workers if w is not None]
@@ -133,7 +161,7 @@ class _ActorPool:
                 ray.kill(worker)
 
 
-def run_rollouts_ray(
+def stream_rollouts_ray(
     spec: RunSpec,
     backend_factory: Callable[[], Backend],
     *,
@@ -142,24 +170,39 @@ def run_rollouts_ray(
     worker_options: dict | None = None,
     max_worker_replacements: int | None = None,
     max_episode_attempts: int = 3,
-) -> list[Trajectory]:
-    """Play ``spec.episodes`` on ``num_workers`` actors; return them in the order of ``spec.episodes``.
+    keep: bool = False,
+    sample_size: int = 0,
+    total: int | None = None,
+) -> tuple[RolloutStats, list[Trajectory] | None]:
+    """Play ``spec.episodes`` on ``num_workers`` actors; return running statistics (and, with ``keep=True``,
+    the trajectories in the order of ``spec.episodes``), as :func:`agent_loop.runners.local.stream_rollouts`.
 
     Each actor keeps at most ``concurrency_per_worker`` episodes in flight and gets its next episode
-    when one finishes, so faster actors take more. With ``spec.output_path``, each finished Trajectory is
-    written at once (finishing order), so an interrupted run keeps what had finished. ``worker_options``
-    go to ``RolloutWorker.options`` (e.g. ``{"num_gpus": 1}`` for one engine per GPU).
+    when one finishes, so faster actors take more. ``spec.episodes`` is read one index at a time (a range or
+    any lazy iterable; ``total`` sizes the progress bar when it has no ``len``), so without ``keep`` memory
+    does not grow with the run. With ``spec.output_path``, each finished Trajectory is written at once
+    (finishing order), so an interrupted run keeps what had finished; ``sample_size``: the first episodes
+    kept in the statistics' ``sample``. ``worker_options`` go to ``RolloutWorker.options`` (e.g.
+    ``{"num_gpus": 1}`` for one engine per GPU).
 
     A dead actor is replaced (at most ``max_worker_replacements`` times in all, default 2 per worker)
-    and its unfinished episodes go back in the queue; an episode lost with ``max_episode_attempts``
+    and its unfinished episodes are played again first; an episode lost with ``max_episode_attempts``
     actors is written with finish "error". With no actor left, RuntimeError (finished episodes stay written).
+    A fatal backend error stops the run and is raised.
     """
-    spec = dataclasses.replace(spec, episodes=list(spec.episodes))
+    episodes = spec.episodes
+    if total is None:
+        episodes = episodes if hasattr(episodes, "__len__") else list(episodes)
+        total = len(episodes)
+    todo, order = iter(episodes), [] if keep else None
+    head = list(itertools.islice(todo, sample_size))
+    stats = RolloutStats(sample_indices=frozenset(head))
+    spec = dataclasses.replace(spec, episodes=itertools.chain(head, todo))
     replacements = 2 * num_workers if max_worker_replacements is None else max_worker_replacements
     pool = _ActorPool(spec, backend_factory, num_workers, concurrency_per_worker, worker_options or {}, replacements,
-                      max_episode_attempts)
-    with TrajectorySink(len(spec.episodes), f"rollout {spec.task.name} (ray)", spec.output_path, spec.progress,
-                        spec.output_mode, keep=True) as sink:
+                      max_episode_attempts, total, order)
+    with TrajectorySink(total, f"rollout {spec.task.name} (ray)", spec.output_path, spec.progress,
+                        spec.output_mode, keep=keep, stats=stats, info=spec.recorded()) as sink:
         try:
             pool.start()
             while pool.in_flight:
@@ -167,4 +210,10 @@ def run_rollouts_ray(
                 pool.refill()
         finally:
             pool.close()
-    return sink.in_order(spec.episodes)
+    return stats, (sink.in_order(order) if keep else None)
+
+
+def run_rollouts_ray(spec: RunSpec, backend_factory: Callable[[], Backend], **options) -> list[Trajectory]:
+    """:func:`stream_rollouts_ray` with every Trajectory kept: them, in the order of ``spec.episodes`` (what a
+    training step needs; ``options`` as there)."""
+    return stream_rollouts_ray(spec, backend_factory, keep=True, **options)[1]

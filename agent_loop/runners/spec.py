@@ -4,6 +4,7 @@ registered one; ``rollout``: those a file of rollouts can show alone)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Iterable
@@ -19,7 +20,10 @@ from agent_loop.tasks.base import Task, as_task
 class RunSpec:
     """Episodes ``episodes`` (indices) of ``task``, played with ``tokenizer``'s chat template under ``config``
     and ``seed``; each finished one written to ``output_path`` (``output_mode``: "new" refuses an existing
-    non-empty file, "append"/"resume" add to it; ``agent_loop.runners.jsonl``) with a progress bar."""
+    non-empty file, "append"/"resume" add to it; ``agent_loop.runners.jsonl``) with a progress bar.
+    ``info``: what every episode of the run records in its ``info`` besides the loop's own fields (:func:`made_with`:
+    the gamma and estimator its values are computed with, the resolved options); the runners add ``config``
+    there as ``options`` whatever ``info`` holds."""
 
     task: Task
     tokenizer: Any
@@ -29,10 +33,29 @@ class RunSpec:
     output_path: str | Path | None = None
     output_mode: str = "new"
     progress: bool = True
+    info: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.task = as_task(self.task)
         self.config = self.config or LoopConfig()
+
+    def recorded(self) -> dict:
+        """The keys each episode of this run gets in its ``info``: ``info``, with the loop options (``config``)
+        under ``options`` (beside any options ``info`` already holds)."""
+        return {**self.info, "options": {**dataclasses.asdict(self.config), **self.info.get("options", {})}}
+
+
+def made_with(gamma: float | None = None, estimator: str | None = None, options: dict | None = None,
+              **hyperparameters) -> dict:
+    """How a file of rollouts was made, as the keys every episode records in its ``info`` (one way for
+    ``agent-loop rollout``'s files and the trainer's step files; ``agent-loop inspect`` reads them):
+    ``gamma`` and ``estimator`` (what its returns and advantages are, or were, computed with), the
+    estimator's ``hyperparameters`` (``lam``, ``kl_coef``, ...) and ``options`` (the resolved options the
+    episodes were played with). Unset (None) values are left out; the loop records ``model_path`` itself."""
+    made = {"gamma": None if gamma is None else float(gamma), "estimator": estimator, **hyperparameters}
+    if options:
+        made["options"] = dict(options)
+    return {key: value for key, value in made.items() if value is not None}
 
 
 @dataclass

@@ -22,7 +22,7 @@ class Task:
     """An environment: makes episodes and scores them.
 
     Must write: ``name``, :meth:`make_episode` and :meth:`reward`. May override :meth:`success`,
-    :meth:`turn_rewards` and :meth:`episode_metrics` (their defaults are documented on each).
+    :meth:`turn_rewards`, :meth:`episode_metrics` and :meth:`demonstrate` (their defaults are documented on each).
     """
 
     name: str = ""
@@ -49,6 +49,16 @@ class Task:
         default none."""
         return {}
 
+    def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict] | None:
+        """A solved ``episode`` for ``agent-loop warmstart`` (supervised fine-tuning on its ASSISTANT tokens):
+        the messages after its prompt, as the loop records them (a list that starts with the prompt, such as
+        a Trajectory's ``messages``, is taken too): assistant turns with ``content`` and ``tool_calls``
+        (``{"name", "arguments"}`` dicts, or the OpenAI ``{"function": {...}}`` shape), the last one a final
+        answer without tool calls; the tool results between them may be left out (the tools are run).
+        ``rng``: seeded by the episode's (index, seed), apart from the one that made the episode.
+        Default None: no demonstration (a task with none cannot be warm-started)."""
+        return None
+
 
 def is_task(obj) -> bool:
     """A task object (not a class): has ``make_episode`` and ``reward``."""
@@ -72,7 +82,7 @@ class _Wrapped(Task):
     def __init__(self, task):
         self.task = task
         self.name = getattr(task, "name", None) or type(task).__name__
-        for hook in ("success", "turn_rewards", "episode_metrics"):
+        for hook in ("success", "turn_rewards", "episode_metrics", "demonstrate"):
             if callable(getattr(task, hook, None)):
                 setattr(self, hook, getattr(task, hook))
 

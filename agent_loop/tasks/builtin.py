@@ -95,7 +95,7 @@ def tool_returned_answer(answer: int | float, tool_calls: list[ToolCallRecord]) 
 
 def answer_reward(messages: list[dict], answer: int | float, tool_format=None) -> float:
     """1.0 if the last assistant message is a final answer (it calls no tool in ``tool_format``) whose last
-    number equals ``answer``: the ``number`` rule on the final answer."""
+    number equals ``answer`` exactly (``number_match``; the ``number`` rule of DatasetTask allows a tolerance)."""
     return number_match(final_answer(messages, tool_format), answer)
 
 

@@ -26,13 +26,16 @@ Rewards. A reward function takes, by name, any of ``completion`` (the final answ
 last assistant message, "" if that message still calls a tool), ``answer``, ``messages``,
 ``tool_calls`` (``ToolCallRecord`` list), ``row`` and ``episode``, and returns a number. Several
 functions are summed with ``reward_weights`` (1.0 each by default), as in TRL; each one's value is
-kept in ``info["rewards"]``. A function that raises or returns a non-number is recorded in
-``info["reward_error"]`` and the episode's reward is 0.0 (never a partial sum); the run goes on.
-Built-in rules by name: ``exact``, ``contains``, ``number``, ``regex:PATTERN`` (see :data:`RULES`).
+kept in ``info["rewards"]``. A function that raises or returns a non-number ends that episode with
+finish "error", reward 0.0 (never a partial sum) and the message in ``info["reward_error"]``; the run
+goes on and a training step drops the episode (counted). Built-in rules by name: ``exact``,
+``contains``, ``number`` (tolerant: :func:`~agent_loop.tasks.rewards.number_close`), ``regex:PATTERN``
+(see :data:`RULES`).
 
 Per-turn rewards (optional): ``turn_reward`` takes, by name, any of ``turn``, ``message`` (that
 assistant turn's message), ``tool_calls`` (that turn's calls), ``answer``, ``row``, ``messages``,
-``episode`` and returns a number; the loop places it on the turn's last assistant token.
+``episode`` and returns a number; the loop places it on the turn's last assistant token. One that raises
+or returns a non-number fails the episode the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from agent_loop.episode.tools import tool
 from agent_loop.tasks.base import Task, episode_rng
 from agent_loop.tasks.rewards import (
     TURN_REWARD_ARGUMENTS,
+    RewardError,
     argument_picker,
     as_reward,
     function_name,
@@ -56,8 +60,9 @@ from agent_loop.tasks.rewards import (
 from agent_loop.types import Episode, ToolCallRecord, json_values
 
 ROLES = ("system", "user", "assistant", "tool")
-LINE_FORMATS = (".jsonl", ".json")  # one JSON object (or string) per line
-FORMATS = "a .jsonl or .json file (one JSON object per line), a .parquet file, or a folder saved by datasets' save_to_disk"
+LINE_FORMATS = (".jsonl", ".json")  # one JSON object (or string) per line; a .json file may hold one JSON array
+FORMATS = ("a .jsonl or .json file (one JSON object per line; a .json file may hold one JSON array of them), a "
+           ".parquet file, or a folder saved by datasets' save_to_disk")
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -79,8 +84,13 @@ def _messages_of(prompt: Any) -> list[dict]:
 
 
 def _plain(value: Any) -> Any:
-    """Metadata as JSON values (a Trajectory is written as JSON)."""
-    return json.loads(json.dumps(value, ensure_ascii=False, default=str))
+    """Metadata as JSON values (a Trajectory is written as JSON): numpy and torch scalars and arrays become their
+    values (``np.int64(8)`` -> 8, an array -> a list), any other object its ``str``."""
+    return json.loads(json.dumps(value, ensure_ascii=False, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    return value.tolist() if callable(getattr(value, "tolist", None)) else str(value)
 
 
 def normalize_row(row: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> dict:
@@ -115,11 +125,30 @@ def _read_jsonl(path: Path) -> Iterable[tuple[str, Any]]:
             if not raw.strip():
                 continue
             try:
-                yield where, json.loads(raw.decode("utf-8"))
+                yield where, json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))  # a leading BOM
             except UnicodeDecodeError as error:
                 yield where, ValueError(f"not UTF-8 text (byte {error.start} of the line)")
             except json.JSONDecodeError as error:
                 yield where, ValueError(f"not JSON ({error.msg} at column {error.colno})")
+
+
+def _read_json_array(path: Path) -> Iterable[tuple[str, Any]] | None:
+    """The rows of a ``.json`` file that holds one JSON array (read whole), or None when it does not start with
+    ``[`` (JSON Lines, read a line at a time). ValueError naming the place if the array is not JSON."""
+    with open(path, "rb") as f:
+        start = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    if path.suffix != ".json" or start != b"[":
+        return None
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) is no row
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: a JSON array that is not JSON ({error.msg} at line {error.lineno} column "
+                         f"{error.colno})") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not one JSON array")
+    return ((f"{path}:row {i}", row) for i, row in enumerate(rows))
 
 
 def _read_table(source: Any, split: str | None) -> Iterable[tuple[str, Any]]:
@@ -164,7 +193,10 @@ def load_prompts(source: Any, prompt_key: str = "prompt", answer_key: str = "ans
             raise ValueError(f"prompts file not found: {path}")
         if path.is_file() and path.suffix not in (*LINE_FORMATS, ".parquet"):
             raise ValueError(f"unknown prompts format {path.suffix or '(no suffix)'} (accepted: {FORMATS})")
-        items = _read_jsonl(path) if path.suffix in LINE_FORMATS else _read_table(path, split)
+        if path.suffix in LINE_FORMATS:
+            items = _read_json_array(path) or _read_jsonl(path)
+        else:
+            items = _read_table(path, split)
     elif isinstance(source, (list, tuple)):
         items = ((f"prompts[{i}]", row) for i, row in enumerate(source))
     else:
@@ -239,12 +271,12 @@ class DatasetTask(Task):
                        info={"row_index": row_index, "row": row["row"]})
 
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        """The weighted sum of the reward functions; 0.0 with ``info["reward_error"]`` if any of them fails."""
+        """The weighted sum of the reward functions; :class:`RewardError` if any of them fails (an error episode)."""
         return score_episode(self.rewards, episode, messages, tool_calls)
 
     def turn_rewards(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> list[float] | None:
-        """One reward per assistant turn from ``turn_reward`` (None without one); all 0.0 with
-        ``info["turn_reward_error"]`` if it fails."""
+        """One reward per assistant turn from ``turn_reward`` (None without one); :class:`RewardError` if it
+        raises or returns a non-number (an error episode, as for the outcome reward)."""
         if self.turn_reward is None:
             return None
         replies = [m for m in messages[len(episode.messages):] if m.get("role") == "assistant"]
@@ -252,6 +284,6 @@ class DatasetTask(Task):
         try:
             return [as_reward(self.turn_reward(**self._turn_picker(
                 {**base, "turn": turn, "message": message, "tool_calls": [c for c in tool_calls if c.turn == turn]}))) for turn, message in enumerate(replies)]
-        except Exception as error:
-            episode.info["turn_reward_error"] = f"turn reward {function_name(self.turn_reward)!r} raised {type(error).__name__}: {error}"
-            return [0.0] * len(replies)
+        except Exception as error:  # a user's reward bug: this episode fails (agent_loop.episode.loop._score)
+            raise RewardError(f"turn reward {function_name(self.turn_reward)!r} raised {type(error).__name__}: "
+                              f"{error}") from error

@@ -19,9 +19,11 @@ class Environment(Task):
     ``sample(rng)`` returns a row as a :class:`DatasetTask` reads it (a prompt string, or a dict with
     ``prompt`` and optionally ``answer`` and metadata); ``rng`` is a ``random.Random`` seeded by the
     episode's (index, seed), so episodes replay. ``score`` takes, by name, any of ``completion``,
-    ``answer``, ``messages``, ``tool_calls``, ``row``, ``episode`` and returns the reward (a failure is
-    recorded as ``info["reward_error"]`` with reward 0.0). ``tools`` are the tools of every episode;
+    ``answer``, ``messages``, ``tool_calls``, ``row``, ``episode`` and returns the reward (a failure ends
+    the episode with finish "error", reward 0.0 and ``info["reward_error"]``). ``tools`` are the tools of every episode;
     override ``episode_tools(row)`` for per-episode tools. ``name`` defaults to the class name.
+    ``demonstrate(episode, rng)`` (optional, :meth:`Task.demonstrate`) returns a solved episode for
+    ``agent-loop warmstart``; the row's answer is ``episode.answer``, its other keys ``episode.info["row"]``.
     """
 
     name: str = ""

@@ -2,8 +2,11 @@
 weighted sum of reward functions (docs/design.md section 6a; README "Rewards").
 
 A reward function takes, by name, any of :data:`REWARD_ARGUMENTS` and returns a number; one that
-raises or returns a non-number is recorded on the episode (``info["reward_error"]``), never a crashed
-run. Rules by name (:func:`get_rule`): ``exact``, ``contains``, ``number``, ``regex:PATTERN``.
+raises or returns a non-number raises :class:`RewardError` from :func:`score_episode`, so the loop's
+scoring ends that episode with finish "error" (reward 0, ``info["reward_error"]``; a training step
+drops it), never a crashed run. Rules by name (:func:`get_rule`): ``exact``, ``contains``, ``number``
+(:func:`number_close`: thousands separators and scientific notation read, a stated tolerance),
+``regex:PATTERN``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,52 @@ from agent_loop.types import Episode, ToolCallRecord
 REWARD_ARGUMENTS = ("completion", "answer", "messages", "tool_calls", "row", "episode")
 TURN_REWARD_ARGUMENTS = ("turn", "message", "tool_calls", "answer", "row", "messages", "episode")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# the ``number`` rule's numerals: a sign (ASCII or U+2212), ASCII digits with optional comma thousands groups (each
+# group exactly 3 digits), an optional fraction (or a bare ".5"), an optional exponent ("1e3", "2.5E-4")
+_NUMERAL = re.compile(r"[-\u2212]?(?:(?:\d{1,3}(?:,\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?", re.ASCII)
+# The ``number`` rule's tolerance, declared once: a reference answer that is an integer must be met exactly
+# (3501 is not 3500, at any size); any other must be met within NUMBER_REL_TOL relative (a model that
+# rounds 198.447 to 198.45, or 1/3 to 0.3333) or NUMBER_ABS_TOL absolute (a reference near 0).
+NUMBER_REL_TOL = 1e-3
+NUMBER_ABS_TOL = 1e-9
+
+
+class RewardError(Exception):
+    """A reward function raised or returned a non-number (the message names it); the loop ends the episode
+    with finish "error" and this message in ``info["reward_error"]``."""
 
 
 def last_number(text: str) -> float | None:
-    """The last number in a text (regex ``-?\\d+(\\.\\d+)?``, thousands separators not allowed), or None."""
+    """The last number in a text (regex ``-?\\d+(\\.\\d+)?``, thousands separators not allowed), or None.
+
+    The built-in tasks' strict reading (their answers are plain integers); the ``number`` rule reads more
+    (:func:`numbers_in`)."""
     found = _NUMBER.findall(text or "")
     return float(found[-1]) if found else None
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number in ``text``, in order: ``3,500`` is 3500.0 (commas only between groups of 3 digits;
+    ``1,2345`` is 1 and 2345), ``1e3`` and ``2.5E-4`` are read, ``-`` or U+2212 is a sign. A number too
+    large for a float is ``inf``."""
+    return [float(m.replace(",", "").replace("\u2212", "-")) for m in _NUMERAL.findall(text or "")]
+
+
+def reference_number(answer: Any) -> float:
+    """A reference answer as a number: a number, or a text holding exactly one (``"$3,500"``, ``"72 apples"``).
+    ValueError for anything else or a non-finite value."""
+    if isinstance(answer, str):
+        found = numbers_in(answer)
+        if len(found) != 1:
+            raise ValueError(f"reference answer {answer!r} is not one number (the number rule needs one)")
+        value = found[0]
+    elif isinstance(answer, bytes) or not hasattr(answer, "__float__"):
+        raise ValueError(f"reference answer {answer!r} is not a number (the number rule needs one)")
+    else:
+        value = float(answer)
+    if not math.isfinite(value):
+        raise ValueError(f"reference answer {answer!r} is not a finite number")
+    return value
 
 
 def exact_match(completion: str, answer: Any) -> float:
@@ -38,8 +81,24 @@ def contains_match(completion: str, answer: Any) -> float:
 
 
 def number_match(completion: str, answer: Any) -> float:
-    """1.0 if the last number of the final answer equals the (numeric) reference answer (:func:`last_number`)."""
+    """1.0 if the last number of the final answer equals the (numeric) reference answer exactly
+    (:func:`last_number`): the built-in tasks' rule."""
     return float(last_number(completion) == float(answer))
+
+
+def number_close(completion: str, answer: Any, *, rel_tol: float = NUMBER_REL_TOL,
+                 abs_tol: float = NUMBER_ABS_TOL) -> float:
+    """The ``number`` rule: 1.0 if the last number of the final answer (:func:`numbers_in`) meets the reference
+    answer (:func:`reference_number`): exactly when the reference is an integer, else within ``rel_tol``
+    relative or ``abs_tol`` absolute (``math.isclose``). "198.45" meets 198.447, "3,500" and "3.5e3" meet
+    3500, "3501" does not. A reference that is not a number raises ValueError (an error episode)."""
+    reference = reference_number(answer)
+    found = numbers_in(completion)
+    if not found:
+        return 0.0
+    if reference.is_integer():
+        return float(found[-1] == reference)
+    return float(math.isclose(found[-1], reference, rel_tol=rel_tol, abs_tol=abs_tol))
 
 
 def regex_match(pattern: str) -> Callable[..., float]:
@@ -61,7 +120,7 @@ def regex_match(pattern: str) -> Callable[..., float]:
     return rule
 
 
-RULES: dict[str, Callable[..., float]] = {"exact": exact_match, "contains": contains_match, "number": number_match}
+RULES: dict[str, Callable[..., float]] = {"exact": exact_match, "contains": contains_match, "number": number_close}
 
 
 def get_rule(spec: str) -> Callable[..., float]:
@@ -95,13 +154,15 @@ def function_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def as_reward(value: Any) -> float:
-    """A reward function's return value as a finite float (bools, ints, numpy and torch scalars are fine)."""
+def as_reward(value: Any, what: str = "") -> float:
+    """A reward function's return value as a finite float (bools, ints, numpy and torch scalars are fine);
+    TypeError or ValueError (``what`` returned ...) for anything else, NaN and infinities included."""
+    prefix = f"{what} " if what else ""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+        raise TypeError(f"{prefix}returned {type(value).__name__} {value!r:.200}, not a number")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"returned {number}, not a finite number")
+        raise ValueError(f"{prefix}returned {number}, not a finite number")
     return number
 
 
@@ -136,17 +197,17 @@ def reward_terms(reward: Callable | str | Sequence[Callable | str], weights: Seq
 
 
 def score_episode(rewards: list[tuple], episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-    """``sum(weight * fn(...))`` over ``rewards`` (``(name, fn, weight, picker)``); on any failure 0.0 and
-    ``episode.info["reward_error"]`` (never a partial sum). Parts go to ``info["rewards"]`` when there are several."""
+    """``sum(weight * fn(...))`` over ``rewards`` (``(name, fn, weight, picker)``). Parts go to ``info["rewards"]``
+    when there are several. A function that raises or returns a non-number raises :class:`RewardError` naming
+    it (never a partial sum): the loop's scoring makes that an error episode, which training drops."""
     values = {"completion": final_answer(messages, episode.tool_format), "answer": episode.answer, "messages": messages,
               "tool_calls": tool_calls, "row": episode.info.get("row", {}), "episode": episode}
     parts = {}
     for name, fn, _, pick in rewards:
         try:
             parts[name] = as_reward(fn(**pick(values)))
-        except Exception as error:  # a user's reward bug is recorded on the episode, not a crashed run
-            episode.info["reward_error"] = f"reward function {name!r} raised {type(error).__name__}: {error}"
-            return 0.0
+        except Exception as error:  # a user's reward bug: this episode fails (agent_loop.episode.loop._score)
+            raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error}") from error
     if len(parts) > 1:
         episode.info["rewards"] = parts
     return sum(weight * parts[name] for name, _, weight, _ in rewards)

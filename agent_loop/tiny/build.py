@@ -8,13 +8,14 @@ processes never build at once.
 
 Shipped builds: the repository ships the builds of this recipe (``agent_loop/tiny/weights/<folder>.tar.xz``,
 checked against :data:`SHIPPED_SHA256`), so first use unpacks them in a second instead of training for
-minutes, and every machine gets the same weights (the recipe is not bit-reproducible across CPUs).
-``agent-loop tiny --force`` rebuilds from the recipe; tests/tiny/test_shipped.py checks that a build
-here still behaves like the shipped one.
+minutes, and every machine gets the same weights. ``agent-loop tiny --force`` rebuilds from the recipe, in a
+child process with pinned numerics (``agent_loop.tiny.pinned``: AVX2 kernels, 2 threads), so that any x86-64
+CPU with AVX2 trains the same bits; tests/tiny/test_shipped.py checks that a build here still behaves like
+the shipped one (and says whether it is bit-identical).
 
 Environment: ``AGENT_LOOP_CACHE`` (cache root), ``AGENT_LOOP_TINY_THREADS`` (torch threads for the
-build; default 2, use 1 on a busy machine), ``AGENT_LOOP_TINY_STEPS`` (a shorter or longer training,
-for experiments; it gets its own cache folder).
+build; default 2: other counts may change the bits), ``AGENT_LOOP_TINY_STEPS`` (a shorter or longer
+training, for experiments; it gets its own cache folder).
 """
 
 from __future__ import annotations
@@ -38,21 +39,26 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 
 from agent_loop.tiny.data import dialogue, render, task_for
 from agent_loop.tiny.evaluate import evaluate
+from agent_loop.tiny.pinned import numerics, run_pinned
 from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
 from agent_loop.tiny.train import train
 from masking.native import cache_root
 
 # Change whenever anything that shapes the built files changes (it names the cache folder).
-RECIPE_VERSION = "v8"  # v8: checks (and the "mid" pick) through the real agent loop
+# v9: pinned numerics (agent_loop.tiny.pinned) and "mid" picked from every 2% of the second half of training
+RECIPE_VERSION = "v9"
 STAGES = ("mid", "final")
 TRAIN_STEPS = 1000
 # "mid": of the checkpoints at these fractions of training, the one whose sampled success on a quick
-# check is closest to MID_TARGET (a middling start for RL); copying the expression is learned late in
-# training (BENCHMARKS.md, "Tiny agent build")
-MID_FRACTIONS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (0.74, 0.76, 0.78, 0.8, 0.82, 0.84), 0.45, 64, 404
+# check is closest to MID_TARGET (a middling start for RL). Copying the expression is learned late and
+# suddenly, at a step that moves with the CPU's rounding (BENCHMARKS.md, "Tiny agent build"), so the
+# candidates cover the whole second half: wherever the jump falls, one of them sits near the target.
+MID_FRACTIONS = tuple(round(0.5 + 0.02 * i, 2) for i in range(25))
+MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = 0.45, 64, 404
 SHIPPED_DIR = Path(__file__).parent / "weights"
 SHIPPED_SHA256 = {  # cache folder name -> sha256 of its shipped archive (made by scripts/ship_tiny_agent.sh)
-    "tiny-agent-v8": "13fa4940f8ad76b6e0c2c9ee9ec6800461da1115c65cff5b17822524e796322a",
+    "tiny-agent-v9": "1f3f160918de80562924dcdc906feb33d59aed80b12f39576f602c71b9a4793b",
+    "tiny-agent-v9-chain": "4ee28a5ccaf1c84ae609e6ecc2409cffd9820d869bf77db20517ad909a9c0252",
 }
 TOKENIZER_DIALOGUES = 3000
 TOKENIZER_SEED, TRAIN_SEED = 101, 202
@@ -133,8 +139,7 @@ def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], d
     for stale in target.parent.glob(f".{target.name}.build-*"):  # left by a killed build (we hold the lock)
         shutil.rmtree(stale, ignore_errors=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("AGENT_LOOP_TINY_THREADS", min(2, os.cpu_count() or 1))))
+    threads = torch.get_num_threads()  # an unpinned build (agent_loop.tiny.pinned) sets them in this process
     try:
         record = build_into(scratch) if build_into is not None else _build_into(scratch, progress)
         if target.exists():
@@ -149,13 +154,21 @@ def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], d
 
 
 def _build_into(folder: Path, progress: bool) -> dict:
-    started = time.perf_counter()
+    run_pinned(recipe, str(folder), "1" if progress else "")
+    return json.loads((folder / "build.json").read_text())
+
+
+def recipe(folder: str, progress: str) -> None:
+    """The recipe (run by :func:`agent_loop.tiny.pinned.run_pinned`): tokenizer, training, evaluations, into
+    ``folder`` with its ``build.json``."""
+    folder, progress, started = Path(folder), bool(progress), time.perf_counter()
     # any tokenizer object renders the template; this one only serves to make the tokenizer's corpus
     renderer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=chat_template())
     corpus = [render(renderer, *dialogue(task_for(i, TOKENIZER_SEED), i, TOKENIZER_SEED)) for i in range(TOKENIZER_DIALOGUES)]
     tokenizer = train_tokenizer(corpus)
     steps = train_steps()
-    record = {"recipe": RECIPE_VERSION, "train_steps": steps, "vocab_size": len(tokenizer), "stages": {}}
+    record = {"recipe": RECIPE_VERSION, "train_steps": steps, "vocab_size": len(tokenizer), "numerics": numerics(),
+              "stages": {}}
     candidates = tuple(round(steps * f) for f in MID_FRACTIONS)
     mid: dict = {}
 
@@ -181,7 +194,6 @@ def _build_into(folder: Path, progress: bool) -> dict:
     record["build_seconds"] = time.perf_counter() - started
     record["parameters"] = sum(p.numel() for p in model.parameters())
     (folder / "build.json").write_text(json.dumps(record, indent=2))
-    return record
 
 
 def save_model(folder: Path, model, tokenizer) -> None:

@@ -1,8 +1,10 @@
 """The tiny agent for the ``chain`` task (issue 17): the default tiny agent, trained further on chain dialogues.
 
-``chain_agent_path(stage)`` returns the folder (built and cached on first use; its build time is in
-BENCHMARKS.md). It is built only when asked for (``examples/ablation_returns.py --task chain``), never by
-the default build or CI: the default tiny agent (``tiny-agent-<RECIPE_VERSION>``) stays as it is.
+``chain_agent_path(stage)`` returns the folder, cached on first use: unpacked from the shipped archive
+(``agent_loop/tiny/weights/tiny-agent-<RECIPE_VERSION>-chain.tar.xz``, checked against
+``agent_loop.tiny.build.SHIPPED_SHA256``), so every machine gets the same weights, or built from the recipe
+below, with pinned numerics (``agent_loop.tiny.pinned``), where none is shipped (its build time is in
+BENCHMARKS.md). The default tiny agent stays as it is.
 
 Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``) and
 continue its warm start (``agent_loop.tiny.train``) on a mix of chain dialogues (CHAIN_SHARE) and the
@@ -31,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agent_loop.tiny.build import RECIPE_VERSION, cached_stage, save_model, tiny_agent_path
 from agent_loop.tiny.data import task_for
 from agent_loop.tiny.evaluate import evaluate
+from agent_loop.tiny.pinned import numerics, run_pinned
 from agent_loop.tiny.train import train
 from masking.native import cache_root
 
@@ -58,11 +61,19 @@ def chain_task_for(index: int, seed: int) -> str:
 
 
 def _build_into(folder: Path, base: Path, progress: bool) -> dict:
-    started = time.perf_counter()
+    run_pinned(recipe, str(folder), str(base), "1" if progress else "")
+    return json.loads((folder / "build.json").read_text())
+
+
+def recipe(folder: str, base: str, progress: str) -> None:
+    """The chain stage's recipe (run by :func:`agent_loop.tiny.pinned.run_pinned`), from the model in ``base``,
+    into ``folder`` with its ``build.json``."""
+    folder, base, progress, started = Path(folder), Path(base), bool(progress), time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    record: dict = {"recipe": f"{RECIPE_VERSION}-chain", "base": str(base), "phases": PHASES, "stages": {},
-                    "mid_candidates": {}}
+    # the base as "<cache folder>/<stage>", not an absolute path: the build is shipped
+    record: dict = {"recipe": f"{RECIPE_VERSION}-chain", "base": f"{base.parent.name}/{base.name}", "phases": PHASES,
+                    "numerics": numerics(), "stages": {}, "mid_candidates": {}}
     mid: dict = {}
 
     def consider_mid(step: int, model) -> None:
@@ -90,7 +101,6 @@ def _build_into(folder: Path, base: Path, progress: bool) -> dict:
     save("mid", mid["step"])
     record["build_seconds"] = time.perf_counter() - started
     (folder / "build.json").write_text(json.dumps(record, indent=2))
-    return record
 
 
 def chain_build_record() -> dict:

@@ -234,7 +234,7 @@ def test_outcome_estimators_reject_bad_index_and_misplaced_rewards(estimator):
     with pytest.raises(ValueError, match=r"one group id per row \(6\); got None"):
         estimator(rewards, mask, None)
     rewards[3, 0] = 1.0  # an OBSERVATION token
-    with pytest.raises(ValueError, match="row 3, position 0 sits on a OBSERVATION"):
+    with pytest.raises(ValueError, match="row 3, position 0 sits on an OBSERVATION"):
         estimator(rewards, mask, index, spans=spans)
     rewards[3, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite value nan at row 3, position 0"):

@@ -284,7 +284,7 @@ def bad_batch():
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("reward_on_observation", r"reward 1\.0 at row 1, position 1 sits on a OBSERVATION"),
+        ("reward_on_observation", r"reward 1\.0 at row 1, position 1 sits on an OBSERVATION"),
         ("reward_on_pad", r"row 0, position 3 sits on a PAD"),
         ("nan_reward", r"non-finite value nan at row 1, position 2"),
         ("inf_reward", r"non-finite value inf at row 0, position 0"),

@@ -213,7 +213,7 @@ def test_every_episode_failing_reports_the_real_cause(capsys, tmp_path, tiny_age
     captured = capsys.readouterr()
     assert code == 1
     assert "Bessel" not in captured.err + captured.out
-    assert "every episode (3) ended in a backend error; first: episode" in captured.err
+    assert "every episode (3) ended in an error; first: episode" in captured.err
     assert "HTTP 404" in captured.err
     assert len(out.read_text().splitlines()) == 3  # the episodes are still written
 

@@ -5,6 +5,7 @@ that goes on. The signal and file-limit tests run the real CLI in a subprocess o
 import dataclasses
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -263,3 +264,86 @@ def test_a_stopped_train_is_one_line_naming_its_checkpoints_and_the_resume_comma
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("agent-loop train: stopped by SIGINT; checkpoints up to step_") and f"--resume {run}" in last
     assert not (run / FOLDER_LOCK).exists()
+
+
+# -- --append compares settings as --resume does; a reward that raises, counted everywhere -------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rollout_append_with_other_episode_settings_is_refused_unless_allowed(tiny_agent_dir, tmp_path, capsys):
+    """--append compared no settings: episodes of another temperature went into the same file silently."""
+    out = tmp_path / "run.jsonl"
+    settings = ["rollout", "--model", str(tiny_agent_dir), "--out", str(out), "--episodes", "1", "--max-turns", "1",
+                "--max-tokens", "8"]
+    assert main(settings) == 0
+    saved = out.with_name("run.config.yaml")
+    first = out.read_text()
+    assert len(first.splitlines()) == 1 and yaml.safe_load(saved.read_text())["temperature"] == 1.0
+    capsys.readouterr()
+    assert main(settings + ["--append", "--temperature", "0", "--max-turns", "2"]) == 2
+    line = one_error_line(capsys, "agent-loop rollout")
+    assert line.startswith("agent-loop rollout: error: --append: settings differ from those the episodes in ")
+    assert "max_turns: 1 -> 2; temperature: 1.0 -> 0.0" in line and "--allow-config-change" in line
+    assert out.read_text() == first and not out.with_name("run.jsonl.lock").exists()  # nothing added
+    assert main(settings + ["--append", "--concurrency", "2"]) == 0  # how fast is not what an episode is
+    assert len(out.read_text().splitlines()) == 2
+    with pytest.warns(UserWarning, match=r"--append with changed settings .*temperature: 1.0 -> 0.0"):
+        assert main(settings + ["--append", "--temperature", "0", "--allow-config-change"]) == 0
+    assert len(out.read_text().splitlines()) == 3 and yaml.safe_load(saved.read_text())["temperature"] == 1.0
+    empty = tmp_path / "empty.jsonl"  # an empty file holds no episodes to mix with: nothing to compare
+    empty.write_text("")
+    assert main(settings[:4] + [str(empty)] + settings[5:] + ["--append", "--temperature", "0"]) == 0
+    assert len(empty.read_text().splitlines()) == 1
+
+
+FLAKY_REWARD = textwrap.dedent("""
+    def flaky(completion, row):
+        if row["bad"]:
+            raise ValueError(f"no reward for question {row['q']}")
+        return 1.0 if completion else 0.0
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_reward_function_that_raises_is_an_error_counted_by_rollout_inspect_and_train(tiny_agent_dir, tmp_path,
+                                                                                         capsys):
+    """--reward module:function raising for some rows: each such episode ends with finish "error" (not reward 0);
+    the rollout's summary, inspect and the trainer's metrics.jsonl count them, and training drops them."""
+    prompts = tmp_path / "prompts.jsonl"
+    bad = {1, 3}  # questions 1 and 3 of 8
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {q}+{q}?", "answer": 2 * q, "q": q, "bad": q in bad})
+                               + "\n" for q in range(8)))
+    (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
+    task = ["--prompts", str(prompts), "--reward", f"{tmp_path / 'flaky_reward.py'}:flaky"]
+    common = ["--model", str(tiny_agent_dir), *task, "--max-turns", "2", "--max-tokens", "24"]
+    out = tmp_path / "run.jsonl"
+    assert main(["rollout", *common, "--episodes", "8", "--out", str(out), "--max-error-fraction", "0.5"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # as one line: rich wraps at the terminal's width
+    assert "2 of 8 episodes ended with an error (2 in scoring: the reward failed or hung); the first:" in printed
+    assert "episode 1: RewardError: reward function 'flaky' raised ValueError: no reward for question 1" in printed
+    assert re.search(r"finish reasons .*error 2", printed), printed
+    records = {json.loads(line)["info"]["index"]: json.loads(line) for line in out.read_text().splitlines()}
+    assert sorted(i for i, r in records.items() if r["finish_reason"] == "error") == sorted(bad)
+    assert all(records[i]["reward"] == 0.0 and "no reward for question" in records[i]["info"]["reward_error"]
+               and records[i]["response_ids"] for i in bad)  # its tokens are kept
+    assert all(r["reward"] in (0.0, 1.0) and "reward_error" not in r["info"] for i, r in records.items() if i not in bad)
+    # the default --max-error-fraction (0.1): 2 of 8 failed is exit status 1
+    assert main(["rollout", *common, "--episodes", "8", "--out", str(tmp_path / "strict.jsonl")]) == 1
+    capsys.readouterr()
+
+    assert main(["inspect", str(out), "--width", "200"]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"reward errors\s*│?\s*2\b", shown), shown
+    assert "reward errors: 2 episodes" in shown and "episode 1: RewardError: reward function 'flaky'" in shown
+
+    run = tmp_path / "train"
+    with pytest.warns(UserWarning, match="first reward error"):
+        assert main(["train", *common, "--steps", "1", "--prompts-per-step", "4", "--group-size", "2",
+                     "--mini-batches", "1", "--threads", "1", "--output-dir", str(run), "--no-tensorboard",
+                     "--no-progress"]) == 0
+    [step] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # step 1 plays questions 0-3, two samples each: questions 1 and 3 fail in both samples
+    assert step["errors/reward"] == 4.0 and step["episodes/dropped_failed"] == 4.0
+    assert step["finish_frac/error"] == 0.5 and step["skipped_steps"] == 0.0

@@ -457,7 +457,14 @@ def test_gamma_recorded_in_the_file_is_the_default(batch, tmp_path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    assert scan(path, Selection("all", 10), gamma=1.0).gamma_note == "--gamma"  # the option wins
+    # the option wins, and the views say what the file records
+    assert scan(path, Selection("all", 10), gamma=1.0).gamma_note == "--gamma; the file records 0.8"
+    assert scan(path, Selection("all", 10), gamma=0.8).gamma_note == "--gamma, as the file records"
+    records[1]["info"]["gamma"] = 0.5  # a file appended to by a run with another gamma
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    scanned = scan(path, Selection("all", 10))
+    assert scanned.stats.gamma == 0.8  # the first episode's
+    assert scanned.gamma_note == "recorded in the file; its episodes record 0.5, 0.8: one gamma used for all"
 
 
 def test_streamed_whitening_equals_the_whole_batch(batch, tmp_path, monkeypatch):

@@ -125,7 +125,8 @@ def test_two_step_files_are_compared(steps, capsys):
 
 @pytest.mark.parametrize("given, name, note", [
     (None, "ignore-mask", "recorded in the file, lam 0.95"),
-    ("reinforce_plus_plus", "carry-through", "--estimator"),
+    ("reinforce_plus_plus", "carry-through", "--estimator; the file records reinforce_plus_plus_ignore_mask, lam 0.95"),
+    ("reinforce_plus_plus_ignore_mask", "ignore-mask", "--estimator"),
 ])
 def test_recorded_estimator_is_the_default(steps, tmp_path, given, name, note):
     folder, one, _ = steps

@@ -42,7 +42,7 @@ def test_sends_verls_sampling_dict_with_the_loops_budget_and_stop_ids():
     backend = VerlServerBackend(manager, {**VERL_PARAMS, "stop_token_ids": [7]}, "req-1")
     result = generate(backend)
     assert manager.calls == [("req-1", [1, 2, 3], {**VERL_PARAMS, "max_tokens": 8, "stop_token_ids": [7, 99]})]
-    assert result == ([5, 6, 99], [scripted_logprob(t) for t in (5, 6, 99)], "stop")
+    assert result == ([5, 6, 99], [scripted_logprob(t) for t in (5, 6, 99)], "stop", None)  # no policy version: verl's weights
     assert backend.logprobs_given and backend.num_preempted == 0 and backend.requests == 1
 
 

@@ -227,7 +227,7 @@ def test_validate_response_mask():
 @pytest.mark.parametrize(
     "rewards, message",
     [
-        ([[0.0, 1.0, 0.0]], "reward 1.0 at row 0, position 1 sits on a OBSERVATION token"),
+        ([[0.0, 1.0, 0.0]], "reward 1.0 at row 0, position 1 sits on an OBSERVATION token"),
         ([[0.0, 0.0, 1.0]], "reward 1.0 at row 0, position 2 sits on a PAD token"),
         ([[float("nan"), 0.0, 0.0]], "non-finite value nan at row 0, position 0"),
         ([[float("inf"), 0.0, 0.0]], "non-finite value inf at row 0, position 0"),
@@ -424,7 +424,7 @@ def test_compiled_checks_leave_what_they_cannot_take_to_torch(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     rewards[0, 1] = 2.0  # on an OBSERVATION: the same message from either path
-    with pytest.raises(ValueError, match="row 0, position 1 sits on a OBSERVATION token"):
+    with pytest.raises(ValueError, match="row 0, position 1 sits on an OBSERVATION token"):
         validate_batch(rewards.t().contiguous().t(), mask, spans)
 
 

@@ -103,7 +103,7 @@ def test_what_stays_in_place_is_named_by_validation():
     spans = torch.tensor([[O, A, A, P], [O, O, A, A], [A, A, O, O]], dtype=torch.int8)
     mask = (spans == A).double()
     for row, pos, value, message in ((0, 3, 1.0, "row 0, position 3 sits on a PAD token"),
-                                     (1, 0, 1.0, "row 1, position 0 sits on a OBSERVATION token"),
+                                     (1, 0, 1.0, "row 1, position 0 sits on an OBSERVATION token"),
                                      (2, 2, float("nan"), "non-finite value nan at row 2, position 2"),
                                      (2, 3, float("inf"), "non-finite value inf at row 2, position 3")):
         rewards = torch.zeros(3, 4, dtype=torch.float64)

@@ -131,7 +131,7 @@ def test_failure_summary_names_the_first_errors():
                              finish_reason="error", metrics={"backend_error": f"HTTPBackendError: HTTP 404 ({i})"},
                              info={"index": i}))
     text = failure_summary(stats)
-    assert text.startswith("every episode (5) ended in a backend error; first: episode 0: HTTPBackendError: HTTP 404 (0)")
+    assert text.startswith("every episode (5) ended in an error; first: episode 0: HTTPBackendError: HTTP 404 (0)")
     assert "(3)" not in text  # only the first three are kept
     assert len(stats.first_errors) == 3
 

@@ -112,6 +112,24 @@ def test_jsonl_with_bad_lines_keeps_the_good_ones_and_names_file_and_line(tmp_pa
     assert task.make_episode(2).answer == 4  # wraps around
 
 
+def test_a_json_file_holding_one_array_gives_its_rows(tmp_path):
+    """A .json file is often one (pretty-printed) JSON array: its elements are the rows, bad ones named by place;
+    a .json file of lines still reads a line at a time; a broken array is one error naming line and column."""
+    rows = [{"prompt": "What is 2+2?", "answer": 4}, {"question": "no prompt"}, {"prompt": "Hi", "answer": "x"}]
+    array = tmp_path / "prompts.json"
+    array.write_text("\ufeff  " + json.dumps(rows, indent=2), encoding="utf-8")  # a BOM and spaces before it
+    with pytest.warns(UserWarning, match="1 bad prompt rows skipped"):
+        task = DatasetTask(array, reward="number")
+    assert [r["answer"] for r in task.rows] == [4, "x"] and task.skipped == [f"{array}:row 1: no 'prompt' field (keys: question)"]
+    lines = tmp_path / "lines.json"
+    lines.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in rows[::2]), encoding="utf-8")
+    assert load_prompts(lines)[0] == task.rows
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "a"},\n {"prompt": }]')
+    with pytest.raises(ValueError, match=r"broken.json: a JSON array that is not JSON \(Expecting value at line 2 column"):
+        load_prompts(broken)
+
+
 def test_a_file_without_any_good_row_is_an_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("{oops\n")
@@ -203,7 +221,9 @@ def test_a_final_turn_that_still_calls_a_tool_is_no_answer(qwen_tokenizer):
     assert t.finish_reason == "max_turns" and t.reward == 0.0  # "cba" is in the call, not in an answer
 
 
-def test_a_reward_that_raises_is_recorded_and_the_run_goes_on(qwen_tokenizer):
+def test_a_reward_that_raises_is_an_error_episode_and_the_run_goes_on(qwen_tokenizer):
+    """A reward function that raises (or returns a non-number) ends that episode with finish "error", reward 0 and
+    the message, its tokens kept (a training step drops it); the other episodes and their rewards are untouched."""
     def fragile(completion, answer):
         if completion == "boom":
             raise KeyError("missing")
@@ -214,13 +234,52 @@ def test_a_reward_that_raises_is_recorded_and_the_run_goes_on(qwen_tokenizer):
 
     task = DatasetTask(["a", "b"], reward=["exact", fragile])
     trajectories = play(task, qwen_tokenizer, ["boom"], episodes=2)
-    assert [t.reward for t in trajectories] == [0.0, 0.0]
-    assert all(t.info["reward_error"] == "reward function 'fragile' raised KeyError: 'missing'" for t in trajectories)
-    assert not any(t.success for t in trajectories)
+    assert [t.finish_reason for t in trajectories] == ["error", "error"] and [t.reward for t in trajectories] == [0.0, 0.0]
+    message = "RewardError: reward function 'fragile' raised KeyError: 'missing'"
+    assert all(t.info["reward_error"] == t.metrics["error"] == message for t in trajectories)
+    assert not any(t.success for t in trajectories) and "rewards" not in trajectories[0].info  # no partial sum
+    assert qwen_tokenizer.decode(trajectories[0].response_ids).startswith("boom")  # the played turn is kept
     [t] = play(DatasetTask(["a"], reward=not_a_number), qwen_tokenizer, ["ok"], episodes=1)
-    assert t.reward == 0.0 and "returned str 'yes', not a number" in t.info["reward_error"]
+    assert t.finish_reason == "error" and t.reward == 0.0
+    assert t.info["reward_error"] == "RewardError: reward function 'not_a_number' raised TypeError: returned str 'yes', not a number"
     [t] = play(DatasetTask(["a"], reward=fragile), qwen_tokenizer, ["fine"], episodes=1)
-    assert t.reward == 1.0 and "reward_error" not in t.info
+    assert t.finish_reason == "stop" and t.reward == 1.0 and "reward_error" not in t.info and "error" not in t.metrics
+
+    def some(completion, row):  # raises for one row in two: the others keep their reward
+        if row["bad"]:
+            raise ValueError("bad row")
+        return 0.5
+
+    got = play(DatasetTask([{"prompt": "x", "bad": i % 2 == 1} for i in range(4)], reward=some), qwen_tokenizer,
+               ["fine"], episodes=4)
+    assert [t.finish_reason for t in got] == ["stop", "error", "stop", "error"]
+    assert [t.reward for t in got] == [0.5, 0.0, 0.5, 0.0]
+
+
+def test_numpy_answers_and_metadata_stay_numbers_and_lists(qwen_tokenizer):
+    """The probe: an Environment whose sample held numpy values wrote answer "8" (a string) and an array as
+    "[0. 1. 2.]"; numpy scalars and arrays become their JSON values (and rewards see those)."""
+    import numpy as np
+
+    seen = []
+
+    class NumpyAnswers(Environment):
+        def sample(self, rng):
+            return {"prompt": "What is 4+4?", "answer": np.int64(8), "weights": np.arange(3, dtype=np.float32),
+                    "scale": np.float64(0.5)}
+
+        def score(self, completion, answer, row):
+            seen.append((answer, row))
+            return float(str(answer) in completion)
+
+    [t] = play(NumpyAnswers(), qwen_tokenizer, ["It is 8."], episodes=1)
+    assert t.reward == 1.0 and seen == [(8, {"weights": [0.0, 1.0, 2.0], "scale": 0.5})]
+    assert type(seen[0][0]) is int
+    line = json.loads(t.to_json())
+    assert line["info"]["answer"] == 8 and line["info"]["row"] == {"weights": [0.0, 1.0, 2.0], "scale": 0.5}
+    assert "json_repairs" not in line["metrics"]
+    task = DatasetTask([{"prompt": "a", "answer": np.float32(0.25), "ids": np.array([[1, 2]])}], reward="number")
+    assert task.rows[0]["answer"] == 0.25 and task.rows[0]["row"] == {"ids": [[1, 2]]}
 
 
 def test_a_reward_with_a_parameter_we_cannot_pass_is_an_error_at_once():
@@ -251,12 +310,13 @@ def test_per_turn_rewards_reach_the_batch_tensors(qwen_tokenizer):
     assert rewards.sum().item() == pytest.approx(1.0 + 0.1 - 0.01)
 
 
-def test_a_turn_reward_that_raises_is_recorded(qwen_tokenizer):
+def test_a_turn_reward_that_raises_is_an_error_episode_too(qwen_tokenizer):
     def broken(message):
         raise RuntimeError("nope")
 
     [t] = play(DatasetTask([{"prompt": "a", "answer": "a"}], reward="exact", turn_reward=broken), qwen_tokenizer, ["a"], episodes=1)
-    assert t.turn_rewards == [0.0] and "RuntimeError: nope" in t.info["turn_reward_error"] and t.reward == 1.0
+    assert t.finish_reason == "error" and t.reward == 0.0 and t.turn_rewards is None
+    assert t.info["reward_error"] == "RewardError: turn reward 'broken' raised RuntimeError: nope"
 
 
 # --- tools --------------------------------------------------------------------------------------------

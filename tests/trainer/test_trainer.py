@@ -345,36 +345,6 @@ def test_device_and_dtype_are_checked(tmp_path):
         assert not (tmp_path / "metrics.jsonl").exists()  # refused before touching the output folder
 
 
-@pytest.mark.slow
-def test_off_policy_plays_the_next_step_while_training_and_uses_the_sampler_as_behaviour(tiny_mid, tmp_path):
-    config = small_config(tiny_mid, tmp_path, steps=2, off_policy=True, lr=5e-3, entropy_coef=0.01, save_every=100)
-    trainer = Trainer(config)
-    history = trainer.train()
-    assert [m["policy_lag"] for m in history] == [0.0, 1.0]
-    # step 1 is on-policy: what an on-policy run plays and computes
-    on_policy = Trainer(dataclasses.replace(config, off_policy=False, output_dir=str(tmp_path / "on"))).train_step()
-    for name in ("success", "reward", "assistant_tokens"):
-        assert on_policy[name] == history[0][name], name
-    assert on_policy["loss/first"] == pytest.approx(history[0]["loss/first"], abs=1e-6)
-    # step 2 was sampled (at least until the push) by the step-1 weights: the trained policy has moved away
-    assert history[1]["logprob_mismatch/mean_abs"] > 10 * max(history[0]["logprob_mismatch/mean_abs"], 1e-6)
-    # on such a step the ratio's denominator is the sampler's logprobs, not a recomputation
-    batch = trainer.make_batch(trainer.rollouts(0))
-    sampled = batch["old_logprobs"].clone()
-    trainer.score(batch, sampler_is_behaviour=True)
-    assert torch.equal(batch["old_logprobs"], sampled)
-    trainer.score(batch)
-    assert not torch.equal(batch["old_logprobs"], sampled)
-
-
-def test_off_policy_refuses_shared_servers_and_several_ranks(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="off_policy"):
-        Trainer(TrainConfig(off_policy=True, rollout_servers="http://127.0.0.1:1", output_dir=str(tmp_path)))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="off_policy"):
-        Trainer(TrainConfig(off_policy=True, output_dir=str(tmp_path)))
-
-
 def test_closing_line_compares_means_of_the_first_and_last_steps():
     from trainer.metrics import progress_summary
 

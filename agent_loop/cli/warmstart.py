@@ -1,0 +1,121 @@
+"""``agent-loop warmstart``: fine-tune a model on a task's demonstrations, so that RL on the task starts from a
+model that calls its tools (``trainer.warmstart``; every ``WarmstartConfig`` field is an option).
+
+Options are checked first (values, the task and whether it has demonstrations, the model folder, the
+output folder); a bad one is one line on stderr naming the option, exit status 2, before any model is
+loaded; so is a demonstration that cannot be trained on (it names the episode and why). ``--output-dir`` is
+locked for the life of the run, and a folder holding files is refused unless ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+from pathlib import Path
+
+import agent_loop.cli.preflight as preflight
+from agent_loop.cli.config_file import save_config
+from agent_loop.cli.options import UsageError, add_options, resolve
+from agent_loop.runners.outputs import FOLDER_LOCK, OutputLockedError, RunLock
+from trainer.warmstart_config import WarmstartConfig
+
+PROG = "agent-loop warmstart"
+DESCRIPTION = ("Fine-tune a model on a task's demonstrations (its demonstrate(episode, rng) hook), loss on ASSISTANT "
+               "tokens only, so that RL on the task starts from a model that calls its tools (defaults: the built-in "
+               "tiny agent, 2 CPU threads). Then: agent-loop rollout/train --task ... --model OUTPUT_DIR/model.")
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser("warmstart", help="fine-tune on a task's demonstrations (--help)", description=DESCRIPTION)
+    add_options(parser, WarmstartConfig)
+    parser.set_defaults(run=run, prog=PROG)
+    return parser
+
+
+def task_flag(config: WarmstartConfig) -> str:
+    """How the command line named the task: ``--task NAME`` or ``--prompts FILE``."""
+    return f"--prompts {config.prompts}" if config.prompts is not None else f"--task {config.task}"
+
+
+def load_checked_task(config: WarmstartConfig):
+    """The task the options name, refused in one line if it cannot load or has no demonstrations."""
+    from trainer.warmstart import has_demonstrations
+
+    try:
+        task = config.load()
+    except ValueError as error:  # PluginError: a plug-in that cannot load
+        raise UsageError(str(error)) from None
+    if not has_demonstrations(task):
+        remedy = ("give it a demonstrate(episode, rng) method returning a solved episode's messages" if config.prompts is None
+                  else "write the task as a class with a demonstrate(episode, rng) method and pass it with --task")
+        raise UsageError(f"{task_flag(config)}: task {task.name!r} has no demonstrations to warm-start on; {remedy} "
+                         "(examples/custom_task.py)")
+    return task
+
+
+def claim_output(config: WarmstartConfig) -> RunLock:
+    """Lock ``--output-dir`` and check it holds nothing (``--overwrite`` deletes what it holds first)."""
+    folder = Path(config.output_dir)
+    try:
+        lock = RunLock(folder, folder=True).acquire()
+    except (OutputLockedError, OSError) as error:
+        raise UsageError(f"--output-dir {folder}: {error}") from None
+    held = sorted(p.name for p in folder.iterdir() if p.name != FOLDER_LOCK)
+    if held and not config.overwrite:
+        lock.release()
+        raise UsageError(f"--output-dir {folder}: holds files ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); "
+                         "pass --overwrite to replace them, or another --output-dir")
+    for name in held:
+        target = folder / name
+        shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+    return lock
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve and check the options, warm-start, print what was made and the next commands; exit status 0."""
+    config = resolve(WarmstartConfig, args)
+    task = load_checked_task(config)
+    if config.model is not None:
+        preflight.check_model_dir(config.model, "hf")
+    preflight.check_output_dir(config.output_dir)
+    lock = claim_output(config)
+    args.stop_note = lambda: f"nothing is saved until the last step; {config.output_dir} holds what was written so far"
+    try:
+        save_config(config.resolved(), Path(config.output_dir) / "config.yaml")  # rerun with --config
+        return report(config, warm(config, task))
+    finally:
+        lock.release()
+
+
+def warm(config: WarmstartConfig, task):
+    from trainer.warmstart import DemonstrationError, warm_start
+
+    try:
+        return warm_start(config, task)
+    except DemonstrationError as error:
+        raise UsageError(f"{task_flag(config)}: {error}") from None
+    except FloatingPointError as error:
+        raise SystemExit(f"{PROG}: {error}") from None
+
+
+def report(config: WarmstartConfig, result) -> int:
+    """The loss before and after, where everything went, budget warnings and the next commands."""
+    from trainer.config import TrainConfig
+
+    history, model = result.history, result.model_dir
+    k = max(1, min(5, len(history) // 2))
+    first, last = (sum(m["loss"] for m in part) / k for part in (history[:k], history[-k:]))
+    print(f"warm start on {len(result.demonstrations)} demonstrations, {len(history)} steps in {result.seconds:.0f} s: "
+          f"loss {first:.3f} (mean of the first {k} steps) -> {last:.3f} (mean of the last {k})")
+    print(f"model: {model}\nmetrics: {Path(config.output_dir) / 'metrics.jsonl'}\n"
+          f"demonstrations: {Path(config.output_dir) / 'demonstrations.jsonl'} (agent-loop inspect shows them)")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    longest = result.longest
+    for need, option in (("turns", "max_turns"), ("response_tokens", "max_response_tokens"), ("turn_tokens", "max_tokens")):
+        if longest[need] > defaults[option]:
+            print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
+                  f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
+    task = task_flag(config)
+    print(f"next: agent-loop rollout {task} --model {model}\n      agent-loop train {task} --model {model}")
+    return 0

@@ -1,0 +1,149 @@
+"""``agent-loop warmstart``: bad input is one line on stderr with exit status 2, before any model is loaded (a task
+without demonstrations, a demonstration that fails, a taken output folder, bad values); a good run saves a
+model folder that ``agent-loop rollout --model`` and ``agent-loop train --model`` load."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent_loop.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = f"{REPO / 'examples' / 'custom_task.py'}:Reverse"
+PREFIX = "agent-loop warmstart: error: "
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``main(argv)`` in-process: (exit status, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line and "warn" not in line]
+    assert len(lines) == 1 and lines[0].startswith(PREFIX), err
+    return lines[0].removeprefix(PREFIX)
+
+
+TASK_FILE = textwrap.dedent('''
+    from agent_loop import Environment
+
+
+    def double(number: int) -> str:
+        """Double a number.
+
+        Args:
+            number: The number to double.
+        """
+        return str(2 * number)
+
+
+    class Twice(Environment):
+        tools = [double]
+
+        def sample(self, rng):
+            n = rng.randint(1, 9)
+            return {"prompt": f"What is twice {n}?", "answer": str(2 * n), "n": n}
+
+        def score(self, completion, answer):
+            return float(completion == f"The answer is {answer}.")
+
+
+    class Wrong(Twice):
+        def demonstrate(self, episode, rng):
+            return [{"role": "assistant", "content": "The answer is 0."}]
+''')
+
+
+@pytest.fixture
+def task_file(tmp_path) -> Path:
+    path = tmp_path / "twice.py"
+    path.write_text(TASK_FILE)
+    return path
+
+
+def test_a_task_without_demonstrations_is_refused_in_one_line(capsys, tmp_path, task_file):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "warmstart", "--task", "arithmetic", "--output-dir", str(out))
+    assert code == 2 and one_line(err) == (
+        "--task arithmetic: task 'arithmetic' has no demonstrations to warm-start on; give it a demonstrate(episode, "
+        "rng) method returning a solved episode's messages (examples/custom_task.py)")
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "warmstart", "--task", f"{task_file}:Twice", "--output-dir", str(out))
+    assert code == 2 and one_line(err).startswith(f"--task {task_file}:Twice: task 'Twice' has no demonstrations")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+2?", "answer": 4}) + "\n")
+    code, _, err = run_cli(capsys, "warmstart", "--prompts", str(prompts), "--reward", "number", "--output-dir", str(out))
+    assert code == 2 and one_line(err) == (
+        f"--prompts {prompts}: task 'p' has no demonstrations to warm-start on; write the task as a class with a "
+        "demonstrate(episode, rng) method and pass it with --task (examples/custom_task.py)")
+    assert not out.exists()
+
+
+def test_a_demonstration_that_fails_is_refused_naming_the_episode(capsys, tmp_path, task_file):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "warmstart", "--task", f"{task_file}:Wrong", "--episodes", "3", "--output-dir",
+                           str(out), "--no-progress")
+    assert code == 2
+    assert one_line(err) == (
+        f"--task {task_file}:Wrong: 3 of 3 demonstrations cannot be trained on; the first, episode 0: does not "
+        f"succeed (reward 0; final answer 'The answer is 0.') (all are in {out / 'demonstrations.jsonl'}: agent-loop "
+        "inspect shows them)")
+    assert not (out / "model").exists() and len((out / "demonstrations.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps 0: must be an integer >= 1"),
+    (["--lr", "-1"], "--lr -1: must be a number > 0"),
+    (["--batch-size", "1.5"], "--batch-size 1.5: must be an integer >= 1"),
+    (["--device", "tpu"], "--device tpu: must be auto, cpu, cuda or cuda:N"),
+    (["--gamma", "0.9"], "unrecognized arguments: --gamma 0.9"),
+    (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
+    (["--tools", "t.py"], "--tools apply to a task from --prompts FILE; a --task brings its own tools and reward"),
+])
+def test_bad_values_are_one_line_before_anything_loads(capsys, tmp_path, argv, message):
+    code, _, err = run_cli(capsys, "warmstart", "--task", EXAMPLE, "--output-dir", str(tmp_path / "out"), *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) <= 2, err  # argparse adds its usage line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_holding_files_is_refused_without_overwrite(capsys, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "warmstart", "--task", EXAMPLE, "--output-dir", str(out))
+    assert code == 2 and one_line(err) == (f"--output-dir {out}: holds files (notes.txt); pass --overwrite to replace "
+                                           "them, or another --output-dir")
+    assert (out / "notes.txt").read_text() == "mine" and not (out / ".agent-loop.lock").exists()
+
+
+def test_warm_start_then_rollout_and_train_load_the_model(capsys, tmp_path, tiny_agent_dir):
+    out = tmp_path / "warm"
+    (out / "old").mkdir(parents=True)
+    code, stdout, err = run_cli(capsys, "warmstart", "--task", EXAMPLE, "--episodes", "8", "--steps", "2",
+                                "--batch-size", "4", "--output-dir", str(out), "--overwrite", "--no-progress")
+    assert code == 0, err
+    assert f"model: {out / 'model'}" in stdout and f"next: agent-loop rollout --task {EXAMPLE} --model {out / 'model'}" in stdout
+    assert not (out / "old").exists() and not (out / ".agent-loop.lock").exists()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["steps"] == 2 and saved["task"] == EXAMPLE and saved["output_dir"] == str(out)
+    model = str(out / "model")
+    code, stdout, err = run_cli(capsys, "rollout", "--task", EXAMPLE, "--model", model, "--episodes", "2",
+                                "--max-turns", "2", "--out", str(tmp_path / "r.jsonl"))
+    assert code in (0, 1), err  # 1: every episode failed, which a 2-step warm start may well do
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+    code, stdout, err = run_cli(capsys, "train", "--task", EXAMPLE, "--model", model, "--steps", "1",
+                                "--prompts-per-step", "2", "--mini-batches", "1", "--concurrency", "2", "--no-progress",
+                                "--no-tensorboard", "--output-dir", str(tmp_path / "train"))
+    assert code == 0, err
+    assert (tmp_path / "train" / "metrics.jsonl").read_text().strip()

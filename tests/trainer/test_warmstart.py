@@ -1,0 +1,268 @@
+"""Warm start on demonstrations (trainer/warmstart.py) with the real tiny agent and its chat template.
+
+Checks: a demonstration replays through the agent loop exactly as a model that wrote the same text would
+(prompt ids, response ids, spans, messages); the tokens that get loss are the ASSISTANT ones and nothing
+else (their text, and a gradient probe on the logits); the loss and its gradient equal a plain serial
+per-token cross-entropy loop, micro-batched or not; bad demonstrations are refused naming the episode;
+a short warm start lowers the loss and saves a model folder the loop loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agent_loop import Environment
+from agent_loop.backends.scripted import ScriptedBackend
+from agent_loop.episode.config import LoopConfig
+from agent_loop.models import check_model_dir
+from agent_loop.runners.batch import trajectories_to_batch
+from agent_loop.runners.local import run_rollouts
+from agent_loop.tasks.base import Task, as_task
+from agent_loop.tasks.registry import get_task
+from masking import SpanKind
+from trainer.policy import PolicyModel
+from trainer.warmstart import (
+    DemonstrationError,
+    demonstration_order,
+    has_demonstrations,
+    loss_mask,
+    replay,
+    step_loss,
+    summed_loss,
+    warm_start,
+)
+from trainer.warmstart_config import WarmstartConfig
+
+ASSISTANT, OBSERVATION = SpanKind.ASSISTANT, SpanKind.OBSERVATION
+
+
+def double(number: int) -> str:
+    """Double a number.
+
+    Args:
+        number: The number to double.
+    """
+    return str(2 * number)
+
+
+def negate(number: int) -> str:
+    """Negate a number.
+
+    Args:
+        number: The number to negate.
+    """
+    return str(-number)
+
+
+class Quadruple(Environment):
+    """Four times N with a doubling tool, called twice (two tool turns, then the answer)."""
+
+    tools = [double, negate]
+
+    def sample(self, rng):
+        n = rng.randint(1, 99)
+        return {"prompt": f"What is four times {n}?", "answer": str(4 * n), "n": n}
+
+    def score(self, completion, answer):
+        return float(completion == f"The answer is {answer}.")
+
+    def demonstrate(self, episode, rng):
+        n = episode.info["row"]["n"]
+        return [{"role": "assistant", "content": "Let me check.", "tool_calls": [{"name": "double", "arguments": {"number": n}}]},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "double", "arguments": json.dumps({"number": 2 * n})}}]},
+                {"role": "assistant", "content": f"The answer is {4 * n}."}]
+
+
+def turn_texts(n: int) -> list[str]:
+    """What a model writes in the tiny agent's template for Quadruple's demonstration of ``n`` (by hand)."""
+    call = '<tool_call>\n{"name": "double", "arguments": {"number": %d}}\n</tool_call>'
+    return ["Let me check.\n" + call % n, call % (2 * n), f"The answer is {4 * n}."]
+
+
+@pytest.fixture(scope="module")
+def demonstrations(tiny_tokenizer):
+    return replay(Quadruple(), tiny_tokenizer, range(4), seed=3, progress=False)
+
+
+def test_a_replayed_demonstration_is_what_the_loop_records_for_a_model_writing_it(tiny_tokenizer, demonstrations):
+    task = Quadruple()
+
+    def script(prompt):  # a model that writes the demonstration's turns as text
+        text = tiny_tokenizer.decode(prompt)
+        n = int(text.split("What is four times ")[1].split("?")[0])
+        turn = text.count("<|im_start|>assistant") - 1
+        return tiny_tokenizer.encode(turn_texts(n)[turn], add_special_tokens=False)
+
+    played = asyncio.run(run_rollouts(task, ScriptedBackend(script), tiny_tokenizer, range(4), LoopConfig(), seed=3,
+                                      progress=False))
+    for replayed, loop in zip(demonstrations, played):
+        assert replayed.prompt_ids == loop.prompt_ids and replayed.response_ids == loop.response_ids
+        assert replayed.spans == loop.spans and replayed.turn_ids == loop.turn_ids
+        assert replayed.messages == loop.messages and replayed.success and loop.success
+        assert [c.result for c in replayed.tool_calls] == [c.result for c in loop.tool_calls]
+        assert replayed.finish_reason == "stop" and replayed.metrics["template_exact"]
+
+
+def test_the_loss_mask_is_exactly_the_assistant_tokens(tiny_tokenizer, tiny_agent_dir, demonstrations):
+    batch = trajectories_to_batch(demonstrations, pad_token_id=tiny_tokenizer.pad_token_id)
+    mask = loss_mask(batch)
+    assert torch.equal(mask, batch.spans == ASSISTANT) and torch.equal(mask.float(), batch.response_mask)
+    end = "<|im_end|>"
+    for row, t in enumerate(demonstrations):
+        n = t.info["row"]["n"]
+        supervised = batch.responses[row][mask[row]].tolist()
+        assert tiny_tokenizer.decode(supervised) == "".join(text + end for text in turn_texts(n))
+        observed = batch.responses[row][batch.spans[row] == OBSERVATION].tolist()
+        assert tiny_tokenizer.decode(observed) == "".join(
+            f"\n<|im_start|>user\n<tool_response>\n{value}\n</tool_response>{end}\n<|im_start|>assistant\n"
+            for value in (2 * n, 4 * n))
+    # a gradient probe: only the logits of ASSISTANT positions reach the loss
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(out) or out.retain_grad())
+    summed_loss(PolicyModel(model), batch).backward()
+    assert torch.equal(seen[-1].grad.abs().sum(-1) > 0, mask)
+
+
+def serial_reference(model, demonstrations) -> torch.Tensor:
+    """Mean next-token cross-entropy over the ASSISTANT tokens, one sequence and one token at a time."""
+    total, count = torch.zeros(()), 0
+    for t in demonstrations:
+        ids = t.prompt_ids + t.response_ids
+        logits = model(torch.tensor([ids])).logits[0]
+        for j, span in enumerate(t.spans):
+            if span == ASSISTANT:
+                position = len(t.prompt_ids) + j
+                total = total - torch.log_softmax(logits[position - 1], -1)[ids[position]]
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 8])
+def test_the_loss_and_its_gradient_equal_a_serial_per_token_loop(tiny_tokenizer, tiny_agent_dir, demonstrations,
+                                                                 micro_batch_size):
+    mixed = demonstrations[:1] + replay(task_with_other_lengths(), tiny_tokenizer, range(2), progress=False)
+    batch = trajectories_to_batch(mixed, pad_token_id=tiny_tokenizer.pad_token_id)
+    assert len({len(t.response_ids) for t in mixed}) > 1 and len({len(t.prompt_ids) for t in mixed}) > 1  # padding
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    reference = serial_reference(model, mixed)
+    reference.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    loss = step_loss(PolicyModel(model), batch, torch.arange(len(mixed)), micro_batch_size)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5) and reference.item() > 0.1
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], atol=1e-5, rtol=1e-4), name  # float32 rounding
+
+
+def task_with_other_lengths():
+    class Other(Quadruple):  # a longer prompt and a one-turn demonstration: rows of other lengths
+        system = "You are a careful assistant who checks every number twice."
+
+        def demonstrate(self, episode, rng):
+            n = episode.info["row"]["n"]
+            return [{"role": "assistant", "content": "", "tool_calls": [{"name": "negate", "arguments": {"number": n}}]},
+                    {"role": "tool", "content": str(-n)},
+                    {"role": "assistant", "content": f"The answer is {4 * n}."}]
+
+    return Other()
+
+
+def test_demonstration_order_visits_every_demonstration_each_pass():
+    order = demonstration_order(5, steps=4, batch_size=3, seed=0)
+    assert order.shape == (4, 3)
+    flat = order.flatten().tolist()
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
+    assert torch.equal(order, demonstration_order(5, steps=4, batch_size=3, seed=0))
+
+
+def test_has_demonstrations():
+    assert has_demonstrations(Quadruple()) and not has_demonstrations(get_task("arithmetic"))
+
+    class Plain:  # not a Task subclass: wrapped by as_task, its hook kept
+        name = "plain"
+
+        def make_episode(self, index, seed=0):
+            return get_task("arithmetic").make_episode(index, seed)
+
+        def reward(self, episode, messages, tool_calls):
+            return 0.0
+
+        def demonstrate(self, episode, rng):
+            return None
+
+    assert has_demonstrations(Plain()) and as_task(Plain()).demonstrate(None, None) is None
+    assert Task.demonstrate(Quadruple(), None, None) is None
+
+
+def bad(demonstrate):
+    """Quadruple with another demonstrate hook."""
+    return type("Bad", (Quadruple,), {"demonstrate": lambda self, episode, rng: demonstrate(episode.info["row"]["n"])})()
+
+
+@pytest.mark.parametrize("demonstrate, message", [
+    (lambda n: [{"role": "assistant", "content": f"The answer is {n}."}],
+     r"4 of 4 demonstrations cannot be trained on; the first, episode 0: does not succeed \(reward 0; final answer 'The answer is \d+\.'\)"),
+    (lambda n: [{"role": "assistant", "content": "", "tool_calls": [{"name": "triple", "arguments": {"number": n}}]},
+                {"role": "assistant", "content": f"The answer is {4 * n}."}],
+     r"episode 0: its tool call triple\(\{'number': \d+\}\) fails: Error: unknown tool 'triple'"),
+    (lambda n: [{"role": "assistant", "content": "", "tool_calls": [{"name": "double", "arguments": {"number": n}}]},
+                {"role": "tool", "content": "12345"}, {"role": "assistant", "content": f"The answer is {4 * n}."}],
+     r"episode 0: message 1 replays as .*'content': '\d+'\}, not as demonstrated .*'content': '12345'\}"),
+    (lambda n: [{"role": "user", "content": "hi"}], r"episode 0: the demonstration message 0: expected an assistant or tool"),
+    (lambda n: [{"role": "assistant", "content": "", "tool_calls": [{"name": "double", "arguments": {"number": n}}]}],
+     r"episode 0: the demonstration must end with a final answer"),
+    (lambda n: [{"role": "assistant", "content": "4"}, {"role": "assistant", "content": "4"}],
+     r"episode 0: the demonstration message 1: follows a final answer"),
+    (lambda n: [{"role": "assistant", "content": "", "tool_calls": [{"name": "double", "arguments": "not json"}]},
+                {"role": "assistant", "content": "x"}], r"episode 0: the demonstration message 0: a tool call must be"),
+    (lambda n: "The answer is 4.", r"episode 0: the demonstration must be a non-empty list of messages, got str"),
+    (lambda n: 1 / 0, r"episode 0: demonstrate raised ZeroDivisionError: division by zero"),
+    (lambda n: None, r"task 'Bad' gave no demonstration for its episodes 0..3"),
+])
+def test_bad_demonstrations_are_refused_naming_the_episode(tiny_tokenizer, demonstrate, message):
+    with pytest.raises(DemonstrationError, match=message):
+        replay(bad(demonstrate), tiny_tokenizer, range(4), progress=False)
+
+
+def test_a_task_without_demonstrations_is_refused(tiny_tokenizer):
+    with pytest.raises(DemonstrationError, match="^task 'arithmetic' has no demonstrations: give it a demonstrate"):
+        replay(get_task("arithmetic"), tiny_tokenizer, range(2), progress=False)
+
+
+def test_whole_chats_and_given_tool_results_are_taken(tiny_tokenizer, demonstrations):
+    chats = {t.info["index"]: t.messages for t in demonstrations}
+    again = replay(_from_chats(chats), tiny_tokenizer, range(4), seed=3, progress=False)
+    assert [t.response_ids for t in again] == [t.response_ids for t in demonstrations]
+
+
+def _from_chats(chats):
+    class FromChats(Quadruple):
+        name = "Quadruple"  # the same episodes
+
+        def demonstrate(self, episode, rng):  # a Trajectory's messages: the prompt, calls, tool results, answer
+            return next(m for m in chats.values() if m[0] == episode.messages[0])
+
+    return FromChats()
+
+
+def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp_path, tiny_agent_dir):
+    config = WarmstartConfig(model=str(tiny_agent_dir), episodes=8, steps=4, batch_size=4, micro_batch_size=2, lr=1e-3,
+                             warmup_steps=0, output_dir=str(tmp_path / "run"), progress=False, threads=2)
+    result = warm_start(config, Quadruple())
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4] and lines[-1]["loss"] < lines[0]["loss"]
+    assert lines[0]["lr"] == pytest.approx(1e-3) and lines[1]["lr"] < lines[0]["lr"]
+    assert len((tmp_path / "run" / "demonstrations.jsonl").read_text().splitlines()) == 8
+    assert check_model_dir(result.model_dir).architecture == "LlamaForCausalLM"
+    assert result.longest["turns"] == 3
+    assert result.longest["response_tokens"] == max(len(t.response_ids) for t in result.demonstrations)
+    trained = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    assert serial_reference(trained, result.demonstrations) < serial_reference(base, result.demonstrations)

@@ -1,0 +1,379 @@
+"""Asynchronous rollouts (``--max-staleness K``): a producer keeps playing episodes while the trainer trains.
+
+Who owns what (docs/design.md section 8a):
+
+- **The producer** (:class:`RolloutProducer`, rank 0 only) owns a thread with its own asyncio event loop,
+  the rollout backend (in-process, or the HTTP backend over ``--rollout-servers`` with its failover)
+  wrapped in a :class:`VersionedBackend`, and ``concurrency`` worker tasks. Each worker takes the next
+  episode index (whole groups: a group's first member is admitted only under the staleness budget, its
+  other members follow it), plays it with ``play_episode`` and files the Trajectory under its group.
+- **The hand-over** is the producer's table of finished groups, under one ``threading.Condition``: the
+  producer adds, the trainer takes (:meth:`RolloutProducer.take`). A group is released only when every
+  member has finished, so group estimators always see whole groups.
+- **The trainer** (every rank) owns the model and the optimizer; rank 0 takes a step's groups and
+  broadcasts them to the other ranks; after the update rank 0 pushes the weights through the producer
+  (:meth:`RolloutProducer.push`), which swaps them in between requests.
+
+Versions: the weights after ``v`` trainer steps are version ``v`` (a step whose update was skipped still
+advances the version: its weights equal the previous ones). :class:`VersionedBackend` stamps every
+generation with the version it ran on (``GenerationResult.policy_version``), and the loop records it on
+each ASSISTANT token (``Trajectory.policy_versions``). A swap closes the backend's gate (new requests
+wait), lets the requests in flight finish, loads the weights, sets the version and opens the gate: no
+request mixes two versions, and an episode in flight simply continues with the new weights on its next
+turn (a *partial rollout*: its tokens carry both versions). Versions never decrease along an episode,
+so its oldest is the version of its first ASSISTANT token.
+
+The staleness rule: trainer step ``s`` (weights version ``s``) trains on a group only if the oldest token
+of every member was sampled by version ``s - K`` or later; a complete group older than that is dropped
+(``episodes/dropped_stale``, counted per episode; written to the step's rollouts file, ``info["stale"]``,
+never trained on). The producer admits a new group
+only while ``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1``
+steps of groups are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with
+version ``s``, the synchronous step (tested equal). A step takes the ``prompts_per_step`` complete groups
+with the lowest group ids (the oldest first, so the fewest expire).
+
+The question stream: groups start in id order; :meth:`RolloutProducer.position` (saved in each checkpoint)
+is the first group never started and the groups started but neither taken nor dropped (in flight or
+waiting). A resumed producer plays those first, then goes on from the first never started: every question
+is trained on or dropped once, as in a run that was never stopped.
+
+Faults: a failed episode is a Trajectory with finish ``error`` (the step drops it, as in the synchronous
+step); the HTTP backend moves a dead server's sessions to a live one; an error that stops the producer
+(a fatal backend error: every server down past the deadline) is raised by the trainer's next
+:meth:`~RolloutProducer.take`, :meth:`~RolloutProducer.push` or :meth:`~RolloutProducer.run` as
+:class:`RolloutProducerError` naming the cause, and :meth:`~RolloutProducer.close` stops the producer's
+thread (in-flight episodes cancelled, the backend's run ended); the last complete checkpoint resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import threading
+import time
+from collections import Counter, deque
+from typing import Callable, Sequence
+
+from agent_loop.backends.base import Backend, GenerationResult, SamplingParams, check_backend
+from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.local import play_episode
+from agent_loop.runners.spec import RunSpec
+from agent_loop.types import Trajectory
+
+
+class RolloutProducerError(RuntimeError):
+    """The rollout producer stopped (its cause chained): the run cannot go on."""
+
+
+def oldest_version(trajectory: Trajectory, default: int) -> int:
+    """The policy version of the episode's first ASSISTANT token (versions never decrease along an episode,
+    so it is the oldest), or ``default`` when it has none (a failed episode, or a backend without versions)."""
+    return next((v for v in trajectory.policy_versions or () if v >= 0), default)
+
+
+def staleness_metrics(trajectories: Sequence[Trajectory], version: int, max_staleness: int) -> dict[str, float]:
+    """Per step: ``staleness/kJ`` (how many of the trained episodes have their oldest token ``J`` versions behind
+    ``version``, J = 0..K, every key every step), ``staleness/mean`` and ``staleness/max``; an episode without
+    versions counts as ``J = 0``."""
+    lags = [version - oldest_version(t, version) for t in trajectories]
+    counts = Counter(lags)
+    metrics = {f"staleness/k{j}": float(counts.get(j, 0)) for j in range(max(max_staleness, max(lags, default=0)) + 1)}
+    metrics["staleness/mean"] = sum(lags) / len(lags) if lags else 0.0
+    metrics["staleness/max"] = float(max(lags, default=0))
+    return metrics
+
+
+class VersionedBackend(Backend):
+    """``inner`` with a weights version: every generation is stamped with the version it ran on, and weights
+    change only between requests (:meth:`swap`: new requests wait, those in flight finish first).
+
+    Used by the trainer in both modes: synchronously it just sets ``version`` between runs (no request is in
+    flight then); the producer swaps through the gate while episodes play. The gate's asyncio primitives are
+    made for the running event loop (one per ``asyncio.run`` of the synchronous trainer, one for the producer)."""
+
+    def __init__(self, inner: Backend, version: int = 0):
+        self.inner = check_backend(inner)
+        self.version = version
+        self.persistent = False  # True under the producer: a run (evaluate's) ending leaves ``inner`` open
+        self.retries_itself = inner.retries_itself
+        self._in_flight = 0
+        self._swapping = False
+        self._gate: asyncio.Condition | None = None
+        self._gate_loop = None
+
+    @property
+    def context_length(self) -> int | None:
+        return self.inner.context_length
+
+    def describe(self, session_id: str | None = None) -> str:
+        return self.inner.describe(session_id)
+
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        if self._gate_loop is not loop:
+            self._gate, self._gate_loop = asyncio.Condition(), loop
+        return self._gate
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       session_id: str | None = None) -> GenerationResult:
+        gate = self._condition()
+        async with gate:
+            await gate.wait_for(lambda: not self._swapping)
+            self._in_flight += 1
+            version = self.version
+        try:
+            result = await self.inner.generate(prompt_ids, sampling, session_id=session_id)
+        finally:
+            async with gate:
+                self._in_flight -= 1
+                gate.notify_all()
+        return result._replace(policy_version=version)
+
+    async def swap(self, load: Callable[[], object] | None, version: int) -> None:
+        """Close the gate, wait for the requests in flight, run ``load`` (the new weights into the backend or
+        the servers; None: the weights did not change) on a thread, set ``version``, open the gate. If
+        ``load`` raises, the version stays and the error propagates (the gate opens either way)."""
+        gate = self._condition()
+        async with gate:
+            self._swapping = True
+            await gate.wait_for(lambda: self._in_flight == 0)
+        try:
+            if load is not None:
+                await asyncio.to_thread(load)
+            self.version = version
+        finally:
+            async with gate:
+                self._swapping = False
+                gate.notify_all()
+
+    def update_weights(self, state_dict: dict) -> None:
+        self.inner.update_weights(state_dict)
+
+    async def end_run(self) -> None:
+        if not self.persistent:
+            await self.inner.end_run()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RolloutProducer:
+    """Plays episodes on its own thread and event loop, ahead of the trainer by at most ``max_staleness``
+    versions (the module docstring: admission, hand-over, the staleness rule, faults).
+
+    ``task`` plays question ``index // group_size`` as episode ``index`` (a ``GroupedTask``); groups are
+    started in id order from group ``first_step x groups_per_step``, or from ``position`` (a checkpoint's
+    :meth:`position`: its pending groups first, then its ``next_group`` on); ``first_step`` is the steps
+    already trained (the trainer's step) and ``backend.version`` the version the producer starts with;
+    ``last_step``: the run's last step (no group is started that no step up to it could take). ``counts``:
+    episodes started, finished, taken and dropped as stale, for the metrics and the no-episode-lost check
+    (started = finished + in flight; finished = taken + dropped + waiting)."""
+
+    def __init__(self, task, backend: VersionedBackend, tokenizer, config: LoopConfig, *, seed: int,
+                 concurrency: int, group_size: int, groups_per_step: int, max_staleness: int, first_step: int = 0,
+                 last_step: int | None = None, position: dict | None = None):
+        self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
+        backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
+        self._recorded = RunSpec(task, tokenizer, (), config, seed).recorded()  # info keys a run's episodes get
+        self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
+        self.concurrency = concurrency
+        self.last_step = last_step  # no group beyond what steps up to this one can train on is started
+        position = position or {"next_group": first_step * groups_per_step, "pending": []}
+        self._replay = deque(sorted(position["pending"]))  # started before a resume, never trained on: first
+        self._next_group = position["next_group"]  # the first group never started
+        self._open: set[int] = set()  # groups started, neither taken nor dropped
+        self._group, self._members = -1, group_size  # the group being started, how many of its members started
+        self._budget_used = first_step * groups_per_step  # groups started - groups dropped (the admission rule)
+        self._finished: dict[int, list[Trajectory]] = {}  # group -> its finished members (waiting to complete)
+        self._oldest: dict[int, int] = {}  # group -> the oldest version among its finished members
+        self._complete: set[int] = set()  # groups whose every member finished: ready to take
+        self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0)
+        self._error: BaseException | None = None
+        self._handover = threading.Condition()
+        self._last_take = (time.perf_counter(), 0)  # (when, episodes finished then): the producer's throughput
+        self.loop = asyncio.new_event_loop()
+        self._changed = asyncio.Event()  # set (on the loop) when the version moved or a group was dropped
+        self._main = self.loop.create_task(self._produce())
+        self._thread = threading.Thread(target=self._run_loop, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # --- the producer's thread -----------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main)
+        except BaseException:  # cancelled by close(), or recorded as the producer's error in _produce
+            pass
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())  # a decode batch in a thread ends
+            self.loop.close()
+
+    async def _produce(self) -> None:
+        workers = [asyncio.ensure_future(self._worker()) for _ in range(self.concurrency)]
+        try:
+            await asyncio.gather(*workers)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # a fatal backend error (or a bug): the trainer's next call raises it
+            with self._handover:
+                self._error = error
+                self._handover.notify_all()
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await self.backend.inner.end_run()
+
+    def _may_start(self) -> bool:
+        """Whether the next episode may start: a group's later members always (a group is never half
+        started); the first member of the next group only within the staleness budget."""
+        if self._members < self.group_size:
+            return True
+        steps = self.backend.version + self.max_staleness + 1
+        budget = (steps if self.last_step is None else min(steps, self.last_step)) * self.groups_per_step
+        return self._budget_used < budget
+
+    async def _admit(self) -> tuple[int, int]:
+        """The next episode's index (the next member of the group being started, or the first of the next
+        group: a pending one from before a resume, else the next never started) and the version it starts under."""
+        while not self._may_start():
+            self._changed.clear()
+            await self._changed.wait()
+        with self._handover:  # position() reads the stream from the trainer's thread
+            if self._members == self.group_size:
+                if self._replay:
+                    self._group = self._replay.popleft()
+                else:
+                    self._group, self._next_group = self._next_group, self._next_group + 1
+                self._members = 0
+                self._open.add(self._group)
+                self._budget_used += 1
+            index = self._group * self.group_size + self._members
+            self._members += 1
+            self.counts["started"] += 1
+        return index, self.backend.version
+
+    async def _worker(self) -> None:
+        while True:
+            index, version = await self._admit()
+            trajectory = await play_episode(self.task, index, self.backend, self.tokenizer, self.config, self.seed)
+            trajectory.info.update(copy.deepcopy(self._recorded))
+            self._file(index, version, trajectory)
+
+    def _file(self, index: int, started: int, trajectory: Trajectory) -> None:
+        """A finished episode into its group; the group is released when its last member arrives."""
+        group = index // self.group_size
+        with self._handover:
+            self.counts["finished"] += 1
+            self._finished.setdefault(group, []).append(trajectory)
+            # its oldest token's version (an episode admitted under one version may sample its first token under a
+            # later one: it waited at the gate during a push); ``started`` only for an episode without tokens
+            oldest = oldest_version(trajectory, started)
+            self._oldest[group] = min(self._oldest.get(group, oldest), oldest)
+            if len(self._finished[group]) == self.group_size:
+                self._complete.add(group)
+                self._handover.notify_all()
+
+    def _wake(self) -> None:
+        """Re-check admission (from any thread)."""
+        self.loop.call_soon_threadsafe(self._changed.set)
+
+    # --- the trainer's side ----------------------------------------------------------------------------
+
+    def _drop_stale(self, version: int) -> list[Trajectory]:
+        """Drop the complete groups whose oldest token is more than ``max_staleness`` behind ``version``; returns
+        their episodes, each marked ``info["stale"]`` (its staleness). Caller holds the hand-over lock."""
+        dropped = []
+        for group in sorted(g for g in self._complete if self._oldest[g] < version - self.max_staleness):
+            self._complete.discard(group)
+            members = sorted(self._finished.pop(group), key=lambda t: t.info["index"])
+            for trajectory in members:
+                trajectory.info["stale"] = version - oldest_version(trajectory, self._oldest[group])
+            del self._oldest[group]
+            dropped += members
+            self._open.discard(group)
+            self._budget_used -= 1
+        self.counts["dropped_stale"] += len(dropped)
+        return dropped
+
+    def take(self, version: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
+        """Wait for ``groups_per_step`` complete groups fit for a step at weights ``version``, dropping the stale
+        ones on the way; return their episodes in index order, the episodes dropped as stale (marked
+        ``info["stale"]``), and the hand-over metrics: ``time/idle_s`` (the wait), ``episodes/dropped_stale``,
+        ``producer/episodes_per_s`` (finished since the last take), ``producer/in_flight``,
+        ``producer/waiting`` (finished, not yet taken). Raises RolloutProducerError if the producer stopped."""
+        started, dropped = time.perf_counter(), []
+        with self._handover:
+            while True:
+                if stale := self._drop_stale(version):
+                    dropped += stale
+                    self._wake()  # their places in the budget go to new groups (which this wait may need)
+                if len(self._complete) >= self.groups_per_step:
+                    break
+                self._raise_if_stopped()
+                self._handover.wait(timeout=1.0)  # woken by each finished group; the timeout re-checks the thread
+            groups = sorted(self._complete)[: self.groups_per_step]
+            taken = []
+            for group in groups:
+                self._complete.discard(group)
+                self._open.discard(group)
+                del self._oldest[group]
+                taken += sorted(self._finished.pop(group), key=lambda t: t.info["index"])
+            self.counts["taken"] += len(taken)
+            metrics = self._handover_metrics(time.perf_counter(), started, len(dropped))
+        return taken, dropped, metrics
+
+    def _handover_metrics(self, now: float, started: float, dropped: int) -> dict[str, float]:
+        when, finished = self._last_take
+        self._last_take = (now, self.counts["finished"])
+        return {"time/idle_s": now - started, "episodes/dropped_stale": float(dropped),
+                "producer/episodes_per_s": (self.counts["finished"] - finished) / max(now - when, 1e-9),
+                "producer/in_flight": float(self.counts["started"] - self.counts["finished"]),
+                "producer/waiting": float(sum(len(members) for members in self._finished.values()))}
+
+    def position(self) -> dict[str, int | list[int]]:
+        """Where the question stream stands, for a checkpoint (plain ints): ``next_group``, the first group never
+        started, and ``pending``, the groups started (or queued to replay) but neither taken nor dropped; a
+        producer made with this ``position`` plays ``pending`` first, then goes on from ``next_group``."""
+        with self._handover:
+            return {"next_group": self._next_group, "pending": sorted(self._open | set(self._replay))}
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise RolloutProducerError(f"the rollout producer stopped: {type(self._error).__name__}: "
+                                       f"{self._error}") from self._error
+        if self._main.done() or self.loop.is_closed() or not self._thread.is_alive():
+            raise RolloutProducerError("the rollout producer is closed")
+
+    def run(self, coroutine):
+        """Run ``coroutine`` on the producer's event loop (where its backend lives) and return its result."""
+        with self._handover:
+            try:
+                self._raise_if_stopped()
+            except RolloutProducerError:
+                coroutine.close()
+                raise
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():  # the loop closed before it ran the coroutine
+                    self._raise_if_stopped()
+
+    def push(self, load: Callable[[], object] | None, version: int) -> None:
+        """Swap in new weights between requests (``VersionedBackend.swap``) as ``version``, then admit the
+        groups the new version allows. Raises what ``load`` raised (a failed weight sync)."""
+        self.run(self.backend.swap(load, version))
+        self._wake()
+
+    def close(self) -> None:
+        """Stop for good: cancel the episodes in flight, end the backend's run, join the thread. Idempotent."""
+        if not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self._main.cancel)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        self._thread.join()
