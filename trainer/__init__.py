@@ -1,14 +1,15 @@
 """Train multi-turn tool-calling agents: rollouts (``agent_loop``) -> batch (``masking``) -> advantages -> PPO-clip.
 
-``from trainer import TrainConfig, Trainer``; each is imported on first use, so the options load without
-torch.
+``from trainer import TrainConfig, Trainer`` (and ``WarmstartConfig, warm_start``: supervised fine-tuning on a task's
+demonstrations); each is imported on first use, so the options load without torch.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"TrainConfig": "trainer.config", "Trainer": "trainer.trainer"}
+_EXPORTS = {"TrainConfig": "trainer.config", "Trainer": "trainer.trainer", "WarmstartConfig": "trainer.warmstart_config",
+            "warm_start": "trainer.warmstart"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -76,16 +76,16 @@ def _tool_calls(message: dict, where: str) -> list[tuple[str, dict]]:
     """``(name, arguments)`` of an assistant message's ``tool_calls`` (flat or OpenAI-shaped; arguments a dict
     or its JSON text)."""
     calls = []
-    for call in message.get("tool_calls") or []:
-        call = call.get("function", call) if isinstance(call, dict) else None
-        name, arguments = (call or {}).get("name"), (call or {}).get("arguments", {})
+    for raw in message.get("tool_calls") or []:
+        call = raw.get("function", raw) if isinstance(raw, dict) else {}
+        name, arguments = call.get("name"), call.get("arguments", {})
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError:
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict):
-            raise DemonstrationError(f"{where}: a tool call must be {{'name': str, 'arguments': dict}}, got {call!r}")
+            raise DemonstrationError(f"{where}: a tool call must be {{'name': str, 'arguments': dict}}, got {raw!r}")
         calls.append((name, arguments))
     return calls
 
@@ -110,8 +110,9 @@ def parse_demonstration(messages, prompt: list[dict]) -> list[dict]:
         if turns and turns[-1]["role"] == "assistant" and not turns[-1]["calls"]:
             raise DemonstrationError(f"{where}: follows a final answer (an assistant turn without tool calls ends "
                                      "the episode)")
-        turns.append({"role": role, "content": (message.get("content") or "").strip()} if role == "tool" else
-                     {"role": role, "content": (message.get("content") or "").strip(), "calls": _tool_calls(message, where)})
+        content = message.get("content") or ""  # an assistant's stripped, as the loop's parser records it
+        turns.append({"role": role, "content": content} if role == "tool" else
+                     {"role": role, "content": content.strip(), "calls": _tool_calls(message, where)})
     if turns[-1]["role"] != "assistant" or turns[-1]["calls"]:
         raise DemonstrationError("must end with a final answer: an assistant message without tool calls")
     return turns
@@ -331,7 +332,8 @@ def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogge
         history.append(metrics)
         if logger is not None:
             logger.log(step + 1, metrics)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if step % 10 == 0 or step == config.steps - 1:
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
     model.eval()
     return history
 
@@ -367,8 +369,8 @@ class WarmstartResult:
 def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     """Replay the task's demonstrations, fine-tune the model on them, save it (see the module docstring).
 
-    ``task``: any task object; default: the one ``config`` names. ``config.output_dir`` must be free to write
-    into (the CLI checks and locks it)."""
+    ``task``: any task object; default: the one ``config`` names. ``config.output_dir`` must hold no earlier
+    warm start (FileExistsError; the CLI checks and locks it first)."""
     from agent_loop.config import checked
 
     started = time.perf_counter()
@@ -377,6 +379,10 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     output = Path(config.output_dir)
+    earlier = [name for name in (DEMONSTRATIONS_FILE, METRICS_FILE, MODEL_DIR) if (output / name).exists()]
+    if earlier:
+        raise FileExistsError(f"{output} holds an earlier warm start ({', '.join(earlier)}); give another output_dir "
+                              "or empty it")
     output.mkdir(parents=True, exist_ok=True)
     source = model_path(config.model, TINY_STAGE)
     tokenizer = AutoTokenizer.from_pretrained(source)

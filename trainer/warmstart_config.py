@@ -43,7 +43,7 @@ class WarmstartConfig(TaskOptions):
     seed: _SEED = 0
     episodes: _int(1, "demonstrations: the task's episodes 0 .. N-1 under --seed, each solved by its "
                       "demonstrate(episode, rng) hook (evaluate on another --seed)") = 256
-    steps: _int(1, "optimizer steps") = 400
+    steps: _int(1, "optimizer steps") = 600
     batch_size: _int(1, "demonstrations per optimizer step (in a new random order every pass)") = 16
     micro_batch_size: _int(1, "rows per forward/backward (gradient accumulation within a step)") = 16
     lr: Annotated[float | None, Field(gt=0, description=f"AdamW learning rate: the peak of a linear warm-up and a cosine "

@@ -100,9 +100,10 @@ class TransformersBackend(Backend):
                         request.future.set_exception(error)
                 continue
             for request in batch:
-                request.future.set_result(
-                    GenerationResult(request.token_ids, request.logprobs, request.finish_reason)
-                )
+                if not request.future.done():  # a caller cancelled (e.g. a closed producer): the rest still get theirs
+                    request.future.set_result(
+                        GenerationResult(request.token_ids, request.logprobs, request.finish_reason)
+                    )
 
     @torch.inference_mode()
     def _decode(self, batch: list[_Request]) -> None:

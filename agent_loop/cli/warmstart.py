@@ -117,5 +117,6 @@ def report(config: WarmstartConfig, result) -> int:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
     task = task_flag(config)
-    print(f"next: agent-loop rollout {task} --model {model}\n      agent-loop train {task} --model {model}")
+    sharp = " --lr 5e-5  # a warm-started policy is sharp: a small RL step (BENCHMARKS.md)" if config.model is None else ""
+    print(f"next: agent-loop rollout {task} --model {model}\n      agent-loop train {task} --model {model}{sharp}")
     return 0

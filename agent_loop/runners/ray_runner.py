@@ -30,6 +30,7 @@ from typing import Callable
 import ray
 
 from agent_loop.backends.base import Backend, is_fatal
+from agent_loop.config import plural
 from agent_loop.runners.local import TrajectorySink, error_trajectory, play_episode
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
@@ -89,7 +90,7 @@ class _ActorPool:
             while self._submit(slot):
                 pass
         if not self.in_flight and all(w is None for w in self.workers) and self._next_index(peek=True) is not None:
-            raise RuntimeError(f"every rollout worker died; {self.left} episodes not played "
+            raise RuntimeError(f"every rollout worker died; {plural(self.left, 'episode')} not played "
                                "(the finished ones are written; rerun with --resume)")
 
     def _next_index(self, peek: bool = False) -> int | None:

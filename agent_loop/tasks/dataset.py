@@ -46,6 +46,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from agent_loop.config import plural
 from agent_loop.episode.tools import tool
 from agent_loop.tasks.base import Task, episode_rng
 from agent_loop.tasks.rewards import (
@@ -240,7 +241,7 @@ class DatasetTask(Task):
         self.name = name
         self.rows, self.skipped = load_prompts(prompts, prompt_key, answer_key, split)
         if self.skipped:
-            warnings.warn(f"{len(self.skipped)} bad prompt rows skipped ({len(self.rows)} kept): "
+            warnings.warn(f"{plural(len(self.skipped), 'bad prompt row')} skipped ({len(self.rows)} kept): "
                           + "; ".join(self.skipped[:5]) + (" ..." if len(self.skipped) > 5 else ""), stacklevel=2)
         self.rewards = reward_terms(reward, reward_weights)
         self.turn_reward = turn_reward

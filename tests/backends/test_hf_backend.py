@@ -110,6 +110,24 @@ def test_backend_failure_reaches_every_caller(model):
     assert all(isinstance(r, Exception) for r in results)
 
 
+def test_a_cancelled_request_leaves_the_rest_of_its_batch_their_results(model):
+    backend = TransformersBackend(model)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def one_cancelled():
+        first = asyncio.ensure_future(backend.generate([1, 2], params))
+        second = asyncio.ensure_future(backend.generate([3, 4], params))
+        await asyncio.sleep(0)  # both queued, one batch
+        first.cancel()  # e.g. a closed rollout producer
+        # the bug this guards against left the second caller waiting for ever
+        return await asyncio.wait_for(second, 60), await asyncio.gather(first, return_exceptions=True)
+
+    result, (cancelled,) = run(one_cancelled())
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert result.token_ids == run(backend.generate([3, 4], params)).token_ids and len(result.token_ids) == 6
+    assert backend.batch_sizes[0] == 2
+
+
 def test_update_weights_changes_generation(model):
     backend = TransformersBackend(Qwen2ForCausalLM(model.config).eval())
     backend.update_weights(model.state_dict())

@@ -137,6 +137,7 @@ def test_warm_start_then_rollout_and_train_load_the_model(capsys, tmp_path, tiny
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["steps"] == 2 and saved["task"] == EXAMPLE and saved["output_dir"] == str(out)
+    assert saved["lr"] == 3e-3  # the learning rate used: the tiny agent's default
     model = str(out / "model")
     code, stdout, err = run_cli(capsys, "rollout", "--task", EXAMPLE, "--model", model, "--episodes", "2",
                                 "--max-turns", "2", "--out", str(tmp_path / "r.jsonl"))
@@ -147,3 +148,18 @@ def test_warm_start_then_rollout_and_train_load_the_model(capsys, tmp_path, tiny
                                 "--no-tensorboard", "--output-dir", str(tmp_path / "train"))
     assert code == 0, err
     assert (tmp_path / "train" / "metrics.jsonl").read_text().strip()
+
+
+def test_every_option_has_help_and_the_learning_rate_follows_the_model(capsys):
+    import dataclasses
+
+    from agent_loop.cli import build_parser
+    from trainer.warmstart_config import MODEL_LR, TINY_LR, WarmstartConfig
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    actions = {a.dest: a for a in commands.choices["warmstart"]._actions if a.dest not in ("help", "config")}
+    assert set(actions) == {f.name for f in dataclasses.fields(WarmstartConfig)}
+    assert all(a.help and "default: " in a.help for a in actions.values())
+    assert "gamma" not in actions and "concurrency" not in actions  # only the run options a warm start uses
+    assert WarmstartConfig().learning_rate == TINY_LR and WarmstartConfig(model="m").learning_rate == MODEL_LR
+    assert WarmstartConfig(model="m", lr=0.5).resolved()["lr"] == 0.5

@@ -9,6 +9,7 @@ import json
 
 import pytest
 from rich.console import Console
+from test_template_exactness import EchoTask  # the same one-tool task
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli.inspect import main
@@ -16,27 +17,8 @@ from agent_loop.episode.loop import run_episode
 from agent_loop.inspect import terminal
 from agent_loop.inspect.tokens import segments, versions_note
 from agent_loop.inspect.view import build_view
-from agent_loop.types import Episode, Trajectory
+from agent_loop.types import Trajectory
 from masking.spans import SpanKind
-
-
-def echo(text: str) -> str:
-    """Repeat the text.
-
-    Args:
-        text: What to repeat.
-    """
-    return text
-
-
-class EchoTask:
-    name = "echo"
-
-    def make_episode(self, index, seed=0):
-        return Episode(messages=[{"role": "user", "content": "Echo hello, then say done."}], tools=[echo], answer="done")
-
-    def reward(self, episode, messages, tool_calls):
-        return float("done" in messages[-1]["content"])
 
 
 class AcrossAnUpdate(ScriptedBackend):

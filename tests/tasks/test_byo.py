@@ -118,7 +118,7 @@ def test_a_json_file_holding_one_array_gives_its_rows(tmp_path):
     rows = [{"prompt": "What is 2+2?", "answer": 4}, {"question": "no prompt"}, {"prompt": "Hi", "answer": "x"}]
     array = tmp_path / "prompts.json"
     array.write_text("\ufeff  " + json.dumps(rows, indent=2), encoding="utf-8")  # a BOM and spaces before it
-    with pytest.warns(UserWarning, match="1 bad prompt rows skipped"):
+    with pytest.warns(UserWarning, match="1 bad prompt row skipped"):
         task = DatasetTask(array, reward="number")
     assert [r["answer"] for r in task.rows] == [4, "x"] and task.skipped == [f"{array}:row 1: no 'prompt' field (keys: question)"]
     lines = tmp_path / "lines.json"

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_faults import _server_pid  # the vLLM server process behind a URL
 
 from agent_loop.backends.base import Backend, FatalBackendError
 from agent_loop.backends.hf import TransformersBackend
@@ -128,17 +129,6 @@ def test_nproc_2_asynchronous_rank_0_produces_for_both(tiny_mid, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = assert_async_run(out, 3)
     assert sum(m["staleness/k1"] for m in lines) > 0  # it did overlap
-
-
-def _server_pid(url: str) -> int:
-    import psutil
-
-    port = url.rsplit(":", 1)[1]
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmdline and port in cmdline:
-            return process.pid
-    raise LookupError(f"no vLLM server process for {url}")
 
 
 @pytest.mark.slow

@@ -49,10 +49,13 @@ def serial_logprobs(model, trajectories) -> dict[tuple[int, int], float]:
     return found
 
 
+DUAL_CLIP = 3.0  # advantages.losses' clip_ratio_c default
+
+
 def reference_weighted_loss(new, old, rollout, advantages, clip_ratio) -> tuple[float, int, int]:
     """Token-level TIS (cap CAP) and rejection outside [LOWER, UPPER] on rho = exp(old - rollout), composed
-    with PPO's clip: ``sum over kept tokens of min(rho, CAP) * max(-A r, -A clip(r))`` / kept tokens.
-    Returns (loss, kept tokens, capped tokens)."""
+    with PPO's clip: ``sum over kept tokens of min(rho, CAP) * max(-A r, -A clip(r))`` / kept tokens, the
+    clipped term capped at ``-A * DUAL_CLIP`` for A < 0 (dual clip). Returns (loss, kept tokens, capped tokens)."""
     total, kept, capped = 0.0, 0, 0
     for (row, j), old_logprob in old.items():
         rho = math.exp(old_logprob - float(rollout[row, j]))
@@ -60,7 +63,10 @@ def reference_weighted_loss(new, old, rollout, advantages, clip_ratio) -> tuple[
         if not LOWER <= rho <= UPPER:
             continue
         ratio, a = math.exp(new[row, j] - old_logprob), float(advantages[row, j])
-        total += min(rho, CAP) * max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
+        clipped = max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
+        if a < 0:
+            clipped = min(clipped, -a * DUAL_CLIP)
+        total += min(rho, CAP) * clipped
         kept += 1
     return total / kept, kept, capped
 

@@ -263,6 +263,8 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
     assert check_model_dir(result.model_dir).architecture == "LlamaForCausalLM"
     assert result.longest["turns"] == 3
     assert result.longest["response_tokens"] == max(len(t.response_ids) for t in result.demonstrations)
+    with pytest.raises(FileExistsError, match=r"holds an earlier warm start \(demonstrations.jsonl, metrics.jsonl, model\)"):
+        warm_start(config, Quadruple())
     trained = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     assert serial_reference(trained, result.demonstrations) < serial_reference(base, result.demonstrations)
