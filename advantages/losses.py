@@ -201,8 +201,8 @@ def ppo_clip_policy_loss(
     ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))`` with ``low``/``high`` defaulting to
     ``clip_ratio`` (asymmetric clipping as in DAPO), and for ``A < 0`` capped at ``-A * clip_ratio_c``
     (dual clip; ``clip_ratio_c > 1``). ``rollout_is_weights`` ``(b, t)`` multiply the per-token
-    losses after the clips (the sampler/trainer correction: ``advantages.rollout_correction``); ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ...) goes to
-    :func:`aggregate_loss`.
+    losses after the clips (the sampler/trainer correction: ``advantages.rollout_correction``);
+    ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ...) goes to :func:`aggregate_loss`.
 
     Returns ``(loss, metrics)``: ``clipfrac`` (share of tokens where the clipped term was taken),
     ``clipfrac_lower`` (share where the dual clip was), ``approx_kl`` (mean ``old_log_prob - log_prob``,

@@ -421,17 +421,17 @@ def test_rollout_summary_shows_the_chosen_estimator(capsys, tmp_path, tiny_agent
     from agent_loop.runners.local import read_trajectories
 
     out = tmp_path / "r.jsonl"
-    assert main(["rollout", "--model", str(tiny_agent_dir), "--episodes", "6", "--gamma", "0.5",
+    assert main(["rollout", "--model", str(tiny_agent_dir), "--episodes", "6", "--gamma", "0.9",
                  "--estimator", estimator, "--out", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())  # rich wraps the title to the table's width
-    assert f"batch tensors and {estimator} (gamma=0.5)" in printed
+    assert f"batch tensors and {estimator} (gamma=0.9)" in printed
     batch = trajectories_to_batch(sorted(read_trajectories(out), key=lambda t: t.info["index"]))
     if estimator.endswith("reset_at_observation"):
-        expected = returns_reset_at_observation_ref(batch.token_level_rewards, batch.response_mask, 0.5)
+        expected = returns_reset_at_observation_ref(batch.token_level_rewards, batch.response_mask, 0.9)
     else:
-        expected = returns_ignore_mask_ref(batch.token_level_rewards, 0.5)
+        expected = returns_ignore_mask_ref(batch.token_level_rewards, 0.9)
     assistant = batch.response_mask.bool()
-    carry_through = discounted_returns_ref(batch.token_level_rewards, batch.spans, 0.5)[assistant].mean().item()
+    carry_through = discounted_returns_ref(batch.token_level_rewards, batch.spans, 0.9)[assistant].mean().item()
     assert expected[assistant].mean().item() != pytest.approx(carry_through, abs=1e-3)  # the choice shows
     shown = float(re.search(r"mean return on ASSISTANT tokens\D*([-\d.]+)", printed).group(1))
     assert shown == pytest.approx(expected[assistant].mean().item(), abs=1e-4)

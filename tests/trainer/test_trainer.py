@@ -53,9 +53,10 @@ def random_advantages(batch: dict[str, torch.Tensor], seed: int = 0) -> None:
     batch["advantages"] = torch.where(batch["spans"] == ASSISTANT, noise, 0.0)
 
 
-def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio: float) -> float:
+def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio: float, clip_ratio_c: float = 3.0) -> float:
     """Serial reference: each trajectory unpadded through the model on its own, then a loop over its
-    ASSISTANT tokens; the token-mean of ``max(-A r, -A clip(r, 1 - eps, 1 + eps))``."""
+    ASSISTANT tokens; the token-mean of ``max(-A r, -A clip(r, 1 - eps, 1 + eps))``, capped at
+    ``-A c`` where ``A < 0`` (verl's dual clip, ``clip_ratio_c`` 3 by default)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for row, trajectory in enumerate(trajectories):
@@ -67,7 +68,8 @@ def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio
                     continue
                 ratio = math.exp(float(logprobs[p + j - 1, token]) - float(old_logprobs[row, j]))
                 a = float(advantages[row, j])
-                total += max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
+                loss = max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
+                total += min(loss, -a * clip_ratio_c) if a < 0 else loss
                 count += 1
     return total / count
 
