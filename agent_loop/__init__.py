@@ -58,14 +58,17 @@ def __getattr__(name: str):
 
 
 def rollout(task, model: str | None = None, episodes: int = 16, backend="hf", seed: int = 0, concurrency: int = 16,
-            output_path=None, progress: bool = True, **loop_options) -> list:
+            output_path=None, progress: bool = True, *, gamma: float | None = None, estimator: str | None = None,
+            **loop_options) -> list:
     """Play ``episodes`` episodes of ``task`` and return their Trajectories (index order). Blocking.
 
     ``task``: a task object or a name for :func:`load_task`. ``model``: a model folder (checked first with
     :func:`check_model_dir`; default: the built-in tiny agent). ``backend``: a name of the backend
     registry ("hf", "vllm") or a backend object. ``loop_options``: :class:`LoopConfig` fields
     (``max_turns=3``, ``temperature=0.0``, ...). ``output_path``: also write each episode there as it
-    finishes (JSON Lines; an existing non-empty file is refused).
+    finishes (JSON Lines; an existing non-empty file is refused). ``gamma``, ``estimator``: recorded in each
+    episode's ``info`` (as ``agent-loop rollout --gamma --estimator`` does), so ``agent-loop inspect`` of the
+    file computes with them; they change nothing in the episodes.
     """
     import asyncio
 
@@ -75,6 +78,7 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="hf", se
     from agent_loop.episode.config import LoopConfig
     from agent_loop.models import check_model_dir, model_path
     from agent_loop.runners.local import run_rollouts
+    from agent_loop.runners.spec import made_with
     from agent_loop.tasks.registry import load_task
 
     task = load_task(task) if isinstance(task, str) else task
@@ -87,4 +91,5 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="hf", se
     if isinstance(backend, str):
         backend = make_backend(backend, model)
     return asyncio.run(run_rollouts(task, backend, tokenizer, range(episodes), config, seed=seed,
-                                    concurrency=concurrency, output_path=output_path, progress=progress))
+                                    concurrency=concurrency, output_path=output_path, progress=progress,
+                                    info=made_with(gamma, estimator)))

@@ -48,7 +48,8 @@ def load_checked_task(config: WarmstartConfig):
         raise UsageError(str(error)) from None
     if not has_demonstrations(task):
         remedy = ("give it a demonstrate(episode, rng) method returning a solved episode's messages" if config.prompts is None
-                  else "write the task as a class with a demonstrate(episode, rng) method and pass it with --task")
+                  else "give its rows a 'demonstration' column (a solved episode's messages), or write the task as a "
+                  "class with a demonstrate(episode, rng) method and pass it with --task")
         raise UsageError(f"{task_flag(config)}: task {task.name!r} has no demonstrations to warm-start on; {remedy} "
                          "(examples/custom_task.py)")
     return task

@@ -22,6 +22,9 @@ parquet files; ``messages`` works too) and optionally a reference answer (``answ
 ``Trajectory.info["row"]`` and reaches reward functions as ``row``. A file with bad rows keeps its good
 rows; each bad one is named ``FILE:LINE: reason`` in ``DatasetTask.skipped`` and in a warning.
 
+Demonstrations (optional, for ``agent-loop warmstart``): a ``demonstration`` column holding a solved
+episode's messages (the shape :meth:`Task.demonstrate` returns) makes the task demonstrate those rows.
+
 Rewards. A reward function takes, by name, any of ``completion`` (the final answer: the text of the
 last assistant message, "" if that message still calls a tool), ``answer``, ``messages``,
 ``tool_calls`` (``ToolCallRecord`` list), ``row`` and ``episode``, and returns a number. Several
@@ -237,9 +240,13 @@ class DatasetTask(Task):
     def __init__(self, prompts: Any, reward: Callable | str | Sequence[Callable | str], tools: Sequence[Callable] = (),
                  *, reward_weights: Sequence[float] | None = None, turn_reward: Callable | None = None,
                  system: str | None = None, name: str = "dataset", shuffle: bool = False,
-                 prompt_key: str = "prompt", answer_key: str = "answer", split: str | None = None):
+                 prompt_key: str = "prompt", answer_key: str = "answer", split: str | None = None,
+                 demonstration_key: str = "demonstration"):
         self.name = name
         self.rows, self.skipped = load_prompts(prompts, prompt_key, answer_key, split)
+        self.demonstration_key = demonstration_key
+        if any(demonstration_key in row["row"] for row in self.rows):  # only then can it be warm-started
+            self.demonstrate = self._demonstration_of
         if self.skipped:
             warnings.warn(f"{plural(len(self.skipped), 'bad prompt row')} skipped ({len(self.rows)} kept): "
                           + "; ".join(self.skipped[:5]) + (" ..." if len(self.skipped) > 5 else ""), stacklevel=2)
@@ -270,6 +277,10 @@ class DatasetTask(Task):
             messages.insert(0, {"role": "system", "content": self.system})
         return Episode(messages=messages, tools=list(self.tools), answer=row["answer"],
                        info={"row_index": row_index, "row": row["row"]})
+
+    def _demonstration_of(self, episode: Episode, rng) -> list[dict] | None:
+        """:meth:`Task.demonstrate` from the episode's row: its ``demonstration_key`` column, None without one."""
+        return copy.deepcopy(episode.info["row"].get(self.demonstration_key))
 
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
         """The weighted sum of the reward functions; :class:`RewardError` if any of them fails (an error episode)."""

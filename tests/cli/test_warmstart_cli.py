@@ -84,8 +84,9 @@ def test_a_task_without_demonstrations_is_refused_in_one_line(capsys, tmp_path, 
     prompts.write_text(json.dumps({"prompt": "What is 2+2?", "answer": 4}) + "\n")
     code, _, err = run_cli(capsys, "warmstart", "--prompts", str(prompts), "--reward", "number", "--output-dir", str(out))
     assert code == 2 and one_line(err) == (
-        f"--prompts {prompts}: task 'p' has no demonstrations to warm-start on; write the task as a class with a "
-        "demonstrate(episode, rng) method and pass it with --task (examples/custom_task.py)")
+        f"--prompts {prompts}: task 'p' has no demonstrations to warm-start on; give its rows a 'demonstration' "
+        "column (a solved episode's messages), or write the task as a class with a demonstrate(episode, rng) method "
+        "and pass it with --task (examples/custom_task.py)")
     assert not out.exists()
 
 

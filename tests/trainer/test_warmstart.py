@@ -242,6 +242,22 @@ def test_whole_chats_and_given_tool_results_are_taken(tiny_tokenizer, demonstrat
     assert [t.response_ids for t in again] == [t.response_ids for t in demonstrations]
 
 
+def test_a_dataset_with_a_demonstration_column_replays_as_the_task_that_demonstrates(tiny_tokenizer, demonstrations):
+    from agent_loop import DatasetTask
+
+    episodes = [Quadruple().make_episode(t.info["index"], seed=3) for t in demonstrations]
+    rows = [{"prompt": e.messages, "answer": e.answer,
+             "demonstration": t.messages[len(e.messages):]} for e, t in zip(episodes, demonstrations)]
+    rows.append({"prompt": "What is four times 5?", "answer": "20"})  # a row without one is not demonstrated
+    task = DatasetTask(rows, lambda completion, answer: float(completion == f"The answer is {answer}."),
+                       tools=[double, negate])
+    assert has_demonstrations(task) and not has_demonstrations(DatasetTask(rows[-1:], "exact"))
+    with pytest.warns(UserWarning, match="demonstrate gave none for 1 of 5 episodes; training on the other 4"):
+        again = replay(task, tiny_tokenizer, range(5), progress=False)
+    assert [t.response_ids for t in again] == [t.response_ids for t in demonstrations]
+    assert [t.prompt_ids for t in again] == [t.prompt_ids for t in demonstrations]
+
+
 def _from_chats(chats):
     class FromChats(Quadruple):
         name = "Quadruple"  # the same episodes

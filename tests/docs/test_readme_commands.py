@@ -1,0 +1,53 @@
+"""Every ``agent-loop`` command line in README.md parses as written: its command exists, its flags are
+the command's own, and its values pass the same checks as a real run (``resolve``: types, bounds, the
+rules across options). Running them is the job of the tests of each command; this keeps the README's
+spelling in step with the CLI (a renamed or dropped flag fails here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from agent_loop.cli import build_parser
+from agent_loop.cli.inspect import check_arguments
+from agent_loop.cli.options import resolve
+from agent_loop.cli.rollout import RolloutOptions
+from trainer import TrainConfig
+from trainer.warmstart_config import WarmstartConfig
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+OPTIONS = {"rollout": RolloutOptions, "train": TrainConfig, "warmstart": WarmstartConfig}
+
+
+def readme_commands() -> list[str]:
+    """The ``agent-loop ...`` commands of README's bash blocks (continued lines joined), without comments,
+    ``&`` or ``...``."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    commands = []
+    for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
+        for part in re.split(r"&&", line.split("  #")[0]):
+            words = shlex.split(part.strip().rstrip("&"), comments=True)
+            if words and Path(words[0]).name == "agent-loop":
+                commands.append(shlex.join(word for word in words[1:] if word != "..."))
+    return commands
+
+
+def test_the_readme_has_the_commands_it_documents():
+    commands = readme_commands()
+    assert {c.split()[0] for c in commands} == {"rollout", "train", "warmstart", "inspect", "serve", "tiny"}
+    assert "rollout" in commands  # the first command: no flags
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_a_readme_command_parses_and_its_options_validate(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # inspect checks its output folders; runs/ is where README writes
+    (tmp_path / "runs").mkdir()
+    args = build_parser().parse_args(shlex.split(command))  # SystemExit(2) on an unknown flag
+    name = command.split()[0]
+    if name in OPTIONS and getattr(args, "config", None) is None:
+        resolve(OPTIONS[name], args)
+    elif name == "inspect":
+        check_arguments(args)
