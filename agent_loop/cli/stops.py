@@ -4,33 +4,32 @@ Each is one line on stderr, no traceback: a usage error names the option (exit 2
 says what is written and the command that goes on from there (exit 128 + the signal's number: 130 for
 SIGINT, 143 for SIGTERM). SIGTERM takes SIGINT's path, so both stop the same clean way: inside
 ``asyncio.run`` the running episodes are cancelled and the backend is closed; elsewhere a
-KeyboardInterrupt unwinds the command's ``finally`` blocks.
+KeyboardInterrupt unwinds the command's ``finally`` blocks. A background job started with SIGINT
+ignored keeps ignoring it; SIGTERM still stops it (``agent_loop.signals``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 import signal
 import sys
-import threading
 from typing import Callable
 
 from agent_loop.cli.options import USAGE_EXIT, UsageError
+from agent_loop.signals import route_sigterm, sigterm_as_sigint
 
-_received = {"signal": signal.SIGINT}  # the signal that stopped the run (SIGTERM is routed through SIGINT)
+_received: dict[str, int | None] = {"signal": None}  # the signal that stopped the run
 
 
 def _on_sigterm(signum, frame) -> None:
     _received["signal"] = signum
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job ignores SIGINT: stop all the same
-        raise KeyboardInterrupt
-    signal.raise_signal(signal.SIGINT)  # asyncio.run cancels its main task on SIGINT; elsewhere: KeyboardInterrupt
+    sigterm_as_sigint(signum, frame)
 
 
 def install_stop_handlers() -> None:
     """SIGTERM (what schedulers send) stops a command the way Ctrl-C does. Main thread only."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    route_sigterm(_on_sigterm)
 
 
 def run_command(prog: str, args) -> int:
@@ -39,13 +38,16 @@ def run_command(prog: str, args) -> int:
     A command says what a stop leaves behind by setting ``args.stop_note`` to a function returning that text.
     """
     install_stop_handlers()
+    _received["signal"] = None
     try:
         return args.run(args)
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return USAGE_EXIT
-    except KeyboardInterrupt:
-        number = _received["signal"]
+    except (KeyboardInterrupt, asyncio.CancelledError) as stop:
+        if isinstance(stop, asyncio.CancelledError) and _received["signal"] is None:
+            raise  # not a stop by signal
+        number = _received["signal"] or signal.SIGINT
         note: Callable[[], str] | None = getattr(args, "stop_note", None)
         text = note() if note is not None else "nothing was written"
         print(f"{prog}: stopped by {signal.Signals(number).name}; {text}", file=sys.stderr)

@@ -25,6 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
 
 
+def from_a_terminal():
+    """Ctrl-C reaches the command (SIGINT's default action), also when this suite itself runs as a background
+    job, whose children start with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def as_a_background_job():
+    """``agent-loop ... &`` from a script, or nohup under a scheduler: SIGINT ignored from the start."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def one_error_line(capsys, prog: str) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
@@ -151,7 +162,8 @@ def test_a_signal_mid_episode_stops_a_rollout_in_one_line_and_releases_its_outpu
         assert server.stdout.readline().strip() == "up"
         command = [sys.executable, "-m", "agent_loop.cli", "rollout", "--model", str(model_folder), "--backend", "http",
                    "--server", f"http://127.0.0.1:{port}", "--episodes", "5", "--out", str(out)]
-        process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=from_a_terminal)
         deadline = time.monotonic() + 120
         while not out.with_name("run.config.yaml").exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # the settings are saved just before the episodes start
@@ -201,12 +213,15 @@ def go_on_line(stderr: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop, started", [(signal.SIGINT, from_a_terminal), (signal.SIGTERM, from_a_terminal),
+                                           (signal.SIGTERM, as_a_background_job)], ids=["SIGINT", "SIGTERM", "SIGTERM-bg"])
 def test_a_stopped_rollout_says_what_is_written_in_one_line_and_its_command_finishes_the_run(
-        tiny_agent_dir, tmp_path, stop):
+        tiny_agent_dir, tmp_path, stop, started):
+    """SIGTERM to a background job (SIGINT ignored): the CLI raised a KeyboardInterrupt inside whichever
+    task ran, and asyncio printed that task's traceback ("Task exception was never retrieved")."""
     out = tmp_path / "run.jsonl"
     process = subprocess.Popen(rollout_command(tiny_agent_dir, out, 60), env=ENV, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=started)
     wait_for_lines(out, process, 4)
     process.send_signal(stop)
     stderr = process.communicate(timeout=120)[1]
@@ -252,7 +267,8 @@ def test_a_stopped_train_is_one_line_naming_its_checkpoints_and_the_resume_comma
     command = [sys.executable, "-m", "agent_loop.cli", "train", "--steps", "40", "--prompts-per-step", "4",
                "--mini-batches", "1", "--save-every", "1", "--output-dir", str(run), "--no-progress",
                "--no-tensorboard", "--threads", "1"]
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=from_a_terminal)
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and process.poll() is None and not list((run / "checkpoints").glob("step_*")):
         time.sleep(0.2)

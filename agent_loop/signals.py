@@ -1,0 +1,39 @@
+"""SIGTERM stops a run the way Ctrl-C does: schedulers stop jobs with SIGTERM, and only the SIGINT path
+(``asyncio.run`` cancelling its tasks, or a KeyboardInterrupt) unwinds the ``finally`` and ``with`` blocks
+that close engines and release output files. Used by the CLI (``agent_loop.cli.stops``) and by the vLLM
+engine backend for library users."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from typing import Callable
+
+
+def cancel_running_tasks() -> bool:
+    """What ``asyncio.run`` does on Ctrl-C, for when it could not take SIGINT over (a background job ignores
+    SIGINT): cancel the tasks of the event loop running in this thread, so that they stop at an await (never
+    inside a write). False when no loop runs here."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    return True
+
+
+def sigterm_as_sigint(signum, frame) -> None:
+    """A SIGTERM handler: SIGINT's path. Where SIGINT is ignored (a background job, which stays deaf to it)
+    the running tasks are cancelled, or, with no event loop running, a KeyboardInterrupt is raised."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.raise_signal(signal.SIGINT)  # asyncio.run cancels its main task on SIGINT; elsewhere: KeyboardInterrupt
+    elif not cancel_running_tasks():
+        raise KeyboardInterrupt
+
+
+def route_sigterm(handler: Callable = sigterm_as_sigint) -> None:
+    """Install ``handler`` for SIGTERM where nobody has claimed it yet, from the main thread (else nothing)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,76 @@
+"""How a command stops on SIGTERM when it runs as a background job (SIGINT ignored from the start): in
+process, with the real signals raised at chosen points (agent_loop/cli/stops.py, agent_loop/signals.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from agent_loop.cli.stops import run_command
+
+
+@pytest.fixture
+def background_job():
+    """SIGINT ignored and SIGTERM unclaimed, as a job started with ``&`` from a script; restored after."""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+
+
+def command(run) -> SimpleNamespace:
+    return SimpleNamespace(run=run, stop_note=lambda: "it wrote what it wrote")
+
+
+def test_sigterm_inside_a_running_task_cancels_at_an_await_never_mid_code(background_job, capsys, caplog):
+    """It raised a KeyboardInterrupt at the next bytecode of whichever task ran (possibly mid-write), and
+    asyncio then logged that task's traceback ("Task exception was never retrieved")."""
+    steps = []
+
+    async def episode(number: int):
+        await asyncio.sleep(0)
+        if number == 0:
+            signal.raise_signal(signal.SIGTERM)  # the handler runs here, inside this task's step
+            steps.append("written")  # the code after it still runs: the stop comes at the next await
+        await asyncio.sleep(10)
+        steps.append(f"episode {number} finished")
+
+    async def main():
+        await asyncio.gather(*(episode(n) for n in range(3)))
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        assert run_command("agent-loop rollout", command(lambda args: asyncio.run(main()))) == 128 + signal.SIGTERM
+        gc.collect()  # an unretrieved task exception is logged when the task is collected
+    assert steps == ["written"]
+    assert capsys.readouterr().err == "agent-loop rollout: stopped by SIGTERM; it wrote what it wrote\n"
+    assert caplog.records == []
+
+
+def test_sigterm_outside_an_event_loop_is_a_keyboard_interrupt_and_sigint_stays_ignored(background_job, capsys):
+    reached = []
+
+    def run(args):
+        signal.raise_signal(signal.SIGINT)  # ignored: a background job is deaf to Ctrl-C
+        reached.append("after SIGINT")
+        signal.raise_signal(signal.SIGTERM)
+        reached.append("after SIGTERM")  # never: the KeyboardInterrupt unwinds the command
+
+    assert run_command("agent-loop train", command(run)) == 128 + signal.SIGTERM
+    assert reached == ["after SIGINT"]
+    assert capsys.readouterr().err == "agent-loop train: stopped by SIGTERM; it wrote what it wrote\n"
+
+
+def test_a_cancellation_that_no_signal_caused_is_not_called_a_stop(background_job):
+    async def cancelled():
+        asyncio.current_task().cancel()
+        await asyncio.sleep(1)
+
+    with pytest.raises(asyncio.CancelledError):
+        run_command("agent-loop rollout", command(lambda args: asyncio.run(cancelled())))
