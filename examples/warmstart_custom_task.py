@@ -53,17 +53,16 @@ def success(*argv: str, out: Path) -> tuple[float, float]:
 
 def one_seed(seed: int, root: Path, rl_lr: str) -> dict:
     warm, train, evaluation = root / f"seed{seed}" / "warm", root / f"seed{seed}" / "train", ("--seed", str(100 + seed))
-    baseline = success(*evaluation, out=root / f"seed{seed}" / "tiny.jsonl")
+    baseline, _ = success(*evaluation, out=root / f"seed{seed}" / "tiny.jsonl")
     warm_s = command("warmstart", "--task", TASK, "--seed", str(seed), "--output-dir", str(warm), "--no-progress")
     losses = [json.loads(line)["loss"] for line in (warm / "metrics.jsonl").read_text().splitlines()]
-    warmed = success(*evaluation, "--model", str(warm / "model"), out=root / f"seed{seed}" / "warm.jsonl")
+    warmed, warm_check = success(*evaluation, "--model", str(warm / "model"), out=root / f"seed{seed}" / "warm.jsonl")
     lr = [] if rl_lr == "default" else ["--lr", rl_lr]
     train_s = command("train", "--task", TASK, "--model", str(warm / "model"), "--seed", str(seed), "--steps",
                       str(TRAIN_STEPS), *lr, "--output-dir", str(train), "--no-progress", "--no-tensorboard")
     steps = [json.loads(line)["success"] for line in (train / "metrics.jsonl").read_text().splitlines()]
-    trained = success(*evaluation, "--model", str(train / "checkpoints" / f"step_{TRAIN_STEPS:06d}" / "model"),
-                      out=root / f"seed{seed}" / "trained.jsonl")
-    (baseline, _), (warmed, warm_check), (trained, trained_check) = baseline, warmed, trained
+    trained, trained_check = success(*evaluation, "--model", str(train / "checkpoints" / f"step_{TRAIN_STEPS:06d}" / "model"),
+                                     out=root / f"seed{seed}" / "trained.jsonl")
     row = {"seed": seed, "baseline": baseline, "warm": warmed, "trained": trained, "warm_check": warm_check,
            "trained_check": trained_check, "loss_first": losses[0],
            "loss_last": statistics.fmean(losses[-10:]), "warm_s": warm_s, "train_s": train_s,

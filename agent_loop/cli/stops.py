@@ -27,17 +27,12 @@ def _on_sigterm(signum, frame) -> None:
     sigterm_as_sigint(signum, frame)
 
 
-def install_stop_handlers() -> None:
-    """SIGTERM (what schedulers send) stops a command the way Ctrl-C does. Main thread only."""
-    route_sigterm(_on_sigterm)
-
-
 def run_command(prog: str, args) -> int:
     """``args.run(args)`` with its ending made one line: a UsageError (exit 2) or a stop by signal (128 + N).
 
     A command says what a stop leaves behind by setting ``args.stop_note`` to a function returning that text.
     """
-    install_stop_handlers()
+    route_sigterm(_on_sigterm)  # SIGTERM (what schedulers send) stops a command the way Ctrl-C does
     _received["signal"] = None
     try:
         return args.run(args)

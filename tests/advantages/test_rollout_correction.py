@@ -14,6 +14,7 @@ import subprocess
 import pytest
 import torch
 from host_syncs import HostSyncs
+from reference_losses import ppo_token_loss
 
 from advantages import (
     ROLLOUT_RS_OPTIONS,
@@ -362,10 +363,7 @@ def test_weights_and_loss_mask_compose_with_the_dual_clip_ppo_loss_as_the_refere
             if not 0.6 <= rho <= 1.6:
                 continue
             ratio, a = math.exp(float(log_prob[r, j]) - float(old[r, j])), float(advantages[r, j])
-            term = max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
-            if a < 0:
-                term = min(term, -a * 3.0)
-            total, kept = total + min(rho, 1.2) * term, kept + 1
+            total, kept = total + min(rho, 1.2) * ppo_token_loss(ratio, a), kept + 1
     assert 0 < kept < int(on.sum())
     assert float(loss) == pytest.approx(total / kept, rel=1e-5)
 

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from reference_losses import ppo_token_loss
 from test_masking import collate_rows, random_trajectory
 from test_trainer import random_advantages, small_config
 
@@ -49,13 +50,10 @@ def serial_logprobs(model, trajectories) -> dict[tuple[int, int], float]:
     return found
 
 
-DUAL_CLIP = 3.0  # advantages.losses' clip_ratio_c default
-
-
 def reference_weighted_loss(new, old, rollout, advantages, clip_ratio) -> tuple[float, int, int]:
     """Token-level TIS (cap CAP) and rejection outside [LOWER, UPPER] on rho = exp(old - rollout), composed
-    with PPO's clip: ``sum over kept tokens of min(rho, CAP) * max(-A r, -A clip(r))`` / kept tokens, the
-    clipped term capped at ``-A * DUAL_CLIP`` for A < 0 (dual clip). Returns (loss, kept tokens, capped tokens)."""
+    with PPO's clip: ``sum over kept tokens of min(rho, CAP) * ppo_t`` / kept tokens, ppo_t the dual-clip PPO
+    term (``reference_losses.ppo_token_loss``). Returns (loss, kept tokens, capped tokens)."""
     total, kept, capped = 0.0, 0, 0
     for (row, j), old_logprob in old.items():
         rho = math.exp(old_logprob - float(rollout[row, j]))
@@ -63,10 +61,7 @@ def reference_weighted_loss(new, old, rollout, advantages, clip_ratio) -> tuple[
         if not LOWER <= rho <= UPPER:
             continue
         ratio, a = math.exp(new[row, j] - old_logprob), float(advantages[row, j])
-        clipped = max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
-        if a < 0:
-            clipped = min(clipped, -a * DUAL_CLIP)
-        total += min(rho, CAP) * clipped
+        total += min(rho, CAP) * ppo_token_loss(ratio, a, clip_ratio, clip_ratio)
         kept += 1
     return total / kept, kept, capped
 

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from reference_losses import ppo_token_loss
 
 from agent_loop.cli.train import main as train_main
 from agent_loop.tasks.grouping import GroupedTask
@@ -53,10 +54,9 @@ def random_advantages(batch: dict[str, torch.Tensor], seed: int = 0) -> None:
     batch["advantages"] = torch.where(batch["spans"] == ASSISTANT, noise, 0.0)
 
 
-def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio: float, clip_ratio_c: float = 3.0) -> float:
+def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio: float) -> float:
     """Serial reference: each trajectory unpadded through the model on its own, then a loop over its
-    ASSISTANT tokens; the token-mean of ``max(-A r, -A clip(r, 1 - eps, 1 + eps))``, capped at
-    ``-A c`` where ``A < 0`` (verl's dual clip, ``clip_ratio_c`` 3 by default)."""
+    ASSISTANT tokens; the token-mean of the dual-clip PPO term (``reference_losses.ppo_token_loss``)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for row, trajectory in enumerate(trajectories):
@@ -68,8 +68,7 @@ def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio
                     continue
                 ratio = math.exp(float(logprobs[p + j - 1, token]) - float(old_logprobs[row, j]))
                 a = float(advantages[row, j])
-                loss = max(-a * ratio, -a * min(max(ratio, 1 - clip_ratio), 1 + clip_ratio))
-                total += min(loss, -a * clip_ratio_c) if a < 0 else loss
+                total += ppo_token_loss(ratio, a, clip_ratio, clip_ratio)
                 count += 1
     return total / count
 
