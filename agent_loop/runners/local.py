@@ -25,7 +25,7 @@ from agent_loop.backends.base import Backend, check_backend, is_fatal
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import formatter_for, run_episode
 from agent_loop.episode.tools import ToolExecutor
-from agent_loop.runners.jsonl import JsonlWriter, check_output, written_episodes
+from agent_loop.runners.jsonl import MAX_LINE_BYTES, JsonlWriter, check_output, iter_lines, written_episodes
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.base import Task
@@ -194,10 +194,20 @@ async def run_rollouts(
     return trajectories
 
 
-def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Read a JSON Lines file written by :func:`run_rollouts` (strict: any bad line raises)."""
-    with open(path, encoding="utf-8") as f:
-        return [Trajectory.from_json(line) for line in f if line.strip()]
+def read_trajectories(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> list[Trajectory]:
+    """Read a JSON Lines file written by :func:`run_rollouts` (strict: any bad line raises).
+
+    Lines are read with the CLI readers' cap (:func:`~agent_loop.runners.jsonl.iter_lines`): a line longer
+    than ``max_line_bytes`` raises ValueError naming it, without being loaded.
+    """
+    trajectories = []
+    with open(path, "rb") as f:
+        for number, _, raw, _ in iter_lines(f, max_line_bytes):
+            if raw is None:
+                raise ValueError(f"{path}: line {number} is longer than {max_line_bytes} bytes (not read)")
+            if raw.strip():
+                trajectories.append(Trajectory.from_json(raw.decode("utf-8")))
+    return trajectories
 
 
 def plan_output(path: str | Path, episodes: range, seed: int, task_name: str, *, resume: bool = False,

@@ -90,6 +90,31 @@ def test_torn_tail_is_cut_before_appending_and_new_refuses_existing(tmp_path):
         written_episodes(path, seed=1)
 
 
+def test_read_trajectories_keeps_the_line_cap_of_the_cli_readers(tmp_path):
+    """A line past MAX_LINE_BYTES raises, naming the line, and is never loaded whole (memory stays at the cap)."""
+    import tracemalloc
+
+    from agent_loop.runners.jsonl import MAX_LINE_BYTES
+    from agent_loop.types import Trajectory
+
+    record = Trajectory(prompt_ids=[1, 2], response_ids=[3], spans=[1], turn_ids=[0], logprobs=[-0.5],
+                        messages=[{"role": "user", "content": "hi"}], reward=1.0).to_json()
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{record}\n\n{record}\n")
+    assert [t.response_ids for t in read_trajectories(path)] == [[3], [3]]
+    with open(path, "ab") as f:  # a line of three times the cap: loading it whole would take 3x the cap
+        f.write(b'{"x": "' + b"a" * (3 * MAX_LINE_BYTES) + b'"}\n')
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=rf"t.jsonl: line 4 is longer than {MAX_LINE_BYTES} bytes"):
+        read_trajectories(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2.5 * MAX_LINE_BYTES  # readline's buffer and its bytes: twice the cap, whatever the line
+    path.write_text(f"{record}\n")
+    with pytest.raises(ValueError, match="line 1 is longer than 100 bytes"):
+        read_trajectories(path, max_line_bytes=100)  # the cap is the reader's, not a property of the file
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkilled_rollout_resumes_with_every_episode_exactly_once(tiny_agent_dir, tmp_path):
