@@ -54,10 +54,10 @@ from agent_loop.episode.tools import tool
 from agent_loop.tasks.base import Task, episode_rng
 from agent_loop.tasks.rewards import (
     TURN_REWARD_ARGUMENTS,
-    RewardError,
     argument_picker,
     as_reward,
     function_name,
+    raised,
     reward_terms,
     score_episode,
 )
@@ -297,5 +297,4 @@ class DatasetTask(Task):
             return [as_reward(self.turn_reward(**self._turn_picker(
                 {**base, "turn": turn, "message": message, "tool_calls": [c for c in tool_calls if c.turn == turn]}))) for turn, message in enumerate(replies)]
         except Exception as error:  # a user's reward bug: this episode fails (agent_loop.episode.loop._score)
-            raise RewardError(f"turn reward {function_name(self.turn_reward)!r} raised {type(error).__name__}: "
-                              f"{error}") from error
+            raise raised(f"turn reward {function_name(self.turn_reward)!r}", error) from error

@@ -14,6 +14,9 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sysconfig
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from agent_loop.episode.tool_formats import ANY_CALL_MARKERS
@@ -33,8 +36,31 @@ NUMBER_ABS_TOL = 1e-9
 
 
 class RewardError(Exception):
-    """A reward function raised or returned a non-number (the message names it); the loop ends the episode
-    with finish "error" and this message in ``info["reward_error"]``."""
+    """A reward function raised or returned a non-number (the message names it, and where in the user's code it
+    raised: ``(at FILE:LINE)``); the loop ends the episode with finish "error" and this message in
+    ``info["reward_error"]``."""
+
+
+# files that are not the user's: this package and Python's own libraries (a reward's error names its user frame)
+_NOT_USER = tuple(str(Path(p).resolve()) for p in {str(Path(__file__).resolve().parents[1]),
+                  *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+def user_frame(error: BaseException) -> str | None:
+    """``FILE:LINE`` of the deepest frame of ``error``'s traceback in the user's code (not agent_loop, not
+    Python's libraries or site-packages), or None when there is none (a built-in rule's own error)."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = str(Path(frame.filename).resolve())
+        if not path.startswith(_NOT_USER) and not frame.filename.startswith("<frozen"):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def raised(what: str, error: BaseException) -> RewardError:
+    """The RewardError for ``what`` (``reward function 'name'``) having raised ``error``: its type, message and
+    the place in the user's code it raised from."""
+    where = user_frame(error)
+    return RewardError(f"{what} raised {type(error).__name__}: {error}" + (f" (at {where})" if where else ""))
 
 
 def last_number(text: str) -> float | None:
@@ -207,7 +233,7 @@ def score_episode(rewards: list[tuple], episode: Episode, messages: list[dict], 
         try:
             parts[name] = as_reward(fn(**pick(values)))
         except Exception as error:  # a user's reward bug: this episode fails (agent_loop.episode.loop._score)
-            raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error}") from error
+            raise raised(f"reward function {name!r}", error) from error
     if len(parts) > 1:
         episode.info["rewards"] = parts
     return sum(weight * parts[name] for name, _, weight, _ in rewards)

@@ -235,12 +235,15 @@ def test_a_reward_that_raises_is_an_error_episode_and_the_run_goes_on(qwen_token
     task = DatasetTask(["a", "b"], reward=["exact", fragile])
     trajectories = play(task, qwen_tokenizer, ["boom"], episodes=2)
     assert [t.finish_reason for t in trajectories] == ["error", "error"] and [t.reward for t in trajectories] == [0.0, 0.0]
-    message = "RewardError: reward function 'fragile' raised KeyError: 'missing'"
+    # the place in the user's code it raised from: this file, the line of the raise (issue 40 item 10)
+    where = f"{__file__}:{fragile.__code__.co_firstlineno + 2}"
+    message = f"RewardError: reward function 'fragile' raised KeyError: 'missing' (at {where})"
     assert all(t.info["reward_error"] == t.metrics["error"] == message for t in trajectories)
     assert not any(t.success for t in trajectories) and "rewards" not in trajectories[0].info  # no partial sum
     assert qwen_tokenizer.decode(trajectories[0].response_ids).startswith("boom")  # the played turn is kept
     [t] = play(DatasetTask(["a"], reward=not_a_number), qwen_tokenizer, ["ok"], episodes=1)
     assert t.finish_reason == "error" and t.reward == 0.0
+    # as_reward's own error: no frame of the user's code raised it, so no place is named
     assert t.info["reward_error"] == "RewardError: reward function 'not_a_number' raised TypeError: returned str 'yes', not a number"
     [t] = play(DatasetTask(["a"], reward=fragile), qwen_tokenizer, ["fine"], episodes=1)
     assert t.finish_reason == "stop" and t.reward == 1.0 and "reward_error" not in t.info and "error" not in t.metrics
@@ -310,13 +313,33 @@ def test_per_turn_rewards_reach_the_batch_tensors(qwen_tokenizer):
     assert rewards.sum().item() == pytest.approx(1.0 + 0.1 - 0.01)
 
 
+def test_a_reward_error_names_the_users_line_not_the_librarys(tmp_path):
+    """An error raised inside Python's library (json) from a user's reward file names the user's line that called it."""
+    import json as json_module
+
+    from agent_loop.tasks.rewards import RewardError, reward_terms, score_episode
+    from agent_loop.types import Episode
+
+    user = tmp_path / "my_reward.py"
+    user.write_text("import json\n\ndef score(completion):\n    return json.loads(completion)['year_published']\n")
+    namespace: dict = {}
+    exec(compile(user.read_text(), str(user), "exec"), namespace)
+    episode = Episode(messages=[{"role": "user", "content": "q"}], tools=[])
+    for text, kind in (("not json", json_module.JSONDecodeError.__name__), ("{}", "KeyError")):
+        with pytest.raises(RewardError) as raised:
+            score_episode(reward_terms(namespace["score"]), episode, [{"role": "assistant", "content": text}], [])
+        assert str(raised.value).startswith(f"reward function 'score' raised {kind}")
+        assert str(raised.value).endswith(f"(at {user}:4)")
+
+
 def test_a_turn_reward_that_raises_is_an_error_episode_too(qwen_tokenizer):
     def broken(message):
         raise RuntimeError("nope")
 
     [t] = play(DatasetTask([{"prompt": "a", "answer": "a"}], reward="exact", turn_reward=broken), qwen_tokenizer, ["a"], episodes=1)
     assert t.finish_reason == "error" and t.reward == 0.0 and t.turn_rewards is None
-    assert t.info["reward_error"] == "RewardError: turn reward 'broken' raised RuntimeError: nope"
+    where = f"{__file__}:{broken.__code__.co_firstlineno + 1}"
+    assert t.info["reward_error"] == f"RewardError: turn reward 'broken' raised RuntimeError: nope (at {where})"
 
 
 # --- tools --------------------------------------------------------------------------------------------
