@@ -14,6 +14,7 @@ import asyncio
 import shlex
 import signal
 import sys
+import warnings
 from typing import Callable
 
 from agent_loop.cli.options import USAGE_EXIT, UsageError
@@ -27,13 +28,31 @@ def _on_sigterm(signum, frame) -> None:
     sigterm_as_sigint(signum, frame)
 
 
+def warning_line(prog: str, message, category) -> str:
+    """A warning as the commands print it: one line, ``PROG: warning: ...`` like an error's, without the
+    internal FILE:LINE and source line of Python's format; a category other than UserWarning is named."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"{prog}: warning{kind}: {' '.join(str(message).split())}\n"
+
+
 def run_command(prog: str, args) -> int:
     """``args.run(args)`` with its ending made one line: a UsageError (exit 2) or a stop by signal (128 + N).
+    Each warning it raises is one line too (:func:`warning_line`).
 
     A command says what a stop leaves behind by setting ``args.stop_note`` to a function returning that text.
     """
     route_sigterm(_on_sigterm)  # SIGTERM (what schedulers send) stops a command the way Ctrl-C does
     _received["signal"] = None
+    # the format, not showwarning: pytest.warns and other recorders still see every warning
+    default = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_, **__: warning_line(prog, message, category)
+    try:
+        return _ended(prog, args)
+    finally:
+        warnings.formatwarning = default
+
+
+def _ended(prog: str, args) -> int:
     try:
         return args.run(args)
     except UsageError as error:
