@@ -14,6 +14,11 @@ separators not allowed); the reward is 1.0 if that number equals the episode's `
 
 The outcome depends on what the model did before a tool observation: the calculator returns the
 value of the expression the model wrote, and the model is meant to copy that value into its answer.
+
+Demonstrations (``demonstrate``, for ``agent-loop warmstart --task NAME``): each task's ideal episode, the
+tool calls it needs with the right arguments, then "The answer is N." (arithmetic) or "The code is N."
+(lookup, chain). A real model gets the arithmetic wrong on its own ("17 + 25 = 32"), so the calculator is
+what it must learn to use; chain's two calls depend on each other (the lookup key is the calculator's value).
 """
 
 from __future__ import annotations
@@ -108,6 +113,14 @@ def _answer_metrics(self, episode: Episode, messages: list[dict], tool_calls: li
     return {"tool_returned_answer": float(tool_returned_answer(episode.answer, tool_calls))}
 
 
+def solved(calls: list[tuple[str, dict]], answer: str) -> list[dict]:
+    """A demonstration (``Task.demonstrate``): one assistant turn per ``(tool name, arguments)`` in ``calls``
+    (their results are left out: warm start runs the tools), then the final answer ``answer``."""
+    turns = [{"role": "assistant", "content": "", "tool_calls": [{"name": name, "arguments": arguments}]}
+             for name, arguments in calls]
+    return turns + [{"role": "assistant", "content": answer}]
+
+
 class ArithmeticTask(Task):
     """Multi-step integer arithmetic that the model is meant to solve with the ``calculator`` tool.
 
@@ -131,6 +144,10 @@ class ArithmeticTask(Task):
             answer=int(calculator(expression)),
             info={"task": self.name, "index": index, "seed": seed, "expression": expression},
         )
+
+    def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict]:
+        """``calculator(expression)``, then "The answer is N."."""
+        return solved([("calculator", {"expression": episode.info["expression"]})], f"The answer is {episode.answer}.")
 
 
 # Keys are short common words: the tiny tokenizer learns each as one piece the model can copy
@@ -182,6 +199,10 @@ class LookupTask(Task):
             info={"task": self.name, "index": index, "seed": seed, "key": key, "table": table},
         )
 
+    def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict]:
+        """``lookup(key)``, then "The code is N."."""
+        return solved([("lookup", {"key": episode.info["key"]})], f"The code is {episode.answer}.")
+
 
 # The fields of a chain record before its code (one per line).
 RECORD_FIELDS = (
@@ -229,6 +250,12 @@ class ChainTask(Task):
             answer=codes[key],
             info={"task": self.name, "index": index, "seed": seed, "expression": expression, "key": key, "table": table},
         )
+
+    def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict]:
+        """Two dependent calls: ``calculator(expression)`` (returns the key), ``lookup(key)``, then "The code is N."."""
+        info = episode.info
+        return solved([("calculator", {"expression": info["expression"]}), ("lookup", {"key": info["key"]})],
+                      f"The code is {episode.answer}.")
 
     def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
         first = tool_calls[0] if tool_calls else None

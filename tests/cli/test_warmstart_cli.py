@@ -73,13 +73,11 @@ def task_file(tmp_path) -> Path:
 
 def test_a_task_without_demonstrations_is_refused_in_one_line(capsys, tmp_path, task_file):
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "warmstart", "--task", "arithmetic", "--output-dir", str(out))
-    assert code == 2 and one_line(err) == (
-        "--task arithmetic: task 'arithmetic' has no demonstrations to warm-start on; give it a demonstrate(episode, "
-        "rng) method returning a solved episode's messages (examples/custom_task.py)")
-    assert not out.exists()
     code, _, err = run_cli(capsys, "warmstart", "--task", f"{task_file}:Twice", "--output-dir", str(out))
-    assert code == 2 and one_line(err).startswith(f"--task {task_file}:Twice: task 'Twice' has no demonstrations")
+    assert code == 2 and one_line(err) == (
+        f"--task {task_file}:Twice: task 'Twice' has no demonstrations to warm-start on; give it a "
+        "demonstrate(episode, rng) method returning a solved episode's messages (examples/custom_task.py)")
+    assert not out.exists()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 2+2?", "answer": 4}) + "\n")
     code, _, err = run_cli(capsys, "warmstart", "--prompts", str(prompts), "--reward", "number", "--output-dir", str(out))

@@ -183,7 +183,8 @@ def test_demonstration_order_visits_every_demonstration_each_pass():
 
 
 def test_has_demonstrations():
-    assert has_demonstrations(Quadruple()) and not has_demonstrations(get_task("arithmetic"))
+    assert has_demonstrations(Quadruple()) and has_demonstrations(get_task("arithmetic"))
+    assert not has_demonstrations(Bare())
 
     class Plain:  # not a Task subclass: wrapped by as_task, its hook kept
         name = "plain"
@@ -199,6 +200,18 @@ def test_has_demonstrations():
 
     assert has_demonstrations(Plain()) and as_task(Plain()).demonstrate(None, None) is None
     assert Task.demonstrate(Quadruple(), None, None) is None
+
+
+class Bare(Task):
+    """The arithmetic task without its demonstrations."""
+
+    name = "bare"
+
+    def make_episode(self, index, seed=0):
+        return get_task("arithmetic").make_episode(index, seed)
+
+    def reward(self, episode, messages, tool_calls):
+        return 0.0
 
 
 def bad(demonstrate):
@@ -232,8 +245,8 @@ def test_bad_demonstrations_are_refused_naming_the_episode(tiny_tokenizer, demon
 
 
 def test_a_task_without_demonstrations_is_refused(tiny_tokenizer):
-    with pytest.raises(DemonstrationError, match="^task 'arithmetic' has no demonstrations: give it a demonstrate"):
-        replay(get_task("arithmetic"), tiny_tokenizer, range(2), progress=False)
+    with pytest.raises(DemonstrationError, match="^task 'bare' has no demonstrations: give it a demonstrate"):
+        replay(Bare(), tiny_tokenizer, range(2), progress=False)
 
 
 def test_whole_chats_and_given_tool_results_are_taken(tiny_tokenizer, demonstrations):
