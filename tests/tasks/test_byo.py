@@ -259,6 +259,41 @@ def test_a_reward_that_raises_is_an_error_episode_and_the_run_goes_on(qwen_token
     assert [t.reward for t in got] == [0.5, 0.0, 0.5, 0.0]
 
 
+def test_sample_gets_the_episode_index_so_n_episodes_cover_n_prompts():
+    """``sample(rng, index)`` gets the episode's index (issue 40 item 4): 6 episodes of 6 rows cover all 6, the
+    same index gives the same row at any seed; ``sample(rng)`` keeps working, and a parameter it could not be
+    given is refused when the class is defined."""
+    rows = [f"question {k}" for k in range(6)]
+
+    class Covering(Environment):
+        def sample(self, rng, index):
+            return {"prompt": rows[index % len(rows)], "answer": str(index % len(rows))}
+
+        def score(self, completion, answer):
+            return 0.0
+
+    class ByKeyword(Covering):  # an override taking **kwargs is given index too
+        def sample(self, rng, **options):
+            return rows[options["index"] % len(rows)]
+
+    class Old(Environment):
+        def sample(self, rng):
+            return rows[rng.randrange(len(rows))]
+
+        def score(self, completion):
+            return 0.0
+
+    for task in (Covering(), ByKeyword()):
+        prompts = [task.make_episode(i, seed=s).messages[-1]["content"] for s in (0, 7) for i in range(6)]
+        assert prompts == rows + rows
+    old = [Old().make_episode(i).messages[-1]["content"] for i in range(6)]
+    assert old == [Old().make_episode(i).messages[-1]["content"] for i in range(6)] and set(old) <= set(rows)
+    with pytest.raises(TypeError, match=r"Bad.sample: cannot pass its parameter 'split'"):
+        class Bad(Environment):
+            def sample(self, rng, split):
+                return "x"
+
+
 def test_numpy_answers_and_metadata_stay_numbers_and_lists(qwen_tokenizer):
     """The probe: an Environment whose sample held numpy values wrote answer "8" (a string) and an array as
     "[0. 1. 2.]"; numpy scalars and arrays become their JSON values (and rewards see those)."""
