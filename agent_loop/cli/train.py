@@ -45,7 +45,13 @@ def options_from(values: dict, *, keys: bool = False) -> TrainConfig:
 
 
 def check_world(config: TrainConfig) -> None:
-    """The model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
+    """The output folder is not in use by a live run (first: its run may not have saved a checkpoint yet), then
+    the model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
+    if not os.environ.get(HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:  # as in claim_output
+        try:
+            RunLock(config.output_dir, folder=True).check_free()
+        except OutputLockedError as error:
+            raise UsageError(f"--output-dir {config.output_dir}: {error}") from None
     if config.model is not None:
         preflight.check_model_dir(config.model, "hf")
     if config.resume is not None:

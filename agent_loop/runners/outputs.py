@@ -80,11 +80,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
-                os.close(fd)
-                note = "" if _alive(text) else " (that pid is gone, but a process it started still holds the lock)"
-                raise OutputLockedError(f"{self.target} is in use by another run: {_holder(text)}{note}; wait for it "
-                                        "to end, stop it, or give another output") from None
+                raise self._in_use(fd) from None
             try:  # the holder may have released (unlinked) the file between our open and flock: lock the new one
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break
@@ -101,6 +97,30 @@ class RunLock:
         os.pwrite(fd, mine.encode(), 0)
         self.fd = fd
         return self
+
+    def _in_use(self, fd: int) -> OutputLockedError:
+        """The error naming the live holder of the lock file open at ``fd`` (closed here)."""
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        os.close(fd)
+        note = "" if _alive(text) else " (that pid is gone, but a process it started still holds the lock)"
+        return OutputLockedError(f"{self.target} is in use by another run: {_holder(text)}{note}; wait for it "
+                                 "to end, stop it, or give another output")
+
+    def check_free(self) -> None:
+        """Raise :class:`OutputLockedError` if a live run holds the lock; creates and keeps nothing.
+
+        For the checks a command makes before it takes the lock, so that a folder in use is reported first
+        (not, say, "no checkpoint yet" for a run that is still going)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._in_use(fd) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
     def release(self) -> None:
         """Remove the lock file (while still holding it, so no one else can be holding it) and let go."""
