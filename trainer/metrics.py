@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from agent_loop.config import plural
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
 
@@ -50,14 +51,32 @@ def first_errors(trajectories: Sequence[Trajectory]) -> dict[str, str]:
     return found
 
 
-def progress_summary(history: Sequence[dict[str, float]], window: int = 5) -> str:
-    """Sampled success as the mean over the first and the last steps (up to ``window`` each, never
-    overlapping), so one noisy step does not decide the closing line of a run."""
+def progress_summary(history: Sequence[dict[str, float]], *, sampling: str, episodes_per_step: int,
+                     evaluations: Sequence[tuple[int, float]] = (), eval_episodes: int = 0, window: int = 5) -> str:
+    """The closing line of a run: the training episodes' success (``sampling``, e.g. ``sampled at T=1``) as the
+    mean over the first and the last steps (up to ``window`` each, never overlapping), so one noisy step does
+    not decide it; then the held-out evaluation, greedy, first and last (``evaluations``: (step, success)),
+    when there is one. Each figure names its sampling and its episode count."""
     k = max(1, min(window, len(history) // 2))
     first = sum(m["success"] for m in history[:k]) / k
     last = sum(m["success"] for m in history[-k:]) / k
     steps = "step" if k == 1 else f"{k} steps"
-    return f"success {first:.3f} (mean of the first {steps}) -> {last:.3f} (mean of the last {steps})"
+    line = (f"success ({sampling}, {plural(episodes_per_step, 'episode')} a step) {first:.3f} (mean of the first "
+            f"{steps}) -> {last:.3f} (mean of the last {steps})")
+    if evaluations:
+        (start, before), (end, after) = evaluations[0], evaluations[-1]
+        held_out = f"held-out success (greedy, {plural(eval_episodes, 'episode')})"
+        line += (f"; {held_out} {after:.3f} at step {end}" if start == end else
+                 f"; {held_out} {before:.3f} (step {start}) -> {after:.3f} (step {end})")
+    return line
+
+
+def step_legend(*, sampling: str, episodes_per_step: int, eval_episodes: int = 0) -> str:
+    """The line before the per-step lines: what their success and eval columns measure."""
+    legend = f"success: the step's {plural(episodes_per_step, 'episode')}, {sampling}"
+    if eval_episodes:
+        legend += f"; eval: {plural(eval_episodes, 'held-out episode')}, greedy"
+    return legend
 
 
 def masked_summary(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

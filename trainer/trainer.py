@@ -45,6 +45,7 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
+from agent_loop.runners.stats import sampling_label
 from agent_loop.tasks.grouping import GroupedTask
 from masking.batch import Batch
 from masking.kinds import SpanKind
@@ -59,7 +60,16 @@ from trainer.distributed import (
     resolve_device,
 )
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
-from trainer.metrics import MetricsLogger, compact_line, first_errors, masked_summary, rollout_metrics, scalars
+from trainer.metrics import (
+    MetricsLogger,
+    compact_line,
+    first_errors,
+    masked_summary,
+    progress_summary,
+    rollout_metrics,
+    scalars,
+    step_legend,
+)
 from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
@@ -538,6 +548,8 @@ class Trainer:
         ``save_every`` steps and at the end. Returns the metrics of the steps run."""
         config = self.config
         history = []
+        if self.dp.is_main:
+            tqdm.write(step_legend(**self._figures(eval_episodes=config.eval_episodes if config.eval_every else 0)))
         if config.eval_every and self.step == 0:
             initial = self.evaluate()
             self.logger.log(0, initial)
@@ -563,6 +575,17 @@ class Trainer:
             self.close_producer()
             self.logger.close()
         return history
+
+    def _figures(self, **more) -> dict:
+        """What the training episodes' success figures are over: their sampling and count per step."""
+        return {"sampling": sampling_label(self.loop_config.temperature),
+                "episodes_per_step": self.config.episodes_per_step, **more}
+
+    def summary(self, history: list[dict[str, float]]) -> str:
+        """The run's closing line (:func:`~trainer.metrics.progress_summary`): the sampled success of ``history``
+        and, when there was one, the greedy held-out evaluation of this run."""
+        return progress_summary(history, **self._figures(evaluations=self.eval_history,
+                                                         eval_episodes=self.config.eval_episodes))
 
     def close_producer(self) -> None:
         """Stop the asynchronous producer (its episodes in flight are cancelled); ``train`` does at its end."""

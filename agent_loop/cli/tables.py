@@ -15,7 +15,7 @@ def summary_table(stats: RolloutStats, title: str) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("episodes", f"{stats.episodes}"),
-        ("success rate", f"{stats.success_rate:.3f}"),
+        (f"success rate ({stats.sampling}, {plural(stats.episodes, 'episode')})", f"{stats.success_rate:.3f}"),
         ("mean reward", f"{stats.mean('reward_sum'):.3f}"),
         ("mean turns", f"{stats.mean('turns'):.2f}"),
         ("assistant tokens / episode", f"{stats.mean('assistant_tokens'):.1f}"),

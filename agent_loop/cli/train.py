@@ -163,10 +163,8 @@ def train(config: TrainConfig, task) -> int:
     if not trainer.dp.is_main:
         return 0
     if history:
-        from trainer.metrics import progress_summary
-
         print(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in {time.perf_counter() - started:.0f} s: "
-              f"{progress_summary(history)}")
+              f"{trainer.summary(history)}")
     print(f"metrics: {trainer.logger.path}")
     print(f"checkpoint: {trainer.checkpoint_dir(trainer.step)}")
     return 0

@@ -14,6 +14,11 @@ from agent_loop.types import Trajectory
 from masking.kinds import SpanKind
 
 
+def sampling_label(temperature: float) -> str:
+    """How episodes were sampled, as every success figure names it: ``greedy`` or ``sampled at T=0.7``."""
+    return "greedy" if temperature == 0 else f"sampled at T={temperature:g}"
+
+
 def reward_error(trajectory: Trajectory) -> str | None:
     """Why scoring the episode failed (its reward function raised, hung or returned a non-number), or None."""
     return trajectory.info.get("reward_error")
@@ -61,6 +66,7 @@ class RolloutStats:
     sample: list[Trajectory] = field(default_factory=list)
     first_index: int | None = None
     last_index: int | None = None
+    temperatures: Counter = field(default_factory=Counter)  # episodes per sampling temperature (info["options"])
 
     def add(self, trajectory: Trajectory, index: int | None = None) -> None:
         """Count one episode (``index``: its number, default ``info["index"]``)."""
@@ -77,6 +83,7 @@ class RolloutStats:
         self.template_mismatch_turns += metrics.get("template_mismatch", 0)
         self.template_drift_turns += metrics.get("template_drift", 0)
         self.finish_reasons[trajectory.finish_reason] += 1
+        self.temperatures[(trajectory.info.get("options") or {}).get("temperature")] += 1
         self.task_metrics.update(metrics.get("task", {}))
         if trajectory.finish_reason == "error" and len(self.first_errors) < self.max_errors:
             self.first_errors.append((index if index is not None else -1, episode_error(trajectory)))
@@ -107,6 +114,16 @@ class RolloutStats:
     @property
     def success_rate(self) -> float:
         return self.successes / self.episodes if self.episodes else 0.0
+
+    @property
+    def sampling(self) -> str:
+        """How the episodes were sampled (:func:`sampling_label`), from their records: one temperature, a mix
+        (``mixed: greedy 4, sampled at T=1 12``) or ``sampling not recorded`` (records without options)."""
+        labels = Counter({("sampling not recorded" if t is None else sampling_label(t)): n
+                          for t, n in self.temperatures.items()})
+        if len(labels) == 1:
+            return next(iter(labels))
+        return "mixed: " + ", ".join(f"{label} {n}" for label, n in sorted(labels.items()))
 
     def mean(self, name: str) -> float:
         """Per-episode mean of a running total (``reward_sum``, ``turns``, ``assistant_tokens``, ...)."""

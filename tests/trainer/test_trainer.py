@@ -346,13 +346,21 @@ def test_device_and_dtype_are_checked(tmp_path):
         assert not (tmp_path / "metrics.jsonl").exists()  # refused before touching the output folder
 
 
-def test_closing_line_compares_means_of_the_first_and_last_steps():
+def test_closing_line_compares_means_of_the_first_and_last_steps_and_reports_the_evaluation():
     from trainer.metrics import progress_summary
 
     history = [{"success": s} for s in (0.2, 0.4, 0.3, 0.1, 0.5, 0.5, 0.6, 0.2, 0.4, 0.7, 0.3)]
-    assert progress_summary(history) == ("success 0.300 (mean of the first 5 steps) -> "
-                                         "0.440 (mean of the last 5 steps)")
-    assert progress_summary(history[:3]) == "success 0.200 (mean of the first step) -> 0.300 (mean of the last step)"
+    figures = {"sampling": "sampled at T=1", "episodes_per_step": 16}
+    assert progress_summary(history, **figures) == (
+        "success (sampled at T=1, 16 episodes a step) 0.300 (mean of the first 5 steps) -> "
+        "0.440 (mean of the last 5 steps)")
+    assert progress_summary(history[:3], **figures) == (
+        "success (sampled at T=1, 16 episodes a step) 0.200 (mean of the first step) -> 0.300 (mean of the last step)")
+    # the trial's run: sampled success fell while the greedy held-out success rose; the line says both
+    line = progress_summary(history, **figures, evaluations=[(0, 0.475), (10, 0.5), (20, 0.55)], eval_episodes=40)
+    assert line.endswith("; held-out success (greedy, 40 episodes) 0.475 (step 0) -> 0.550 (step 20)")
+    assert progress_summary(history, **figures, evaluations=[(20, 0.55)], eval_episodes=1).endswith(
+        "; held-out success (greedy, 1 episode) 0.550 at step 20")
 
 
 def test_the_default_learning_rate_scales_with_the_batch_and_unstable_ones_are_flagged():
