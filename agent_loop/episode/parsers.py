@@ -23,9 +23,10 @@ chat templates render; see docs/templates.md for which template gets which):
 
 Malformed calls become :class:`ParseError` items (error kind ``malformed_json``), never exceptions, so
 the loop can answer them with an error observation. A parser that finds one of its own call markers in
-a turn but reads no call from it reports a malformed call, never "no call" (:func:`_reads_its_markers`):
-a call the model meant must not vanish from the episode. Which parser a chat template gets is the tool-format
-table's business (:mod:`agent_loop.episode.tool_formats`).
+a turn but reads no call from it reports a malformed call, never "no call" (:func:`reading_markers`):
+a call the model meant must not vanish from the episode. The markers, like which parser a chat template gets,
+are the tool-format table's business (:mod:`agent_loop.episode.tool_formats`): declared there once, they are
+what the final-answer rule and this check both read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -152,28 +154,29 @@ def _value(text: str):
         return text
 
 
-def _reads_its_markers(*markers: str):
-    """Decorate a parser: a turn holding one of ``markers`` (what opens a call in this format) from which the
-    parser read neither a call nor an error gets a :class:`ParseError`, so the malformed call is answered
-    with an error observation instead of passing as a final answer."""
-    def decorate(parse):
-        @functools.wraps(parse)
-        def checked(text: str, *args, **kwargs) -> ParsedTurn:
-            turn = parse(text, *args, **kwargs)
-            found = next((m for m in markers if m in text), None) if not (turn.calls or turn.errors) else None
-            if found is not None:
-                turn.errors.append(ParseError(text.strip(), f"malformed tool call: the turn contains {found!r} "
-                                                            "but no call in this format could be read from it"))
-            return turn
-        checked.call_markers = markers
-        return checked
-    return decorate
+def reading_markers(parse: Callable[..., ParsedTurn], markers: tuple[str, ...]) -> Callable[..., ParsedTurn]:
+    """``parse`` made to report a turn holding one of ``markers`` (the format's own call markers, declared once in
+    :data:`agent_loop.episode.tool_formats.TOOL_FORMATS`, which wraps every row's parser with this) from which it
+    read neither a call nor an error: a :class:`ParseError`, so the malformed call is answered with an error
+    observation instead of passing as a final answer."""
+    if not markers:
+        return parse
+
+    @functools.wraps(parse)
+    def checked(text: str, *args, **kwargs) -> ParsedTurn:
+        turn = parse(text, *args, **kwargs)
+        found = next((m for m in markers if m in text), None) if not (turn.calls or turn.errors) else None
+        if found is not None:
+            turn.errors.append(ParseError(text.strip(), f"malformed tool call: the turn contains {found!r} "
+                                                        "but no call in this format could be read from it"))
+        return turn
+    checked.call_markers = markers
+    return checked
 
 
 # -- the parsers ---------------------------------------------------------------------------------
 
 
-@_reads_its_markers("<tool_call>")
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes/Qwen: each call is ``<tool_call>{json}</tool_call>``; an unclosed last call is parsed to the end."""
     bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
@@ -184,7 +187,6 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOT
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
-@_reads_its_markers("<tool_call>", "<function=")
 def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
 
@@ -208,7 +210,6 @@ def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-@_reads_its_markers("<tool_call>", "<arg_key>")
 def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     """GLM-4.5/4.6/4.7: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``
     (values typed as in :func:`parse_qwen3_xml`)."""
@@ -227,7 +228,6 @@ def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
 _PYTHON_TAG = "<|python_tag|>"
 
 
-@_reads_its_markers(_PYTHON_TAG)
 def parse_llama3_json(text: str) -> ParsedTurn:
     """Llama 3.x/4 JSON: the turn is ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated).
 
@@ -251,7 +251,6 @@ def _python_call(node: ast.expr, raw: str) -> Item:
         return ParseError(raw, f"tool call arguments must be Python literals: {e}")
 
 
-@_reads_its_markers("<|python_start|>")
 def parse_pythonic(text: str) -> ParsedTurn:
     """Pythonic calls (Llama 3.2/4, Gemma 3, ToolACE): ``[f(a=1, b="x"), g()]``, optionally inside
     ``<|python_start|>...<|python_end|>``. A turn that does not start with ``[`` is plain content."""
@@ -270,7 +269,6 @@ def parse_pythonic(text: str) -> ParsedTurn:
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)$", re.DOTALL)
 
 
-@_reads_its_markers("[TOOL_CALLS]")
 def parse_mistral(text: str) -> ParsedTurn:
     """Mistral: ``[TOOL_CALLS][{"name", "arguments"}, ...]`` (v3/v7/Nemo) or, per call,
     ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` / ``[TOOL_CALLS]NAME[ARGS]{...}`` (v11+, Small 3.2, Devstral)."""
@@ -293,7 +291,6 @@ _DS_SECTION = re.compile(r"<｜tool▁calls▁begin｜>.*?(?:<｜tool▁calls▁
 _FENCED = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
 
 
-@_reads_its_markers("<｜tool▁calls▁begin｜>", _DS_BEGIN)
 def parse_deepseek(text: str) -> ParsedTurn:
     """DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```````) and V3.1
     (``NAME<｜tool▁sep｜>{...}``), each inside ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``."""
@@ -317,7 +314,6 @@ _KIMI_SECTION = re.compile(r"<\|tool_calls_section_begin\|>.*?(?:<\|tool_calls_s
 _KIMI_ID = re.compile(r"^\s*(?:functions\.)?([^:\s]+)(?::\d+)?\s*$")
 
 
-@_reads_its_markers("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
 def parse_kimi_k2(text: str) -> ParsedTurn:
     """Kimi K2: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``."""
     bodies, _ = _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>")
@@ -344,14 +340,13 @@ def _marker_then_list(name: str, marker: str, end: str | None = None, name_key: 
     return parse
 
 
-parse_granite = _reads_its_markers("<|tool_call|>")(_marker_then_list("parse_granite", "<|tool_call|>"))
+parse_granite = _marker_then_list("parse_granite", "<|tool_call|>")
 parse_granite.__doc__ = "Granite 3.x: ``<|tool_call|>[{\"name\", \"arguments\"}, ...]``."
-parse_nemotron = _reads_its_markers("<TOOLCALL>")(_marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>"))
+parse_nemotron = _marker_then_list("parse_nemotron", "<TOOLCALL>", "</TOOLCALL>")
 parse_nemotron.__doc__ = "Nemotron: ``<TOOLCALL>[{\"name\", \"arguments\"}, ...]</TOOLCALL>``."
 _functools_list = _marker_then_list("parse_functools", "functools")
 
 
-@_reads_its_markers("functools[")
 def parse_functools(text: str) -> ParsedTurn:
     """FireFunction v2 / Phi-4-mini: ``functools[{"name", "arguments"}, ...]``; also the bare
     ``{...},{...}`` that the Phi-4-mini template renders for past calls."""
@@ -362,7 +357,6 @@ _command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_
 _command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
 
 
-@_reads_its_markers("<|START_ACTION|>", "Action:")
 def parse_command_r(text: str) -> ParsedTurn:
     """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
     (the plan in ``<|START_THINKING|>`` is content); Command R/R+: ``Action: ```json [{"tool_name", "parameters"}] ````."""
@@ -371,21 +365,18 @@ def parse_command_r(text: str) -> ParsedTurn:
     return _command_r_action(text)
 
 
-@_reads_its_markers("<function_call>")
 def parse_granite_20b_fc(text: str) -> ParsedTurn:
     """Granite 20B function calling: each call is ``<function_call> {json}``."""
     content, *parts = text.split("<function_call>")
     return _turn(content, [_call_from_json(p.strip()) for p in parts])
 
 
-@_reads_its_markers("<|action_start|>")
 def parse_internlm2(text: str) -> ParsedTurn:
     """InternLM2: ``<|action_start|><|plugin|>\\n{json}<|action_end|>``."""
     bodies, content = _blocks(text, "<|action_start|>", "<|action_end|>")
     return _turn(content, [_call_from_json(b.removeprefix("<|plugin|>").strip()) for b in bodies])
 
 
-@_reads_its_markers("<tool_calls>")
 def parse_tool_calls_block(text: str) -> ParsedTurn:
     """Hunyuan-A13B / MiniMax-M1: ``<tool_calls>`` + a JSON list or one JSON object per line + ``</tool_calls>``."""
     bodies, content = _blocks(text, "<tool_calls>", "</tool_calls>")
@@ -395,7 +386,6 @@ def parse_tool_calls_block(text: str) -> ParsedTurn:
     return _turn(content, items)
 
 
-@_reads_its_markers("<|tools_prefix|>")
 def parse_apertus(text: str) -> ParsedTurn:
     """Apertus: ``<|tools_prefix|>[{"NAME": {arguments}}, ...]<|tools_suffix|>``."""
     bodies, content = _blocks(text, "<|tools_prefix|>", "<|tools_suffix|>")
@@ -420,7 +410,6 @@ _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?
 _HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
 
 
-@_reads_its_markers("to=functions.")
 def parse_harmony(text: str) -> ParsedTurn:
     """gpt-oss (harmony): ``to=functions.NAME<|channel|>commentary json<|message|>{...}``; content is the final channel."""
     items = [_arguments(m.group(0), m.group(1), m.group(2).strip()) for m in _HARMONY_CALL.finditer(text)]
@@ -524,7 +513,6 @@ def _gemma_call(text: str, opened: int, marker: str) -> tuple[Item, int]:
     return ParseError(text[opened:fallback_end], f"text after a Gemma tool call's arguments, before {close}"), fallback_end
 
 
-@_reads_its_markers("<|tool_call>", "<start_function_call>")
 def parse_gemma(text: str) -> ParsedTurn:
     """Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>,n:2}<tool_call|>`` and FunctionGemma
     ``<start_function_call>call:NAME{k:<escape>v<escape>}<end_function_call>``: every opened call is a call

@@ -1,8 +1,9 @@
 """Tool-call formats: everything the loop knows about a family's way of calling tools, one table row each.
 
 A row says how to recognise the format in a chat template (``markers``), how to read the model's calls
-(``parser``), what opens a call in the model's text (``call_markers``: the final-answer rule asks them,
-:func:`agent_loop.tasks.rewards.final_answer`), which extra tokens end a turn that expects a tool
+(``parser``), the format's own markers in the model's text (``call_markers``, declared here only: the
+final-answer rule asks them, :func:`agent_loop.tasks.rewards.final_answer`, and the row's parser reports a
+turn that holds one but yields no call as a malformed call, :func:`agent_loop.episode.parsers.reading_markers`), which extra tokens end a turn that expects a tool
 result (``stop_tokens``, where the template writes them), and the format of tool-call ids
 (``call_id``). Adding a format: its parser in :mod:`agent_loop.episode.parsers` and one row in
 :data:`TOOL_FORMATS` (the first row whose markers the template holds wins, so specific rows come first).
@@ -24,10 +25,14 @@ class ToolFormat:
     name: str
     markers: tuple[tuple[str, ...], ...]  # alternatives; each is a set of strings the template text holds
     parser: Callable[..., p.ParsedTurn]
-    call_markers: tuple[str, ...] = ()  # text that opens a tool call in the model's output
+    call_markers: tuple[str, ...] = ()  # the format's own call text (opening, closing, quoting) in the model's output
     stop_tokens: tuple[str, ...] = ()  # tokens that end a turn awaiting a tool result (where the template has them)
     call_id: str = "call{index:05d}"  # the episode's index-th call (0-based); 9 alphanumerics, as Mistral requires
     schema_typed: bool = False  # values are written as bare text: the parser needs the schemas for string types
+
+    def __post_init__(self):  # the parser reads this row's call markers: one declaration for both uses
+        object.__setattr__(self, "parser", p.reading_markers(getattr(self.parser, "__wrapped__", self.parser),
+                                                             self.call_markers))
 
     def matches(self, template: str) -> bool:
         return any(all(m in template for m in alternative) for alternative in self.markers)
@@ -48,7 +53,7 @@ TOOL_FORMATS: list[ToolFormat] = [
     ToolFormat("deepseek", (("<｜tool▁call▁begin｜>",),), p.parse_deepseek, ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")),
     ToolFormat("qwen3_xml", (("<function=", "<parameter="),), p.parse_qwen3_xml, ("<tool_call>", "<function="),
                schema_typed=True),
-    ToolFormat("glm45", (("<arg_key>",),), p.parse_glm45, ("<tool_call>",), schema_typed=True),
+    ToolFormat("glm45", (("<arg_key>",),), p.parse_glm45, ("<tool_call>", "<arg_key>"), schema_typed=True),
     ToolFormat("hermes", (("<tool_call>",),), p.parse_hermes, ("<tool_call>",)),
     ToolFormat("mistral", (("[TOOL_CALLS]",),), p.parse_mistral, ("[TOOL_CALLS]",)),
     ToolFormat("nemotron", (("<TOOLCALL>",),), p.parse_nemotron, ("<TOOLCALL>",)),
@@ -59,13 +64,14 @@ TOOL_FORMATS: list[ToolFormat] = [
     ToolFormat("apertus", (("<|tools_prefix|>",),), p.parse_apertus, ("<|tools_prefix|>",), ("<|tools_suffix|>",)),
     ToolFormat("harmony", (("<|call|>", "<|channel|>"),), p.parse_harmony, ("to=functions.",), ("<|call|>",)),
     ToolFormat("gemma", (("<|tool_call>",), ("<start_function_call>",)), p.parse_gemma,
-               ("<|tool_call>", "<start_function_call>"), ("<|tool_response>",)),
+               ("<|tool_call>", "<start_function_call>", "<tool_call|>", "<end_function_call>", '<|"|>', "<escape>"),
+               ("<|tool_response>",)),
     ToolFormat("functools", (("functools",),), p.parse_functools, ("functools[",)),
     ToolFormat("functionary", ((">>>all",),), p.parse_functionary),
     ToolFormat("command_r", (("<|START_ACTION|>",), ("Action:", "tool_name")), p.parse_command_r,
                ("<|START_ACTION|>", "Action:")),
     ToolFormat("llama3_json", (("<|python_tag|>",),), p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
-    ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic),
+    ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic, ("<|python_start|>",)),
     ToolFormat("xlam", (('[{"name": "tool_call_name"',),), p.parse_xlam),
     ToolFormat("llama3_json", (("<|start_header_id|>", "parameters"), ("<|header_start|>", "parameters")),
                p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),

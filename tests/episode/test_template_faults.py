@@ -4,6 +4,7 @@ sees its own call markers but reads no call reports a malformed call (the Gemma 
 tokenizer, real templates from tests/data, episodes through the real loop on a scripted generator)."""
 
 import asyncio
+import inspect
 import re
 import warnings
 
@@ -104,9 +105,21 @@ GEMMA_CALLS = [
 ]
 
 
+GEMMA_CALLS += [  # the format's closing and string markers without an opening one (issue 40 item 20)
+    ('Here: call:echo{text:<|"|>a<|"|>}<tool_call|>', [], 1),
+    ("done <tool_call|>", [], 1),
+    ('the text <|"|>a<|"|>', [], 1),
+    ("call:echo{text:<escape>a<escape>}<end_function_call>", [], 1),
+]
+
+
+def row(name: str):
+    return next(f for f in TOOL_FORMATS if f.name == name)
+
+
 @pytest.mark.parametrize(("text", "calls", "errors"), GEMMA_CALLS)
 def test_gemma_every_opened_call_is_read_or_reported(text, calls, errors):
-    turn = p.parse_gemma(text)
+    turn = row("gemma").parser(text)
     assert [(c.name, c.arguments) for c in turn.calls] == calls
     assert len(turn.errors) == errors
     assert all(e.raw and e.error for e in turn.errors)
@@ -136,6 +149,26 @@ def test_a_parser_that_sees_its_markers_but_reads_no_call_reports_a_malformed_ca
         assert plain.calls == [] and plain.errors == [], f.name
 
 
+def test_call_markers_are_declared_once_in_the_table_and_the_parsers_read_them():
+    """Issue 37 item 7: the markers lived in a parser decorator and in the table, and drifted (glm45 ``<arg_key>``,
+    pythonic ``<|python_start|>``): a pythonic turn with an unparsed call counted as a final answer. Now every
+    marker of a row makes its parser report a turn that holds it and yields no call, and the final-answer
+    rule refuses the same turn."""
+    from agent_loop.tasks.rewards import final_answer
+
+    assert not any(hasattr(f, "call_markers") for f in vars(p).values() if callable(f))  # none left in parsers.py
+    for f in TOOL_FORMATS:
+        for marker in f.call_markers:
+            text = f"The answer is {marker} 5."
+            turn = f.parser(text)
+            assert turn.calls or turn.errors, (f.name, marker)
+            assert final_answer([{"role": "assistant", "content": text}], f) == "", (f.name, marker)
+    for name, text in (("glm45", "echo<arg_key>text</arg_key>"), ("pythonic", "<|python_start|>echo(")):
+        turn = row(name).parser(text)
+        assert turn.calls == [] and len(turn.errors) == 1 and text in turn.errors[0].raw
+        assert final_answer([{"role": "assistant", "content": text}], row(name)) == ""
+
+
 GEMMA_MARKERS = re.compile(r'<\|[a-z_]+>|<[a-z_]+\|>|<\|"\|>')
 
 
@@ -143,7 +176,7 @@ def test_a_malformed_gemma4_call_in_an_episode_is_an_error_observation_not_a_fin
     """The real Gemma 4 template (keep_seen: strict refuses its thinking generation prompt): a call without
     ``call:`` is answered with a malformed-call error and the model gets another turn."""
     template = read_template("vllm_tool_chat_template_gemma4.jinja")
-    assert parser_for_template(template) is p.parse_gemma
+    assert inspect.unwrap(parser_for_template(template)) is p.parse_gemma
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     tok.add_special_tokens({"additional_special_tokens": sorted(set(GEMMA_MARKERS.findall(template)))},
                            replace_extra_special_tokens=False)
