@@ -261,7 +261,7 @@ def report(opts: RolloutOptions, stats, tokenizer, elapsed: float, path: str, ou
     """The summary, the speed, the returns table and where it went; False (and why, on stderr) when there was
     nothing to compute returns on."""
     console = Console()
-    console.print(summary_table(stats, f"{name} rollout"))
+    console.print(summary_table(stats, f"{name} rollout" + (", played by --resume" if opts.resume else "")))
     console.print(f"{stats.episodes / elapsed:.2f} episodes/s, {stats.assistant_tokens / elapsed:.0f} assistant "
                   f"tokens/s ({elapsed:.1f} s, concurrency {opts.concurrency}, backend {opts.backend}, model {path})")
     problem = failure_summary(stats)

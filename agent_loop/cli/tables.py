@@ -8,9 +8,19 @@ from agent_loop.config import plural
 from agent_loop.runners.stats import RolloutStats
 
 
+def episode_set(count: int, first: int | None, last: int | None) -> str:
+    """The true label of ``count`` distinct episode indices from ``first`` to ``last``: ``episodes 0-47`` only when
+    they are every index of that range, else ``28 of episodes 20-47`` (after a --resume, the ones it lacked)."""
+    if first is None or last is None:
+        return plural(count, "episode")
+    span = f"episode {first}" if first == last else f"episodes {first}-{last}"
+    return span if count == last - first + 1 else f"{count} of {span}"
+
+
 def summary_table(stats: RolloutStats, title: str) -> Table:
-    """Success, reward, turns, token counts, finish reasons and tool errors of a run (its RolloutStats)."""
-    table = Table(title=title, show_header=True)
+    """Success, reward, turns, token counts, finish reasons and tool errors of a run (its RolloutStats); the
+    title says which episodes they are (:func:`episode_set`)."""
+    table = Table(title=f"{title}: {episode_set(stats.episodes, stats.first_index, stats.last_index)}", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -56,8 +66,9 @@ def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str 
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     adv, returns = get_estimator(estimator)(batch.token_level_rewards, batch.response_mask, gamma=gamma, spans=batch.spans)
     mask = batch.response_mask.bool()
+    indices = sorted({t.info["index"] for t in trajectories})
     table = Table(title=f"batch tensors and {estimator} (gamma={gamma}), "
-                        f"episodes {trajectories[0].info['index']}-{trajectories[-1].info['index']}")
+                        f"{episode_set(len(indices), indices[0], indices[-1])}")
     table.add_column("tensor")
     table.add_column("value", justify="right")
     table.add_row("responses shape (b, t)", str(tuple(batch.responses.shape)))
