@@ -221,6 +221,25 @@ def test_a_final_turn_that_still_calls_a_tool_is_no_answer(qwen_tokenizer):
     assert t.finish_reason == "max_turns" and t.reward == 0.0  # "cba" is in the call, not in an answer
 
 
+def test_a_malformed_calls_record_has_no_name_and_the_raw_text_as_documented(qwen_tokenizer):
+    """Issue 40 item 13: the record of a call the parser could not read has ``name == ""``, ``arguments`` the raw
+    text and error kind ``malformed_json``, as docs/python_api.md's table of reward arguments says; a read call
+    has its name and a dict."""
+    from pathlib import Path
+
+    broken = '{"name": "reverse", "arguments": {"text": "abc"},}'
+    replies = [f"<tool_call>\n{broken}\n</tool_call>", '<tool_call>\n{"name": "reverse", "arguments": '
+               '{"text": "abc"}}\n</tool_call>', "cba"]
+    [t] = play(DatasetTask([{"prompt": "Reverse abc.", "answer": "cba"}], reward="exact", tools=[reverse]),
+               qwen_tokenizer, replies, episodes=1, max_turns=3)
+    bad, good = t.tool_calls
+    assert (bad.name, bad.error_kind, bad.turn) == ("", "malformed_json", 0) and isinstance(bad.arguments, str)
+    assert broken in bad.arguments and bad.result is None and bad.error
+    assert (good.name, good.arguments, good.error_kind) == ("reverse", {"text": "abc"}, None)
+    doc = (Path(__file__).parents[2] / "docs" / "python_api.md").read_text()
+    assert 'a malformed call (one the parser could not read) has `name == ""`, `arguments` the raw text' in doc
+
+
 def test_a_reward_that_raises_is_an_error_episode_and_the_run_goes_on(qwen_tokenizer):
     """A reward function that raises (or returns a non-number) ends that episode with finish "error", reward 0 and
     the message, its tokens kept (a training step drops it); the other episodes and their rewards are untouched."""
