@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,28 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def task_flag(config: WarmstartConfig) -> str:
     """How the command line named the task: ``--task NAME`` or ``--prompts FILE``."""
     return f"--prompts {config.prompts}" if config.prompts is not None else f"--task {config.task}"
+
+
+def task_argv(config: WarmstartConfig) -> list[str]:
+    """Every task option this run set (``--prompts`` with its ``--reward``, ``--tools``, ``--system``, ...), as
+    arguments that name the same task to ``rollout`` and ``train`` (which take the same TaskOptions)."""
+    from agent_loop.cli.options import flag
+    from agent_loop.tasks.registry import TaskOptions
+
+    argv, default = [], TaskOptions()
+    for field in dataclasses.fields(TaskOptions):
+        value = getattr(config, field.name)
+        if field.name == "task" and config.prompts is not None:
+            continue  # a task from data: --prompts names it
+        if field.name != "task" and value == getattr(default, field.name):
+            continue
+        if field.name == "reward_weights":  # one flag, several values
+            argv += [flag(field.name), *map(str, value)]
+        elif isinstance(value, list):  # repeatable: one flag per value
+            argv += [part for item in value for part in (flag(field.name), str(item))]
+        else:
+            argv += [flag(field.name), str(value)]
+    return argv
 
 
 def load_checked_task(config: WarmstartConfig):
@@ -78,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(WarmstartConfig, args)
     task = load_checked_task(config)
     if config.model is not None:
-        preflight.check_model_dir(config.model, "hf")
+        preflight.check_model_dir(config.model, "hf", task=task)
     preflight.check_output_dir(config.output_dir)
     lock = claim_output(config)
     args.stop_note = lambda: f"nothing is saved until the last step; {config.output_dir} holds what was written so far"
@@ -117,7 +140,7 @@ def report(config: WarmstartConfig, result) -> int:
         if longest[need] > defaults[option]:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
-    task = task_flag(config)
+    task = shlex.join([*task_argv(config), "--model", str(model)])
     sharp = " --lr 5e-5  # a warm-started policy is sharp: a small RL step (BENCHMARKS.md)" if config.model is None else ""
-    print(f"next: agent-loop rollout {task} --model {model}\n      agent-loop train {task} --model {model}{sharp}")
+    print(f"next: agent-loop rollout {task}\n      agent-loop train {task}{sharp}")
     return 0

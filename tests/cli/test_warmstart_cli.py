@@ -162,3 +162,54 @@ def test_every_option_has_help_and_the_learning_rate_follows_the_model(capsys):
     assert "gamma" not in actions and "concurrency" not in actions  # only the run options a warm start uses
     assert WarmstartConfig().learning_rate == TINY_LR and WarmstartConfig(model="m").learning_rate == MODEL_LR
     assert WarmstartConfig(model="m", lr=0.5).resolved()["lr"] == 0.5
+
+
+TOOLS_FILE = textwrap.dedent('''
+    def double(number: int) -> str:
+        """Double a number.
+
+        Args:
+            number: The number to double.
+        """
+        return str(2 * number)
+''')
+
+
+def _demonstrated_rows(count: int) -> list[dict]:
+    rows = []
+    for n in range(1, count + 1):
+        call = {"type": "function", "function": {"name": "double", "arguments": {"number": n}}}
+        rows.append({"prompt": f"What is twice {n}?", "answer": str(2 * n), "demonstration": [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "double", "content": str(2 * n)},
+            {"role": "assistant", "content": f"The answer is {2 * n}."}]})
+    return rows
+
+
+@pytest.mark.slow
+def test_the_printed_next_commands_run_for_a_prompts_task(capsys, tmp_path, tiny_agent_dir):
+    """Issue 40 item 7: the hint dropped --reward and --tools for a --prompts task, so running it failed with
+    '--prompts needs a reward'. Each printed command is run as printed (plus limits that keep it short)."""
+    import shlex
+
+    prompts, tools = tmp_path / "twice.jsonl", tmp_path / "my tools.py"  # a space: the hint must quote it
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in _demonstrated_rows(4)))
+    tools.write_text(TOOLS_FILE)
+    out = tmp_path / "warm"
+    code, stdout, err = run_cli(capsys, "warmstart", "--prompts", str(prompts), "--reward", "number", "--reward",
+                                "contains", "--reward-weights", "1", "0.5", "--tools", str(tools), "--episodes", "4",
+                                "--steps", "1", "--batch-size", "2", "--output-dir", str(out), "--no-progress")
+    assert code == 0, err
+    hints = [line.removeprefix("next:").strip() for line in stdout.splitlines()[-2:]]
+    assert [h.split()[:2] for h in hints] == [["agent-loop", "rollout"], ["agent-loop", "train"]], stdout
+    limits = {"rollout": ["--episodes", "2", "--max-turns", "2", "--out", str(tmp_path / "r.jsonl")],
+              "train": ["--steps", "1", "--prompts-per-step", "1", "--group-size", "2", "--mini-batches", "1",
+                        "--no-progress", "--no-tensorboard", "--output-dir", str(tmp_path / "train")]}
+    for hint in hints:
+        argv = shlex.split(hint, comments=True)[1:]  # as a shell runs it: the trailing '# why' is a comment
+        assert argv[argv.index("--reward") + 1] == "number" and str(tools) in argv and "--reward-weights" in argv
+        code, _, err = run_cli(capsys, *argv, *limits[argv[0]])
+        assert code in (0, 1), err  # 1: a rollout whose every episode failed after a one-step warm start
+        assert "error:" not in err, err
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+    assert (tmp_path / "train" / "metrics.jsonl").read_text().strip()
