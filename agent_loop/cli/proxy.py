@@ -1,0 +1,118 @@
+"""``agent-loop proxy``: serve a model to someone else's agent through an OpenAI-compatible API and record every
+call token-in/token-out; each finished session is written to ``--out`` as Trajectories (one whole line per
+segment), which ``agent-loop inspect`` opens and ``train`` reads (docs/agents.md).
+
+In front of any backend: the tiny agent or a model folder in process (``--backend hf``), the vLLM engine
+(``vllm``), or upstream OpenAI-compatible servers with failover (``http --server URL ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from agent_loop.cli.options import UsageError, int_at_least
+
+PROG = "agent-loop proxy"
+DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
+DEFAULT_OUT = "runs/sessions.jsonl"
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a number > 0")
+    return value
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    from agent_loop.backends.registry import BACKENDS
+
+    parser = commands.add_parser("proxy", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
+    parser.add_argument("--backend", choices=list(BACKENDS), default="hf", help="who generates (default hf)")
+    parser.add_argument("--server", action="append", default=[], help="--backend http: upstream server root URL "
+                        "(repeat for failover)")
+    parser.add_argument("--served-model-name", default=None, help="--backend http: the upstream servers' model name")
+    parser.add_argument("--model-name", default="policy", help="the model name clients ask for (default policy)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int_at_least(0), default=8100, help="port (default 8100; 0: a free one)")
+    parser.add_argument("--out", default=None, help=f"JSON Lines file of finished sessions (default {DEFAULT_OUT}, "
+                        "or the first free -N name)")
+    parser.add_argument("--append", action="store_true", help="add to an existing --out")
+    parser.add_argument("--api-key", default=os.environ.get("AGENT_LOOP_PROXY_API_KEY"),
+                        help="require Authorization: Bearer KEY (default: $AGENT_LOOP_PROXY_API_KEY; unset: none)")
+    parser.add_argument("--one-request-sessions", action="store_true",
+                        help="a call without a session id is a session of its own (default: refused)")
+    parser.add_argument("--idle-timeout-s", type=_positive, default=600.0,
+                        help="close (and write) a session idle this long (default 600)")
+    parser.add_argument("--max-sessions", type=int_at_least(1), default=1024, help="open sessions at most")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=256, help="per call, when a request gives none")
+    parser.add_argument("--temperature", type=float, default=1.0, help="when a request gives none (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run, prog=PROG)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import agent_loop.cli.preflight as preflight
+    from agent_loop.models import model_path
+    from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError
+    from agent_loop.runners.outputs import fresh_path
+
+    if args.backend == "http" and not args.server:
+        raise UsageError("--backend http needs at least one --server URL")
+    if args.model is not None:
+        preflight.check_model_dir(args.model, args.backend)
+    out = args.out or (DEFAULT_OUT if args.append else fresh_path(DEFAULT_OUT))
+    preflight.check_output_file(out)
+    try:
+        writer = JsonlWriter(out, "append" if args.append else "new")
+    except (OSError, OutputExistsError) as error:
+        raise UsageError(f"--out {out}: {error}") from None
+    args.stop_note = lambda: f"finished sessions are in {out} (open sessions were written as closed_by shutdown)"
+    try:
+        return asyncio.run(_serve(args, model_path(args.model), writer))
+    finally:
+        writer.close()
+
+
+async def _serve(args: argparse.Namespace, path: str, writer) -> int:
+    from transformers import AutoTokenizer
+
+    from agent_loop.backends.base import BackendSettings
+    from agent_loop.backends.registry import make_backend
+    from agent_loop.proxy.core import Proxy, ProxySettings
+    from agent_loop.proxy.server import ProxyServer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = make_backend(args.backend, path, BackendSettings(servers=list(args.server),
+                                                               served_model_name=args.served_model_name))
+    settings = ProxySettings(model_name=args.model_name, max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=args.seed, idle_timeout_s=args.idle_timeout_s, max_sessions=args.max_sessions,
+                             one_request_sessions=args.one_request_sessions)
+    proxy = Proxy(backend, tokenizer, settings, on_finish=lambda ts: [writer.write_line(t.to_json()) for t in ts])
+    server = ProxyServer(proxy, host=args.host, port=args.port, api_key=args.api_key)
+    try:
+        await server.start()
+    except OSError as error:
+        backend.close()
+        raise UsageError(f"--port {args.port}: cannot listen on {args.host}: {error.strerror or error}") from None
+    print(f"serving {args.model_name!r} ({Path(path).name}) at {server.base_url} for agents; finished sessions go to "
+          f"{writer.path} (Ctrl-C stops)", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+        await backend.end_run()
+        backend.close()
+        counts = dict(proxy.counts)
+        print(f"{PROG}: {counts.get('opened', 0)} sessions, closed: "
+              + ", ".join(f"{k[7:]} {v}" for k, v in sorted(counts.items()) if k.startswith("closed_")), file=sys.stderr)
+    return 0

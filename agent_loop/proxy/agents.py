@@ -1,0 +1,148 @@
+"""``--agent module:function``: episodes played by someone else's agent through an in-process proxy.
+
+The function is called once per episode with keyword arguments (it takes those it names):
+
+- ``client``: an ``openai.AsyncOpenAI`` bound to this episode's session (base URL and ``X-Session-Id`` set);
+- ``base_url``, ``model``, ``session_id``: to build its own client (use ``session_id`` as the API key, or send it
+  as the ``X-Session-Id`` header);
+- ``row``: the episode's row: ``messages`` (the task's opening chat), ``tools`` (their JSON schemas), ``answer``,
+  ``index``, ``seed``, ``task`` and ``episode`` (the task's :class:`~agent_loop.types.Episode`, tools included).
+
+It returns the episode's reward, or None: then the task (or ``--reward`` of ``--prompts``) scores the final
+messages of the session's last segment. An agent that raises ends its episode with finish ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import itertools
+import sys
+from pathlib import Path
+from typing import Callable
+
+from agent_loop.backends.base import Backend
+from agent_loop.episode.tools import ToolExecutor
+from agent_loop.proxy.core import Proxy, ProxySettings
+from agent_loop.proxy.server import ProxyServer
+from agent_loop.runners.local import TrajectorySink, error_trajectory
+from agent_loop.runners.spec import RunSpec
+from agent_loop.runners.stats import RolloutStats
+from agent_loop.tasks.rewards import as_reward
+from agent_loop.types import Trajectory
+
+AGENT_ARGUMENTS = ("client", "base_url", "model", "session_id", "row")
+
+
+def load_agent(spec: str) -> Callable:
+    """The function ``package.module:function`` or ``path/to/file.py:function`` names; ValueError saying why not."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"--agent {spec!r}: expected package.module:function or path/to/file.py:function")
+    try:
+        if target.endswith(".py") or Path(target).is_file():
+            path = Path(target).resolve()
+            loaded = importlib.util.spec_from_file_location(f"agent_loop_agent_{path.stem}", path)
+            if loaded is None or not path.is_file():
+                raise FileNotFoundError(f"no file {target}")
+            module = importlib.util.module_from_spec(loaded)
+            sys.modules[loaded.name] = module
+            loaded.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except Exception as error:  # noqa: BLE001  (the user's module: any failure is a usage error)
+        raise ValueError(f"--agent {spec!r}: cannot load {target}: {type(error).__name__}: {error}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--agent {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def episode_row(task, index: int, seed: int) -> dict:
+    """What the agent function gets as ``row`` for episode ``index`` of ``task``."""
+    episode = task.make_episode(index, seed)
+    return {"messages": [dict(m) for m in episode.messages], "tools": ToolExecutor(episode.tools).schemas,
+            "answer": episode.answer, "index": index, "seed": seed, "task": task.name, "episode": episode}
+
+
+async def call_agent(agent: Callable, **arguments):
+    """``agent`` with the arguments it names (all of them if it takes ``**kwargs``), awaited if a coroutine."""
+    parameters = inspect.signature(agent).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        arguments = {k: v for k, v in arguments.items() if k in parameters}
+    value = agent(**arguments)
+    return await value if inspect.isawaitable(value) else value
+
+
+class AgentRunner:
+    """Plays episodes of ``task`` with ``agent`` through ``proxy`` served at ``server.base_url``."""
+
+    def __init__(self, agent: Callable, task, proxy: Proxy, server: ProxyServer):
+        from openai import AsyncOpenAI
+
+        self.agent, self.task, self.proxy, self.server = agent, task, proxy, server
+        self.client = AsyncOpenAI(base_url=server.base_url, api_key="agent-loop", max_retries=0)
+
+    async def play(self, index: int, seed: int) -> list[Trajectory]:
+        """One episode: its session's segments as Trajectories (one error Trajectory if the agent failed)."""
+        row = episode_row(self.task, index, seed)
+        session_id = f"{self.task.name}:{seed}:{index}"
+        self.proxy.open(session_id, row={"task": self.task.name, "index": index, "seed": seed})
+        error = None
+        try:
+            reward = await call_agent(
+                self.agent, client=self.client.with_options(default_headers={"X-Session-Id": session_id}),
+                base_url=self.server.base_url, model=self.proxy.settings.model_name, session_id=session_id, row=row)
+            if reward is not None:
+                self.proxy.set_reward(session_id, as_reward(reward, "the agent"))
+        except Exception as exc:  # noqa: BLE001  (the user's agent: its failure ends this episode only)
+            error = f"{type(exc).__name__}: {exc}"
+        if session_id not in self.proxy.sessions:  # the agent ended it itself (POST .../end)
+            return []
+        episode = row["episode"]
+
+        def scorer(messages, records):
+            return as_reward(self.task.reward(episode, messages, records), f"{self.task.name}'s reward")
+
+        try:
+            out = self.proxy.end(session_id, scorer=scorer, info={"answer": episode.answer, **episode.info})
+        except Exception as exc:  # noqa: BLE001  (the task's reward failed)
+            error, out = error or f"{type(exc).__name__}: {exc}", []
+        if error is not None or not out:
+            return [error_trajectory(self.task, index, seed, error or "the agent made no call", self.proxy.tokenizer)]
+        for trajectory in out:
+            trajectory.info["success"] = bool(self.task.success(episode, trajectory.reward))
+        return out
+
+
+async def stream_agent_rollouts(spec: RunSpec, backend: Backend, agent: Callable, *, concurrency: int = 16,
+                                sample_size: int = 0, total: int | None = None, keep: bool = False,
+                                settings: ProxySettings | None = None) -> tuple[RolloutStats, list[Trajectory]]:
+    """:func:`agent_loop.runners.local.stream_rollouts` with ``agent`` playing each episode through an in-process
+    proxy over ``backend`` (sampling from ``spec.config``); every segment is written to ``spec.output_path``.
+    Returns the statistics and, with ``keep``, every segment in finishing order."""
+    config = spec.config
+    settings = settings or ProxySettings(max_tokens=config.max_tokens, temperature=config.temperature,
+                                         top_p=config.top_p, seed=spec.seed, max_sessions=max(concurrency, 1) * 2)
+    episodes = list(spec.episodes)
+    total = len(episodes) if total is None else total
+    stats, kept, todo = RolloutStats(sample_indices=frozenset(episodes[:sample_size])), [], iter(episodes)
+    proxy = Proxy(backend, spec.tokenizer, settings)
+    try:
+        async with ProxyServer(proxy) as server:
+            runner = AgentRunner(agent, spec.task, proxy, server)
+            with TrajectorySink(total, f"agent {spec.task.name}", spec.output_path, spec.progress, spec.output_mode,
+                                stats=stats, info=spec.recorded()) as sink:
+                async def worker() -> None:
+                    for index in todo:
+                        for trajectory in await runner.play(index, spec.seed):
+                            sink.add(trajectory)
+                            kept.append(trajectory) if keep else None
+
+                await asyncio.gather(*(worker() for _ in itertools.repeat(None, min(concurrency, max(total, 1)))))
+            await runner.client.close()
+    finally:
+        await backend.end_run()
+    return stats, kept
