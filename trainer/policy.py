@@ -1,4 +1,9 @@
-"""The policy's view of a batch: per-token logits, logprobs, entropy and (for GAE) values of the response tokens."""
+"""The policy's view of a batch: per-token logprobs, entropy and (for GAE) values of the response tokens.
+
+The output head runs in pieces of ``LOGITS_CHUNK_TOKENS`` tokens (:func:`chunked_head`): at a real vocabulary
+the float32 logits of a whole micro-batch, ``(b, t, v)``, would be the largest tensor of a step (b=8, t=1024,
+v=49,152: 1.6 GB, and log-softmax and its gradient as much again). The policy's forward, the old-logprob
+recompute and the reference model's logprobs (the KL) all go through it (``PolicyModel``)."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from advantages import entropy_from_logits
 from masking.batch import Batch
@@ -55,20 +61,16 @@ def shared_prefix_length(batch: Batch | ResponseInputs) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def response_forward(
-    model, batch: Batch | ResponseInputs, value_head: ValueHead | None = None, share_prefix: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits predicting each response token, and the value of the state before it.
+def response_hidden(model, batch: Batch | ResponseInputs, share_prefix: bool = True) -> torch.Tensor:
+    """The decoder's last hidden states ``(b, t, h)`` at the positions that predict each response token.
 
     ``batch`` holds ``prompts`` (b, p), ``input_ids``, ``attention_mask``, ``position_ids`` (b, p + t)
-    and ``responses`` (b, t) as collated (prompts left-padded, responses right-padded). Returns
-    ``logits`` (b, t, v) in float32 and ``values`` (b, t) or None.
+    and ``responses`` (b, t) as collated (prompts left-padded, responses right-padded).
 
     With ``share_prefix``, the prompt prefix all rows share runs once (batch 1) and the rest of every
     row attends to its key/value cache; copies of the prefix inside a row's slice are masked out.
     Gradients flow through the cache, so the result and its gradient are those of the plain forward
-    (up to float rounding), for a fraction of the work when the shared prefix is long. The output
-    head runs only on the t positions that predict response tokens.
+    (up to float rounding), for a fraction of the work when the shared prefix is long.
     """
     t = batch.responses.shape[1]
     decoder = model.get_decoder()
@@ -90,10 +92,52 @@ def response_forward(
             input_ids=batch.input_ids[:, start:], position_ids=positions, past_key_values=cache, use_cache=True,
             attention_mask=torch.cat([torch.ones_like(attention[:, :prefix]), own], dim=1),
         ).last_hidden_state
-    hidden = hidden[:, -t - 1 : -1]  # position i predicts token i + 1
+    return hidden[:, -t - 1 : -1]  # position i predicts token i + 1
+
+
+def response_forward(
+    model, batch: Batch | ResponseInputs, value_head: ValueHead | None = None, share_prefix: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits ``(b, t, v)`` float32 predicting each response token (:func:`response_hidden`), and the values
+    ``(b, t)`` of the states before them (None without ``value_head``). This holds all the logits at once:
+    the trainer uses :func:`chunked_head` instead; this is the plain form it must equal."""
+    hidden = response_hidden(model, batch, share_prefix)
     logits = model.get_output_embeddings()(hidden).float()
     values = value_head(hidden).float() if value_head is not None else None
     return logits, values
+
+
+# Tokens per piece of the output head: a piece's float32 logits are LOGITS_CHUNK_TOKENS x vocabulary x 4 bytes
+# (48 MiB at SmolLM2's 49,152 tokens), a few of them alive at once; the whole (b, t, v) never is.
+LOGITS_CHUNK_TOKENS = 256
+
+
+def _head_piece(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, entropy: bool):
+    """``(n, h)`` hidden states, ``(n,)`` token ids -> their logprobs ``(n,)`` and entropies ``(n,)`` (or None)."""
+    logits = head(hidden).float()
+    return token_logprobs(logits, tokens), entropy_from_logits(logits) if entropy else None
+
+
+def chunked_head(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, *, entropy: bool = True,
+                 chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output head's logprobs of ``tokens`` and (with ``entropy``) its entropies, both ``(b, t)`` float32, from
+    ``hidden`` ``(b, t, h)``, computed ``chunk`` tokens at a time, so that no more than one piece's float32
+    logits ``(chunk, v)`` exist at once. Exact: the same per-token computation as on the whole ``(b, t, v)``
+    logits, the same values to float32 rounding. With gradient, each piece is checkpointed
+    (``torch.utils.checkpoint``): backward recomputes its logits instead of keeping them, so the gradient
+    (of the hidden states and the head's weights) is also that of the plain computation."""
+    b, t, h = hidden.shape
+    flat_hidden, flat_tokens = hidden.reshape(b * t, h), tokens.reshape(b * t)
+    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    pieces = []
+    for start in range(0, b * t, chunk):
+        piece = (head, flat_hidden[start : start + chunk], flat_tokens[start : start + chunk], entropy)
+        pieces.append(checkpoint(_head_piece, *piece, use_reentrant=False) if keep_graph else _head_piece(*piece))
+    if not pieces:  # no response token
+        empty = hidden.new_zeros(b, t, dtype=torch.float32)
+        return empty, empty.clone() if entropy else None
+    logprobs = torch.cat([p[0] for p in pieces]).view(b, t)
+    return logprobs, torch.cat([p[1] for p in pieces]).view(b, t) if entropy else None
 
 
 class PolicyModel(nn.Module):
@@ -107,18 +151,23 @@ class PolicyModel(nn.Module):
     every forward of the trainer goes through it (trainer/distributed.py).
     """
 
-    def __init__(self, model, value_head: ValueHead | None = None, share_prefix: bool = True):
+    def __init__(self, model, value_head: ValueHead | None = None, share_prefix: bool = True,
+                 logits_chunk: int = LOGITS_CHUNK_TOKENS):
         super().__init__()
         self.model = model
         self.value_head = value_head
         self.share_prefix = share_prefix
+        self.logits_chunk = logits_chunk  # tokens per piece of the output head (chunked_head)
 
     def forward(self, prompts, input_ids, attention_mask, position_ids, responses, *, entropy: bool = True):
         """The batch tensors of ``response_forward`` -> ``(logprobs, entropy, values)``, each ``(b, t)`` float32
         (``entropy`` None unless asked for, ``values`` None without a value head)."""
         inputs = ResponseInputs(prompts, input_ids, attention_mask, position_ids, responses)
-        logits, values = response_forward(self.model, inputs, self.value_head, self.share_prefix)
-        return token_logprobs(logits, responses), entropy_from_logits(logits) if entropy else None, values
+        hidden = response_hidden(self.model, inputs, self.share_prefix)
+        logprobs, entropies = chunked_head(self.model.get_output_embeddings(), hidden, responses, entropy=entropy,
+                                           chunk=self.logits_chunk)
+        values = self.value_head(hidden).float() if self.value_head is not None else None
+        return logprobs, entropies, values
 
 
 def policy_outputs(model: nn.Module, batch: Batch, *, entropy: bool = True):
