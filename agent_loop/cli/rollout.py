@@ -35,6 +35,7 @@ from agent_loop.cli.tables import failure_summary, returns_table, summary_table
 from agent_loop.config import OptionError, pick, plural
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
+from agent_loop.proxy import check_agent_spec
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, made_with, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
@@ -77,6 +78,10 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
                     "are listed)")] = False
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
+    agent: Annotated[str | None, AfterValidator(check_agent_spec), Field(
+        description="play each episode with your own agent, called with an OpenAI client of an in-process "
+                    "recording proxy (docs/agents.md)",
+        json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
     retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
                                              "all servers down this long stops the run")] = 300.0
 
@@ -110,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     opts = resolve(RolloutOptions, args)
     try:
         task = opts.load()
+        if opts.agent:  # loaded now: a module that cannot load is a usage error before any model loads
+            from agent_loop.proxy.agents import load_agent
+
+            load_agent(opts.agent)
     except ValueError as error:  # PluginError: a plug-in that cannot load
         raise UsageError(str(error)) from None
     return play(opts, task, lambda path: save_config(dataclasses.asdict(opts), path), args=args)
@@ -238,6 +247,11 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
 
     async def play_all():
         try:
+            if opts.agent:  # the user's own agent, through an in-process recording proxy (docs/agents.md)
+                from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
+
+                return await stream_agent_rollouts(spec, backend, load_agent(opts.agent), concurrency=opts.concurrency,
+                                                   sample_size=RETURNS_SAMPLE, total=total)
             return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE,
                                          total=total)
         finally:

@@ -15,6 +15,7 @@ messages of the session's last segment. An agent that raises ends its episode wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +26,7 @@ from typing import Callable
 
 from agent_loop.backends.base import Backend
 from agent_loop.episode.tools import ToolExecutor
+from agent_loop.proxy import check_agent_spec
 from agent_loop.proxy.core import Proxy, ProxySettings
 from agent_loop.proxy.server import ProxyServer
 from agent_loop.runners.local import TrajectorySink, error_trajectory
@@ -36,11 +38,14 @@ from agent_loop.types import Trajectory
 AGENT_ARGUMENTS = ("client", "base_url", "model", "session_id", "row")
 
 
+@functools.cache  # a file is run once however often it is named
 def load_agent(spec: str) -> Callable:
     """The function ``package.module:function`` or ``path/to/file.py:function`` names; ValueError saying why not."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"--agent {spec!r}: expected package.module:function or path/to/file.py:function")
+    try:
+        check_agent_spec(spec)
+    except ValueError as error:
+        raise ValueError(f"--agent {spec!r}: {error}") from None
+    target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py") or Path(target).is_file():
             path = Path(target).resolve()

@@ -123,7 +123,8 @@ def _tools(body: dict) -> list[dict]:
                                               for t in tools):
         raise ApiError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
                        param="tools")
-    return [{"type": "function", "function": t["function"]} for t in tools]
+    # "strict" is a constraint on decoding, not prompt text (vLLM drops it too); the rest is rendered as sent
+    return [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
 
 
 def _check_refused(body: dict) -> None:

@@ -52,3 +52,26 @@ async def serving(backend, tokenizer, *, written: list | None = None, api_key: s
     proxy = Proxy(backend, tokenizer, ProxySettings(**settings), on_finish=sink.extend)
     async with ProxyServer(proxy, api_key=api_key) as server:
         yield server
+
+
+def assert_recorded(trajectory, tokenizer) -> bool:
+    """The spans of a recorded episode are right: ASSISTANT on what the model sampled (every call's completion,
+    ending on a stop token unless cut), OBSERVATION on the tool results the agent sent back; returns whether the
+    episode called a tool."""
+    from masking.kinds import SpanKind
+
+    trajectory.check()
+    turns = sorted(set(trajectory.turn_ids))
+    assert turns == list(range(trajectory.metrics["turns"]))
+    for turn in turns:
+        kinds = [s for s, t in zip(trajectory.spans, trajectory.turn_ids) if t == turn]
+        assert kinds[0] == SpanKind.ASSISTANT and kinds == sorted(kinds)  # sampled tokens, then the observation
+    assistant = [i for i, s in zip(trajectory.response_ids, trajectory.spans) if s == SpanKind.ASSISTANT]
+    observation = tokenizer.decode([i for i, s in zip(trajectory.response_ids, trajectory.spans)
+                                    if s == SpanKind.OBSERVATION])
+    assert all(p < 0 for p, s in zip(trajectory.logprobs, trajectory.spans) if s == SpanKind.ASSISTANT) or not assistant
+    results = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    for result in results:  # every result the agent sent is in the observation tokens, none in the sampled ones
+        assert result in observation
+    assert [r.result for r in trajectory.tool_calls if r.result is not None] == results
+    return bool(trajectory.tool_calls)
