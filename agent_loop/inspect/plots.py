@@ -11,6 +11,7 @@ Every line has a ``gid`` (``return``, ``carried``, ``advantage``, ``return:<esti
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -101,22 +102,30 @@ def flat(view: InspectView, row: int) -> bool:
 
 
 def panel_rows(view: InspectView) -> list[int]:
-    """The rows that get a panel: the selected ones with nonzero values first (in selection order),
-    flat ones only while panels are left; at most MAX_EPISODE_PLOTS."""
+    """The rows that get a panel: the selected ones with nonzero values (in selection order), at most
+    MAX_EPISODE_PLOTS. A flat failure (every return and reward 0: a flat line) gets none while any episode
+    with values is shown, only counted in the title; when every selected episode is flat, the first one is drawn."""
     if view.values is None:
         return []
-    is_flat = {row: flat(view, row) for row in view.selected}
-    return ([r for r in view.selected if not is_flat[r]] + [r for r in view.selected if is_flat[r]])[:MAX_EPISODE_PLOTS]
+    rows = [r for r in view.selected if not flat(view, r)]
+    return rows[:MAX_EPISODE_PLOTS] if rows else view.selected[:1]
 
 
 def one_legend(fig: Figure, axes) -> None:
-    """One legend for the figure: every label drawn on any panel, once."""
+    """One legend for the figure, under the panels (never over the title): every label drawn on any panel, once."""
     handles: dict[str, object] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     if handles:
-        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="outside right upper")
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="outside lower center",
+                   ncols=min(len(handles), 4))
+
+
+def title_lines(text: str, fig: Figure, fontsize: float) -> str:
+    """``text`` wrapped to the figure's width (about 0.6 em per character), so its end is never cut off."""
+    chars = max(40, int(fig.get_figwidth() * 72 / (0.6 * fontsize)) - 4)
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
 def figure(view: InspectView, compare: bool = False) -> Figure:
@@ -138,8 +147,8 @@ def figure(view: InspectView, compare: bool = False) -> Figure:
         f" ({left_out} left out" + (f", {flat_out} of them with all values 0" if flat_out else "")
         + ": --episode N, --worst K, --failed choose others)" if left_out else "")
     values = f" · {view.trained_note}" if view.trained_note else ""
-    fig.suptitle(f"{view.source} · returns with gamma {view.stats.gamma:g} ({view.gamma_note}){values}\n{shown}",
-                 fontsize=10, x=0.01, ha="left")
+    text = f"{view.source} · returns with gamma {view.stats.gamma:g} ({view.gamma_note}){values}\n{shown}"
+    fig.suptitle(title_lines(text, fig, 10), fontsize=10, x=0.01, ha="left")
     return fig
 
 

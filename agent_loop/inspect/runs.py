@@ -1,6 +1,8 @@
 """``agent-loop inspect A.jsonl B.jsonl``: two runs of the same episodes side by side.
 
-Episodes are matched by ``info.index`` and ``info.seed``. One pass over each file keeps a small
+Episodes are matched by ``info.index`` and ``info.seed`` (``match="index"``), or by prompt (``match="prompt"``:
+the k-th episode of a prompt in A with the k-th of the same prompt in B), which is the default for two
+step files of a training run, whose steps play new indices. One pass over each file keeps a small
 record per episode (line, offset, outcome, a digest of its tokens); only the pairs shown are read
 again in full (by byte offset), to show their token sequences from the first divergence.
 """
@@ -20,8 +22,7 @@ from rich.text import Text
 import agent_loop.inspect.html as page_html
 from agent_loop.config import plural
 from agent_loop.episode.chat import first_difference
-from agent_loop.inspect.load import InputError, Problems, iter_records, read_at
-from agent_loop.inspect.output import write_atomically
+from agent_loop.inspect.load import Problems, iter_records, read_at
 from agent_loop.inspect.tokens import TokenText, show_whitespace
 from agent_loop.inspect.view import episode_id
 from agent_loop.runners.stats import RolloutStats
@@ -50,10 +51,15 @@ class Brief:
     tokens: int
     digest: str
     values: str = ""  # digest of the recorded returns and advantages ("" when the episode carries none)
+    prompt: str = ""  # digest of the prompt's token ids
+    step: object = None  # info["step"]: the training step of a step file's episode
 
     @property
     def key(self) -> tuple:
         return (self.index, self.seed)
+
+
+MATCHES = {"index": "(info.index, info.seed)", "prompt": "prompt"}  # how episodes are matched -> as it is said
 
 
 def briefs(path: str | Path, problems: Problems) -> tuple[list[Brief], RolloutStats]:
@@ -65,8 +71,10 @@ def briefs(path: str | Path, problems: Problems) -> tuple[list[Brief], RolloutSt
         digest = hashlib.blake2b(repr(t.response_ids).encode(), digest_size=8).hexdigest()
         values = "" if t.returns is None else hashlib.blake2b(repr((t.returns, t.advantages)).encode(),
                                                                 digest_size=8).hexdigest()
+        prompt = hashlib.blake2b(repr(t.prompt_ids).encode(), digest_size=8).hexdigest()
         out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), t.success,
-                         t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest, values))
+                         t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest, values,
+                         prompt, t.info.get("step")))
         summary.add(t, index=out[-1].index)
     return out, summary
 
@@ -104,11 +112,51 @@ class Comparison:
     only: tuple[list[Brief], list[Brief]]  # episodes without a match in the other run
     shown: list[int]  # indices into pairs read in full
     problems: list[str]
+    match: str = "index"  # how the episodes were matched (a key of MATCHES)
+
+    def no_match(self) -> str:
+        """Why no pair was found, and what to pass: the one line of an empty comparison."""
+        a, b = self.runs
+        steps = [r[0].step for r in self.runs if r and r[0].step is not None]
+        if self.match == "index":
+            why = ("two steps of a run play new indices" if len(steps) == 2
+                   else "the runs played other episodes (another --seed or --episodes range)")
+            return (f"no episode of A matches one of B by {MATCHES['index']}: {why}; --match prompt pairs the "
+                    "episodes of the same prompt")
+        return (f"no episode of A matches one of B by prompt: the {len(a)} and {len(b)} episodes share no prompt "
+                "(another task, model or chat template?); --match index pairs them by (info.index, info.seed)")
+
+
+def match_pairs(runs, paths, match: str, problems: list[str]) -> tuple[list[Pair], tuple[list, list]]:
+    """Pair the briefs of A and B by ``(index, seed)`` or by (prompt, k-th episode of that prompt); a key seen
+    twice in a file is named in ``problems`` and its repeat left unmatched. Returns the pairs and the unmatched."""
+    keyed, every = [], []
+    for path, run in zip(paths, runs):
+        keys, count, all_keys = {}, {}, []
+        for brief in run:
+            if match == "prompt":  # the k-th episode of a prompt (a group of k per prompt per step)
+                count[brief.prompt] = count.get(brief.prompt, -1) + 1
+                key = (brief.prompt, count[brief.prompt])
+            else:
+                key = brief.key
+            all_keys.append(key)
+            if key in keys:
+                problems.append(f"{path}:{brief.line}: episode {brief.index} (seed {brief.seed}) again; matched "
+                                f"the first one (line {keys[key].line})")
+                continue
+            keys[key] = brief
+        keyed.append(keys)
+        every.append(all_keys)
+    pairs = [Pair(brief, keyed[1][key]) for key, brief in keyed[0].items() if key in keyed[1]]
+    pairs.sort(key=lambda p: (p.a.index, str(p.a.seed)))
+    both = keyed[0].keys() & keyed[1].keys()
+    return pairs, tuple([b for b, k in zip(run, keys) if k not in both] for run, keys in zip(runs, every))
 
 
 def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False, limit: int = 100,
-            failed: bool = False) -> Comparison:
-    """Match the episodes of two files and read the pairs to show in full."""
+            failed: bool = False, match: str | None = None) -> Comparison:
+    """Match the episodes of two files (``match``: ``"index"`` or ``"prompt"``; None: by prompt when both are
+    step files of a training run, else by index) and read the pairs to show in full."""
     problems, runs, summaries = [], [], []
     for path in (path_a, path_b):
         found = Problems()
@@ -116,24 +164,9 @@ def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False
         runs.append(run_briefs)
         summaries.append(summary)
         problems += found.lines()
-    by_key = {}
-    for brief in runs[1]:
-        if brief.key in by_key:
-            problems.append(f"{path_b}:{brief.line}: episode {brief.index} (seed {brief.seed}) again; "
-                            f"matched the first one (line {by_key[brief.key].line})")
-            continue
-        by_key[brief.key] = brief
-    pairs, matched, seen = [], set(), set()
-    for brief in runs[0]:
-        if brief.key in seen:
-            problems.append(f"{path_a}:{brief.line}: episode {brief.index} (seed {brief.seed}) again; not matched")
-            continue
-        seen.add(brief.key)
-        if brief.key in by_key:
-            pairs.append(Pair(brief, by_key[brief.key]))
-            matched.add(brief.key)
-    pairs.sort(key=lambda p: (p.a.index, str(p.a.seed)))
-    only = ([b for b in runs[0] if b.key not in matched], [b for b in runs[1] if b.key not in matched])
+    if match is None:
+        match = "prompt" if all(r and r[0].step is not None for r in runs) else "index"
+    pairs, only = match_pairs(runs, (path_a, path_b), match, problems)
     candidates = [i for i, p in enumerate(pairs) if not failed or not (p.a.success and p.b.success)]
     if ids:
         shown = [i for i in candidates if pairs[i].a.index in ids]
@@ -147,7 +180,7 @@ def compare(path_a, path_b, ids: list[int] | None = None, show_all: bool = False
     for i in shown:
         read_pair(pairs[i], path_a, path_b)
     return Comparison((Path(path_a), Path(path_b)), (runs[0], runs[1]), (summaries[0], summaries[1]), pairs, only,
-                      shown, problems)
+                      shown, problems, match)
 
 
 def positions(a: list | None, b: list | None) -> list[int]:
@@ -233,7 +266,7 @@ def summary_table(c: Comparison) -> Table:
         table.add_column(name, justify="left" if not name else "right", no_wrap=True)
     for key in a:
         table.add_row(key, a[key], b[key])
-    table.add_row("matched (index, seed)", str(len(c.pairs)), str(len(c.pairs)))
+    table.add_row(f"matched by {MATCHES[c.match]}", str(len(c.pairs)), str(len(c.pairs)))
     table.add_row("without a match", str(len(c.only[0])), str(len(c.only[1])))
     return table
 
@@ -257,14 +290,25 @@ def unlisted(c: Comparison, rows: list[int]) -> str:
             + (f": episodes {named(differ, 2 * NAMED)}" if differ else "") + "; --all or --episode N lists them)")
 
 
+def episode_cell(p: Pair) -> str:
+    """The pair's episode number: A's, and B's after an arrow when they differ (episodes matched by prompt)."""
+    return str(p.a.index) if p.a.index == p.b.index else f"{p.a.index}→{p.b.index}"
+
+
 def pairs_table(c: Comparison, rows: list[int]) -> Table:
+    """One line per pair at any width from 80 columns: the short cells (episode, seed, A, B) keep their full
+    width and "what differs" takes the rest, cut with … (the line under the table and --episode say all)."""
+    cells = [(episode_cell(c.pairs[i]), str(c.pairs[i].a.seed), outcome(c.pairs[i].a), outcome(c.pairs[i].b))
+             for i in rows]
     table = Table(title=f"matched episodes ({len(rows)} of {len(c.pairs)} listed)", title_justify="left")
-    for name in ("episode", "seed", "A", "B", "what differs"):
-        table.add_column(name, no_wrap=True, justify="right" if name in ("episode", "seed") else "left")
-    for i in rows:
+    for k, name in enumerate(("episode", "seed", "A", "B")):
+        width = max([len(name)] + [len(row[k]) for row in cells])
+        table.add_column(name, no_wrap=True, min_width=width, justify="right" if k < 2 else "left")
+    table.add_column("what differs", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+    for i, (episode, seed, a, b) in zip(rows, cells):
         p = c.pairs[i]
         style = "bold red" if p.a.success and not p.b.success else "bold green" if p.b.success and not p.a.success else ""
-        table.add_row(str(p.a.index), str(p.a.seed), outcome(p.a), Text(outcome(p.b), style=style), tokens_state(p))
+        table.add_row(episode, seed, a, Text(b, style=style), tokens_state(p))
     return table
 
 
@@ -282,7 +326,7 @@ def styled_tokens(text: TokenText, traj, start: int, end: int, diverged_from: in
 
 def pair_view(c: Comparison, i: int, text: TokenText) -> list:
     p = c.pairs[i]
-    head = Text(f"episode {p.a.index} (seed {p.a.seed}): A line {p.a.line} {outcome(p.a)} · B line {p.b.line} "
+    head = Text(f"episode {episode_cell(p)} (seed {p.a.seed}): A line {p.a.line} {outcome(p.a)} · B line {p.b.line} "
                 f"{outcome(p.b)}", style="bold")
     if p.divergence is None:
         return [head, Text("identical token sequences", style="green")]
@@ -323,7 +367,7 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
     a, b = (stats(r) for r in c.summaries)
     summary = ('<table class="runs"><tr><th></th><th>A</th><th>B</th></tr>'
                + "".join(f'<tr><td class="l">{esc(k)}</td><td>{a[k]}</td><td>{b[k]}</td></tr>' for k in a)
-               + f'<tr><td class="l">matched (index, seed)</td><td>{len(c.pairs)}</td><td>{len(c.pairs)}</td></tr>'
+               + f'<tr><td class="l">matched by {esc(MATCHES[c.match])}</td><td>{len(c.pairs)}</td><td>{len(c.pairs)}</td></tr>'
                + f'<tr><td class="l">without a match</td><td>{len(c.only[0])}</td><td>{len(c.only[1])}</td></tr></table>')
     detail(c, list(range(min(limit, len(c.pairs)))))
     rows = "".join(
@@ -356,29 +400,3 @@ def render_html(c: Comparison, tokenizer: str | None, limit: int = 1000) -> str:
     header = f"<h1>agent-loop inspect · A = {esc(c.paths[0])} · B = {esc(c.paths[1])}</h1>"
     return page_html.page(f"agent-loop inspect: {c.paths[0]} vs {c.paths[1]}", header, body,
                           {"compare": False, "names": page_html.NAMES, "rows": []})
-
-
-def run(args, console: Console, err: Console) -> int:
-    """The two-file view of ``agent-loop inspect A.jsonl B.jsonl``; returns the exit status."""
-    try:
-        c = compare(*args.rollouts, ids=args.episode, show_all=bool(args.all), limit=args.max_episodes,
-                    failed=args.failed)
-    except InputError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
-    for problem in c.problems:
-        err.print(f"[yellow]warning:[/yellow] {problem}")
-    if not c.runs[0] or not c.runs[1]:
-        err.print("[red]error:[/red] nothing to compare: " + " and ".join(
-            str(p) for p, r in zip(c.paths, c.runs) if not r) + " has no good line")
-        return 1
-    if not args.quiet:
-        render_terminal(c, console, args.tokenizer, bool(args.all), args.max_episodes)
-    if args.html:
-        page = render_html(c, args.tokenizer, args.max_episodes if args.all else 1000)
-        write_atomically(args.html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
-        err.print(f"wrote {args.html}")
-    if not c.pairs:
-        err.print("[red]error:[/red] no episode of A matches one of B by (info.index, info.seed)")
-        return 1
-    return 0
