@@ -17,10 +17,28 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from typing import Annotated
 
-from pydantic import ConfigDict, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 
 STRICT_NUMBERS = ConfigDict(allow_inf_nan=False)  # a declaration's __pydantic_config__: no nan/inf values
+
+
+def integer(text: str, low: int = 1):
+    """The declaration of a whole-number option of at least ``low`` with help ``text``."""
+    return Annotated[int, Field(ge=low, description=text)]
+
+
+def number(text: str, **bounds):
+    """The declaration of a real-number option with help ``text`` and pydantic bounds (``gt=0``, ``le=1``)."""
+    return Annotated[float, Field(description=text, **bounds)]
+
+
+def renamed(cls) -> dict[str, typing.Any]:
+    """Old option names ``cls`` still accepts (flags, config-file keys, keywords): its ``InitVar`` declarations,
+    which its ``__post_init__`` turns into today's option -> their declared types."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {name: hint.type for name, hint in hints.items() if isinstance(hint, dataclasses.InitVar)}
 
 
 def one_of(choices) -> str:
@@ -69,9 +87,10 @@ class _Names(dict):
         return self.name_of(key)
 
 
-def override_defaults(**defaults):
+def override_defaults(why: str = "", **defaults):
     """Class decorator: make ``cls`` a dataclass whose inherited fields ``defaults`` get other defaults,
-    keeping their declaration (type, constraint, help). The one place a command says where its defaults differ."""
+    keeping their declaration (type, constraint, help). The one place a command says where its defaults differ;
+    ``why``: the reason, which the command's help shows beside each of these defaults."""
 
     def apply(cls):
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -82,6 +101,7 @@ def override_defaults(**defaults):
             own.setdefault(name, hints[name])
             setattr(cls, name, value)
         cls.__annotations__ = own
+        cls.__overridden_defaults__ = {**getattr(cls, "__overridden_defaults__", {}), **dict.fromkeys(defaults, why)}
         return dataclasses.dataclass(cls)
 
     return apply

@@ -1,30 +1,40 @@
 """Training settings: one dataclass, whose defaults train the built-in tiny agent on the arithmetic task on 2 CPU cores.
 
-``TrainConfig`` takes the options every command that plays episodes shares (the run's, the task's and
-the loop's, each declared once: ``agent_loop.config``) and adds training's own; where training needs
-other defaults for them, :func:`~agent_loop.config.override_defaults` says so. Every field is a flag
+``TrainConfig`` takes the options every command that plays episodes shares (the run's, the task's, the
+loop's, the servers' and the threads', each declared once: ``agent_loop.config``) and those it shares with
+the warm start (:class:`OptimizerOptions`, :class:`OutputOptions`, :class:`DeviceOptions`, declared here),
+and adds training's own; where training needs other defaults for them,
+:func:`~agent_loop.config.override_defaults` says so (and ``--help`` says why). Every field is a flag
 and a config-file key of ``agent-loop train``. Building a ``TrainConfig`` in code does not check it;
 ``agent_loop.config.checked`` does (the declarations, then :meth:`TrainConfig.check`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import InitVar, dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, Field
 
-from agent_loop.config import OptionError, closest, one_of, override_defaults
+from agent_loop.backends.server_options import ServerOptions, server_url
+from agent_loop.config import OptionError, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
 from agent_loop.tasks.registry import TaskOptions
+from agent_loop.threads import ThreadOptions
 
 # The learning rate measured stable on the tiny agent at 32 episodes per AdamW step; smaller batches scale it
 # down in proportion (their gradients are noisier, and Adam's steps do not shrink with the signal).
 BASE_LR = 2e-4
 BASE_EPISODES_PER_ADAM_STEP = 32
+# The warm start's: the tiny agent (1.1M parameters, trained from scratch at 3e-3) learns a new task's format and
+# copies at its own training rate (BENCHMARKS.md, issue 29); pretrained models of 0.5B parameters and more take
+# fine-tuning rates.
+TINY_LR, MODEL_LR, MIN_LR_FRACTION = 3e-3, 1e-5, 0.1
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 DEFAULT_OUTPUT_DIR = "runs/train"  # unset --output-dir: this, or the first free runs/train-N
 
@@ -53,17 +63,82 @@ def check_device(name: str) -> str:
 
 
 def _int(low: int, text: str):
-    return Annotated[int, Field(ge=low, description=text)]
+    return integer(text, low)
 
 
-def _number(text: str, **bounds):
-    return Annotated[float, Field(description=text, **bounds)]
+@dataclass
+class OptimizerOptions:
+    """AdamW and its schedule, for every command that trains (train, warmstart). ``learning_rate``: ``lr``, or
+    the command's :meth:`default_lr` when unset; ``resolved()``: the settings as the run uses them."""
+
+    lr: Annotated[float | None, Field(gt=0, description=(
+        "AdamW learning rate (the peak, after --warmup-steps); unset: train scales "
+        f"{BASE_LR:g} to the batch ({BASE_LR:g} x episodes per AdamW step / {BASE_EPISODES_PER_ADAM_STEP}, at most "
+        f"{BASE_LR:g}); warmstart takes {TINY_LR:g} for the built-in tiny agent (unset --model), {MODEL_LR:g} for a "
+        f"--model, and decays it on a cosine to {MIN_LR_FRACTION:g} of the peak"))] = None
+    warmup_steps: _int(0, "steps over which the learning rate rises linearly to --lr; Adam's first, "
+                          "bias-corrected steps are full-size sign steps, which noisy small batches turn into "
+                          "random moves of every weight (0 = off)") = 10
+    weight_decay: number("AdamW weight decay", ge=0) = 0.0
+    max_grad_norm: number("gradient clipping norm", gt=0) = 1.0
+    micro_batch_size: _int(1, "rows per forward/backward (gradient accumulation within an optimizer step)") = 16
+
+    def default_lr(self) -> float:
+        raise NotImplementedError(f"{type(self).__name__} names no default learning rate")
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr`` when set, else the command's :meth:`default_lr`."""
+        return self.lr if self.lr is not None else self.default_lr()
+
+    def resolved(self) -> dict:
+        """Every setting with the values the run uses (the learning rate chosen): the saved config."""
+        return {**dataclasses.asdict(self), "lr": self.learning_rate}
 
 
-# training plays shorter episodes, more of them at once, than a rollout's defaults
-@override_defaults(concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256)
-class TrainConfig(LoopConfig, TaskOptions, RunOptions):
+@dataclass
+class OutputOptions:
+    """The run's folder and how the run reports, for every command that writes one (train, warmstart)."""
+
+    DEFAULT_OUTPUT_DIR: ClassVar[str] = "runs/run"  # each command's own: runs/train, runs/warmstart
+
+    output_dir: Annotated[str | None, Field(description=(
+        "the run's folder: metrics.jsonl, config.yaml and what the command makes (train: checkpoints/; warmstart: "
+        "model/, demonstrations.jsonl); unset: runs/COMMAND (runs/train, runs/warmstart) or the first free "
+        "runs/COMMAND-N (train --resume: the resumed run's folder); a folder holding an earlier run is refused "
+        "without --overwrite (train: or --resume)"), json_schema_extra={"allowed": "a folder path"})] = None
+    overwrite: Annotated[bool, Field(description="replace the earlier run in --output-dir (its files are deleted "
+                                     "first)")] = False
+    progress: Annotated[bool, Field(description="progress bar")] = True
+    save_every: _int(1, "steps between checkpoints (OUTPUT_DIR/checkpoints; and one at the end): a stopped run goes "
+                        "on from the latest complete one with --resume") = 20
+
+    def default_output_dir(self) -> str:
+        """Never an earlier run's folder: DEFAULT_OUTPUT_DIR, or the first free DEFAULT_OUTPUT_DIR-N."""
+        return fresh_path(self.DEFAULT_OUTPUT_DIR)
+
+
+@dataclass
+class DeviceOptions:
+    """Where the model trains (train, warmstart)."""
+
+    device: Annotated[str, AfterValidator(check_device), Field(
+        description="auto: CUDA when available (cuda:LOCAL_RANK under torchrun), else cpu",
+        json_schema_extra={"allowed": "auto, cpu, cuda or cuda:N"})] = "auto"
+
+
+# agent-loop rollout's defaults differ; --help says why beside each
+SHORTER_EPISODES = ("train's own, not rollout's (shorter episodes, more at once): the built-in tasks take 2 turns, "
+                    "and the tiny agent's RL results (BENCHMARKS.md) were trained and are reproduced with these; "
+                    "raise them for longer tasks")
+
+
+@override_defaults(SHORTER_EPISODES, concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256)
+class TrainConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, ServerOptions, LoopConfig, TaskOptions,
+                  RunOptions):
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
+
+    DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
 
     tiny_stage: Annotated[Literal["mid", "final"], Field(
         description="the built-in tiny agent (when --model is unset): mid = a middling warm start for RL, "
@@ -80,31 +155,23 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
                                            "pre-PR #7300 return bugs: ablation only)",
                                json_schema_extra={"allowed": estimator_names})] = \
         "reinforce_plus_plus"
-    lam: _number("GAE lambda (estimator gae only)", ge=0, le=1) = 0.95
-    kl_coef: _number("KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards; 0 = off",
+    lam: number("GAE lambda (estimator gae only)", ge=0, le=1) = 0.95
+    kl_coef: number("KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards; 0 = off",
                      ge=0) = 0.0
     kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(
         description="KL estimator (a sampled-token mode of advantages.kl_penalty)",
         json_schema_extra={"allowed": kl_kind_names})] = "k1"
 
     # PPO update
-    lr: Annotated[float | None, Field(gt=0, description=f"AdamW learning rate; unset: {BASE_LR:g} x (episodes per "
-                                      f"AdamW step / {BASE_EPISODES_PER_ADAM_STEP}), at most {BASE_LR:g}")] = None
-    warmup_steps: _int(0, "steps over which the learning rate rises linearly to --lr; Adam's first, "
-                          "bias-corrected steps are full-size sign steps, which noisy small batches turn into "
-                          "random moves of every weight (0 = off)") = 10
-    weight_decay: _number("AdamW weight decay", ge=0) = 0.0
     ppo_epochs: _int(1, "passes over each step's episodes") = 1
     mini_batches: _int(1, "optimizer steps per epoch; must divide prompts_per_step * group_size") = 2
-    micro_batch_size: _int(1, "rows per forward/backward (gradient accumulation within a mini-batch)") = 16
-    clip_ratio: _number("PPO clip range epsilon", gt=0) = 0.2
-    max_grad_norm: _number("gradient clipping norm", gt=0) = 1.0
-    entropy_coef: _number("entropy bonus weight", ge=0) = 0.0
-    value_coef: _number("weight of the value head's loss (gae only)", ge=0) = 0.5
+    clip_ratio: number("PPO clip range epsilon", gt=0) = 0.2
+    entropy_coef: number("entropy bonus weight", ge=0) = 0.0
+    value_coef: number("weight of the value head's loss (gae only)", ge=0) = 0.5
     recompute_old_logprobs: Annotated[bool, Field(
         description="recompute the PPO reference logprobs with the policy (off: use the sampler's)")] = True
     max_staleness: _int(0, "asynchronous training: 0 = synchronous steps (play, then train); K >= 1 = a rollout "
-                           "producer keeps playing (on --rollout-servers or the in-process backend) while the "
+                           "producer keeps playing (on the --server(s) or the in-process backend) while the "
                            "trainer trains, episodes in flight take new weights between turns, and a step trains "
                            "only on episodes whose oldest token was sampled at most K steps ago (older ones are "
                            "dropped: episodes/dropped_stale; docs/design.md 8a)") = 0
@@ -117,35 +184,27 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
         description="truncated importance sampling (verl's rollout_is): each ASSISTANT token's PPO loss times "
                     "min(rho, --rollout-is-threshold), per token or one weight per episode (the product of its "
                     "tokens' ratios); off: metrics (mismatch/*) only")] = "off"
-    rollout_is_threshold: _number("the cap C of the importance weights (verl's rollout_is_threshold)", gt=0) = 2.0
+    rollout_is_threshold: number("the cap C of the importance weights (verl's rollout_is_threshold)", gt=0) = 2.0
     rollout_rs: Annotated[Literal["off", "token", "sequence"], Field(
         description="masked importance sampling / rejection (verl's rollout_rs token_k1, seq_sum_k1): drop from the "
                     "loss the ASSISTANT tokens whose ratio, or the episodes whose product ratio, lies outside "
                     "[--rollout-rs-lower, --rollout-rs-upper]")] = "off"
-    rollout_rs_lower: _number("lower bound of the kept ratios (--rollout-rs)", gt=0) = 0.5
-    rollout_rs_upper: _number("upper bound of the kept ratios (--rollout-rs)", gt=0) = 2.0
+    rollout_rs_lower: number("lower bound of the kept ratios (--rollout-rs)", gt=0) = 0.5
+    rollout_rs_upper: number("upper bound of the kept ratios (--rollout-rs)", gt=0) = 2.0
 
     # LoRA (trainer/lora.py, the ``lora`` extra)
     lora_rank: _int(0, "LoRA rank; 0 = train every weight") = 0
-    lora_alpha: _number("LoRA alpha", gt=0) = 16.0
+    lora_alpha: number("LoRA alpha", gt=0) = 16.0
     lora_target_modules: Annotated[str, Field(
         description='"all-linear" or comma-separated module names, e.g. "q_proj,v_proj"')] = "all-linear"
 
-    # output
-    output_dir: Annotated[str | None, Field(description="metrics.jsonl and checkpoints/ go here; unset: the run "
-                                            f"folder of --resume, else {DEFAULT_OUTPUT_DIR} or the first free "
-                                            f"{DEFAULT_OUTPUT_DIR}-N (a folder holding an earlier run is refused "
-                                            "without --resume or --overwrite)",
-                                            json_schema_extra={"allowed": "a folder path"})] = None
-    overwrite: Annotated[bool, Field(description="replace the earlier run in --output-dir (its metrics.jsonl, "
-                                     "checkpoints/, tensorboard/, config.yaml are deleted first)")] = False
+    # output (beside OutputOptions')
     tensorboard: Annotated[bool, Field(description="write TensorBoard event files to OUTPUT_DIR/tensorboard")] = True
     wandb_project: Annotated[str | None, Field(description="also log each step to this Weights & Biases project "
                                                "(needs `pip install wandb`; WANDB_MODE=offline works without "
                                                "an account)")] = None
     save_rollouts_every: _int(0, "steps between saved training rollouts (OUTPUT_DIR/rollouts/step_NNNNNN.jsonl, "
                                  "with the returns and advantages each step used); 0 = none") = 1
-    save_every: _int(1, "steps between checkpoints (and one at the end)") = 20
     eval_every: _int(0, "steps between greedy evaluations on held-out questions; 0 = never") = 0
     eval_episodes: _int(1, "held-out questions per evaluation") = 100
     resume: Annotated[str | None, Field(description="checkpoint folder (OUTPUT_DIR/checkpoints/step_NNNNNN), or a run "
@@ -153,25 +212,22 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
                                         json_schema_extra={"allowed": "a checkpoint or run folder"})] = None
     allow_config_change: Annotated[bool, Field(
         description="resume even when settings differ from the checkpoint's (the differences are listed)")] = False
-    threads: _int(1, "torch intra-op threads (per process)") = 2
-    progress: Annotated[bool, Field(description="progress bar")] = True
 
-    # hardware and processes (trainer/distributed.py)
-    device: Annotated[str, AfterValidator(check_device), Field(
-        description="auto: CUDA when available (cuda:LOCAL_RANK under torchrun), else cpu",
-        json_schema_extra={"allowed": "auto, cpu, cuda or cuda:N"})] = "auto"
+    # hardware and processes (trainer/distributed.py; --device: DeviceOptions)
     dtype: Annotated[Literal[tuple(DTYPES)], Field(
         description="bf16: forward passes under bf16 autocast, fp32 master weights and AdamW state")] = "fp32"
-    rollout_servers: Annotated[str | None, Field(
-        description="comma-separated URLs of vLLM servers (started with VLLM_SERVER_DEV_MODE=1) to roll out on; "
-                    "rank 0 pushes the new weights to each after every step",
-        json_schema_extra={"allowed": "comma-separated http(s) URLs"})] = None
-    served_model_name: Annotated[str, Field(description="model name the rollout servers serve")] = "policy"
     nproc: _int(1, "data-parallel processes; > 1 relaunches under torchrun (gloo on CPU, NCCL on CUDA)") = 1
     parallel: Annotated[Literal["auto", "ddp", "fsdp"], Field(
         description="data-parallel wrapper with several processes: ddp (DistributedDataParallel, replicas), "
                     "fsdp (FSDP2 fully_shard, sharded; not with LoRA); auto: fsdp on CUDA, ddp on CPU or with LoRA")] = \
         "auto"
+    rollout_servers: InitVar[Annotated[str | None, Field(
+        description="the old name of --server: comma-separated server URLs")]] = None
+
+    def __post_init__(self, rollout_servers: str | None = None):
+        super().__post_init__()
+        if rollout_servers:  # configs saved before --server: one comma-separated string
+            self.server = [*self.server, *(url for url in rollout_servers.split(",") if url.strip())]
 
     @property
     def episodes_per_step(self) -> int:
@@ -181,11 +237,8 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
     def episodes_per_adam_step(self) -> float:
         return self.episodes_per_step / self.mini_batches
 
-    @property
-    def learning_rate(self) -> float:
-        """``lr`` when set, else BASE_LR scaled to the batch (BENCHMARKS.md, issue 17)."""
-        if self.lr is not None:
-            return self.lr
+    def default_lr(self) -> float:
+        """BASE_LR scaled to the batch (BENCHMARKS.md, issue 17)."""
         return BASE_LR * min(1.0, self.episodes_per_adam_step / BASE_EPISODES_PER_ADAM_STEP)
 
     def unstable_learning_rate(self) -> str | None:
@@ -213,6 +266,10 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
         if self.resume is not None and self.overwrite:
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
         self.check_rollout_correction()
+        try:  # --rollout-servers (the old name) gives URLs unchecked
+            self.server = [server_url(url) for url in self.server]
+        except ValueError as error:
+            raise OptionError("server", str(error), ",".join(self.server)) from None
         if self.output_dir is None:
             self.output_dir = self.default_output_dir()
         if self.episodes_per_step % self.mini_batches:
@@ -254,10 +311,4 @@ class TrainConfig(LoopConfig, TaskOptions, RunOptions):
             return str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
         if "WORLD_SIZE" in os.environ:
             raise OptionError("output_dir", "must be given under torchrun (every process writes to one folder)")
-        return fresh_path(DEFAULT_OUTPUT_DIR)
-
-    def resolved(self) -> dict:
-        """Every setting with the values the run uses (the learning rate after scaling): the saved config."""
-        import dataclasses
-
-        return {**dataclasses.asdict(self), "lr": self.learning_rate}
+        return super().default_output_dir()

@@ -47,6 +47,7 @@ from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.runners.stats import sampling_label
 from agent_loop.tasks.grouping import GroupedTask
+from agent_loop.threads import apply_threads
 from masking.batch import Batch
 from masking.kinds import SpanKind
 from trainer.async_rollouts import RolloutProducer, VersionedBackend, staleness_metrics
@@ -131,7 +132,7 @@ class Trainer:
     def _set_up_processes(self) -> None:
         """Threads, data-parallel ranks, device and dtype, the estimator, the step counter."""
         config = self.config
-        torch.set_num_threads(config.threads)
+        apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
         self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
@@ -184,14 +185,14 @@ class Trainer:
     def _set_up_rollouts(self, backend, weight_sync, task) -> None:
         """The rollout backend and what pushes weights to it, the (grouped) task, the loop's options."""
         config = self.config
-        if backend is None and config.rollout_servers:
+        if backend is None and config.server:
             from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
 
-            urls = [url for url in config.rollout_servers.split(",") if url]
-            backend = make_backend("http", config.served_model_name, BackendSettings.from_options(config, servers=urls))
+            urls, served = config.server, config.served_name(self.initial_model)
+            backend = make_backend("http", served, BackendSettings.from_options(config))
             if weight_sync is None and config.lora_rank:  # the adapter alone, loaded as a LoRA adapter
                 weight_sync = VLLMServerLoRASync(urls, self.policy, adapters_dir=self.output_dir / "weight_sync",
-                                                 name=f"{config.served_model_name}-lora")
+                                                 name=f"{served}-lora")
             weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(

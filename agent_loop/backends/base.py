@@ -3,6 +3,8 @@
 A backend subclasses :class:`Backend`: ``generate`` is the one method it must write; the rest of its
 lifecycle has defaults. A new backend is one module with one such class (``from_settings`` builds it
 from the options every command shares) plus one line in :data:`agent_loop.backends.registry.BACKENDS`.
+The servers' options of every command that plays episodes over HTTP are
+:class:`agent_loop.backends.server_options.ServerOptions`.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+RETRY_DEADLINE_S = 300.0  # the whole wait of one request: longer than a server restart
+REQUEST_TIMEOUT_S = 600.0  # one attempt
 
 
 @dataclass
@@ -51,8 +56,8 @@ class BackendSettings:
 
     servers: list[str] = field(default_factory=list)  # http: server root URLs
     served_model_name: str | None = None  # http: the name the servers serve (default: the model path)
-    retry_deadline_s: float = 300.0  # http: the whole wait of one request (all its attempts)
-    request_timeout_s: float = 600.0  # http: one attempt
+    retry_deadline_s: float = RETRY_DEADLINE_S  # http: the whole wait of one request (all its attempts)
+    request_timeout_s: float = REQUEST_TIMEOUT_S  # http: one attempt
     device: str = "cpu"  # hf
     dtype: str = "float32"  # hf: a torch dtype name
     max_batch_size: int = 64  # hf: requests decoded together
@@ -60,12 +65,11 @@ class BackendSettings:
 
     @classmethod
     def from_options(cls, options, **overrides) -> "BackendSettings":
-        """The settings a command's options hold (``server`` -> ``servers``, the fields of the same name), then
-        ``overrides``."""
-        values = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
-        if getattr(options, "server", None) is not None:
-            values["servers"] = list(options.server)
-        return cls(**{**values, **overrides})
+        """The http backend's settings from a command's ``ServerOptions`` (those fields only: a command's
+        other options, such as train's ``device``, never reach a backend unasked), then ``overrides``."""
+        return cls(**{"servers": list(options.server), "served_model_name": options.served_model_name,
+                      "retry_deadline_s": options.retry_deadline_s, "request_timeout_s": options.request_timeout_s,
+                      **overrides})
 
 
 class Backend(abc.ABC):

@@ -1,7 +1,8 @@
 """``--config run.yaml``: a command's options as a YAML mapping; flags given on the command line override
 the file; the resolved settings are saved next to the run's outputs and rerun it.
 
-Keys are option names with ``_`` or ``-`` (``max_turns`` or ``max-turns``). An unknown key is an error
+Keys are option names with ``_`` or ``-`` (``max_turns`` or ``max-turns``), or an option's old name
+(``agent_loop.config.renamed``: files saved by earlier versions still load). An unknown key is an error
 that names it, the file and the closest valid key (``difflib``), before anything runs or any file is
 written. Values are checked by the options' own declarations (``agent_loop.cli.options.validate``).
 """
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from agent_loop.config import renamed
 
 
 class ConfigError(ValueError):
@@ -37,9 +40,13 @@ def read_config(path: str | Path, cls) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must be a mapping of option: value, got {type(data).__name__}")
     hints, names = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)]
+    old = renamed(cls)
     settings = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
+        if key in old:
+            settings[key] = value
+            continue
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(names))}"

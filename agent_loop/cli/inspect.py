@@ -12,9 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import USAGE_EXIT, UsageError, int_at_least
+from agent_loop.cli.options import USAGE_EXIT, UsageError, add_threads_option, int_at_least, threads_from
 from agent_loop.inspect.choices import INFORMATIVE, LABEL
 from agent_loop.inspect.output import write_atomically
+from agent_loop.threads import apply_threads
 
 PROG = "agent-loop inspect"
 DESCRIPTION = "see spans, rewards, returns and advantages token by token"
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "of a prompt in each); default: by prompt for two step files of a run, else by index")
     parser.add_argument("--width", type=int_at_least(20), help="terminal width, at least 20 (default: detected)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no terminal view (with --html/--png)")
-    return parser
+    return add_threads_option(parser)
 
 
 ONE_FILE_ONLY = ("png", "worst", "values", "compare")
@@ -226,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     from agent_loop.inspect.load import InputError
 
     check_arguments(args)
+    apply_threads(threads_from(args))
     if args.tokenizer is not None:  # a built-in model's name (agent-loop models): its folder
         from agent_loop.cli.preflight import builtin_folder
 

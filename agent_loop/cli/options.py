@@ -4,6 +4,7 @@ From a command's options dataclass:
 
 - :func:`add_options` adds one flag per field to a parser (``--field-name``; bools get ``--no-...``;
   lists are repeatable), with help naming each option's allowed values and default, and ``--config``;
+  an option's old name (an ``InitVar`` of the dataclass, ``agent_loop.config.renamed``) stays a flag and a key;
 - :func:`resolve` reads the ``--config`` file (``agent_loop.cli.config_file``), puts the flags given on
   the command line over it, and :func:`validate` checks the result: every value against its
   declaration (pydantic), then the rules across options (the dataclass's ``check()``). The first
@@ -24,7 +25,8 @@ import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from agent_loop.config import OptionError, build, closest, one_of
+from agent_loop.config import OptionError, build, closest, one_of, renamed
+from agent_loop.threads import ThreadOptions
 
 USAGE_EXIT = 2  # exit status of a usage error (argparse's too)
 _CONTROL = ("config", "run", "command", "prog", "argv")  # namespace entries that are not options
@@ -86,35 +88,83 @@ def allowed(cls, name: str) -> str:
     return f"{words} {_bounds(info)}".strip() + (" (or unset)" if optional and kind is not str else "")
 
 
+class _Later:
+    """Help text computed when help is shown (a choice list that imports torch: not on every start)."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def _allowed_help(cls, name: str):
+    """``allowed(cls, name)`` now, or as a ``%(allowed)s`` that argparse fills when it prints help."""
+    text = _extra(_declared(cls)[name][1]).get("allowed")
+    return ("%(allowed)s", _Later(lambda: allowed(cls, name))) if callable(text) else (allowed(cls, name), None)
+
+
 def _default(field: dataclasses.Field):
     if field.default is not dataclasses.MISSING:
         return field.default
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
 
 
-def add_options(parser: argparse.ArgumentParser, cls) -> argparse.ArgumentParser:
-    """One flag per field of ``cls``, and ``--config``. Values stay text here: :func:`validate` converts and
-    checks them, so flags and config keys get the same messages. Flags not given are left out of the
-    namespace (the file's value, else the declared default, applies)."""
+def _inherited_default(cls, name: str):
+    """The default of ``name`` in the first base of ``cls`` that declares it (before an ``override_defaults``)."""
+    for base in cls.__mro__[1:]:
+        declared = {f.name: f for f in dataclasses.fields(base)} if dataclasses.is_dataclass(base) else {}
+        if name in declared:
+            return _default(declared[name])
+    return None
+
+
+def _help(cls, name: str, default) -> tuple[str, _Later | None]:
+    """The flag's help: its description, what it allows and its default (and why a command changed it)."""
+    info = _declared(cls)[name][1]
+    shown = "none" if default in (None, []) else str(default).lower() if isinstance(default, bool) else default
+    why = getattr(cls, "__overridden_defaults__", {}).get(name)
+    if why:
+        shown = f"{shown} (declared default: {_inherited_default(cls, name)}); {why}"
+    choices, later = _allowed_help(cls, name)
+    text = f"{info.description or ''}".replace("%", "%%")
+    return f"{text} [{choices}; default: {str(shown).replace('%', '%%')}]".strip(), later
+
+
+def _add_flag(parser: argparse.ArgumentParser, cls, name: str, default) -> argparse.Action:
+    base, info = _declared(cls)[name]
+    help_text, later = _help(cls, name, default)
+    kind, _ = _without_none(base)
+    if kind is bool:
+        action = parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                     help=help_text)
+    elif typing.get_origin(kind) is list and _extra(info).get("nargs"):
+        action = parser.add_argument(flag(name), nargs=_extra(info)["nargs"], default=argparse.SUPPRESS,
+                                     metavar=name.upper(), help=help_text)
+    elif typing.get_origin(kind) is list:
+        action = parser.add_argument(flag(name), action="append", default=argparse.SUPPRESS, metavar=name.upper(),
+                                     help=help_text)
+    else:
+        action = parser.add_argument(flag(name), default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
+    if later is not None:
+        action.allowed = later  # argparse's help fills %(allowed)s from the action's attributes
+    return action
+
+
+def add_options(parser: argparse.ArgumentParser, cls, *, config_file: bool = True) -> argparse.ArgumentParser:
+    """One flag per field of ``cls`` (and per old name), and ``--config`` (unless ``config_file=False``). Values
+    stay text here: :func:`validate` converts and checks them, so flags and config keys get the same messages.
+    Flags not given are left out of the namespace (the file's value, else the declared default, applies)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for name, (base, info) in _declared(cls).items():
-        default = _default(fields[name])
-        shown = "none" if default in (None, []) else str(default).lower() if isinstance(default, bool) else default
-        help_text = f"{info.description or ''} [{allowed(cls, name)}; default: {shown}]".strip().replace("%", "%%")
-        kind, _ = _without_none(base)
-        if kind is bool:
-            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
-        elif typing.get_origin(kind) is list and _extra(info).get("nargs"):
-            parser.add_argument(flag(name), nargs=_extra(info)["nargs"], default=argparse.SUPPRESS,
-                                metavar=name.upper(), help=help_text)
-        elif typing.get_origin(kind) is list:
-            parser.add_argument(flag(name), action="append", default=argparse.SUPPRESS, metavar=name.upper(),
-                                help=help_text)
-        else:
-            parser.add_argument(flag(name), default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
-    parser.add_argument("--config", default=None, metavar="RUN.YAML",
-                        help="YAML file of options (keys as option names); flags given here override it")
+    for name in _declared(cls):
+        _add_flag(parser, cls, name, _default(fields[name]))
+    for old, kind in renamed(cls).items():
+        infos = [e for e in getattr(kind, "__metadata__", ()) if isinstance(e, FieldInfo)]
+        parser.add_argument(flag(old), default=argparse.SUPPRESS, metavar=old.upper(),
+                            help=(infos[0].description if infos else "an old name").replace("%", "%%"))
+    if config_file:
+        parser.add_argument("--config", default=None, metavar="RUN.YAML",
+                            help="YAML file of options (keys as option names); flags given here override it")
     return parser
 
 
@@ -141,8 +191,10 @@ def validate(cls, values: dict[str, Any], *, keys: bool = False):
     (``cls.check()``, when it has one). ``keys=False`` names options as flags (``--max-turns``),
     ``keys=True`` as config-file keys (``max_turns``). Raises :class:`UsageError` (one line)."""
     name_of = (lambda n: n) if keys else flag
-    declared = _declared(cls)
+    declared, old = _declared(cls), renamed(cls)
     for name, value in values.items():
+        if name in old:
+            continue  # an old name: its declaration is checked by pydantic, its meaning by __post_init__
         if name not in declared:
             kind = "key" if keys else "option"
             raise UsageError(f"unknown {kind} {name_of(name)}{closest(name_of(name), [name_of(k) for k in declared])}")
@@ -188,3 +240,14 @@ def int_at_least(low: int):
 
     convert.__name__ = f"integer >= {low}"
     return convert
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--threads`` (:class:`~agent_loop.threads.ThreadOptions`) for a command whose parser is not built from an
+    options dataclass (serve, inspect, tiny)."""
+    return add_options(parser, ThreadOptions, config_file=False)
+
+
+def threads_from(args: argparse.Namespace) -> int | None:
+    """The checked ``--threads`` of such a parser (None: unset); UsageError for a bad value."""
+    return validate(ThreadOptions, {"threads": args.threads} if getattr(args, "threads", None) is not None else {}).threads

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import UsageError, int_at_least
+from agent_loop.cli.options import UsageError, add_threads_option, int_at_least, threads_from
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
@@ -56,6 +56,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int_at_least(1), default=256, help="per call, when a request gives none")
     parser.add_argument("--temperature", type=float, default=1.0, help="when a request gives none (default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    add_threads_option(parser)
     parser.set_defaults(run=run, prog=PROG)
     return parser
 
@@ -65,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from agent_loop.models import model_path
     from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError
     from agent_loop.runners.outputs import fresh_path
+    from agent_loop.threads import apply_threads
 
+    apply_threads(threads_from(args))
     if args.backend == "http" and not args.server:
         raise UsageError("--backend http needs at least one --server URL")
     if args.model is not None:

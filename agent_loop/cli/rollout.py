@@ -1,8 +1,9 @@
 """``agent-loop rollout``: play episodes of a task with a model, write them as JSON Lines, print a summary.
 
 Options are :class:`RolloutOptions`: the run's (:class:`~agent_loop.runners.spec.RunOptions`), the
-task's (:class:`~agent_loop.tasks.registry.TaskOptions`) and the loop's
-(:class:`~agent_loop.episode.config.LoopConfig`), plus this command's own. Every check runs before
+task's (:class:`~agent_loop.tasks.registry.TaskOptions`), the loop's
+(:class:`~agent_loop.episode.config.LoopConfig`), the servers' (:class:`~agent_loop.backends.server_options.ServerOptions`)
+and the threads' (:class:`~agent_loop.threads.ThreadOptions`), plus this command's own. Every check runs before
 anything starts; a bad value is one line on stderr naming the option, exit status 2 (docs/errors.md).
 
 One output per run: ``--out`` is locked for the life of the run (``agent_loop.runners.outputs``); a
@@ -18,7 +19,7 @@ import asyncio
 import dataclasses
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,8 +28,8 @@ from rich.console import Console
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.backends.base import BackendSettings, is_fatal
-from agent_loop.backends.openai_http import server_root
 from agent_loop.backends.registry import BACKENDS, make_backend
+from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
@@ -39,6 +40,7 @@ from agent_loop.proxy import check_agent_spec
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, made_with, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
+from agent_loop.threads import ThreadOptions, apply_threads
 
 DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
@@ -48,18 +50,12 @@ EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f 
 
 
 @dataclass
-class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
+class RolloutOptions(ThreadOptions, ServerOptions, LoopConfig, TaskOptions, RunOptions):
     """The options of ``agent-loop rollout`` (and the keys of its config file)."""
 
     backend: Annotated[Literal[tuple(BACKENDS)], Field(
         description="hf: transformers in-process; vllm: vLLM engine in-process; http: OpenAI-compatible "
                     "server(s) given by --server")] = "hf"
-    server: Annotated[list[Annotated[str, AfterValidator(server_root)]], Field(
-        description="server root URL for --backend http; repeat for several servers (probed with GET /v1/models "
-                    "at start)", json_schema_extra={"allowed": "an http(s) URL, repeatable"})] = field(default_factory=list)
-    served_model_name: Annotated[str | None, Field(
-        description="the model name the --server(s) serve (agent-loop serve's default: policy); unset: the "
-                    "--model path")] = None
     episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
     out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
                                      f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
@@ -82,8 +78,6 @@ class RolloutOptions(LoopConfig, TaskOptions, RunOptions):
         description="play each episode with your own agent, called with an OpenAI client of an in-process "
                     "recording proxy (docs/agents.md)",
         json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
-    retry_deadline_s: Annotated[float, Field(gt=0, description="http backend: how long one request retries; "
-                                             "all servers down this long stops the run")] = 300.0
 
     def check(self) -> None:
         """The rules across options (OptionError), then the default ``out``: never an earlier run's file."""
@@ -136,7 +130,7 @@ def check_world(opts: RolloutOptions) -> str:
     preflight.check_output_file(opts.out)
     path = model_path(opts.model)
     if opts.backend == "http":
-        preflight.probe_servers(opts.server, model=opts.served_model_name or path)
+        preflight.probe_servers(opts.server, model=opts.served_name(path))
     return path
 
 
@@ -243,6 +237,7 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
     from agent_loop.runners.local import stream_rollouts
     from agent_loop.runners.outputs import is_write_failure
 
+    apply_threads(opts.threads)
     backend = make_backend(opts.backend, path, BackendSettings.from_options(opts))  # --server, deadlines, timeouts
 
     async def play_all():

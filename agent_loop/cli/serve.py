@@ -15,6 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.threads import resolve_threads
+
 PROG = "agent-loop serve"
 DESCRIPTION = "serve a model with vLLM's OpenAI-compatible server (CPU build and GPUs), ready for weight pushes"
 
@@ -23,12 +26,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("serve", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
     parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
     parser.add_argument("--served-model-name", default="policy",
-                        help="the name clients ask for (rollout --served-model-name, train's default: policy)")
+                        help="the name this server serves; clients ask for it with --served-model-name (default: policy)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="serve runtime LoRA adapters up to this rank (train --lora-rank pushes them)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
+    add_threads_option(parser)
     parser.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG", help="passed to vLLM's api_server")
     parser.set_defaults(run=run, prog=PROG)
     return parser
@@ -46,6 +50,9 @@ def server_command(args: argparse.Namespace, vllm_args: list[str]) -> tuple[list
     if vllm_on_cpu():
         command += CPU_SERVER_ARGS
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM binds one OpenMP thread per core: to the first cores of the threads rule's count it may use
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, allowed[:resolve_threads(args.threads)]))
     if args.lora_rank:
         command += ["--enable-lora", "--max-lora-rank", str(args.lora_rank)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -53,6 +60,7 @@ def server_command(args: argparse.Namespace, vllm_args: list[str]) -> tuple[list
 
 
 def run(args: argparse.Namespace) -> int:
+    args.threads = threads_from(args)  # --threads 0: a usage error
     if args.lora_rank < 0:
         print(f"{PROG}: --lora-rank must be >= 0, got {args.lora_rank}", file=sys.stderr)
         return 2

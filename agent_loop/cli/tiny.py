@@ -9,13 +9,16 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.threads import apply_threads
+
 PROG = "agent-loop tiny"
 DESCRIPTION = "unpack (or reuse) the shipped tiny agent, or rebuild it with --force, and print its evaluation"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="rebuild from the recipe here (minutes), replacing the cached or shipped build")
-    return parser
+    return add_threads_option(parser)  # this process's; a --force rebuild pins its own (AGENT_LOOP_TINY_THREADS)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -25,6 +28,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_threads(threads_from(args))
     from agent_loop.tiny.build import build, build_dir, build_lock, build_record
 
     target = build_dir()

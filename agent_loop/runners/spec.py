@@ -59,18 +59,22 @@ def made_with(gamma: float | None = None, estimator: str | None = None, options:
 
 
 @dataclass
-class RunOptions:
-    """The options every command that plays episodes shares (declared once; ``agent_loop.config``)."""
+class ModelOptions:
+    """The model and the seed: what every command that plays or trains on a task takes (declared once)."""
 
     model: Annotated[str | None, Field(description="local model folder (config.json, tokenizer, chat template); "
                                        "unset: the built-in tiny agent",
                                        json_schema_extra={"allowed": "a folder"})] = None
     seed: Annotated[int, Field(ge=0, description="seed of the questions and of each request's sampling")] = 0
+
+
+@dataclass
+class RunOptions(ModelOptions):
+    """The options every command that plays episodes shares (declared once; ``agent_loop.config``)."""
+
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once (the transformers backend "
                                       "decodes them as one batch)")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns")] = 1.0
-    request_timeout_s: Annotated[float, Field(gt=0, description="http backend: seconds one attempt of a request "
-                                              "may take before it is retried (the retry deadline bounds them all)")] = 600.0
 
 
 def estimators(per_row: bool = False) -> list[str]:

@@ -20,6 +20,7 @@ from agent_loop.cli import build_parser, main
 from agent_loop.cli.options import UsageError
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.cli.train import options_from as train_validate
+from agent_loop.config import renamed
 from agent_loop.models import VLLM_CPU_HEAD_SIZES
 from trainer.config import TrainConfig
 
@@ -308,7 +309,8 @@ def test_inspect_rejects_bad_option_with_exit_2(capsys, tmp_path, argv, message)
 def test_every_option_has_help_with_allowed_values_and_default(command, config):
     import dataclasses
 
-    actions = {a.dest: a for a in command_parser(command)._actions if a.dest not in ("help", "config")}
+    old_names = tuple(renamed(config))  # an option's old name (agent_loop.config.renamed) is a flag of its own
+    actions = {a.dest: a for a in command_parser(command)._actions if a.dest not in ("help", "config", *old_names)}
     assert set(actions) == {f.name for f in dataclasses.fields(config)}  # one flag per declared option
     for name, action in actions.items():
         assert action.help and "default: " in action.help and "[" in action.help, name
@@ -356,7 +358,8 @@ def test_help_exits_0_and_lists_allowed_values(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "AdamW learning rate; unset: 0.0002 x (episodes per AdamW step / 32), at most 0.0002 [a number > 0 (or unset)" in text
+    assert ("unset: train scales 0.0002 to the batch (0.0002 x episodes per AdamW step / 32, at most 0.0002); "
+            "warmstart takes 0.003") in text and "[a number > 0 (or unset); default: none]" in text
     assert f"one of {', '.join(sorted(ESTIMATORS))}; default: reinforce_plus_plus" in text
 
 

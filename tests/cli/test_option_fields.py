@@ -1,0 +1,165 @@
+"""Options are declared once: no field name is declared by two option classes, old names and old configs
+still load, and backend settings come from declared fields only (issue 37 item 5)."""
+
+import dataclasses
+import typing
+
+import pytest
+
+from agent_loop.backends.base import BackendSettings
+from agent_loop.backends.server_options import ServerOptions
+from agent_loop.cli.options import UsageError, add_options, validate
+from agent_loop.cli.rollout import RolloutOptions
+from agent_loop.threads import ThreadOptions
+from trainer.config import DeviceOptions, OptimizerOptions, OutputOptions, TrainConfig
+from trainer.warmstart_config import WarmstartConfig
+
+COMMAND_OPTIONS = (RolloutOptions, TrainConfig, WarmstartConfig, ThreadOptions)  # every add_options class
+
+
+def declared_here(cls) -> set[str]:
+    """The fields ``cls`` declares itself: its own annotations, less old names (InitVars) and inherited
+    fields it only gives another default (``override_defaults``)."""
+    own = cls.__dict__.get("__annotations__", {})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return {name for name in own if name in fields} - set(getattr(cls, "__overridden_defaults__", {}))
+
+
+def declarations(roots) -> dict[str, list[str]]:
+    """field name -> the option classes (dataclasses among ``roots`` and their bases) that declare it."""
+    where: dict[str, list[str]] = {}
+    classes = {base for root in roots for base in root.__mro__ if dataclasses.is_dataclass(base)}
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        for name in declared_here(cls):
+            where.setdefault(name, []).append(cls.__qualname__)
+    return where
+
+
+# One name, two commands' own options that differ in meaning or type, so no shared declaration fits; a new
+# entry here needs its reason.
+DIFFERENT_OPTIONS = {
+    "resume": "rollout: a flag (append the missing episodes to --out); warmstart: a flag (go on in --output-dir); "
+              "train: a checkpoint or run folder",
+    "estimator": "rollout: only estimators a file of rollouts can show alone; train: any registered one",
+    "episodes": "rollout: episodes to play; warmstart: demonstrations to fine-tune on",
+    "steps": "train: RL steps (each several optimizer steps); warmstart: optimizer steps",
+    "allow_config_change": "rollout: against the settings saved beside --out; train: against the checkpoint's",
+}
+
+
+def twice(roots) -> dict[str, list[str]]:
+    return {name: owners for name, owners in declarations(roots).items() if len(owners) > 1}
+
+
+def test_no_option_field_is_declared_in_two_classes():
+    found = twice(COMMAND_OPTIONS)
+    assert {name: owners for name, owners in found.items() if name not in DIFFERENT_OPTIONS} == {}
+    assert set(DIFFERENT_OPTIONS) <= set(found)  # the list holds no stale name
+    # the shared groups are composed, not copied: each command has their fields
+    trainers = (TrainConfig, WarmstartConfig)
+    for shared, commands in ((ServerOptions, (RolloutOptions, TrainConfig)), (ThreadOptions, COMMAND_OPTIONS),
+                             (OptimizerOptions, trainers), (OutputOptions, trainers), (DeviceOptions, trainers)):
+        for command in commands:
+            assert issubclass(command, shared), (command, shared)
+
+
+def test_the_check_finds_a_field_declared_twice():
+    @dataclasses.dataclass
+    class A:
+        lr: float = 1.0
+
+    @dataclasses.dataclass
+    class B:
+        lr: float = 2.0
+
+    @dataclasses.dataclass
+    class C(A, B):
+        steps: int = 1
+
+    assert twice([C]) == {"lr": sorted(["test_the_check_finds_a_field_declared_twice.<locals>.A",
+                                        "test_the_check_finds_a_field_declared_twice.<locals>.B"])}
+
+
+def test_train_and_rollout_name_the_servers_alike_and_the_old_name_still_works():
+    flags = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in (("rollout", RolloutOptions),
+                                                                                 ("train", TrainConfig))}
+    for field in ("server", "served_model_name", "retry_deadline_s", "request_timeout_s"):
+        assert all(field in names for names in flags.values()), field
+    hints = typing.get_type_hints(TrainConfig)
+    assert typing.get_origin(hints["server"]) is list
+    old = validate(TrainConfig, {"rollout_servers": "http://127.0.0.1:8000/v1,http://127.0.0.1:8001",
+                                 "output_dir": "unused"})
+    assert old.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]  # split and checked like --server's
+    assert validate(TrainConfig, {"server": ["http://127.0.0.1:9"], "retry_deadline_s": 5,
+                                  "output_dir": "unused"}).retry_deadline_s == 5.0  # train can set it now
+    with pytest.raises(UsageError, match="--server nope: not an http"):
+        validate(TrainConfig, {"rollout_servers": "nope", "output_dir": "unused"})
+    assert TrainConfig().served_model_name is RolloutOptions().served_model_name is None  # one default
+
+
+def test_backend_settings_take_only_the_server_options():
+    config = TrainConfig(device="cuda:0", server=["http://127.0.0.1:9"], served_model_name="p", retry_deadline_s=7.0)
+    settings = BackendSettings.from_options(config)
+    assert settings.device == BackendSettings().device == "cpu"  # train's --device never reaches the http backend
+    assert (settings.servers, settings.served_model_name, settings.retry_deadline_s) == (["http://127.0.0.1:9"], "p", 7.0)
+    assert BackendSettings.from_options(config, device="cuda:0").device == "cuda:0"  # asked for: given
+
+
+def old_train_config() -> dict:
+    """A saved train config.yaml of before the shared option groups: rollout_servers a comma string,
+    served_model_name 'policy', threads 2 (the values an earlier version's resolved() wrote)."""
+    saved = TrainConfig(output_dir="runs/old").resolved()
+    del saved["server"]
+    return {**saved, "rollout_servers": "http://127.0.0.1:8000,http://127.0.0.1:8001", "served_model_name": "policy",
+            "threads": 2}
+
+
+def test_an_old_saved_train_config_loads_with_config_and_resumes_unchanged(tmp_path):
+    import yaml
+
+    from agent_loop.cli import build_parser
+    from agent_loop.cli.options import resolve
+    from trainer import checkpoint
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old_train_config(), sort_keys=False))
+    config = resolve(TrainConfig, build_parser().parse_args(["train", "--config", str(path)]))
+    assert config.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and config.threads == 2
+    assert checkpoint.changed_settings(old_train_config(), config) == []  # the checkpoint's saved config: no change
+    # a run of today resumes from an old checkpoint's config with other servers and the new default name
+    today = validate(TrainConfig, {"output_dir": "runs/old"})
+    assert checkpoint.changed_settings(old_train_config(), today) == []
+
+
+def test_an_old_warmstart_and_rollout_config_load(tmp_path):
+    import argparse
+
+    from agent_loop.cli.options import resolve
+
+    for cls, old in ((WarmstartConfig, {"model": None, "seed": 0, "episodes": 8, "steps": 4, "batch_size": 4,
+                                        "micro_batch_size": 2, "lr": None, "warmup_steps": 10, "weight_decay": 0.0,
+                                        "max_grad_norm": 1.0, "output_dir": str(tmp_path / "w"), "overwrite": False,
+                                        "device": "auto", "threads": 2, "progress": True, "task": "arithmetic"}),
+                     (RolloutOptions, {"backend": "http", "server": ["http://127.0.0.1:8000"], "retry_deadline_s": 9,
+                                       "request_timeout_s": 3, "served_model_name": None, "episodes": 2,
+                                       "out": str(tmp_path / "r.jsonl")})):
+        import yaml
+
+        path = tmp_path / f"{cls.__name__}.yaml"
+        path.write_text(yaml.safe_dump(old))
+        parser = add_options(argparse.ArgumentParser(), cls)
+        options = resolve(cls, parser.parse_args(["--config", str(path)]))
+        assert {k: getattr(options, k) for k in old} == {**old, **({"retry_deadline_s": 9.0, "request_timeout_s": 3.0}
+                                                                  if cls is RolloutOptions else {})}
+
+
+def test_train_help_says_why_its_episode_defaults_differ_from_rollouts(capsys):
+    from agent_loop.cli import main
+
+    assert RolloutOptions().max_turns == 4 and TrainConfig().max_turns == 3
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    turns = text[text.index("--max-turns MAX_TURNS assistant"):]
+    assert turns.index("default: 3 (declared default: 4); train's own, not rollout's") < 300
+    assert "tiny agent's RL results" in turns[:500]
