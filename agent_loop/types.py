@@ -216,3 +216,6 @@ class Episode:
     # the tool format (agent_loop.episode.tool_formats.ToolFormat) the loop reads this episode's calls in,
     # set when it starts playing; rewards ask it whether a final answer still calls a tool
     tool_format: Any = None
+    # what answers each assistant turn (agent_loop.episode.contracts.TurnEnvironment: a library's environment,
+    # agent_loop.ecosystem); None: the tool environment of ``tools``. Made per episode; the loop closes it
+    environment: Any = None

@@ -90,6 +90,40 @@ def test_the_cycle_finder_finds_one():
     assert any("masking.kinds" in c for c in cycles(edges))
 
 
+def package_of(name: str) -> str:
+    """The package a module belongs to: ``agent_loop.episode.loop`` -> ``agent_loop.episode``; a module at the
+    root of agent_loop is its own (``agent_loop.types``); ``masking.batch`` -> ``masking``."""
+    parts = name.split(".")
+    if parts[0] != "agent_loop":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 and (ROOT / "agent_loop" / parts[1]).is_dir() else name
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the packages its modules import. The ``__main__`` entry points are left out: each is the
+    door of ``python -m PACKAGE`` into the application (agent_loop.cli), not a part the package's code uses."""
+    packages: dict[str, set[str]] = {}
+    for name, imported in edges.items():
+        if name.endswith("__main__"):
+            continue
+        packages.setdefault(package_of(name), set()).update(package_of(m) for m in imported)
+    return {p: {q for q in imported if q != p and q in packages} for p, imported in packages.items()}
+
+
+def test_no_package_cycles():
+    """No package imports one that imports it back (issue 37: episode <-> tasks; the task contract now lives
+    below the tasks, in agent_loop.episode.contracts)."""
+    assert cycles(package_graph(graph())) == []
+
+
+def test_the_package_cycle_finder_finds_one():
+    edges = graph()
+    edges["agent_loop.episode.loop"] = edges["agent_loop.episode.loop"] | {"agent_loop.tasks.base"}
+    edges["agent_loop.tasks.base"] = edges["agent_loop.tasks.base"] | {"agent_loop.episode.tools"}
+    assert any({"agent_loop.episode", "agent_loop.tasks"} <= set(c) for c in cycles(package_graph(edges)))
+    assert package_of("agent_loop.episode.loop") == "agent_loop.episode" and package_of("agent_loop.types") == "agent_loop.types"
+
+
 def in_any(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 

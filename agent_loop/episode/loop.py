@@ -1,14 +1,19 @@
-"""The agent loop: generate an assistant turn, run its tool calls, append the observation tokens, repeat.
+"""The agent loop: generate an assistant turn, let the episode's environment answer it, append the observation
+tokens, repeat.
 
-Token-in, token-out (docs/design.md sections 4-5): the prompt is rendered once; assistant tokens are kept
-exactly as sampled; observation tokens are the chat template's delta, with the template tokens that
-follow the model's end-of-turn token counted as OBSERVATION.
+The environment (:class:`~agent_loop.episode.contracts.TurnEnvironment`: ``Episode.environment``, else the
+tool environment of ``Episode.tools``) receives every assistant turn and returns observation messages, a
+per-turn reward, done/truncated and metadata; running tool calls is one such environment, not a path of
+its own. Token-in, token-out (docs/design.md sections 4-5): the prompt is rendered once; assistant tokens
+are kept exactly as sampled; observation tokens are the chat template's delta, with the template tokens that
+follow the model's end-of-turn token counted as OBSERVATION, whichever environment wrote the messages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import os
 import threading
@@ -29,10 +34,18 @@ from agent_loop.backends.base import (
 )
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.contracts import (
+    AssistantTurn,
+    StepLimits,
+    StepResult,
+    Task,
+    TurnEnvironment,
+    as_reward,
+    as_task,
+    checked_step,
+)
 from agent_loop.episode.tool_formats import tool_format_for_template
-from agent_loop.episode.tools import TRUNCATION_MARK, ToolExecutor, tool_messages
-from agent_loop.tasks.base import Task, as_task
-from agent_loop.tasks.rewards import as_reward
+from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
 from agent_loop.types import Episode, ToolCallRecord, Trajectory
 from masking.kinds import SpanKind
 
@@ -165,6 +178,9 @@ class _EpisodeState:
     seen: str = ""  # the one-go render of the messages so far, up to the current generation prompt
     calls_made: int = 0  # tool calls so far: their ids are unique in the episode
     template_diffs: list[dict] = field(default_factory=list)  # turns whose fresh render differs from what was seen
+    step_rewards: list[float | None] = field(default_factory=list)  # per assistant turn: its step's reward, if any
+    steps: list[dict] = field(default_factory=list)  # steps with a reward or metadata (Trajectory.info["steps"])
+    env_error: str | None = None  # why the environment's step failed (the episode ends with "error")
 
     def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None,
                version: int | None = None) -> None:
@@ -183,7 +199,7 @@ class _Context:
     tokenizer: object
     formatter: ChatFormatter
     parser: object
-    toolbox: ToolExecutor
+    env: TurnEnvironment
     config: LoopConfig
     prompt_ids: list[int]
     session_id: str
@@ -235,17 +251,41 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
 
 
 async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
-    """One assistant turn and the observation of its tool calls; the finish reason if the episode ends here."""
-    config, formatter = ctx.config, ctx.formatter
+    """One assistant turn and the environment's answer to it; the finish reason if the episode ends here."""
     result, sampling = await _generate_turn(ctx, state, turn)
     if result is None:
         return "error"
     state.append(result.token_ids, SpanKind.ASSISTANT, turn, result.logprobs, result.policy_version)
     state.turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
+    state.step_rewards.append(None)
 
     stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
     text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
-    parsed = ctx.parser(text)
+    assistant = _assistant_turn(ctx, state, turn, text, result.finish_reason)
+    step = await _step(ctx, state, assistant)
+    if step is None:
+        return "error"
+    state.records += step.tool_calls
+    state.step_rewards[-1] = step.reward
+    if step.reward is not None or step.metadata:
+        state.steps.append({"turn": turn, "reward": step.reward, "done": step.done, "truncated": step.truncated,
+                            "metadata": step.metadata})
+    if result.finish_reason == "length":
+        return "length"
+    if step.done:
+        return "stop"
+    if assistant.final or step.truncated:
+        return "max_turns"  # no turn left to read the observation (the loop's limit, or the environment's)
+    if not step.observations:
+        state.env_error = (f"EnvironmentError: turn {turn}: {type(ctx.env).__name__}'s step neither ended the "
+                           "episode (done) nor gave an observation")
+        return "error"
+    return _observe(ctx, state, turn, step.observations, result.token_ids[-1] if stopped else None, text)
+
+
+def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, finish_reason: str) -> AssistantTurn:
+    """Parse the turn's tool calls, record its assistant message, and say what the environment is given."""
+    formatter, parsed = ctx.formatter, ctx.parser(text)
     ids = [formatter.call_id(c.name, state.calls_made + i) for i, c in enumerate(parsed.calls)]
     ids += [formatter.call_id("", state.calls_made + len(ids) + i) for i in range(len(parsed.errors))]
     state.calls_made += len(ids)
@@ -254,23 +294,43 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     else:
         state.messages.append(formatter.assistant_message(
             parsed.content, [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)] or None))
-    if result.finish_reason == "length":
-        return "length"
-    if not parsed.calls and not parsed.errors:
-        return "stop"
-    if turn == config.max_turns - 1:
-        return "max_turns"  # no turn left to read the results
+    final = finish_reason == "length" or turn == ctx.config.max_turns - 1
+    return AssistantTurn(turn, text, parsed.content, parsed.calls + parsed.errors, ids, final, finish_reason)
 
+
+async def _step(ctx: _Context, state: _EpisodeState, turn: AssistantTurn) -> StepResult | None:
+    """The environment's checked answer to ``turn``, bounded in time (None: ``state.env_error`` says why).
+
+    A sync step runs on a daemon thread of its own (a hung one keeps only that thread); an async one is
+    awaited under the same bound unless the environment bounds its own work (``bounds_its_steps``)."""
+    config, env = ctx.config, ctx.env
+    limits = StepLimits(config.tool_timeout_s, config.max_parallel_tool_calls,
+                        config.max_observation_tokens * CHARS_PER_TOKEN_BUDGET)
+    name = type(env).__name__
     t0 = time.perf_counter()
-    outcomes = await ctx.toolbox.execute(parsed.calls + parsed.errors, turn=turn, timeout_s=config.tool_timeout_s,
-                                         max_parallel=config.max_parallel_tool_calls,
-                                         max_result_chars=config.max_observation_tokens * CHARS_PER_TOKEN_BUDGET)
-    state.timings["tools_s"] += time.perf_counter() - t0
-    for record, call_id in zip(outcomes, ids):
-        record.call_id = call_id
-    state.records += outcomes
-    obs, new_messages, cut = _fit_observation(formatter, state, tool_messages(outcomes),
-                                              result.token_ids[-1] if stopped else None, text, config.max_observation_tokens)
+    try:
+        if inspect.iscoroutinefunction(env.step):
+            pending = env.step(turn, limits)
+            result = await (pending if env.bounds_its_steps else asyncio.wait_for(pending, limits.timeout_s))
+        else:
+            result = await call_bounded(lambda: env.step(turn, limits), limits.timeout_s, f"step-{name}")
+        return checked_step(result, limits, cut_text)
+    except TimeoutError:
+        state.env_error = (f"EnvironmentTimeout: turn {turn.index}: {name}'s step took longer than "
+                           f"{limits.timeout_s:g} s (tool_timeout_s)")
+    except Exception as error:  # the environment's failure ends this episode, never the run
+        state.env_error = f"EnvironmentError: turn {turn.index}: {name}'s step failed: {type(error).__name__}: {error}"
+    finally:
+        state.timings["tools_s"] += time.perf_counter() - t0
+    return None
+
+
+def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict], stop_id: int | None,
+             text: str) -> str | None:
+    """Append the observation of ``messages`` (rendered by the chat template after the episode so far, checked
+    against a fresh one-go render, cut to the observation budget); "observation_overflow" if it does not fit."""
+    config, formatter = ctx.config, ctx.formatter
+    obs, new_messages, cut = _fit_observation(formatter, state, messages, stop_id, text, config.max_observation_tokens)
     state.observation_truncations += cut
     state.messages += new_messages
     _template_diff(config, state, turn, obs.mismatch)
@@ -281,6 +341,34 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
         return "observation_overflow"  # no room left (budget or model context) for the observation and a next turn
     state.append(obs.ids, SpanKind.OBSERVATION, turn)
     state.turn_tokens[-1]["observation"] = len(obs.ids)
+    return None
+
+
+def environment_of(episode: Episode) -> TurnEnvironment:
+    """What answers the episode's turns: its own ``environment``, else the tool environment of its ``tools``."""
+    env = episode.environment
+    if env is None:
+        return ToolEnvironment(episode.tools)
+    if not isinstance(env, TurnEnvironment):
+        raise TypeError(f"Episode.environment must be a TurnEnvironment (agent_loop.episode.contracts), got "
+                        f"{type(env).__name__}")
+    if episode.tools:
+        raise ValueError("an episode has tools or an environment, not both: give the tools to its environment "
+                         "(agent_loop.episode.tools.ToolEnvironment)")
+    return env
+
+
+async def _close(env: TurnEnvironment, timeout_s: float) -> str | None:
+    """Close the episode's environment (sync or async, bounded by ``timeout_s``); why it failed, or None."""
+    try:
+        if inspect.iscoroutinefunction(env.close):
+            await asyncio.wait_for(env.close(), timeout_s)
+        else:
+            await call_bounded(env.close, timeout_s, f"close-{type(env).__name__}")
+    except TimeoutError:
+        return f"EnvironmentTimeout: closing {type(env).__name__} took longer than {timeout_s:g} s"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
     return None
 
 
@@ -296,32 +384,61 @@ async def run_episode(
     config, task, backend = config or LoopConfig(), as_task(task), check_backend(backend)
     started = time.perf_counter()
     episode = task.make_episode(index, seed)
-    toolbox = ToolExecutor(episode.tools)
-    formatter = formatter_for(tokenizer, toolbox.schemas, config.history_mode)
+    env = environment_of(episode)
+    try:
+        ctx, state = _begin(task, episode, env, index, backend, tokenizer, config, seed)
+        finish_reason = "max_turns"
+        for turn in range(config.max_turns):
+            if (ended := await _play_turn(ctx, state, turn)) is not None:
+                finish_reason = ended
+                break
+        if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
+            _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
+        score = await _score(task, episode, state, config.reward_timeout_s)
+    finally:
+        close_error = await _close(env, config.tool_timeout_s)
+    if close_error is not None:
+        episode.info["environment_close_error"] = close_error
+    if score.error is not None:  # the episode was played (its tokens are kept); its score is what failed
+        finish_reason = "error"
+        episode.info["reward_error"] = score.error
+    return _finish(task, episode, ctx, state, finish_reason, score, time.perf_counter() - started)
+
+
+def _begin(task: Task, episode: Episode, env: TurnEnvironment, index: int, backend: Backend, tokenizer,
+           config: LoopConfig, seed: int) -> tuple[_Context, _EpisodeState]:
+    """The episode's fixed parts and its state before the first turn (the prompt rendered once)."""
+    formatter = formatter_for(tokenizer, env.tool_schemas, config.history_mode)
     # a task (or the verl AgentLoop's tool_format option) may fix the format; else the template's
     episode.tool_format = episode.tool_format or formatter.tool_format or tool_format_for_template(formatter.template_text)
     state = _EpisodeState(messages=[dict(m) for m in episode.messages])
     prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(
         backend=backend, tokenizer=tokenizer, formatter=formatter,
-        parser=episode.tool_format.parser_for(toolbox.schemas), toolbox=toolbox,
+        parser=episode.tool_format.parser_for(env.tool_schemas), env=env,
         config=config, prompt_ids=prompt_ids,
         session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
         seed=seed, index=index,
     )
     ctx.vocab_size, ctx.context_length = model_limits(tokenizer)
-    finish_reason = "max_turns"
-    for turn in range(config.max_turns):
-        if (ended := await _play_turn(ctx, state, turn)) is not None:
-            finish_reason = ended
-            break
-    if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
-        _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
-    score = await _score(task, episode, state, config.reward_timeout_s)
-    if score.error is not None:  # the episode was played (its tokens are kept); its score is what failed
-        finish_reason = "error"
-        episode.info["reward_error"] = score.error
-    return _finish(task, episode, ctx, state, finish_reason, score, time.perf_counter() - started)
+    return ctx, state
+
+
+def with_step_rewards(reward: float, turn_rewards: list[float] | None,
+                      step_rewards: list[float | None]) -> tuple[float, list[float] | None]:
+    """The episode's outcome and turn rewards with its environment's per-turn rewards added.
+
+    The last turn's step reward joins the outcome reward (both sit on the episode's last ASSISTANT token), each
+    earlier turn's joins that turn's reward; so the return of every token is what the environment's rewards
+    give, and ``Trajectory.reward`` is the environment's final reward (plus the task's own). An environment
+    that gives no per-turn reward (every entry None: the tool environment) changes nothing."""
+    if all(r is None for r in step_rewards):
+        return reward, turn_rewards
+    values = [r or 0.0 for r in step_rewards]
+    per_turn = values[:-1] + [0.0]
+    if turn_rewards is not None:
+        per_turn = [a + b for a, b in zip(turn_rewards, per_turn, strict=True)]
+    return reward + values[-1], per_turn
 
 
 @dataclass
@@ -340,8 +457,9 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
     def score() -> _Score:  # a reward that is NaN, infinite or not a number fails like one that raises
         reward = as_reward(task.reward(episode, state.messages, state.records), f"{task.name}'s reward")
         turns = task.turn_rewards(episode, state.messages, state.records)
-        return _Score(reward, turns and [as_reward(r, f"{task.name}'s turn reward") for r in turns],
-                      task.episode_metrics(episode, state.messages, state.records) or {},
+        reward, turns = with_step_rewards(reward, turns and [as_reward(r, f"{task.name}'s turn reward") for r in turns],
+                                          state.step_rewards)
+        return _Score(reward, turns, task.episode_metrics(episode, state.messages, state.records) or {},
                       bool(task.success(episode, reward)))
 
     try:
@@ -386,10 +504,12 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         metrics["task"] = task_metrics
     if state.error:
         metrics["backend_error"] = state.error
-    if score.error:
-        metrics["error"] = score.error
+    if state.env_error or score.error:
+        metrics["error"] = state.env_error or score.error
     info = {"task": task.name, "index": ctx.index, "seed": ctx.seed, "answer": episode.answer,
             "success": score.success, **episode.info}
+    if state.steps:  # the environment's per-turn rewards, done/truncated and metadata, as it gave them
+        info["steps"] = state.steps
     name_or_path = getattr(ctx.tokenizer, "name_or_path", None)
     if name_or_path:
         info["model_path"] = recorded_model_path(str(name_or_path))

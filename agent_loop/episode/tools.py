@@ -1,5 +1,10 @@
 """Tools from plain Python functions (or MCP-style schemas), and their concurrent execution for one assistant turn.
 
+:class:`ToolEnvironment` is the loop's default environment of a turn (``agent_loop.episode.contracts``): it
+runs a turn's parsed calls with :class:`ToolExecutor` and answers with their results. Tools of another
+origin (an MCP server, a sandbox) are functions like any other (sync or async, with a schema from
+:func:`tools_from_schemas`); what they hold for one episode is released by ``ToolEnvironment(on_close=...)``.
+
 The JSON schema comes from the function's type hints and docstring (``transformers.utils.get_json_schema``),
 arguments are validated against it with ``jsonschema``, and every failure (bad JSON, unknown tool, bad
 arguments, an exception, a timeout) becomes an error text the model reads as the tool's response.
@@ -29,6 +34,7 @@ from typing import Any, Callable, Sequence
 import jsonschema
 from transformers.utils import get_json_schema
 
+from agent_loop.episode.contracts import AssistantTurn, StepLimits, StepResult, TurnEnvironment
 from agent_loop.episode.parsers import ParsedCall, ParseError
 from agent_loop.episode.tool_formats import default_call_id
 from agent_loop.types import ToolCallRecord
@@ -80,6 +86,14 @@ def clean_text(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return _SURROGATES.sub("\ufffd", text)
+
+
+def cut_text(text: str, max_chars: int | None) -> str:
+    """``text`` cut to ``max_chars`` characters (and marked) when longer than that and a mark, lone surrogates
+    replaced: what an observation keeps before anything tokenizes it (a cut text passes through unchanged)."""
+    if max_chars is not None and len(text) > max_chars + len(TRUNCATION_MARK):
+        text = text[:max_chars] + TRUNCATION_MARK
+    return clean_text(text)
 
 
 def _as_text(result: Any, max_chars: int | None = None) -> tuple[str, int | None]:
@@ -236,6 +250,44 @@ class ToolExecutor:
         return record
 
 
+class ToolEnvironment(TurnEnvironment):
+    """The tool executor as the environment of a turn (the default one: ``Episode.environment`` None).
+
+    A turn without tool calls ends the episode (``done``); otherwise its calls run (:class:`ToolExecutor`,
+    each bounded by ``limits.timeout_s``, so ``bounds_its_steps``) and their results, in call order, are the
+    observation. On a ``final`` turn the calls are not run: no turn would read their results. It gives no
+    per-turn reward (``reward`` None). ``on_close``: callables (sync or async) run when the episode ends, e.g.
+    closing a per-episode session that the tools share.
+    """
+
+    bounds_its_steps = True
+
+    def __init__(self, functions: Sequence[Callable], threads: ToolThreads | None = None, *,
+                 on_close: Sequence[Callable] = ()):
+        self.executor = ToolExecutor(list(functions), threads)
+        self.on_close = list(on_close)
+
+    @property
+    def tool_schemas(self) -> list[dict]:
+        return self.executor.schemas
+
+    async def step(self, turn: AssistantTurn, limits: StepLimits) -> StepResult:
+        if not turn.calls:
+            return StepResult(done=True)
+        if turn.final:
+            return StepResult()
+        records = await self.executor.execute(turn.calls, turn=turn.index, timeout_s=limits.timeout_s,
+                                              max_parallel=limits.max_parallel, max_result_chars=limits.max_result_chars)
+        for record, call_id in zip(records, turn.call_ids):
+            record.call_id = call_id
+        return StepResult(observations=tool_messages(records), tool_calls=records)
+
+    async def close(self) -> None:
+        for fn in self.on_close:
+            if inspect.isawaitable(value := fn()):
+                await value
+
+
 def _failed(record: ToolCallRecord, kind: str, message: str) -> ToolCallRecord:
     record.error_kind, record.error = kind, message
     return record
@@ -309,7 +361,7 @@ def tools_from_schemas(schemas: Sequence[dict] | str | Path, implementations: An
     return tools
 
 
-def _call_handler(handler: Callable, name: str, **arguments):
+def _call_handler(handler: Callable, name: str, /, **arguments):  # a tool argument may be called name
     return handler(name, arguments)
 
 

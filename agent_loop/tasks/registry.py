@@ -1,19 +1,22 @@
 """The one task registry behind ``--task``, and the options that name a task.
 
 Adding a built-in task: a module with a :class:`~agent_loop.tasks.base.Task` subclass, and its line in
-:data:`TASKS`. Any other task is a plug-in (``package.module:Name``, ``file.py[:Name]``: see
-:mod:`agent_loop.tasks.plugins`) or a task from data (``--prompts`` with ``--reward`` and ``--tools``).
+:data:`TASKS`. Tasks of another library are ``SOURCE:NAME`` (:data:`SOURCES`: ``reasoning_gym:chain_sum``,
+``skyrl_gym:gsm8k``; :mod:`agent_loop.ecosystem`), with ``task_options``. Any other task is a plug-in
+(``package.module:Name``, ``file.py[:Name]``: see :mod:`agent_loop.tasks.plugins`) or a task from data
+(``--prompts`` with ``--reward`` and ``--tools``).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from agent_loop.config import OptionError, closest, one_of
 from agent_loop.tasks.base import Task
@@ -24,6 +27,60 @@ TASKS = {  # name -> "module:Class" (a Task subclass made with no arguments)
     "chain": "agent_loop.tasks.builtin:ChainTask",
 }
 DEFAULT_TASK = "arithmetic"
+SOURCES = {  # --task SOURCE:NAME -> its module (agent_loop.ecosystem: names(), NEEDS_PROMPTS, load(), REFUSED)
+    "reasoning_gym": "agent_loop.ecosystem.reasoning_gym",
+    "skyrl_gym": "agent_loop.ecosystem.skyrl_gym",
+}
+
+
+def split_source(spec: str) -> tuple[str, str] | None:
+    """``"reasoning_gym:chain_sum"`` -> ``("reasoning_gym", "chain_sum")``; None for a spec of no source."""
+    source, sep, name = spec.partition(":")
+    return (source, name) if sep and source in SOURCES else None
+
+
+def source_module(spec: str):
+    """The module of ``spec``'s source, its library imported; ValueError naming the package when it is missing."""
+    source, _ = split_source(spec)
+    try:
+        return importlib.import_module(SOURCES[source])
+    except ModuleNotFoundError as error:
+        raise ValueError(f"--task {spec}: {error.name!r} is not installed (pip install "
+                         f"{source.replace('_', '-')}; docs/ecosystem.md)") from None
+
+
+def check_source(spec: str) -> None:
+    """ValueError (one line, with "did you mean") unless ``spec``'s source knows its name."""
+    module, (source, name) = source_module(spec), split_source(spec)
+    if name in getattr(module, "REFUSED", {}):
+        raise ValueError(f"--task {spec}: {module.REFUSED[name]}")
+    known = module.names()
+    if name not in known:
+        raise ValueError(f"--task {spec}: no {source} task {name!r}{closest(name, known)} "
+                         f"({len(known)} known; docs/ecosystem.md)")
+
+
+def parse_task_options(value: Any) -> Any:
+    """``--task-options`` text as a mapping: a JSON object, or ``KEY=VALUE,KEY=VALUE`` (each VALUE read as JSON
+    when it is JSON, else as text); a mapping (from a config file) as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"not a JSON object: {error}") from None
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(raw)
+        except ValueError:
+            options[key.strip()] = raw
+    return options
 
 
 def get_task(name: str) -> Task:
@@ -49,12 +106,29 @@ def check_task(spec: str) -> str:
     return spec
 
 
+def load_source_task(spec: str, *, prompts: str | None = None, options: dict | None = None,
+                     system: str | None = None) -> Task:
+    """The task of ``SOURCE:NAME`` (:data:`SOURCES`) with its options; PluginError (one line) if it cannot load."""
+    from agent_loop.tasks.plugins import PluginError
+
+    try:
+        check_source(spec)
+        return source_module(spec).load(split_source(spec)[1], prompts=prompts, options=options, system=system)
+    except (ValueError, TypeError) as error:  # TypeError: a task option the source does not take
+        text = str(error)
+        text = text if text.startswith("--task") else f"--task {text}" if text.startswith(spec) else f"--task {spec}: {text}"
+        raise PluginError(text) from None
+
+
 def load_task(spec: str) -> Task:
-    """A task from a built-in name, ``package.module:Name`` or a ``.py`` file; PluginError if it cannot load."""
+    """A task from a built-in name, ``SOURCE:NAME`` (default options), ``package.module:Name`` or a ``.py`` file;
+    PluginError if it cannot load."""
     from agent_loop.tasks.plugins import PluginError, load_plugin_task  # tools and data load transformers
 
     if spec in TASKS:
         return get_task(spec)
+    if split_source(spec) is not None:
+        return load_source_task(spec)
     if not is_plugin(spec):
         close = difflib.get_close_matches(spec, list(TASKS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -69,7 +143,8 @@ class TaskOptions:
     ``reward`` and ``tools``). Shared by ``agent-loop rollout`` and ``train``."""
 
     task: Annotated[str, AfterValidator(check_task), Field(
-        description="task to play: a built-in name, package.module:Name or path/to/file.py[:Name]",
+        description="task to play: a built-in name, SOURCE:NAME of another library (reasoning_gym:chain_sum, "
+                    "skyrl_gym:gsm8k; docs/ecosystem.md), package.module:Name or path/to/file.py[:Name]",
         json_schema_extra={"allowed": task_names})] = DEFAULT_TASK
     prompts: Annotated[str | None, Field(description="a task from data: its prompts file (.jsonl, .parquet or a "
                                          "saved Hugging Face dataset folder)",
@@ -84,9 +159,18 @@ class TaskOptions:
                                        json_schema_extra={"allowed": "a module or .py file"})] = None
     system: Annotated[str | None, Field(description="system prompt of --prompts episodes",
                                         json_schema_extra={"allowed": "text"})] = None
+    task_options: Annotated[dict, BeforeValidator(parse_task_options), Field(
+        description="options of a SOURCE:NAME task (reasoning_gym: size, seed, calculator, generator config; "
+                    "skyrl_gym: the env_config); a mapping in a config file",
+        json_schema_extra={"allowed": "KEY=VALUE,... or a JSON object"})] = field(default_factory=dict)
 
     def check(self) -> None:
         """The rules that tie the task options together (OptionError)."""
+        if split_source(self.task) is not None:
+            return self._check_source()
+        if self.task_options:
+            raise OptionError(None, "{task_options} apply to a SOURCE:NAME {task} ("
+                              + ", ".join(f"{s}:NAME" for s in SOURCES) + ")")
         if self.prompts is None:
             given = [name for name in ("tools", "reward") if getattr(self, name)]
             if given:
@@ -98,9 +182,27 @@ class TaskOptions:
         if not self.reward:
             raise OptionError(None, "{prompts} needs a reward: {reward} exact|number|contains|regex:PATTERN|module:function")
 
+    def _check_source(self) -> None:
+        try:
+            check_source(self.task)
+            needs_prompts = source_module(self.task).NEEDS_PROMPTS
+        except ValueError as error:
+            text = str(error).replace("{", "{{").replace("}", "}}")
+            raise OptionError(None, text.replace("--task", "{task}", 1)) from None
+        if self.reward:
+            raise OptionError(None, "{reward} applies to a task from {prompts}: a SOURCE:NAME {task} scores itself")
+        if needs_prompts and self.prompts is None:
+            raise OptionError(None, f"{{task}} {self.task} plays rows: give {{prompts}} ROWS")
+        if not needs_prompts and self.prompts is not None:
+            raise OptionError(None, f"{{task}} {self.task} makes its own episodes: drop {{prompts}}")
+        if self.tools:
+            raise OptionError(None, "{tools} MODULE applies to a task from {prompts}")
+
     def load(self) -> Task:
         """The task these options name (checked first); PluginError if a plug-in cannot be used."""
         self.check()
+        if split_source(self.task) is not None:
+            return load_source_task(self.task, prompts=self.prompts, options=self.task_options, system=self.system)
         if self.prompts is None:
             return load_task(self.task)
         from agent_loop.tasks.plugins import task_from_prompts

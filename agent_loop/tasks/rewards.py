@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from agent_loop.episode.contracts import as_reward  # the loop's check too: declared below both
 from agent_loop.episode.tool_formats import ANY_CALL_MARKERS
 from agent_loop.types import Episode, ToolCallRecord
 
@@ -178,18 +179,6 @@ def argument_picker(fn: Callable, available: Sequence[str], what: str) -> Callab
 
 def function_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
-
-
-def as_reward(value: Any, what: str = "") -> float:
-    """A reward function's return value as a finite float (bools, ints, numpy and torch scalars are fine);
-    TypeError or ValueError (``what`` returned ...) for anything else, NaN and infinities included."""
-    prefix = f"{what} " if what else ""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"{prefix}returned {type(value).__name__} {value!r:.200}, not a number")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{prefix}returned {number}, not a finite number")
-    return number
 
 
 def final_answer(messages: list[dict], tool_format=None) -> str:
