@@ -46,9 +46,7 @@ _OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.mul
 _HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
 RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
-                                "eval_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite",
-                                # where the episodes are played, not what they are (ServerOptions): servers move
-                                "server", "served_model_name", "retry_deadline_s", "request_timeout_s"})
+                                "eval_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite"})
 
 
 class CheckpointError(ValueError):
@@ -123,16 +121,27 @@ def save_checkpoint(trainer, path: Path) -> Path:
     state, weights = trainer_state(trainer), merged_state_dict(trainer.policy)
     if not trainer.dp.is_main:
         return path
+
+    def save_model(folder: Path) -> None:
+        save_merged(trainer.policy, folder, weights)  # LoRA: merged weights, the adapter alone in adapter/
+        trainer.tokenizer.save_pretrained(folder)
+
+    return write_checkpoint(path, step=trainer.step, state=state, save_model=save_model)
+
+
+def write_checkpoint(path: Path, *, step: int, state: dict, save_model) -> Path:
+    """Write a checkpoint folder atomically: ``save_model(folder)`` fills ``model/``, ``state`` (plain values and
+    tensors) goes to ``trainer_state.pt``, then the manifest (sizes and sha256), every file fsynced, the folder
+    renamed into place and ``latest`` pointed at it. ``train`` and ``warmstart`` both save this way."""
     path = Path(path)
     root = path.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-    save_merged(trainer.policy, tmp / "model", weights)  # LoRA: merged weights, the adapter alone in adapter/
-    trainer.tokenizer.save_pretrained(tmp / "model")
+    save_model(tmp / "model")
     torch.save(state, tmp / STATE_FILE)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"format": FORMAT, "step": trainer.step,
+    manifest = {"format": FORMAT, "step": step,
                 "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
                 "sha256": {str(p.relative_to(tmp)): sha256(p) for p in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

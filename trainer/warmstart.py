@@ -21,6 +21,7 @@ so that RL on one's own task starts from a model that calls its tools (docs/desi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -36,6 +37,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+import trainer.checkpoint as checkpoint
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
 from agent_loop.episode.chat import ChatFormatter
 from agent_loop.episode.config import LoopConfig
@@ -47,7 +49,6 @@ from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.base import Task, as_task, episode_rng
 from agent_loop.tasks.rewards import final_answer
-from agent_loop.threads import apply_threads
 from agent_loop.types import Episode, Trajectory
 from masking.batch import Batch
 from masking.kinds import SpanKind
@@ -58,6 +59,7 @@ from trainer.warmstart_config import MIN_LR_FRACTION, WarmstartConfig
 
 TINY_STAGE = "final"  # unset --model: the fully trained tiny agent (the one that calls tools best)
 DEMONSTRATIONS_FILE, METRICS_FILE, MODEL_DIR = "demonstrations.jsonl", "metrics.jsonl", "model"
+CHECKPOINTS_DIR = "checkpoints"  # OUTPUT_DIR/checkpoints/step_NNNNNN, the latest only (--save-every, --resume)
 
 
 class DemonstrationError(ValueError):
@@ -311,32 +313,78 @@ def demonstration_order(n: int, steps: int, batch_size: int, seed: int) -> torch
     return order[: steps * batch_size].view(steps, batch_size)
 
 
-def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogger | None = None) -> list[dict]:
-    """Train ``model`` (a causal LM, on ``batch``'s device) for ``config.steps`` steps on ``batch``'s demonstrations
-    (:func:`step_loss`); the metrics of every step (``loss``, ``lr``, ``grad_norm``, ``tokens``), also logged."""
-    policy = PolicyModel(model).train()
+def planned_steps(config: WarmstartConfig, demonstrations: int) -> int:
+    """``config.steps``, or when unset ``ceil(epochs x demonstrations / batch_size)``: the work scales with the data."""
+    return config.steps or max(1, math.ceil(config.epochs * demonstrations / config.batch_size))
+
+
+def work_line(demonstrations: list[Trajectory], config: WarmstartConfig) -> str:
+    """The work ahead, printed before it starts: demonstrations, their tokens, steps and passes."""
+    n = len(demonstrations)
+    prompt, response = (sum(map(len, (getattr(t, name) for t in demonstrations))) / n
+                        for name in ("prompt_ids", "response_ids"))
+    seen = config.steps * config.batch_size
+    return (f"warm start: {n} demonstrations of {prompt:.0f} prompt + {response:.0f} response tokens on average; "
+            f"{config.steps} steps x {config.batch_size} = {seen} demonstrations ({seen / n:.3g} passes), about "
+            f"{seen * (prompt + response) / 1e6:.2g}M tokens through the model")
+
+
+def eta_line(seconds: float, done: int, steps: int) -> str:
+    """The estimate after the first step of this process: how long the rest will take at that pace."""
+    left = (steps - done) * seconds
+    return (f"warm start: step {done} took {seconds:.1f} s; ETA {left / 60:.1f} min for the other {steps - done} steps "
+            "(--steps or --epochs change them; checkpoints every --save-every steps, --resume goes on)")
+
+
+def _optimizer(model, config: WarmstartConfig):
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, config.warmup_steps, config.steps,
-                                                           min_lr_rate=MIN_LR_FRACTION)
+    return optimizer, get_cosine_with_min_lr_schedule_with_warmup(optimizer, config.warmup_steps, config.steps,
+                                                                  min_lr_rate=MIN_LR_FRACTION)
+
+
+def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogger | None = None, *,
+              save=None, state: dict | None = None) -> list[dict]:
+    """Train ``model`` (a causal LM, on ``batch``'s device) for ``config.steps`` steps on ``batch``'s demonstrations
+    (:func:`step_loss`); the metrics of every step run here (``loss``, ``lr``, ``grad_norm``, ``tokens``), also
+    logged. ``save(step, state)`` is called every ``config.save_every`` steps with the optimizer, schedule and RNG
+    states; ``state`` (one of those) goes on from its step as if never stopped."""
+    policy = PolicyModel(model).train()
+    optimizer, schedule = _optimizer(model, config)
+    first = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        checkpoint.set_rng_state(state["rng"])
+        first = state["step"]
     order = demonstration_order(batch.responses.shape[0], config.steps, config.batch_size, config.seed)
-    history, bar = [], tqdm(range(config.steps), desc="warm start", unit="step", disable=not config.progress)
+    history = []
+    bar = tqdm(range(first, config.steps), desc="warm start", unit="step", disable=not config.progress)
     for step in bar:
-        rows = order[step].to(batch.responses.device)
-        lr = schedule.get_last_lr()[0]
-        loss = step_loss(policy, batch, rows, config.micro_batch_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens": float(loss_mask(batch)[rows].sum())}
+        started = time.perf_counter()
+        metrics = _step(policy, optimizer, schedule, batch, order[step].to(batch.responses.device), config)
         history.append(metrics)
         if logger is not None:
             logger.log(step + 1, metrics)
+        if step == first and step + 1 < config.steps:
+            tqdm.write(eta_line(time.perf_counter() - started, step + 1, config.steps))
+        if save is not None and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            save(step + 1, {"step": step + 1, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                            "rng": checkpoint.rng_state()})
         if step % 10 == 0 or step == config.steps - 1:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
     model.eval()
     return history
+
+
+def _step(policy, optimizer, schedule, batch: Batch, rows: torch.Tensor, config: WarmstartConfig) -> dict:
+    """One optimizer step on ``rows``; its metrics."""
+    lr = schedule.get_last_lr()[0]
+    loss = step_loss(policy, batch, rows, config.micro_batch_size)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": float(loss_mask(batch)[rows].sum())}
 
 
 def save_model(model, tokenizer, folder: Path) -> Path:
@@ -371,34 +419,70 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     """Replay the task's demonstrations, fine-tune the model on them, save it (see the module docstring).
 
     ``task``: any task object; default: the one ``config`` names. ``config.output_dir`` must hold no earlier
-    warm start (FileExistsError; the CLI checks and locks it first)."""
+    warm start (FileExistsError; the CLI checks and locks it first), unless ``config.resume``: then it goes on
+    from the latest complete checkpoint there (CheckpointError if none, or if the settings differ)."""
     from agent_loop.config import checked
 
     started = time.perf_counter()
     config = checked(config)
     task = task if task is not None else config.load()
-    apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
+    torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     output = Path(config.output_dir)
+    resume = checkpoint.resolve_checkpoint(output / CHECKPOINTS_DIR) if config.resume else None
     earlier = [name for name in (DEMONSTRATIONS_FILE, METRICS_FILE, MODEL_DIR) if (output / name).exists()]
-    if earlier:
+    if earlier and resume is None:
         raise FileExistsError(f"{output} holds an earlier warm start ({', '.join(earlier)}); give another output_dir "
                               "or empty it")
     output.mkdir(parents=True, exist_ok=True)
     source = model_path(config.model, TINY_STAGE)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    demonstrations = replay(task, tokenizer, range(config.episodes), config.seed,
-                            output_path=output / DEMONSTRATIONS_FILE, progress=config.progress)
+    demonstrations = replay(task, tokenizer, range(config.episodes), config.seed, progress=config.progress,
+                            output_path=None if resume else output / DEMONSTRATIONS_FILE)
+    config = dataclasses.replace(config, steps=planned_steps(config, len(demonstrations)))
     device = resolve_device(config.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = trajectories_to_batch(demonstrations, pad_token_id=pad).to(device)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
-    logger = MetricsLogger(output, fresh=True, tensorboard=False)
+    state = _resumed_state(resume, config, output) if resume else None
+    model = AutoModelForCausalLM.from_pretrained(resume / MODEL_DIR if resume else source, dtype=torch.float32).to(device)
+    tqdm.write(work_line(demonstrations, config))
+    earlier_history = _logged(output / METRICS_FILE) if resume else []
+    logger = MetricsLogger(output, fresh=resume is None, tensorboard=False)
     try:
-        history = fine_tune(model, batch, config, logger)
+        history = fine_tune(model, batch, config, logger, state=state,
+                            save=lambda step, state: _save(output, step, state, model, tokenizer, config, source))
     finally:
         logger.close()
     if not all(math.isfinite(m["loss"]) for m in history):
         raise FloatingPointError(f"the loss is not finite (see {logger.path}); nothing saved; lower --lr")
     folder = save_model(model, tokenizer, output / MODEL_DIR)
-    return WarmstartResult(folder, history, demonstrations, time.perf_counter() - started)
+    return WarmstartResult(folder, earlier_history + history, demonstrations, time.perf_counter() - started)
+
+
+def _save(output: Path, step: int, state: dict, model, tokenizer, config: WarmstartConfig, source) -> None:
+    """A checkpoint of step ``step`` (``trainer.checkpoint.write_checkpoint``: atomic, with a manifest); the
+    earlier ones are removed (each holds a whole model)."""
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    root = output / CHECKPOINTS_DIR
+    path = checkpoint.write_checkpoint(root / f"step_{step:06d}", step=step, save_model=save,
+                                       state={**state, "initial_model": str(source), "config": config.resolved()})
+    for older in root.glob("step_*"):
+        if older != path:
+            shutil.rmtree(older, ignore_errors=True)
+
+
+def _resumed_state(resume: Path, config: WarmstartConfig, output: Path) -> dict:
+    """The checkpoint's state, its settings checked against ``config``'s; metrics.jsonl cut back to its step."""
+    state = checkpoint.load_state(resume)
+    checkpoint.check_settings(state["config"], config)
+    checkpoint.trim_metrics(output / METRICS_FILE, state["step"])
+    return state
+
+
+def _logged(path: Path) -> list[dict]:
+    """The metrics of the steps ``path`` (metrics.jsonl) holds, without their step numbers."""
+    return [{k: v for k, v in json.loads(line).items() if k != "step"}
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

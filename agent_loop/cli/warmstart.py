@@ -86,6 +86,11 @@ def claim_output(config: WarmstartConfig) -> RunLock:
     except (OutputLockedError, OSError) as error:
         raise UsageError(f"--output-dir {folder}: {error}") from None
     held = sorted(p.name for p in folder.iterdir() if p.name != FOLDER_LOCK)
+    if config.resume:  # goes on from the checkpoint there: nothing is deleted
+        if config.overwrite:
+            lock.release()
+            raise UsageError("--resume and --overwrite exclude each other: --resume goes on with what --output-dir holds")
+        return lock
     if held and not config.overwrite:
         lock.release()
         raise UsageError(f"--output-dir {folder}: holds files ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); "
@@ -104,22 +109,40 @@ def run(args: argparse.Namespace) -> int:
         preflight.check_model_dir(config.model, "hf", task=task)
     preflight.check_output_dir(config.output_dir)
     lock = claim_output(config)
-    args.stop_note = lambda: f"nothing is saved until the last step; {config.output_dir} holds what was written so far"
+    args.stop_note = stop_note(config, list(getattr(args, "argv", None) or []))
     try:
-        save_config(config.resolved(), Path(config.output_dir) / "config.yaml")  # rerun with --config
+        if not config.resume:
+            save_config(config.resolved(), Path(config.output_dir) / "config.yaml")  # rerun with --config
         return report(config, warm(config, task))
     finally:
         lock.release()
 
 
+def stop_note(config: WarmstartConfig, argv: list[str]):
+    """What a stop leaves: the latest checkpoint and the command that goes on from it, or that none was saved."""
+    from agent_loop.cli.stops import go_on_command
+
+    def note() -> str:
+        saved = sorted((Path(config.output_dir) / "checkpoints").glob("step_*"))
+        if not saved:
+            return (f"no checkpoint was saved yet (--save-every {config.save_every}); {config.output_dir} holds what "
+                    "was written so far")
+        again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": False, "--overwrite": False},
+                              add=["--output-dir", config.output_dir, "--resume"])
+        return f"the latest checkpoint is {saved[-1]}; to go on from it: {again}"
+
+    return note
+
+
 def warm(config: WarmstartConfig, task):
+    from trainer.checkpoint import CheckpointError
     from trainer.warmstart import DemonstrationError, warm_start
 
     try:
         return warm_start(config, task)
     except DemonstrationError as error:
         raise UsageError(f"{task_flag(config)}: {error}") from None
-    except FloatingPointError as error:
+    except (FloatingPointError, CheckpointError) as error:
         raise SystemExit(f"{PROG}: {error}") from None
 
 

@@ -298,3 +298,54 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
     trained = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     assert serial_reference(trained, result.demonstrations) < serial_reference(base, result.demonstrations)
+
+
+def test_the_default_steps_scale_with_the_demonstrations():
+    from trainer.warmstart import planned_steps
+
+    assert planned_steps(WarmstartConfig(), 256) == 600  # the shipped default: 37.5 passes of 256 at batch 16
+    assert planned_steps(WarmstartConfig(), 32) == 75 and planned_steps(WarmstartConfig(epochs=2), 33) == 5
+    assert planned_steps(WarmstartConfig(steps=7), 256) == 7  # given: kept
+
+
+@pytest.mark.slow
+def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path, tiny_agent_dir, monkeypatch, capsys):
+    """Stopped after step 3 of 4 (a checkpoint every 2 steps), then --resume: the same metrics and bit-equal weights
+    as the run that was never stopped; the work and an ETA are printed before the steps."""
+    import trainer.warmstart as warmstart
+
+    def config(name: str, **more) -> WarmstartConfig:
+        return WarmstartConfig(**{**dict(model=str(tiny_agent_dir), episodes=6, steps=4, batch_size=4,
+                                         micro_batch_size=2, lr=1e-3, warmup_steps=1, save_every=2, progress=False,
+                                         output_dir=str(tmp_path / name), threads=1), **more})
+
+    whole = warm_start(config("whole"), Quadruple())
+    printed = capsys.readouterr().out
+    assert "warm start: 6 demonstrations of " in printed and "4 steps x 4 = 16 demonstrations (2.67 passes)" in printed
+    assert "warm start: step 1 took " in printed and "ETA " in printed and "for the other 3 steps" in printed
+    assert [p.name for p in (tmp_path / "whole" / "checkpoints").glob("step_*")] == ["step_000002"]  # the latest only
+
+    calls, step = [0], warmstart._step
+
+    def stop_in_step_4(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt  # Ctrl-C during step 4: the checkpoint of step 2 is the latest
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(warmstart, "_step", stop_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        warm_start(config("stopped"), Quadruple())
+    monkeypatch.setattr(warmstart, "_step", step)
+    with pytest.raises(FileExistsError):
+        warm_start(config("stopped"), Quadruple())  # not without --resume
+    with pytest.raises(warmstart.checkpoint.CheckpointError, match="lr: 0.001 -> 0.002"):
+        warm_start(config("stopped", resume=True, lr=2e-3), Quadruple())  # another run's settings: refused
+    resumed = warm_start(config("stopped", resume=True), Quadruple())
+    assert [m["loss"] for m in resumed.history] == [m["loss"] for m in whole.history]
+    lines = [json.loads(line) for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]  # step 3, logged before the stop, is logged once
+    assert lines == [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    a = AutoModelForCausalLM.from_pretrained(whole.model_dir, dtype=torch.float32).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(resumed.model_dir, dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
