@@ -129,5 +129,7 @@ def test_rollout_command_as_written(tiny_agent_dir, tmp_path, name):
         final = "" if last.get("tool_calls") or "<tool_call>" in last["content"] else last["content"]
         assert traj.reward == reference.score_answer(extract_answer(final) if final else None, entry)
         assert traj.metrics["template_exact"]
-        if traj.finish_reason == "stop":
-            assert_exact(traj, tokenizer)
+        if traj.finish_reason == "stop":  # a sampled tokenization need not be the canonical one: compare text
+            text = tokenizer.decode(traj.prompt_ids + traj.response_ids)
+            render = ChatFormatter(tokenizer).render_text(traj.messages)
+            assert render.startswith(text) and render[len(text):].strip() == ""
