@@ -22,6 +22,7 @@ from pydantic import AfterValidator, Field
 from agent_loop.backends.server_options import ServerOptions, server_url
 from agent_loop.config import OptionError, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
+from agent_loop.proxy import check_agent_spec
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
 from agent_loop.tasks.registry import TaskOptions
@@ -177,6 +178,10 @@ class TrainConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions,
                            "dropped: episodes/dropped_stale; docs/design.md 8a)") = 0
     off_policy: Annotated[bool, Field(
         description="deprecated: the same as --max-staleness 1")] = False
+    agent: Annotated[str | None, AfterValidator(check_agent_spec), Field(
+        description="play each episode with your own agent through an in-process recording proxy that serves the "
+                    "policy being trained (synchronous steps; docs/agents.md)",
+        json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
 
     # sampler/trainer mismatch correction (advantages/rollout_correction.py; verl's algorithm.rollout_correction,
     # docs/verl.md): the ratio rho = exp(old_logprob - rollout_logprob) of the trainer's logprobs to the sampler's
@@ -263,6 +268,8 @@ class TrainConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions,
             warnings.warn("off_policy is deprecated: use max_staleness 1 (--max-staleness 1)", FutureWarning,
                           stacklevel=2)
             self.max_staleness = max(self.max_staleness, 1)
+        if self.agent and self.max_staleness:
+            raise OptionError("agent", "plays synchronous steps only: use it with {max_staleness} 0", self.agent)
         if self.resume is not None and self.overwrite:
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
         self.check_rollout_correction()

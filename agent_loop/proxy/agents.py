@@ -151,3 +151,13 @@ async def stream_agent_rollouts(spec: RunSpec, backend: Backend, agent: Callable
     finally:
         await backend.end_run()
     return stats, kept
+
+
+async def agent_rollouts(task, backend: Backend, tokenizer, episodes, config, *, agent: str | Callable, seed: int = 0,
+                         concurrency: int = 16) -> list[Trajectory]:
+    """:func:`agent_loop.runners.local.run_rollouts` for ``agent`` (a function or its ``module:function``): every
+    segment of every episode, in episode order (what a training step takes; the trainer's ``--agent``)."""
+    agent = load_agent(agent) if isinstance(agent, str) else agent
+    spec = RunSpec(task, tokenizer, list(episodes), config, seed, None, progress=False)
+    _, kept = await stream_agent_rollouts(spec, backend, agent, concurrency=concurrency, keep=True)
+    return sorted(kept, key=lambda t: (t.info["index"], t.info.get("segment", 0)))
