@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 from agent_loop.config import OptionError, closest, one_of
 from agent_loop.tasks.base import Task
+from agent_loop.toolsets import is_toolset
 
 TASKS = {  # name -> "module:Class" (a Task subclass made with no arguments)
     "arithmetic": "agent_loop.tasks.builtin:ArithmeticTask",
@@ -155,8 +156,15 @@ class TaskOptions:
         field(default_factory=list)
     reward_weights: Annotated[list[float] | None, Field(description="one weight per --reward",
                                                         json_schema_extra={"allowed": "numbers", "nargs": "+"})] = None
-    tools: Annotated[str | None, Field(description="tools of --prompts: a module or .py file of functions",
-                                       json_schema_extra={"allowed": "a module or .py file"})] = None
+    tools: Annotated[str | None, Field(description="tools of --prompts: a module or .py file of functions; or a "
+                                       "built-in tool set added to any task's tools: python (sandboxed code, a "
+                                       "fresh interpreter per call), python_persistent (one per episode)",
+                                       json_schema_extra={"allowed": "a module or .py file, python, python_persistent"})] = None
+    mcp_server: Annotated[list[str], Field(description="an MCP server whose tools are added to the task's: a command "
+                                           "line (stdio, e.g. 'python server.py') or http://HOST:PORT/mcp (streamable "
+                                           "HTTP); one session per episode (repeatable)",
+                                           json_schema_extra={"allowed": "a command line or URL, repeatable"})] = \
+        field(default_factory=list)
     system: Annotated[str | None, Field(description="system prompt of --prompts episodes",
                                         json_schema_extra={"allowed": "text"})] = None
     task_options: Annotated[dict, BeforeValidator(parse_task_options), Field(
@@ -172,7 +180,8 @@ class TaskOptions:
             raise OptionError(None, "{task_options} apply to a SOURCE:NAME {task} ("
                               + ", ".join(f"{s}:NAME" for s in SOURCES) + ")")
         if self.prompts is None:
-            given = [name for name in ("tools", "reward") if getattr(self, name)]
+            given = [name for name in ("tools", "reward") if getattr(self, name) and not (
+                name == "tools" and is_toolset(self.tools))]  # a built-in tool set adds to any task
             if given:
                 raise OptionError(None, " and ".join("{%s}" % n for n in given) + " apply to a task from {prompts} "
                                   "FILE; a {task} brings its own tools and reward")
@@ -195,16 +204,22 @@ class TaskOptions:
             raise OptionError(None, f"{{task}} {self.task} plays rows: give {{prompts}} ROWS")
         if not needs_prompts and self.prompts is not None:
             raise OptionError(None, f"{{task}} {self.task} makes its own episodes: drop {{prompts}}")
-        if self.tools:
+        if self.tools and not is_toolset(self.tools):
             raise OptionError(None, "{tools} MODULE applies to a task from {prompts}")
 
     def load(self) -> Task:
         """The task these options name (checked first); PluginError if a plug-in cannot be used."""
         self.check()
-        if split_source(self.task) is not None:
-            return load_source_task(self.task, prompts=self.prompts, options=self.task_options, system=self.system)
-        if self.prompts is None:
-            return load_task(self.task)
-        from agent_loop.tasks.plugins import task_from_prompts
+        from agent_loop.toolsets import with_toolsets
 
-        return task_from_prompts(self.prompts, self.reward, self.tools, self.reward_weights, self.system)
+        toolset = self.tools if is_toolset(self.tools) else None
+        if split_source(self.task) is not None:
+            task = load_source_task(self.task, prompts=self.prompts, options=self.task_options, system=self.system)
+        elif self.prompts is None:
+            task = load_task(self.task)
+        else:
+            from agent_loop.tasks.plugins import task_from_prompts
+
+            task = task_from_prompts(self.prompts, self.reward, None if toolset else self.tools, self.reward_weights,
+                                     self.system)
+        return with_toolsets(task, tools=toolset, mcp_server=self.mcp_server) if toolset or self.mcp_server else task
