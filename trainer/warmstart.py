@@ -49,6 +49,7 @@ from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.base import Task, as_task, episode_rng
 from agent_loop.tasks.rewards import final_answer
+from agent_loop.threads import apply_threads
 from agent_loop.types import Episode, Trajectory
 from masking.batch import Batch
 from masking.kinds import SpanKind
@@ -426,7 +427,7 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     started = time.perf_counter()
     config = checked(config)
     task = task if task is not None else config.load()
-    torch.set_num_threads(config.threads)
+    apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
     torch.manual_seed(config.seed)
     output = Path(config.output_dir)
     resume = checkpoint.resolve_checkpoint(output / CHECKPOINTS_DIR) if config.resume else None

@@ -36,7 +36,7 @@ from agent_loop.cli.tables import failure_summary, returns_table, summary_table
 from agent_loop.config import OptionError, pick, plural
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
-from agent_loop.proxy import check_agent_spec
+from agent_loop.proxy import AgentOptions
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, made_with, row_estimator_names
 from agent_loop.tasks.registry import TaskOptions
@@ -50,7 +50,7 @@ EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f 
 
 
 @dataclass
-class RolloutOptions(ThreadOptions, ServerOptions, LoopConfig, TaskOptions, RunOptions):
+class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, TaskOptions, RunOptions):
     """The options of ``agent-loop rollout`` (and the keys of its config file)."""
 
     backend: Annotated[Literal[tuple(BACKENDS)], Field(
@@ -74,10 +74,7 @@ class RolloutOptions(ThreadOptions, ServerOptions, LoopConfig, TaskOptions, RunO
                     "are listed)")] = False
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
-    agent: Annotated[str | None, AfterValidator(check_agent_spec), Field(
-        description="play each episode with your own agent, called with an OpenAI client of an in-process "
-                    "recording proxy (docs/agents.md)",
-        json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
+
 
     def check(self) -> None:
         """The rules across options (OptionError), then the default ``out``: never an earlier run's file."""
