@@ -357,11 +357,19 @@ _command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_
 _command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
 
 
+_R7B_RESPONSE = re.compile(r"<\|START_RESPONSE\|>(.*?)(?:<\|END_RESPONSE\|>|$)", re.DOTALL)
+
+
 def parse_command_r(text: str) -> ParsedTurn:
     """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
-    (the plan in ``<|START_THINKING|>`` is content); Command R/R+: ``Action: ```json [{"tool_name", "parameters"}] ````."""
+    (the plan in ``<|START_THINKING|>`` is content), and a reply ``<|START_RESPONSE|>TEXT<|END_RESPONSE|>`` whose
+    content is TEXT: the template wraps an answer's content in those markers itself, so keeping them would
+    render them twice in the one-go render of the episode. Command R/R+: ``Action: ```json [{"tool_name",
+    "parameters"}] ````."""
     if "<|START_ACTION|>" in text:
         return _command_r7b_action(text)
+    if (response := _R7B_RESPONSE.search(text)) is not None:
+        return ParsedTurn(response.group(1).strip())
     return _command_r_action(text)
 
 

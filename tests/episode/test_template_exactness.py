@@ -209,3 +209,44 @@ def test_command_r7b_numbers_calls_across_the_chat_and_looks_results_up_by_id():
     second = tok.decode([i for i, s, t in zip(traj.response_ids, traj.spans, traj.turn_ids) if s == 2 and t == 1],
                         skip_special_tokens=False)
     assert '"tool_call_id": "2"' in second and '"0": "c"' in second
+
+
+COHERE_TOKENS = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|USER_TOKEN|>",
+                 "<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
+                 "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]
+
+
+@pytest.mark.parametrize("rounds", [(1, 1, 1), (2, 1), (1, 2), (2, 2, 2), (1, 1, 1, 1)],
+                         ids=lambda r: "+".join(map(str, r)))
+def test_command_r7b_real_template_played_episode_is_its_one_go_render(rounds):
+    """Issue 40 item 19, on the real Command R7B tool-use template (not a synthetic counting one): the model
+    writes each turn as the template renders it (calls numbered over the whole chat), and the played episode's
+    whole token text, every observation included, is the one-go render of its messages (less the generation
+    prompt the template always appends); each result's "tool_call_id" is its call's number in the chat."""
+    import re
+
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tok.add_special_tokens({"bos_token": "<BOS_TOKEN>", "additional_special_tokens": COHERE_TOKENS},
+                           replace_extra_special_tokens=False)
+    tok.chat_template = read_template("command-r7b-12-2024-tool_use.jinja")
+    replies, number = [], 0
+    for k, calls in enumerate(rounds):
+        listed = ",\n".join(f'    {{"tool_call_id": "{number + i}", "tool_name": "echo", "parameters": {{"text": "{k}-{i}"}}}}'
+                            for i in range(calls))
+        number += calls
+        replies.append(f"<|START_THINKING|><|END_THINKING|><|START_ACTION|>[\n{listed}\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>")
+    replies.append("<|START_RESPONSE|>done<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")
+    traj = play(tok, replies, "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", LoopConfig(max_turns=len(rounds) + 1))
+    assert traj.finish_reason == "stop" and traj.reward == 1.0 and traj.metrics["template_exact"]
+    assert not traj.metrics.get("template_mismatch") and not traj.metrics.get("template_drift")
+    one_go = tok.apply_chat_template(traj.messages, tools=ToolExecutor([echo]).schemas, tokenize=False)
+    played = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
+    assert one_go == played + "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"  # token for token, not only the flag
+    assert tok.encode(one_go, add_special_tokens=False)[: len(traj.prompt_ids) + len(traj.response_ids)] == \
+        traj.prompt_ids + traj.response_ids
+    first = 0
+    for turn, calls in enumerate(rounds):  # each round's results carry the numbers of its calls in the chat
+        seen = tok.decode([i for i, s, t in zip(traj.response_ids, traj.spans, traj.turn_ids) if s == 2 and t == turn],
+                          skip_special_tokens=False)
+        assert re.findall(r'"tool_call_id": "(\d+)"', seen) == [str(first + i) for i in range(calls)], seen
+        first += calls
