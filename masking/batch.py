@@ -41,6 +41,13 @@ class Batch:
     advantages: torch.Tensor | None = None  # (b, t) float
     returns: torch.Tensor | None = None  # (b, t) float
     rollout_is_weights: torch.Tensor | None = None  # (b, t) float, importance weights of the policy loss (--rollout-is)
+    loss_mask: torch.Tensor | None = None  # (b, t) float, the tokens the loss is over: response_mask less the ones
+    # rollout correction rejected (--rollout-rs); response_mask itself always stays == (spans == ASSISTANT)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """``(b, t)``: ``loss_mask`` when the trainer set one, else ``response_mask`` (every ASSISTANT token)."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def batch_size(self) -> int:

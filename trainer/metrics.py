@@ -12,6 +12,10 @@ from agent_loop.config import plural
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
 
+# the policy loss's statistics (advantages.losses, verl's names) as metrics.jsonl names them, once
+LOSS_STAT_NAMES = {"clipfrac": "clip_frac", "approx_kl": "ppo_kl"}
+UPDATE_METRICS = ("loss", "loss/first", "pg_loss", "clip_frac", "ppo_kl", "entropy")  # NaN when a step has no update
+
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Reward, success rate, turns, token counts, finish reasons, tool errors and the task's own metrics of

@@ -183,7 +183,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 RESPONSE_KEYS = ("responses", "spans", "response_mask", "turn_ids", "old_logprobs", "token_level_rewards",
-                 "advantages", "returns", "values", "rollout_logprobs", "rollout_is_weights")
+                 "advantages", "returns", "values", "rollout_logprobs", "rollout_is_weights", "loss_mask")
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 

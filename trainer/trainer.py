@@ -62,6 +62,8 @@ from trainer.distributed import (
 )
 from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
 from trainer.metrics import (
+    LOSS_STAT_NAMES,
+    UPDATE_METRICS,
     MetricsLogger,
     compact_line,
     first_errors,
@@ -250,11 +252,6 @@ class Trainer:
     async def _play(self, task, episodes, loop_config, seed):
         """``run_rollouts`` on the (versioned) backend, which ends the run on it (HTTP pools live in one event
         loop) unless the producer's loop holds it."""
-        if self.config.agent:  # the user's own agent, through an in-process recording proxy (docs/agents.md)
-            from agent_loop.proxy.agents import agent_rollouts
-
-            return await agent_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
-                                        agent=self.config.agent, concurrency=self.config.concurrency)
         return await run_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
                                   concurrency=self.config.concurrency, progress=False)
 
@@ -299,8 +296,8 @@ class Trainer:
         as ``old_logprobs`` whatever ``recompute_old_logprobs`` says (the policy has moved since they were
         sampled), unless the mismatch is corrected (``rollout_is`` / ``rollout_rs``): then ``old_logprobs`` are
         the recomputed ones and the importance weights correct the sampler's (the decoupled objective,
-        advantages/rollout_correction.py). The sampler's stay in ``rollout_logprobs``; with ``rollout_rs`` the
-        rejected tokens leave ``response_mask`` after the advantages (which see every ASSISTANT token).
+        advantages/rollout_correction.py). The sampler's stay in ``rollout_logprobs``; the loss covers
+        ``loss_mask``: ``response_mask`` (which the advantages see whole) less the tokens ``rollout_rs`` rejected.
         """
         config, mask = self.config, batch.response_mask
         metrics = {}
@@ -335,16 +332,17 @@ class Trainer:
         batch.advantages, batch.returns = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))
-        batch.response_mask = correction.loss_mask  # the loss mask: less the tokens --rollout-rs rejected
+        batch.loss_mask = correction.loss_mask  # less the tokens --rollout-rs rejected; response_mask stays whole
         return metrics
 
     def micro_batch_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO-clip loss (plus the value loss for GAE, minus an entropy bonus) of one micro-batch, token-mean over its ASSISTANT tokens."""
-        config, mask = self.config, micro.response_mask
+        config, mask = self.config, micro.trained_mask
         with self.autocast():
             logprobs, entropy, values = policy_outputs(self.model, micro)
         loss, stats = ppo_clip_policy_loss(micro.old_logprobs, logprobs, micro.advantages, mask,
                                            clip_ratio=config.clip_ratio, rollout_is_weights=micro.rollout_is_weights)
+        stats = {LOSS_STAT_NAMES.get(name, name): value for name, value in stats.items()}  # the logged names
         stats["pg_loss"] = loss.detach()
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         if config.entropy_coef:
@@ -360,14 +358,14 @@ class Trainer:
         ASSISTANT tokens, accumulated over micro-batches; the gradient is clipped. Returns its stats
         (empty if the rows have no ASSISTANT token). With several ranks each runs its share of ``rows``
         and the gradients and stats are summed over the ranks (trainer/distributed.py)."""
-        tokens = batch.response_mask[rows].sum()
+        tokens = batch.trained_mask[rows].sum()
         if tokens == 0:
             return {}
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = defaultdict(float)
         micros = list(micro_batches(batch, rows, self.config.micro_batch_size, shard=self.dp.shard_of))
         for number, (part, micro) in enumerate(micros):
-            weight = micro.response_mask.sum() / tokens if part is not None else 0
+            weight = micro.trained_mask.sum() / tokens if part is not None else 0
             with self.dp.accumulate(self.model, sync=number == len(micros) - 1):
                 if weight == 0:  # a stand-in, or no ASSISTANT token: a forward and backward adding 0 (ranks paired)
                     with self.autocast():
@@ -412,14 +410,10 @@ class Trainer:
         if not history:  # --rollout-rs rejected every ASSISTANT token of the step: nothing to train on
             warnings.warn(f"step {step + 1}: --rollout-rs rejected every ASSISTANT token: no update (metrics "
                           "mismatch/frac_masked, skipped_updates)", stacklevel=2)
-            nan = float("nan")
-            return {"loss": nan, "loss/first": nan, "pg_loss": nan, "clip_frac": nan, "ppo_kl": nan, "entropy": nan,
-                    "grad_norm": 0.0, "skipped_updates": 1.0, "lr": lr}
+            return {**dict.fromkeys(UPDATE_METRICS, float("nan")), "grad_norm": 0.0, "skipped_updates": 1.0, "lr": lr}
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
         metrics["loss/first"] = history["loss"][0]
         metrics["lr"] = lr
-        metrics["clip_frac"] = metrics.pop("clipfrac")
-        metrics["ppo_kl"] = metrics.pop("approx_kl")
         return metrics
 
     def train_step(self) -> dict[str, float]:

@@ -86,7 +86,8 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     assert 0 < kept < len(old) and capped > 0  # the cap and the rejection both act on this batch
     assert metrics["mismatch/frac_masked"] == pytest.approx(1 - kept / len(old))
     assert metrics["mismatch/frac_capped"] == pytest.approx(capped / len(old))
-    assert batch.response_mask.sum() == kept
+    assert batch.loss_mask.sum() == kept  # the loss's tokens; the batch's response mask stays every ASSISTANT token
+    assert torch.equal(batch.response_mask, (batch.spans == ASSISTANT).to(batch.response_mask.dtype))
     update = trainer.update(batch, step=0)  # one large AdamW step: the ratios move and some get clipped
     assert update["loss/first"] == pytest.approx(first, abs=1e-5)
 
@@ -94,7 +95,7 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     expected, _, _ = reference_weighted_loss(serial_logprobs(trainer.policy, trajectories), old, rollout,
                                              batch.advantages, trainer.config.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
-    assert float(stats["clipfrac"]) > 0
+    assert float(stats["clip_frac"]) > 0
 
 
 @pytest.mark.slow
@@ -161,3 +162,26 @@ def test_micro_batches_cut_the_rollout_fields_with_the_responses():
         assert torch.equal(micro.rollout_logprobs, batch.rollout_logprobs[part, :width])
         assert torch.equal(micro.rollout_is_weights, batch.rollout_is_weights[part, :width])
     assert min(widths) < batch.responses.shape[1]  # some micro-batch was cut
+
+
+@pytest.mark.slow
+def test_every_batch_the_trainer_builds_keeps_response_mask_equal_to_the_assistant_spans(tiny_mid, tmp_path, monkeypatch):
+    """Issue 37 item 6: score used to overwrite response_mask with the rollout-rs loss mask. Over a training run
+    with rejection on, every batch reaching the update keeps the contract, and its loss_mask is a subset of it."""
+    seen = []
+    update = Trainer.update
+
+    def checked_update(self, batch, step):
+        assistant = (batch.spans == ASSISTANT).to(batch.response_mask.dtype)
+        seen.append((torch.equal(batch.response_mask, assistant),
+                     bool((batch.loss_mask <= batch.response_mask).all()), float(batch.loss_mask.sum()),
+                     float(batch.response_mask.sum())))
+        return update(self, batch, step)
+
+    monkeypatch.setattr(Trainer, "update", checked_update)
+    trainer = Trainer(small_config(tiny_mid, tmp_path, steps=2, mini_batches=1, rollout_rs="token",
+                                   rollout_rs_lower=1.0, rollout_rs_upper=1.0, recompute_old_logprobs=True))
+    history = trainer.train()
+    assert len(seen) == 2 and all(equal and subset for equal, subset, _, _ in seen), seen
+    assert any(kept < whole for _, _, kept, whole in seen)  # ratios not exactly 1 were rejected
+    assert all("clip_frac" in m and "clipfrac" not in m and "approx_kl" not in m for m in history)
