@@ -22,7 +22,7 @@ from pydantic import AfterValidator, Field
 from agent_loop.backends.server_options import ServerOptions, server_url
 from agent_loop.config import OptionError, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
-from agent_loop.proxy import check_agent_spec
+from agent_loop.proxy import AgentOptions
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
 from agent_loop.tasks.registry import TaskOptions
@@ -135,8 +135,8 @@ SHORTER_EPISODES = ("train's own, not rollout's (shorter episodes, more at once)
 
 
 @override_defaults(SHORTER_EPISODES, concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256)
-class TrainConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, ServerOptions, LoopConfig, TaskOptions,
-                  RunOptions):
+class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, ServerOptions, LoopConfig,
+                  TaskOptions, RunOptions):
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
@@ -178,10 +178,6 @@ class TrainConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions,
                            "dropped: episodes/dropped_stale; docs/design.md 8a)") = 0
     off_policy: Annotated[bool, Field(
         description="deprecated: the same as --max-staleness 1")] = False
-    agent: Annotated[str | None, AfterValidator(check_agent_spec), Field(
-        description="play each episode with your own agent through an in-process recording proxy that serves the "
-                    "policy being trained (synchronous steps; docs/agents.md)",
-        json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
 
     # sampler/trainer mismatch correction (advantages/rollout_correction.py; verl's algorithm.rollout_correction,
     # docs/verl.md): the ratio rho = exp(old_logprob - rollout_logprob) of the trainer's logprobs to the sampler's
