@@ -87,6 +87,7 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="hf", se
         model = model_path(None)
         tokenizer = AutoTokenizer.from_pretrained(model)
     else:
+        model = model_path(model)  # a built-in model's name: its folder
         tokenizer = check_model_dir(model, backend if isinstance(backend, str) else "hf").tokenizer
     if isinstance(backend, str):
         backend = make_backend(backend, model)

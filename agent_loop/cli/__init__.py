@@ -1,4 +1,4 @@
-"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``warmstart``, ``inspect``, ``serve``, ``tiny``).
+"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``warmstart``, ``inspect``, ``serve``, ``tiny``, ``models``).
 
 One module per command, each with ``add_parser(commands)`` and ``run(args)``. Only this package parses
 argv, reads config files, runs preflight checks or prints tables; a usage error is one line on stderr
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 import agent_loop.cli.inspect as inspect_command
+import agent_loop.cli.models as models_command
 import agent_loop.cli.proxy as proxy_command
 import agent_loop.cli.rollout as rollout_command
 import agent_loop.cli.serve as serve_command
@@ -20,7 +21,8 @@ import agent_loop.cli.train as train_command
 import agent_loop.cli.warmstart as warmstart_command
 from agent_loop.cli.stops import run_command
 
-COMMANDS = (rollout_command, inspect_command, train_command, warmstart_command, serve_command, tiny_command, proxy_command)
+COMMANDS = (rollout_command, inspect_command, train_command, warmstart_command, serve_command, tiny_command, proxy_command,
+            models_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

