@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Sequence
 
 from agent_loop.episode.contracts import Task, as_task
@@ -36,8 +37,6 @@ class ToolsetTask(Task):
     def __init__(self, task, toolsets: Sequence):
         self.task, self.toolsets = as_task(task), list(toolsets)
         self.name = self.task.name
-        for hook in ("success", "turn_rewards", "episode_metrics", "demonstrate"):
-            setattr(self, hook, getattr(self.task, hook))
         self.make_episode(0, 0)  # a name clash is refused now, before any episode is played
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
@@ -56,5 +55,23 @@ class ToolsetTask(Task):
         episode.tools = []
         return episode
 
+    # every hook is the task's own (methods, not copied bound methods: a ToolsetTask pickles for Ray workers)
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
         return self.task.reward(episode, messages, tool_calls)
+
+    def success(self, episode: Episode, reward: float) -> bool:
+        return self.task.success(episode, reward)
+
+    def turn_rewards(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]):
+        return self.task.turn_rewards(episode, messages, tool_calls)
+
+    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
+        return self.task.episode_metrics(episode, messages, tool_calls)
+
+    def demonstrate(self, episode: Episode, rng: random.Random):
+        return self.task.demonstrate(episode, rng)
+
+    def __getattr__(self, name: str):  # the task's own attributes (its dataset, size, ...) read through
+        if name in ("task", "toolsets") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.task, name)

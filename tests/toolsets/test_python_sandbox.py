@@ -57,6 +57,7 @@ PROBES = {  # name -> (code, what the observation must say)
                       "ConnectionRefusedError"),
     "read_etc_passwd": ("print(open('/etc/passwd').read())", "FileNotFoundError"),
     "read_the_repo": (f"print(open({os.path.abspath('pyproject.toml')!r}).read())", "FileNotFoundError"),
+    "fill_the_folder": ("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * (15 << 20))", "No space left on device"),
     "print_100_mb": ("print('x' * (100 << 20))", "[output cut: 104857601 bytes printed, the first 16384 shown]"),
 }
 
@@ -132,3 +133,19 @@ def test_arithmetic_with_tools_python_is_solved_by_code(tiny_tokenizer):
     traj = play(task, tiny_tokenizer, [call("python", code=expression), f"The answer is {episode.answer}."],
                 tool_timeout_s=20.0)
     assert traj.tool_calls[0].result == f"{episode.answer}\n" and traj.reward == 1.0 and traj.metrics["template_exact"]
+
+
+def test_reasoning_gym_arithmetic_with_tools_python_is_scored_by_its_own_scorer(tiny_tokenizer):
+    """``--task reasoning_gym:basic_arithmetic --tools python``: the code computes the entry's expression and
+    reasoning-gym's ``score_answer`` scores the answer the sandbox printed."""
+    from agent_loop.tasks.registry import TaskOptions
+
+    task = TaskOptions(task="reasoning_gym:basic_arithmetic", tools="python").load()
+    episode = task.make_episode(0)
+    code = f"print(round({episode.info['metadata']['expression']}))"
+    traj = play(task, tiny_tokenizer, [call("python", code=code), f"<answer>{episode.answer}</answer>"],
+                tool_timeout_s=20.0)
+    printed = traj.tool_calls[0].result.strip()
+    assert printed == str(episode.answer)  # the sandbox's arithmetic is the dataset's answer
+    assert traj.reward == 1.0 and traj.metrics["template_exact"]
+    assert task.dataset.score_answer(printed, task.dataset[episode.info["entry"]]) == 1.0  # read through
