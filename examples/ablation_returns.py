@@ -4,6 +4,8 @@
     python examples/ablation_returns.py --steps 150 --gamma 0.95 --parallel 2 --threads 1
     python examples/ablation_returns.py --task chain --seeds 0 1 2 --steps 20 --prompts-per-step 32 \\
         --max-response-tokens 512 --gamma 0.98 --eval-episodes 32 --parallel 2 --threads 1   # issue 17: 9 runs
+    python examples/ablation_returns.py --model smollm2-135m --task arithmetic --warm-start-steps 4 \\
+        --seeds 0 1 2 --steps 12 --prompts-per-step 8 --group-size 2 --eval-episodes 40 --threads 1   # issue 36
 
 - ``carry_through``: the running return passes unchanged through OBSERVATION tokens (ours, verl
   after PR #7300);
@@ -18,8 +20,14 @@ expression the model wrote, and the answer is right only if that expression was.
 first action is the calculator call, whose value the model then looks up: two observations, one of
 them a ~130-token record, lie between it and the reward.
 
+A real model (``--model smollm2-135m``, or any folder) does not call the task's tools on its own:
+``--warm-start-steps N`` first fine-tunes it on the task's demonstrations (``trainer.warmstart``, the
+calculator call then the answer), once, into ``<output-dir>/warmstart/model``, the starting point of every
+run; keep N small so the start is partial (about 20-40% sampled success), with room for RL to show.
+
 Each (variant, seed) is one run; held-out questions are checked greedy and sampled (T=1) before and
-after training. Writes ``<output-dir>/results.md`` (the table: mean and min-max over seeds),
+after training. A run whose ``result.json`` exists is not run again (and a finished warm start is reused),
+so the table can be filled over several sessions with the same command. Writes ``<output-dir>/results.md`` (the table: mean and min-max over seeds),
 ``<output-dir>/learning_curves.png`` (mean and min-max band) and ``histories.json``.
 """
 
@@ -70,12 +78,33 @@ def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
             for greedy in (True, False)}
 
 
+def warm_started(args: argparse.Namespace) -> str:
+    """The folder of ``--warm-start-steps`` steps of warm start of ``args.model`` on the task (made once, then reused)."""
+    from trainer.warmstart import MODEL_DIR, warm_start
+    from trainer.warmstart_config import WarmstartConfig
+
+    folder = Path(args.output_dir) / "warmstart"
+    if not (folder / MODEL_DIR / "config.json").is_file():
+        print(f"warm start: {args.warm_start_steps} steps on {args.task}'s demonstrations", flush=True)
+        config = WarmstartConfig(model=args.model, task=args.task, steps=args.warm_start_steps,
+                                 episodes=args.warm_start_episodes, batch_size=args.warm_start_batch,
+                                 threads=args.threads, output_dir=str(folder), progress=False)
+        result = warm_start(config)
+        print(f"warm start: loss {result.history[0]['loss']:.3f} -> {result.history[-1]['loss']:.3f} in "
+              f"{result.seconds:.0f} s", flush=True)
+    return str(folder / MODEL_DIR)
+
+
 def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
+    output_dir = Path(args.output_dir) / f"{variant}-seed{seed}"
+    if (output_dir / "result.json").is_file():  # finished in an earlier session
+        return json.loads((output_dir / "result.json").read_text())
     config = TrainConfig(
         model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, estimator=VARIANTS[variant],
         gamma=args.gamma, steps=args.steps, seed=seed, threads=args.threads, max_response_tokens=args.max_response_tokens,
-        eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-        output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.steps, progress=False,
+        group_size=args.group_size, mini_batches=args.mini_batches, eval_every=args.eval_every,
+        eval_episodes=args.eval_episodes, output_dir=str(output_dir), save_every=args.steps, progress=False,
+        overwrite=True,  # a run interrupted before its result.json starts over
     )
     print(f"\n=== {variant} (gamma {args.gamma}, seed {seed}) ===", flush=True)
     started = time.perf_counter()
@@ -167,6 +196,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model dir (default: the tiny agent's middling warm start; "
                         "for --task chain the chain-trained tiny agent's)")
     parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    parser.add_argument("--group-size", type=int, default=defaults.group_size)
+    parser.add_argument("--mini-batches", type=int, default=defaults.mini_batches,
+                        help="optimizer steps per training step; must divide prompts x group size")
+    parser.add_argument("--warm-start-steps", type=int, default=0,
+                        help="first warm-start --model on the task's demonstrations for this many steps (0: no warm start)")
+    parser.add_argument("--warm-start-episodes", type=int, default=64, help="demonstrations of the warm start")
+    parser.add_argument("--warm-start-batch", type=int, default=8, help="demonstrations per warm-start step")
     parser.add_argument("--max-response-tokens", type=int, default=defaults.max_response_tokens,
                         help="assistant + observation tokens per episode (chain: 512 fits its records)")
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -186,6 +222,9 @@ def main() -> None:
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    base_model = args.model
+    if args.warm_start_steps and not args.collect:
+        args.model = warm_started(args)
     jobs = [(variant, seed) for seed in args.seeds for variant in args.variants]  # all variants of a seed together
     if args.collect:
         files = [out / f"{variant}-seed{seed}" / "result.json" for variant, seed in jobs]
@@ -196,8 +235,9 @@ def main() -> None:
             results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     with open(out / "histories.json", "w") as f:
         json.dump(results, f)
-    config = TrainConfig(prompts_per_step=args.prompts_per_step, lr=args.lr)
-    title = (f"REINFORCE++ return variants: {args.model or 'tiny agent'}, {args.task}, {args.steps} steps x "
+    config = TrainConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
+    start = f" after {args.warm_start_steps} warm-start steps" if args.warm_start_steps else ""
+    title = (f"REINFORCE++ return variants: {base_model or 'tiny agent'}{start}, {args.task}, {args.steps} steps x "
              f"{config.episodes_per_step} episodes, gamma {args.gamma}, lr {config.learning_rate:g}, "
              f"seeds {' '.join(map(str, args.seeds))}")
     table = results_table(results, args.window, args.task)
