@@ -12,13 +12,10 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from agent_loop.config import STRICT_NUMBERS
+from agent_loop.config import integer as _count  # a whole-number option: (help, lowest value)
 
 HISTORY_MODES = ("strict", "keep_seen")
 MISMATCH_POLICIES = ("record", "error")
-
-
-def _count(text: str, low: int = 1):
-    return Annotated[int, Field(ge=low, description=text)]
 
 
 @dataclass
