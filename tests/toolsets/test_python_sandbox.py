@@ -149,3 +149,14 @@ def test_reasoning_gym_arithmetic_with_tools_python_is_scored_by_its_own_scorer(
     assert printed == str(episode.answer)  # the sandbox's arithmetic is the dataset's answer
     assert traj.reward == 1.0 and traj.metrics["template_exact"]
     assert task.dataset.score_answer(printed, task.dataset[episode.info["entry"]]) == 1.0  # read through
+
+
+def test_the_unshare_fallback_still_has_no_network():
+    """Without bubblewrap, ``unshare`` gives network and PID namespaces (files stay readable: documented)."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {listening.getsockname()[1]}), timeout=2)"
+        text, seconds = run(code, how="unshare")
+    assert "ConnectionRefusedError" in text or "Network is unreachable" in text
+    assert "wall-clock limit" in run("while True:\n    pass", how="unshare")[0] and seconds < 15
