@@ -27,7 +27,7 @@ from advantages.returns import (
     returns_reset_at_observation,
     whitened_discounted_returns,
 )
-from advantages.stats import masked_whiten
+from advantages.stats import accumulation_dtype, masked_whiten
 
 GRPO_EPS = 1e-6  # verl's default epsilon in the GRPO std normalisation
 
@@ -113,7 +113,8 @@ def reinforce_plus_plus_baseline(
     scores, is_assistant, group = _scores(token_level_rewards, response_mask, index, spans, validate)
     count, mean, _ = _group_moments(scores, group)
     baseline = torch.where(count > 1, mean, 0.0)
-    advantages = masked_whiten(_broadcast(scores - baseline, is_assistant), is_assistant, check=validate)
+    advantages = masked_whiten(_broadcast(scores - baseline, is_assistant, scores.dtype), is_assistant, check=validate)
+    advantages = advantages.to(token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -139,7 +140,7 @@ def grpo(
     advantages = scores - torch.where(single, 0.0, mean)
     if norm_adv_by_std_in_grpo:
         advantages = advantages / (torch.where(single, 1.0, var.sqrt()) + epsilon)
-    advantages = _broadcast(advantages, is_assistant)
+    advantages = _broadcast(advantages, is_assistant, token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -157,7 +158,7 @@ def rloo(
     scores, is_assistant, group = _scores(token_level_rewards, response_mask, index, spans, validate)
     count, mean, _ = _group_moments(scores, group)
     advantages = torch.where(count > 1, (scores - mean) * count / (count - 1), scores)
-    advantages = _broadcast(advantages, is_assistant)
+    advantages = _broadcast(advantages, is_assistant, token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -195,21 +196,26 @@ def group_ids(index, batch_size: int, device: torch.device | str = "cpu") -> tor
 
 
 def _scores(token_level_rewards, response_mask, index, spans, validate):
-    """Per-trajectory score ``(b,)`` (sum of rewards), the ASSISTANT mask and ``(b,)`` group ids."""
+    """Per-trajectory score ``(b,)`` (sum of rewards, accumulated and kept in float32 for half precisions,
+    float64 for float64: :func:`~advantages.stats.accumulation_dtype`), the ASSISTANT mask and ``(b,)`` group ids."""
     group = group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
     check_batch(token_level_rewards, response_mask, spans, validate)
-    return token_level_rewards.sum(-1), response_mask.bool(), group  # the mask equals spans == ASSISTANT
+    scores = token_level_rewards.sum(-1, dtype=accumulation_dtype(token_level_rewards.dtype))
+    return scores, response_mask.bool(), group  # the mask equals spans == ASSISTANT
 
 
-def _broadcast(per_row: torch.Tensor, is_assistant: torch.Tensor) -> torch.Tensor:
-    return torch.where(is_assistant, per_row.unsqueeze(-1), 0.0)
+def _broadcast(per_row: torch.Tensor, is_assistant: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(b,)`` per-row advantages (in the accumulation dtype) -> ``(b, t)`` on ASSISTANT tokens, in ``dtype``
+    (the rewards'): one rounding, at the end."""
+    return torch.where(is_assistant, per_row.unsqueeze(-1), 0.0).to(dtype)
 
 
 def _group_moments(scores: torch.Tensor, group: torch.Tensor):
     """Size, mean and Bessel-corrected variance of each row's group, gathered back to ``(b,)``.
 
     Ids are made dense (0..groups-1) by sorting, then summed with ``index_add_``. A group of one has
-    variance NaN (callers treat groups of one separately, as verl does).
+    variance NaN (callers treat groups of one separately, as verl does). In the dtype of ``scores``
+    (:func:`_scores` gives float32 for half precisions, as verl's group statistics).
     """
     sorted_ids, order = torch.sort(group)
     starts = torch.ones_like(sorted_ids, dtype=torch.bool)

@@ -28,7 +28,7 @@ import torch
 
 from advantages.native_scans import native_gae, native_returns, native_whitened_returns
 from advantages.scan import by_row_blocks, carry_scan, fill_from_right
-from advantages.stats import WHITEN_EPS, check_whitenable  # defined once there; importable from here too
+from advantages.stats import WHITEN_EPS, accumulation_dtype, check_whitenable  # defined once there
 from masking.spans import SPAN_DTYPE, spans_from_response_mask
 from masking.validate import as_dtype, check_same_shape, validate_batch
 
@@ -73,7 +73,7 @@ def assistant_steps(response_mask: torch.Tensor, rewards: torch.Tensor) -> torch
     scans need only the mask."""
     if not rewards.dtype.is_floating_point:
         raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
-    return as_dtype(response_mask, torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    return as_dtype(response_mask, accumulation_dtype(rewards.dtype))
 
 
 def _spans(response_mask: torch.Tensor, spans: torch.Tensor | None) -> torch.Tensor:

@@ -20,6 +20,12 @@ WHITEN_EPS = 1e-8  # verl's masked_whiten epsilon, added to the variance
 MIN_WHITEN_TOKENS = 2  # a Bessel-corrected variance needs at least two tokens
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics of ``dtype`` values accumulate in: float64 stays float64, every other
+    float (float32, float16, bfloat16) float32, as verl's statistics of bf16 rewards."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is set: a scalar, or reduced over ``dim``."""
     kept = torch.where(mask.bool(), values, 0.0)
@@ -70,17 +76,19 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, 
 def masked_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, check: bool = True, eps: float = WHITEN_EPS
 ) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + eps)`` over the set positions, 0 elsewhere (same shape and dtype).
+    """``(values - mean) / sqrt(var + eps)`` over the set positions, 0 elsewhere (same shape and dtype;
+    computed in :func:`accumulation_dtype`, so bf16 values are whitened in float32 and rounded once).
 
     ``shift_mean=False`` adds the mean back (only rescales). ``check`` as in :func:`masked_var`;
     with ``check=False`` fewer than 2 set positions give 0 on them (the module docstring), plus
     the mean with ``shift_mean=False``.
     """
-    mean = masked_mean(values, mask)
-    scale = torch.rsqrt(masked_var(values, mask, check=check) + eps)
+    work = values.to(accumulation_dtype(values.dtype))  # half precisions whiten in float32, rounded once at the end
+    mean = masked_mean(work, mask)
+    scale = torch.rsqrt(masked_var(work, mask, check=check) + eps)
     if not check:  # no variance below 2 tokens: scale 0 (the centred value is 0 there anyway), no host sync
         scale = torch.where(mask.bool().sum() >= MIN_WHITEN_TOKENS, scale, 0.0)
-    whitened = (values - mean) * scale
+    whitened = (work - mean) * scale
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.bool(), whitened, 0.0)
+    return torch.where(mask.bool(), whitened, 0.0).to(values.dtype if values.dtype.is_floating_point else work.dtype)

@@ -1,6 +1,6 @@
 """verl's real ``core_algos`` estimators on the batches of ``verl_check.multi_turn_batch``, in a side
-environment with verl: float64 masks, int64 masks with groups of one (as verl's agent loop emits), and bf16
-rewards and values. Prints one JSON object ``{case: [{"inputs": ..., "outputs": {name: {"advantages", "returns", "dtype"}}}]}``; the
+environment with verl: float64 masks, int64 masks with groups of one (as verl's agent loop emits), bf16
+rewards and values, and dense bf16 rewards (one on every ASSISTANT token, as a per-token reward). Prints one JSON object ``{case: [{"inputs": ..., "outputs": {name: {"advantages", "returns", "dtype"}}}]}``; the
 test compares the outputs with ``advantages`` and the serial references (tests/reference_returns.py).
 """
 
@@ -12,10 +12,11 @@ from verl.trainer.ppo import core_algos as verl
 
 from agent_loop.integrations.verl_check import GROUPS, GROUPS_WITH_SINGLES, multi_turn_batch
 
-CASES = {  # name: (mask dtype, groups, rewards/values dtype)
-    "float64": (torch.float64, GROUPS, torch.float64),
-    "int64_groups_of_one": (torch.int64, GROUPS_WITH_SINGLES, torch.float64),
-    "bf16_int64": (torch.int64, GROUPS_WITH_SINGLES, torch.bfloat16),
+CASES = {  # name: (mask dtype, groups, rewards/values dtype, dense rewards)
+    "float64": (torch.float64, GROUPS, torch.float64, False),
+    "int64_groups_of_one": (torch.int64, GROUPS_WITH_SINGLES, torch.float64, False),
+    "bf16_int64": (torch.int64, GROUPS_WITH_SINGLES, torch.bfloat16, False),
+    "bf16_dense_int64": (torch.int64, GROUPS, torch.bfloat16, True),
 }
 
 
@@ -41,10 +42,12 @@ def outputs(rewards, values, mask, uids) -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     found = {}
-    for case, (mask_dtype, groups, dtype) in CASES.items():
+    for case, (mask_dtype, groups, dtype, dense) in CASES.items():
         found[case] = []
         for seed in range(3):
             rewards, values, mask, uids, *_ = multi_turn_batch(seed, mask_dtype, groups)
+            if dense:
+                rewards = torch.randn(rewards.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * mask
             rewards, values = rewards.to(dtype), values.to(dtype)
             inputs = {"rewards": rewards.double().tolist(), "values": values.double().tolist(), "mask": mask.tolist(),
                       "uids": list(uids)}
