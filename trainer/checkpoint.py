@@ -80,24 +80,6 @@ def set_rng_state(rng: dict) -> None:
     np.random.set_state(numpy)
 
 
-def trainer_state(trainer) -> dict:
-    """Everything a resume needs besides the weights (FSDP shards gathered: every rank must call it), in
-    types ``torch.load(weights_only=True)`` reads."""
-    from trainer.distributed import full_optimizer_state, full_state_dict
-
-    return {
-        "step": trainer.step,
-        "optimizer": full_optimizer_state(trainer.optimizer),
-        "value_head": full_state_dict(trainer.value_head) if trainer.value_head else None,
-        "initial_model": str(trainer.initial_model),
-        "config": trainer.config.resolved(),  # plain, resolved values (the learning rate used) (TrainConfig's fields are str/number/list/None)
-        "rng": rng_state(),
-        # asynchronous (rank 0): the producer's place in the question stream (None: synchronous, or another rank;
-        # absent from older checkpoints: the stream restarts at step x prompts_per_step)
-        "producer": trainer.producer.position() if getattr(trainer, "producer", None) is not None else None,
-    }
-
-
 _digests: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: the preflight and the trainer hash once
 
 
@@ -112,23 +94,6 @@ def sha256(path: Path) -> str:
                 digest.update(chunk)
         _digests[key] = digest.hexdigest()
     return _digests[key]
-
-
-def save_checkpoint(trainer, path: Path) -> Path:
-    """Write the trainer's checkpoint to ``path`` atomically (see the module docstring); returns ``path``.
-
-    With several ranks every rank calls it (FSDP's shards are gathered, a collective) and rank 0 writes."""
-    from trainer.lora import merged_state_dict, save_merged
-
-    state, weights = trainer_state(trainer), merged_state_dict(trainer.policy)
-    if not trainer.dp.is_main:
-        return path
-
-    def save_model(folder: Path) -> None:
-        save_merged(trainer.policy, folder, weights)  # LoRA: merged weights, the adapter alone in adapter/
-        trainer.tokenizer.save_pretrained(folder)
-
-    return write_checkpoint(path, step=trainer.step, state=state, save_model=save_model)
 
 
 def write_checkpoint(path: Path, *, step: int, state: dict, save_model) -> Path:

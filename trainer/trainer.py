@@ -54,13 +54,15 @@ from trainer.async_rollouts import RolloutProducer, VersionedBackend, staleness_
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import (
     NullLogger,
+    full_optimizer_state,
+    full_state_dict,
     full_tensor,
     init_data_parallel,
     load_full_optimizer_state_,
     load_full_state_dict_,
     resolve_device,
 )
-from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, wrap_with_lora
+from trainer.lora import load_adapter_weights, merged_state_dict, plain_copy, save_merged, wrap_with_lora
 from trainer.metrics import (
     LOSS_STAT_NAMES,
     UPDATE_METRICS,
@@ -182,7 +184,7 @@ class Trainer:
         self.trained_parameters = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         if state is not None:
-            self._load_state(state)
+            self.load_state_dict(state)
 
     def _set_up_rollouts(self, backend, weight_sync, task) -> None:
         """The rollout backend and what pushes weights to it, the (grouped) task, the loop's options."""
@@ -599,17 +601,39 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """``model/`` (a plain transformers model dir with its tokenizer) and ``trainer_state.pt``
-        (optimizer, value head, step, RNG states, config), written atomically (``trainer.checkpoint``).
-        With several ranks, rank 0 writes it (the replicas are checked equal first) and every rank returns
-        once it is written."""
+        (:meth:`state_dict`), written atomically (``trainer.checkpoint.write_checkpoint``). With several
+        ranks, rank 0 writes it (the replicas are checked equal first) and every rank returns once it is written."""
         path = self.checkpoint_dir(self.step)
         self.dp.check_replicas_equal(self.trained_parameters)
-        checkpoint.save_checkpoint(self, path)  # every rank: FSDP shards are gathered; rank 0 writes
+        state, weights = self.state_dict(), merged_state_dict(self.policy)  # every rank: FSDP shards are gathered
+
+        def save_model(folder: Path) -> None:
+            save_merged(self.policy, folder, weights)  # LoRA: merged weights, the adapter alone in adapter/
+            self.tokenizer.save_pretrained(folder)
+
+        if self.dp.is_main:
+            checkpoint.write_checkpoint(path, step=self.step, state=state, save_model=save_model)
         self.dp.barrier()
         return path
 
-    def _load_state(self, state: dict) -> None:
-        """The optimizer, value head, step and RNG states of a checkpoint, its weights and moments checked finite."""
+    def state_dict(self) -> dict:
+        """Everything a resume needs besides the weights, in types ``torch.load(weights_only=True)`` reads: step,
+        optimizer (FSDP shards gathered: every rank must call it), value head, the starting model, the resolved
+        config, RNG states and (asynchronous, rank 0) the producer's place in the question stream."""
+        return {
+            "step": self.step,
+            "optimizer": full_optimizer_state(self.optimizer),
+            "value_head": full_state_dict(self.value_head) if self.value_head else None,
+            "initial_model": str(self.initial_model),
+            "config": self.config.resolved(),  # plain, resolved values (the learning rate used)
+            "rng": checkpoint.rng_state(),
+            # None: synchronous, or another rank; absent from older checkpoints (the stream restarts at step x P)
+            "producer": self.producer.position() if getattr(self, "producer", None) is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """The optimizer, value head, step and RNG states of :meth:`state_dict` (a checkpoint's, old formats too),
+        its weights and moments checked finite."""
         where = f"checkpoint {self.resume_dir}"
         checkpoint.check_finite(checkpoint.optimizer_tensors(state["optimizer"]), f"{where} ({checkpoint.STATE_FILE})")
         if state.get("value_head"):

@@ -327,7 +327,7 @@ def work_line(demonstrations: list[Trajectory], config: WarmstartConfig) -> str:
     seen = config.steps * config.batch_size
     return (f"warm start: {n} demonstrations of {prompt:.0f} prompt + {response:.0f} response tokens on average; "
             f"{config.steps} steps x {config.batch_size} = {seen} demonstrations ({seen / n:.3g} passes), about "
-            f"{seen * (prompt + response) / 1e6:.2g}M tokens through the model")
+            f"{seen * (prompt + response):,.0f} tokens through the model")
 
 
 def eta_line(seconds: float, done: int, steps: int) -> str:

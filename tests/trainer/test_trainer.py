@@ -372,3 +372,28 @@ def test_the_default_learning_rate_scales_with_the_batch_and_unstable_ones_are_f
     warning = TrainConfig(prompts_per_step=16, lr=2e-4).unstable_learning_rate()
     assert "8 episodes per AdamW step" in warning and "lr <= 0.0001" in warning
     assert TrainConfig(prompts_per_step=16, lr=5e-5).unstable_learning_rate() is None
+
+
+def test_checkpoint_module_takes_and_returns_plain_data():
+    """Issue 37 item 1: trainer/checkpoint.py reads no Trainer attribute; the Trainer gives and takes its state
+    as a dict (state_dict / load_state_dict), and write_checkpoint writes any such dict with a model folder."""
+    import inspect
+
+    import trainer.checkpoint as checkpoint
+
+    functions = [f for _, f in inspect.getmembers(checkpoint, inspect.isfunction) if f.__module__ == checkpoint.__name__]
+    assert functions and all("trainer" not in inspect.signature(f).parameters for f in functions)
+    assert "trainer." not in inspect.getsource(checkpoint).replace("trainer.checkpoint", "")
+    assert callable(Trainer.state_dict) and callable(Trainer.load_state_dict)
+
+
+def test_write_checkpoint_writes_a_plain_state_that_resolves_and_loads(tmp_path):
+    from trainer import checkpoint
+
+    state = {"step": 3, "optimizer": {"state": {}, "param_groups": []}, "initial_model": "m", "config": {"lr": 1.0},
+             "rng": checkpoint.rng_state(), "value_head": None}
+    path = checkpoint.write_checkpoint(tmp_path / "checkpoints" / "step_000003", step=3, state=state,
+                                       save_model=lambda folder: (folder.mkdir(parents=True), (folder / "config.json").write_text("{}")))
+    assert checkpoint.resolve_checkpoint(tmp_path) == path and (tmp_path / "checkpoints" / "latest").read_text() == "step_000003\n"
+    loaded = checkpoint.load_state(path)
+    assert loaded["step"] == 3 and loaded["config"] == {"lr": 1.0} and torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
