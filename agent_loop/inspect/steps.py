@@ -167,9 +167,9 @@ def cells(row: StepRow) -> dict[str, str]:
     """The row as the table's cells (column -> text)."""
     adv = "-" if row.advantage is None else f"{row.advantage[0]:+.2f}±{row.advantage[1]:.2f}"
     kl = fmt(row.ppo_kl, ".1e") + ("" if row.ref_kl is None else f" ref {row.ref_kl:.1e}")
-    return {"step": str(row.step), "eps": fmt(row.episodes, "d"), "success": fmt(row.success),
+    return {"step": str(row.step), "eps": fmt(row.episodes, "d"), "succ": fmt(row.success),
             "reward": fmt(row.reward), "turns": fmt(row.turns, ".2f"), "calls": fmt(row.tool_calls, ".2f"),
-            "tool err": fmt(row.tool_errors, ".0f"), "finish": finish_mix(row.finish), "adv mean±std": adv,
+            "errs": fmt(row.tool_errors, ".0f"), "finish": finish_mix(row.finish), "adv±std": adv,
             "kl": kl, "eval": fmt(row.eval_success)}
 
 
@@ -199,9 +199,13 @@ def trend(run: RunSteps, window: int = 5) -> str:
     return "; ".join(parts) or "no step recorded a success"
 
 
+DROPPED_FIRST = ("calls", "eps", "turns", "errs", "kl")  # left out, in this order, when the width is short
+CUT = {"finish": 6, "kl": 7}  # columns cut with … (to this width at the least) before any is left out
+
+
 def table(run: RunSteps, width: int, limit: int | None = TABLE_ROWS):
-    """The terminal table: one line per step at any width from 80 columns (finish and kl are cut first), then
-    the trend line."""
+    """The terminal table: one line per step that fits ``width`` (80 columns and up): ``finish`` and ``kl`` are
+    cut with … first, then the least telling columns are left out (said under the table); then the trend."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -209,17 +213,30 @@ def table(run: RunSteps, width: int, limit: int | None = TABLE_ROWS):
     rows = listed(run.rows, limit)
     shown = [cells(r) for r in rows]
     columns = [c for c in shown[0] if any(s[c] not in ("-", "") for s in shown)] if shown else []
+    full = {c: max([len(c)] + [len(s[c]) for s in shown]) for c in columns}
+    need = {c: min(CUT.get(c, full[c]), full[c]) for c in columns}
+    left_out = []
+    for name in DROPPED_FIRST:
+        if sum(need[c] + 3 for c in columns) + 1 <= width:
+            break
+        if name in columns:
+            columns.remove(name)
+            left_out.append(name)
+    spare = width - (sum(need[c] + 3 for c in columns) + 1)
+    for name in CUT:  # give the cut columns back what fits
+        if name in columns:
+            grow = min(max(spare, 0), full[name] - need[name])
+            need[name], spare = need[name] + grow, spare - grow
     title = (f"{run.folder}: {len(run.rows)} steps" + (f" ({len(rows)} listed, evenly spread; --all for every one)"
                                                        if len(rows) < len(run.rows) else ""))
     out = Table(title=title, title_justify="left")
     for name in columns:
-        cut = name in ("finish", "kl")
-        full = max([len(name)] + [len(s[name]) for s in shown])
-        out.add_column(name, no_wrap=True, justify="left" if cut else "right", overflow="ellipsis",
-                       min_width=min(full, 7) if cut else full, ratio=1 if cut else None)
+        out.add_column(name, no_wrap=True, justify="left" if name in CUT else "right", overflow="ellipsis",
+                       width=need[name])
     for s in shown:
         out.add_row(*(s[c] for c in columns))
-    return Group(out, Text(trend(run)))
+    note = f" (left out at {width} columns: {', '.join(left_out)}; --width or --html shows them)" if left_out else ""
+    return Group(out, Text(trend(run) + note))
 
 
 def series(run: RunSteps, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -264,6 +281,10 @@ def figure(run: RunSteps):
         ad.plot(x, stats[:, 0], "-", color="#1f77b4", lw=1.3, gid="advantage", label="mean")
         ad.legend(fontsize=7, loc="best")
     ad.set_title("advantages over ASSISTANT tokens", fontsize=9, loc="left")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"{run.folder}: {len(run.rows)} steps · {trend(run)}", fontsize=10, x=0.01, ha="left")

@@ -96,11 +96,20 @@ def test_the_run_folder_as_a_table_a_png_and_a_page(run_folder, tmp_path, capsys
     assert max(len(line) for line in out.splitlines()) <= 80
     rows = [line for line in out.splitlines() if re.match(r"^│\s+\d+ │", line)]
     assert len(rows) == 5  # one line per step
+    header = next(line for line in out.splitlines() if "step" in line and "┃" in line)
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    # every key column at 80 (issue 40 item 3: success, reward, turns, tool errors, finish, advantage, KL)
+    assert names == ["step", "succ", "reward", "turns", "errs", "finish", "adv±std", "kl", "eval"], names
     for line, step in zip(rows, (1, 2, 3, 4, 5)):
         ts = episodes[step]
-        cells = [c.strip() for c in line.strip("│").split("│")]
-        assert cells[0] == str(step) and f"{sum(t.success for t in ts) / len(ts):.3f}" in cells
-        assert f"{sum(t.reward for t in ts) / len(ts):.3f}" in cells
+        cell = dict(zip(names, (c.strip() for c in line.strip("│").split("│"))))
+        assert cell["step"] == str(step) and cell["succ"] == f"{sum(t.success for t in ts) / len(ts):.3f}"
+        assert cell["reward"] == f"{sum(t.reward for t in ts) / len(ts):.3f}"
+        assert cell["errs"] == str(sum(1 for t in ts for c in t.tool_calls if c.error_kind))
+        assert cell["kl"] == (f"{1e-3 * step:.1e}" if step < 5 else "-")
+        assert cell["adv±std"] == "{:+.2f}±{:.2f}".format(*reference_advantage(ts)[:2])
+        assert cell["finish"].startswith("stop")
+    assert "left out at 80 columns: calls, eps" in " ".join(out.split())
     words = " ".join(out.split())  # the caption wraps
     assert "sampled success" in words and "greedy eval success 0.500 -> 1.000 (held-out prompts)" in words
     html = page.read_text()
