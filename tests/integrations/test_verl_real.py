@@ -6,6 +6,7 @@ that builds it, never a skip (CI builds them: scripts/setup.sh --test).
 - the install route of docs/verl.md (a plain ``pip install`` into a verl environment) keeps verl's pins;
 - verl's ``ray_trainer.compute_advantage`` inside a Ray actor started as verl's ``main_ppo`` starts its
   TaskRunner: registration reaches it through ``VERL_USE_EXTERNAL_MODULES`` only;
+- docs/verl.md's multi-node Hydra overrides, composed with verl's config, give Ray a valid runtime_env;
 - verl's ``core_algos`` estimators against ours and the serial references, with int64 masks, groups of one
   and bf16 inputs (the measured tolerances are the ones docs/verl.md states);
 - ``python -m agent_loop.integrations.verl_check`` exits 0 under verl 0.9.1 and 0.8.0.
@@ -14,6 +15,7 @@ that builds it, never a skip (CI builds them: scripts/setup.sh --test).
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -139,6 +141,28 @@ def test_a_plain_install_into_a_verl_environment_keeps_verls_pins():
     check = run_side("verl-0.9.1", "-m", "pip", "check")
     conflicts = [line for line in check.stdout.splitlines() if line.lower().startswith(("verl ", "agent-loop "))]
     assert conflicts == [], conflicts
+
+
+def multi_node_overrides() -> list[str]:
+    """The ``+ray_kwargs...`` arguments of docs/verl.md's multi-node command, split as the shell splits them."""
+    doc = (ROOT / "docs" / "verl.md").read_text()
+    start = doc.index("python -m verl.trainer.main_ppo ... \\\n")
+    command = doc[start:doc.index("```", start)].replace("\\\n", " ")
+    return [arg for arg in shlex.split(command) if arg.startswith("+ray_kwargs.")]
+
+
+@pytest.mark.slow
+def test_the_docs_multi_node_overrides_give_ray_string_env_vars():
+    """docs/verl.md's multi-node lines, literally: Hydra composes verl's ppo_trainer config with them and the
+    runtime_env main_ppo builds for ray.init passes Ray's own validation (env_vars str -> str)."""
+    overrides = multi_node_overrides()
+    assert len(overrides) == 2, overrides
+    found = side_json("verl-0.9.1", str(SIDE / "ray_overrides.py"), *overrides)
+    assert "error" not in found, found["error"]
+    assert found["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == REGISTER
+    assert found["env_vars"]["AGENT_LOOP_VERL_REPLACE_GAE"] == "1"
+    unquoted = side_json("verl-0.9.1", str(SIDE / "ray_overrides.py"), overrides[1].replace('"1"', "1"))
+    assert "must be of type Dict[str, str]" in unquoted["error"]  # the check is Ray's, and it bites unquoted
 
 
 @pytest.fixture(scope="module")
