@@ -31,8 +31,8 @@ class ToolFormat:
     schema_typed: bool = False  # values are written as bare text: the parser needs the schemas for string types
 
     def __post_init__(self):  # the parser reads this row's call markers: one declaration for both uses
-        object.__setattr__(self, "parser", p.reading_markers(getattr(self.parser, "__wrapped__", self.parser),
-                                                             self.call_markers))
+        parse = self.parser.__wrapped__ if hasattr(self.parser, "call_markers") else self.parser  # not twice
+        object.__setattr__(self, "parser", p.reading_markers(parse, self.call_markers))
 
     def matches(self, template: str) -> bool:
         return any(all(m in template for m in alternative) for alternative in self.markers)
