@@ -1,4 +1,4 @@
-"""Issue 30, round three of the fault probes, in the loop: scoring that hangs or raises ends one episode (with
+"""The loop under faults (issue 30): scoring that hangs or raises ends one episode (with
 its tokens kept), never the run; what any backend returns is checked in one place; a prompt that does not
 fit the model's context is an error before generation, and a 2 MB prompt does not grow memory to GBs.
 

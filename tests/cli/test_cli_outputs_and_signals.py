@@ -1,4 +1,4 @@
-"""Nothing lost, round three (issue 30), at the command line: one output per run, ``--resume`` that refuses
+"""Nothing lost at the command line (issue 30): one output per run, ``--resume`` that refuses
 other settings, prompts in an unknown format, SIGINT/SIGTERM and a full disk as one line and a command
 that goes on. The signal and file-limit tests run the real CLI in a subprocess on the tiny agent."""
 

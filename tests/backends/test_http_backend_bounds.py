@@ -1,4 +1,4 @@
-"""Issue 30, round three of the fault probes, on the HTTP backend: every wait within its bound, and nothing
+"""The HTTP backend under faults (issue 30): every wait within its bound, and nothing
 that comes back trusted unchecked.
 
 Against real aiohttp servers on 127.0.0.1 speaking vLLM's /v1/models and /v1/completions: a completion

@@ -1,4 +1,4 @@
-"""Nothing lost, round three (issue 30), the output side: one run per output (a lock), strict JSON whatever
+"""Nothing lost on the output side (issue 30): one run per output (a lock), strict JSON whatever
 an episode holds, bounded memory on damaged files, and writes that fail leaving whole lines.
 
 Real processes where the probe used them: the lock's holder is another process (killed with SIGKILL to
