@@ -254,6 +254,11 @@ class Trainer:
     async def _play(self, task, episodes, loop_config, seed):
         """``run_rollouts`` on the (versioned) backend, which ends the run on it (HTTP pools live in one event
         loop) unless the producer's loop holds it."""
+        if self.config.agent:  # the user's own agent, through an in-process recording proxy (docs/agents.md)
+            from agent_loop.proxy.agents import agent_rollouts
+
+            return await agent_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
+                                        agent=self.config.agent, concurrency=self.config.concurrency)
         return await run_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
                                   concurrency=self.config.concurrency, progress=False)
 
