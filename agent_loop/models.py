@@ -191,8 +191,9 @@ def _check_tokenizer(path: Path, config: dict, problems: list[str], tools: bool)
         return "none", tokenizer  # a task without tools needs no tool format
     try:
         tool_format = tool_format_for_template(template)
-    except ValueError as error:
-        problems.append(f"no tool-call format: {error}")
+    except ValueError as error:  # "renders no tool calls" (a plain template) says more than "no parser fits"
+        lost = [problem for problem in tool_render_problems(tokenizer, template) if "renders no" in problem]
+        problems.append(f"no tool-call format: {lost[0] if lost else error}")
         return "?", tokenizer
     problems += tool_render_problems(tokenizer, template)
     return tool_format.name, tokenizer

@@ -44,7 +44,7 @@ from agent_loop.episode.contracts import (
     as_task,
     checked_step,
 )
-from agent_loop.episode.tool_formats import tool_format_for_template
+from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
 from agent_loop.types import Episode, ToolCallRecord, Trajectory
 from masking.kinds import SpanKind
@@ -410,7 +410,8 @@ def _begin(task: Task, episode: Episode, env: TurnEnvironment, index: int, backe
     """The episode's fixed parts and its state before the first turn (the prompt rendered once)."""
     formatter = formatter_for(tokenizer, env.tool_schemas, config.history_mode)
     # a task (or the verl AgentLoop's tool_format option) may fix the format; else the template's
-    episode.tool_format = episode.tool_format or formatter.tool_format or tool_format_for_template(formatter.template_text)
+    episode.tool_format = episode.tool_format or formatter.tool_format or (
+        NO_TOOLS if not env.tool_schemas else tool_format_for_template(formatter.template_text))
     state = _EpisodeState(messages=[dict(m) for m in episode.messages])
     prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(

@@ -77,6 +77,14 @@ TOOL_FORMATS: list[ToolFormat] = [
                p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
 ]
 
+def parse_plain(text: str) -> p.ParsedTurn:
+    """A turn of an episode without tools under a template without tool calls: all of it is the answer."""
+    return p.ParsedTurn(text.strip())
+
+
+# episodes without tools under a template that renders no tool calls (the loop picks it; no template matches it)
+NO_TOOLS = ToolFormat("none", (), parse_plain)
+
 # what opens a call in any format: the final-answer rule for an episode whose format is unknown
 ANY_CALL_MARKERS = tuple(dict.fromkeys(m for f in TOOL_FORMATS for m in f.call_markers))
 
