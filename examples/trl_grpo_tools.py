@@ -2,11 +2,11 @@
 
     python examples/trl_grpo_tools.py              # in an environment with TRL (docs/trl.md)
 
-``SpanGRPOTrainer`` is the recipe: a ``trl.GRPOTrainer`` subclass that keeps TRL's generation, tool
-loop, reward functions and loss, and replaces only the advantages: it takes the per-sequence
-rewards where TRL computes them (``_calculate_rewards``), builds spans from TRL's own masks
-(tool results are OBSERVATION tokens) and writes a registered estimator's ``(b, t)`` advantages
-(default REINFORCE++, carry-through returns) into TRL's loss input ``inputs["advantages"]``.
+``SpanGRPOTrainer`` (``agent_loop.integrations.trl``, shipped in the package) is the recipe: a
+``trl.GRPOTrainer`` subclass that keeps TRL's generation, tool loop, reward functions and loss, and
+replaces only the advantages with a registered estimator's ``(b, t)`` advantages (default
+REINFORCE++, carry-through returns, gamma 1: with per-batch whitening a discount below 1 would give
+a wrong answer's final tokens a positive advantage, docs/trl.md).
 
 The rest is a self-contained demo on CPU, no downloads, well under 3 minutes: a random-weight
 Qwen2 model (2 layers, width 64) with the repository's Qwen2.5 tokenizer, and 2 GRPO steps with
@@ -32,91 +32,14 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from advantages.registry import get_estimator
-from agent_loop.integrations.trl import sequence_rewards, trl_advantages
+from agent_loop.integrations.trl import SpanGRPOTrainer
 from agent_loop.models import build_random_model
 from agent_loop.tasks.builtin import answer_reward, calculator
-from masking.spans import SpanKind
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class SpanGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` whose loss gets agent-loop's token-level advantages ``(b, t)``.
-
-    ``estimator``: a name in ``advantages.registry`` (``estimator_kwargs`` go to it, e.g.
-    ``{"gamma": 0.95}``). A row TRL masked as truncated (``mask_truncated_completions=True``) has its
-    reward dropped, counted in the metric ``agent_loop/dropped_rewards``; otherwise such a reward
-    raises. NaN/inf rewards (TRL's NaN: every reward function returned None) raise ValueError.
-    REINFORCE++ whitens over the ASSISTANT tokens of each process's generation batch.
-    """
-
-    def __init__(self, *args, estimator: str = "reinforce_plus_plus", estimator_kwargs: dict | None = None, **kwargs):
-        self.estimator = get_estimator(estimator)  # an unknown name fails before TRL loads anything
-        self.estimator_kwargs = dict(estimator_kwargs or {})
-        self.checks: list[dict] = []  # one per loss call, filled when record_checks is set
-        self.batches: list[dict] = []  # per generation batch: TRL's masks, our rewards and advantages
-        self.record_checks = False
-        super().__init__(*args, **kwargs)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # the one place TRL has the per-sequence rewards (gathered over processes, (B_global, n_funcs))
-        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        return self._rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        b = output["completion_ids"].shape[0]
-        start = self.accelerator.process_index * b  # TRL's own process slice
-        rewards = sequence_rewards(self._rewards_per_func, self.reward_weights)[start:start + b]
-        mode = "train" if self.model.training else "eval"
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
-        index = None
-        if self.estimator.needs_index:
-            if start % group_size or b % group_size:
-                raise ValueError(f"{self.estimator.name} needs whole groups of {group_size} per process; got {b} rows")
-            index = torch.arange(start, start + b, device=rewards.device) // group_size
-        advantages, spans, metrics = trl_advantages(
-            output["completion_mask"], output.get("tool_mask"), rewards, estimator=self.estimator.name, index=index,
-            masked="drop" if self.mask_truncated_completions else "raise", **self.estimator_kwargs,
-        )
-        output["advantages"] = advantages  # TRL's loss takes (b, t) advantages as they are
-        output["agent_loop_spans"] = spans  # travels with TRL's shuffles and splits, for loss_checks
-        if self.record_checks:
-            self.batches.append({"completion_mask": output["completion_mask"].tolist(), "rewards": rewards.tolist(),
-                                 "tool_mask": output["tool_mask"].tolist() if "tool_mask" in output else None,
-                                 "spans": spans.tolist(), "advantages": advantages.tolist()})
-        for name, value in metrics.items():
-            self._metrics[mode][f"agent_loop/{name}"].append(float(self.accelerator.gather(value).sum()))
-        return output
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        if self.record_checks:
-            self.checks.append(loss_checks(inputs, loss))
-        return loss
-
-
-def loss_checks(inputs: dict, loss: torch.Tensor) -> dict:
-    """What the loss saw: TRL's loss mask against our spans, where the advantages are nonzero."""
-    tool_mask = inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))
-    trl_loss_mask = (inputs["completion_mask"] * tool_mask).bool()  # as TRL's _compute_loss builds it
-    spans, advantages = inputs["agent_loop_spans"], inputs["advantages"]
-    assistant, observation = spans == SpanKind.ASSISTANT, spans == SpanKind.OBSERVATION
-    return {
-        "loss": float(loss.detach()),
-        "advantages_shape": list(advantages.shape),
-        "trl_loss_mask_equals_spans": bool(torch.equal(trl_loss_mask, assistant)),
-        "assistant_tokens": int(assistant.sum()),
-        "tool_tokens": int(observation.sum()),
-        "nonzero_advantages_on_assistant": int((advantages[assistant] != 0).sum()),
-        # at ratio 1 (one update per generation) TRL's "dapo" loss is -sum(A * mask) / tokens
-        "loss_from_advantages": -float((advantages * trl_loss_mask).sum() / trl_loss_mask.sum().clamp(min=1)),
-        "max_abs_advantage_off_assistant": float(advantages[~assistant].abs().max()) if (~assistant).any() else 0.0,
-        "masked_rows": int((~assistant.any(dim=1)).sum()),
-    }
 
 
 # --- the demo task: 3 arithmetic questions, the calculator tool ---------------------------------------
@@ -188,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps")
     parser.add_argument("--estimator", default="reinforce_plus_plus", help="a name in advantages.registry")
-    parser.add_argument("--gamma", type=float, default=0.95)
+    parser.add_argument("--gamma", type=float, default=1.0,
+                        help="below 1, per-batch whitening can make a wrong answer's last tokens positive (docs/trl.md)")
     parser.add_argument("--max-completion-length", type=int, default=56)
     parser.add_argument("--no-mask-truncated", action="store_true", help="mask_truncated_completions=False")
     return parser.parse_args(argv)

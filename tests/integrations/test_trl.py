@@ -5,13 +5,22 @@ The real TRL GRPOTrainer runs in tests/integrations/test_trl_real.py.
 
 import math
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from reference_returns import ASSISTANT, PAD, discounted_returns_ref, whiten_ref
 from trl_reference import from_trl_batch_ref
 
-from agent_loop.integrations.trl import from_trl_batch, sequence_rewards, trl_advantages
+from agent_loop.integrations.trl import (
+    TESTED_TRL,
+    check_trl_args,
+    check_trl_version,
+    from_trl_batch,
+    sequence_rewards,
+    trl_advantages,
+)
 
 
 def random_trl_batch(rng: random.Random, b: int = 6, t: int = 12, masked_rows=(), nan_row=None):
@@ -131,3 +140,54 @@ def test_group_estimators_leave_a_masked_row_out_of_its_group():
     assert int(metrics["dropped_rewards"]) == 1
     with pytest.raises(ValueError, match="grpo estimator needs index"):
         trl_advantages(*tensors(completion, tools, rewards), estimator="grpo", masked="drop")
+
+
+def example_like_batch():
+    """The example's first batch, shaped: a 20-token tool call, a 6-token tool result, an 8-token answer;
+    row 0 answers right (reward 1.5: answer and tool use), rows 1-3 wrong (0.5: tool use only)."""
+    completion_mask = torch.ones(4, 34, dtype=torch.long)
+    tool_mask = torch.ones(4, 34, dtype=torch.long)
+    tool_mask[:, 20:26] = 0
+    return completion_mask, tool_mask, torch.tensor([1.5, 0.5, 0.5, 0.5])
+
+
+def test_gamma_1_gives_wrong_answers_negative_advantages_on_every_token():
+    """The example's gamma (1, docs/trl.md): a wrong answer's tokens all get a negative advantage and a right
+    one's all positive. With 0.95 and per-batch whitening the right rows' first tokens are discounted below
+    the wrong rows' final ones: a wrong final answer is then reinforced (the example's old default)."""
+    completion_mask, tool_mask, rewards = example_like_batch()
+    advantages, spans, _ = trl_advantages(completion_mask, tool_mask, rewards, gamma=1.0)
+    assistant = spans == ASSISTANT
+    assert bool((advantages[:1][assistant[:1]] > 0).all()) and bool((advantages[1:][assistant[1:]] < 0).all())
+    discounted, _, _ = trl_advantages(completion_mask, tool_mask, rewards, gamma=0.95)
+    assert bool((discounted[1:, -3:] > 0).all()) and bool((discounted[:1, :2] < 0).all())  # the signs flip
+
+
+def test_span_trainer_refuses_an_untested_trl_unless_asked():
+    for version in (f"{TESTED_TRL[0]}.0", f"{TESTED_TRL[-1]}.3"):
+        check_trl_version(version)
+    with pytest.raises(RuntimeError, match="tested with TRL 1.16.x; this is TRL 1.17.0.*allow_untested_trl=True"):
+        check_trl_version("1.17.0")
+    with pytest.warns(UserWarning, match="this is TRL 0.9.2"):
+        check_trl_version("0.9.2", allow_untested=True)
+
+
+def test_span_trainer_refuses_trl_options_that_act_on_a_sequences_sign():
+    check_trl_args(None)
+    check_trl_args(SimpleNamespace(off_policy_mask_threshold=None, loss_type="dapo"))
+    with pytest.raises(ValueError, match="off_policy_mask_threshold masks whole sequences"):
+        check_trl_args(SimpleNamespace(off_policy_mask_threshold=0.5, loss_type="dapo"))
+    with pytest.raises(ValueError, match="loss_type='vespo'"):
+        check_trl_args(SimpleNamespace(off_policy_mask_threshold=None, loss_type="vespo"))
+
+
+def test_the_docs_install_line_is_the_trl_side_environments():
+    """docs/trl.md's install of agent-loop (no --no-deps) is the line scripts/side_env.sh builds .side-envs/trl
+    with, so test_trl_real runs on what the doc gives a TRL user."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "trl.md").read_text()
+    block = doc[doc.index("## Run the recipe"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    ours = [line.split("#")[0].split() for line in block.splitlines() if line.startswith("pip install") and "trl" not in line]
+    assert ours == [["pip", "install", "-e", "."]], ours
+    side_env = (root / "scripts" / "side_env.sh").read_text()
+    assert '  *) "${pip[@]}" -e . "torch==2.13.0" ;;' in side_env.splitlines()  # the trl environment's branch

@@ -17,7 +17,7 @@ from trl_reference import from_trl_batch_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_PYTHON = ROOT / ".side-envs" / "trl" / "bin" / "python"
-GAMMA = 0.95  # the example's default
+GAMMA = 1.0  # the example's default (docs/trl.md: below 1, per-batch whitening can flip a wrong answer's sign)
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,20 @@ def test_trl_batch_advantages_equal_the_serial_reference(trl_run):
     assert sum(kind != ASSISTANT and kind != 0 for row in spans for kind in row) > 0  # tool tokens are there
     expected = whiten_ref(discounted_returns_ref(token_rewards, spans, GAMMA), spans)
     torch.testing.assert_close(torch.tensor(batch["advantages"], dtype=torch.float64), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_trl_batch_advantages_have_the_sign_of_the_answer(trl_run):
+    """gamma 1: each row's advantage is one number on all its ASSISTANT tokens, ordered as the rewards, so a
+    wrong answer (the lower reward) is never reinforced on any token, a right one on every token."""
+    batch = trl_run["first_batch"]
+    per_row = {}
+    for spans, advantages, reward in zip(batch["spans"], batch["advantages"], batch["rewards"]):
+        values = {round(a, 5) for a, kind in zip(advantages, spans) if kind == ASSISTANT}
+        if values:  # a masked (truncated) row has none
+            assert len(values) == 1, values
+            per_row.setdefault(reward, set()).update(values)
+    assert len(per_row) == 2, per_row  # right and wrong answers both in the batch (the steering's half and half)
+    (low, low_values), (high, high_values) = sorted(per_row.items())
+    assert max(low_values) < 0 < min(high_values), per_row
