@@ -75,7 +75,6 @@ class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, Tas
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
 
-
     def check(self) -> None:
         """The rules across options (OptionError), then the default ``out``: never an earlier run's file."""
         TaskOptions.check(self)
@@ -120,10 +119,10 @@ def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
     return validate(RolloutOptions, values, keys=keys)
 
 
-def check_world(opts: RolloutOptions) -> str:
+def check_world(opts: RolloutOptions, task=None) -> str:
     """Check the model folder, the output path and the servers; return the model path. Reads only."""
     if opts.model is not None:
-        preflight.check_model_dir(opts.model, opts.backend)
+        preflight.check_model_dir(opts.model, opts.backend, task=task)
     preflight.check_output_file(opts.out)
     path = model_path(opts.model)
     if opts.backend == "http":
@@ -178,7 +177,7 @@ def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namesp
     ``--out`` is locked from before it is read until the run ends (a second run into it is refused)."""
     from agent_loop.runners.outputs import OutputLockedError, RunLock
 
-    path = check_world(opts)
+    path = check_world(opts, task)
     out = Path(opts.out)
     try:
         lock = RunLock(out).acquire()
