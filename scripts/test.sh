@@ -5,5 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/ruff check .
-# the slowest 20 listed: the suite must stay near 30 min
-exec .venv/bin/python -m pytest -q --durations=20 -m "slow or integration or not slow" "$@"
+# the slowest 20 listed: the suite must stay near 30 min. Two pytest-xdist workers, a test file each at a time
+# (--dist loadfile: a file's module fixtures are built once): the tests run on one torch thread each
+# (tests/conftest.py), so two of them use the two cores; AGENT_LOOP_TEST_WORKERS=0 runs them in this process.
+workers=${AGENT_LOOP_TEST_WORKERS:-2}
+parallel=()
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile)
+exec .venv/bin/python -m pytest -q --durations=20 "${parallel[@]}" -m "slow or integration or not slow" "$@"

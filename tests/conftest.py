@@ -1,11 +1,15 @@
 """Fixtures: the built-in tiny agent (built once per machine, then cached) and the real Qwen2.5 tokenizer."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Two cores: one intra-op thread per test process keeps timings sane when tools run in threads.
+# Two cores: one intra-op thread per test process keeps timings sane when tools run in threads. The commands
+# the tests start inherit it (agent_loop.threads reads OMP_NUM_THREADS): without it their thread count would
+# follow the machine's load, and two runs a test compares bit for bit could differ in their numerics.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 

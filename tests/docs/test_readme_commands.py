@@ -37,7 +37,7 @@ def readme_commands() -> list[str]:
 
 def test_the_readme_has_the_commands_it_documents():
     commands = readme_commands()
-    assert {c.split()[0] for c in commands} == {"rollout", "train", "warmstart", "inspect", "serve", "tiny"}
+    assert {c.split()[0] for c in commands} == {"rollout", "train", "warmstart", "inspect", "serve", "tiny", "models", "proxy"}
     assert "rollout" in commands  # the first command: no flags
 
 
