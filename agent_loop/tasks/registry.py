@@ -31,6 +31,7 @@ DEFAULT_TASK = "arithmetic"
 SOURCES = {  # --task SOURCE:NAME -> its module (agent_loop.ecosystem: names(), NEEDS_PROMPTS, load(), REFUSED)
     "reasoning_gym": "agent_loop.ecosystem.reasoning_gym",
     "skyrl_gym": "agent_loop.ecosystem.skyrl_gym",
+    "verifiers": "agent_loop.ecosystem.verifiers",  # in its side environment (scripts/side_envs/verifiers.txt)
 }
 
 
