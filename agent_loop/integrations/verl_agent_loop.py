@@ -47,6 +47,11 @@ REWARD_SOURCES = ("auto", "agent_loop", "verl")
 logger = logging.getLogger(__name__)
 
 
+# built once: verl makes one AgentLoop per row, and a TypeAdapter's schema build was a third of our worker's time
+# (BENCHMARKS.md, "Our loop against verl's tool_agent")
+LOOP_CONFIG = TypeAdapter(LoopConfig)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerlLoopOptions:
     """What the verl AgentLoop plays (see the module docstring for where the keys are written).
@@ -127,7 +132,7 @@ class VerlLoopOptions:
                              f"{response_length}")
         fields.setdefault("max_response_tokens", response_length)
         try:
-            return TypeAdapter(LoopConfig).validate_python(fields)
+            return LOOP_CONFIG.validate_python(fields)
         except Exception as error:  # pydantic's ValidationError names the field and the value
             raise ValueError(f"agent_loop.loop: {error}") from None
 
