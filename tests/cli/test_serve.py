@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,16 @@ def test_serve_starts_a_server_that_rollout_plays_on_and_sigint_stops_it(tiny_ag
         assert played.returncode == 0, played.stderr[-3000:]
         records = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(records) == 4 and all(record["response_ids"] for record in records)
+        # an unchanged openai-client agent through the recording proxy, in front of the same upstream server
+        recorded = tmp_path / "agent.jsonl"
+        played = subprocess.run([*AGENT_LOOP, "rollout", "--agent", "examples/agents/openai_tools_agent.py:agent",
+                                 "--backend", "http", "--server", url, "--model", str(tiny_agent_dir),
+                                 "--served-model-name", "policy", "--episodes", "2", "--out", str(recorded)],
+                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+        assert played.returncode == 0, played.stderr[-3000:]
+        sessions = [json.loads(line) for line in recorded.read_text().splitlines()]
+        assert sorted(r["info"]["index"] for r in sessions) == [0, 1]
+        assert all(r["response_ids"] and r["metrics"]["template_exact"] for r in sessions)
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
