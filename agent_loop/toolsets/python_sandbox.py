@@ -158,15 +158,17 @@ def _bwrap_prefix(limits: SandboxLimits) -> list[str]:
                 if os.geteuid() == 0 else ["--unshare-all"])
     for name, value in {**SANDBOX_ENV, "HOME": SANDBOX_DIR}.items():
         command += ["--setenv", name, value]
+    # the empty /tmp first: a checkout (and its interpreter) under /tmp is bound into it, not hidden by it
+    command += ["--tmpfs", "/tmp"]
     roots = _read_only_roots()
-    for folder in sorted({parent for root in roots for parent in _parents(root)}):
+    for folder in sorted({parent for root in roots for parent in _parents(root)} - {"/tmp"}):
         command += ["--perms", "0755", "--dir", folder]  # traversable by the sandbox's user (/root is 0700)
     for root in roots:
         command += ["--ro-bind", root, root]
     for link in ("bin", "lib", "lib64", "sbin"):  # Debian's merged /usr
         if os.path.islink(f"/{link}"):
             command += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-    command += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--chmod", "1777", "/tmp",
+    command += ["--proc", "/proc", "--dev", "/dev", "--chmod", "1777", "/tmp",
                 "--size", str(limits.folder_mb << 20), "--tmpfs", SANDBOX_DIR, "--chmod", "1777", SANDBOX_DIR,
                 "--chdir", SANDBOX_DIR]
     return command + _drop_root()
@@ -218,8 +220,11 @@ def _why_ended(returncode: int | None, limits: SandboxLimits) -> str:
     signals = {signal.SIGXCPU: f"it used up its CPU-time limit of {limits.cpu_s} s",
                signal.SIGKILL: "it was killed (out of memory, or a limit)",
                signal.SIGSEGV: "it crashed (segmentation fault)"}
-    if returncode is not None and returncode < 0:
-        return signals.get(-returncode, f"it was killed by signal {signal.Signals(-returncode).name}")
+    # a signal that ended the interpreter: -N from the kernel, or 128 + N from bubblewrap's init, which reports it
+    killed_by = -returncode if returncode is not None and returncode < 0 else (
+        returncode - 128 if returncode is not None and 128 < returncode < 128 + signal.NSIG else None)
+    if killed_by is not None:
+        return signals.get(killed_by, f"it was killed by signal {signal.Signals(killed_by).name}")
     return f"the interpreter exited with status {returncode}"
 
 
