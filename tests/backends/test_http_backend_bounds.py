@@ -114,6 +114,7 @@ def test_settings_come_from_the_command_options():
         server = ["http://127.0.0.1:9"]
         retry_deadline_s = 7.0
         request_timeout_s = 3.0
+        served_model_name = None
         concurrency = 16
 
     settings = BackendSettings.from_options(Options())

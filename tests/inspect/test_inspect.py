@@ -714,7 +714,7 @@ def test_png_marks_zero_return_failures_and_left_out_episodes(batch, tmp_path):
             if zero:
                 assert "failed: every return is 0" in note[0].get_text()
                 assert "FAILED" in ax.get_title(loc="left")
-        title = fig._suptitle.get_text()
+        title = " ".join(fig._suptitle.get_text().split())  # the title wraps to the figure's width
         assert "8 of 12 episodes shown (4 left out, 4 of them with all values 0" in title
         assert "gamma 1 (default; the file records none, set --gamma)" in title
     finally:

@@ -153,11 +153,15 @@ def test_only_assistant_tokens_receive_gradient(tiny_mid, tmp_path, estimator):
     assert (spans == ASSISTANT).any() and (spans == OBSERVATION).any() and (spans == PAD).any()
 
     outputs = {}
+    # the output head in one piece, and the forward's logits kept: backward recomputes each checkpointed piece
+    # (trainer/policy.py chunked_head), which calls the hook again on a copy that gets no gradient
+    getattr(trainer.model, "module", trainer.model).logits_chunk = spans.numel()
 
     def keep(name):
         def hook(module, inputs, output):
-            output.retain_grad()
-            outputs[name] = output
+            if name not in outputs:
+                output.retain_grad()
+                outputs[name] = output
         return hook
 
     handles = [trainer.policy.get_output_embeddings().register_forward_hook(keep("logits"))]
@@ -170,7 +174,8 @@ def test_only_assistant_tokens_receive_gradient(tiny_mid, tmp_path, estimator):
 
     assert set(outputs) == ({"logits", "values"} if estimator == "gae" else {"logits"})
     for name, output in outputs.items():
-        per_token = output.grad.abs().flatten(2).sum(-1)  # (b, t)
+        grad = output.grad.abs()  # logits: (b * t, v), the head's rows are the response positions in order
+        per_token = (grad.sum(-1) if grad.dim() == 2 else grad.flatten(2).sum(-1)).reshape(spans.shape)  # (b, t)
         assert per_token.shape == spans.shape
         assert torch.all(per_token[spans != ASSISTANT] == 0), f"{name}: gradient leaked to non-ASSISTANT tokens"
         assert torch.all(per_token[spans == ASSISTANT] > 0), f"{name}: an ASSISTANT token got no gradient"
