@@ -35,14 +35,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 import trainer.checkpoint as checkpoint
+import trainer.optimization as optimization
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
 from agent_loop.episode.chat import ChatFormatter
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import formatter_for, model_limits
 from agent_loop.episode.parsers import ParsedCall
+from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tools import ToolExecutor, tool_messages
 from agent_loop.models import model_path
 from agent_loop.runners.batch import trajectories_to_batch
@@ -198,7 +199,8 @@ async def prepare(task: Task, index: int, seed: int, tokenizer) -> Demonstration
 
 class ReplayBackend(Backend):
     """Answers an episode's k-th request with its demonstration's k-th assistant turn (ids fixed in advance,
-    logprob 0): the agent loop plays the demonstration as if a model had written it."""
+    logprob 0): the agent loop plays the demonstration as if a model had written it. ``turns`` is keyed by the
+    loop's session id of each episode (``agent_loop.episode.sessions.episode_session_id``, the loop's own)."""
 
     retries_itself = True  # a replay that fails does not get better by asking again
 
@@ -263,7 +265,7 @@ def replay(task, tokenizer, episodes: range, seed: int = 0, *, output_path=None,
     config = LoopConfig(max_turns=max(len(d.turns) for d in demonstrations), backend_retries=0,
                         max_tokens=max(len(ids) for d in demonstrations for ids in d.turns),
                         max_response_tokens=context, max_observation_tokens=context, on_template_mismatch="error")
-    backend = ReplayBackend({f"{task.name}:{seed}:{d.index}": d.turns for d in demonstrations})
+    backend = ReplayBackend({episode_session_id(task.name, seed, d.index): d.turns for d in demonstrations})
     trajectories = asyncio.run(run_rollouts(task, backend, tokenizer, [d.index for d in demonstrations], config, seed,
                                             output_path=output_path, progress=progress))
     problems = [(d.index, why) for d, t in zip(demonstrations, trajectories) if (why := check_replay(t, d))]
@@ -337,24 +339,25 @@ def eta_line(seconds: float, done: int, steps: int) -> str:
             "(--steps or --epochs change them; checkpoints every --save-every steps, --resume goes on)")
 
 
-def _optimizer(model, config: WarmstartConfig):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    return optimizer, get_cosine_with_min_lr_schedule_with_warmup(optimizer, config.warmup_steps, config.steps,
-                                                                  min_lr_rate=MIN_LR_FRACTION)
+def lr_at(step: int, config: WarmstartConfig) -> float:
+    """The learning rate of 0-based ``step``: linear warm-up from 0, then a cosine down to ``MIN_LR_FRACTION`` of
+    the peak (``trainer.optimization.lr_at``, the schedule the warm start has always used)."""
+    return optimization.lr_at(step, peak=config.learning_rate, warmup_steps=config.warmup_steps, warmup_start=0,
+                              decay_steps=config.steps, min_fraction=MIN_LR_FRACTION)
 
 
 def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogger | None = None, *,
               save=None, state: dict | None = None) -> list[dict]:
     """Train ``model`` (a causal LM, on ``batch``'s device) for ``config.steps`` steps on ``batch``'s demonstrations
     (:func:`step_loss`); the metrics of every step run here (``loss``, ``lr``, ``grad_norm``, ``tokens``), also
-    logged. ``save(step, state)`` is called every ``config.save_every`` steps with the optimizer, schedule and RNG
-    states; ``state`` (one of those) goes on from its step as if never stopped."""
+    logged. ``save(step, state)`` is called every ``config.save_every`` steps with the optimizer and RNG states;
+    ``state`` (one of those) goes on from its step as if never stopped (the learning rate is :func:`lr_at` of the
+    step: an older checkpoint's ``schedule`` state is not needed)."""
     policy = PolicyModel(model).train()
-    optimizer, schedule = _optimizer(model, config)
+    optimizer = optimization.adamw(model.parameters(), config)
     first = 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         checkpoint.set_rng_state(state["rng"])
         first = state["step"]
     order = demonstration_order(batch.responses.shape[0], config.steps, config.batch_size, config.seed)
@@ -362,28 +365,27 @@ def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogge
     bar = tqdm(range(first, config.steps), desc="warm start", unit="step", disable=not config.progress)
     for step in bar:
         started = time.perf_counter()
-        metrics = _step(policy, optimizer, schedule, batch, order[step].to(batch.responses.device), config)
+        optimization.set_lr(optimizer, lr_at(step, config))
+        metrics = _step(policy, optimizer, batch, order[step].to(batch.responses.device), config)
         history.append(metrics)
         if logger is not None:
             logger.log(step + 1, metrics)
         if step == first and step + 1 < config.steps:
             tqdm.write(eta_line(time.perf_counter() - started, step + 1, config.steps))
         if save is not None and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            save(step + 1, {"step": step + 1, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                            "rng": checkpoint.rng_state()})
+            save(step + 1, {"step": step + 1, "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
         if step % 10 == 0 or step == config.steps - 1:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
     model.eval()
     return history
 
 
-def _step(policy, optimizer, schedule, batch: Batch, rows: torch.Tensor, config: WarmstartConfig) -> dict:
-    """One optimizer step on ``rows``; its metrics."""
-    lr = schedule.get_last_lr()[0]
+def _step(policy, optimizer, batch: Batch, rows: torch.Tensor, config: WarmstartConfig) -> dict:
+    """One optimizer step on ``rows`` (at the learning rate set on ``optimizer``); its metrics."""
+    lr = optimizer.param_groups[0]["lr"]
     loss = step_loss(policy, batch, rows, config.micro_batch_size)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
     optimizer.step()
-    schedule.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": float(loss_mask(batch)[rows].sum())}
 

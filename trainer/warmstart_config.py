@@ -1,5 +1,5 @@
 """The options of a warm start (``agent-loop warmstart``, :mod:`trainer.warmstart`): one dataclass, whose
-defaults fine-tune the built-in tiny agent on 2 CPU cores.
+defaults fine-tune the built-in tiny agent on CPU (its torch threads by ``agent_loop.threads``).
 
 It takes the task's options (``--task`` or ``--prompts ...``), the model and the seed
 (:class:`~agent_loop.runners.spec.ModelOptions`), the threads, and the optimizer's, output's and device's

@@ -29,7 +29,8 @@ from trainer.config import TrainConfig
 PROG = "agent-loop train"
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync", "rollouts")  # what --overwrite deletes
 DESCRIPTION = ("Train an agent with multi-turn tool-calling rollouts and PPO-clip (defaults: the built-in tiny "
-               "agent's middling warm start on the arithmetic task, 2 CPU threads).")
+               "agent's middling warm start on the arithmetic task; --threads torch threads, unset: OMP_NUM_THREADS or "
+               "the cores the machine leaves idle).")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:

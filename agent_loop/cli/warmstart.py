@@ -12,19 +12,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
-import shutil
 from pathlib import Path
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve
-from agent_loop.runners.outputs import FOLDER_LOCK, OutputLockedError, RunLock
+from agent_loop.cli.output_claim import claim_output_dir
+from agent_loop.runners.outputs import RunLock
 from trainer.warmstart_config import WarmstartConfig
 
 PROG = "agent-loop warmstart"
 DESCRIPTION = ("Fine-tune a model on a task's demonstrations (its demonstrate(episode, rng) hook), loss on ASSISTANT "
                "tokens only, so that RL on the task starts from a model that calls its tools (defaults: the built-in "
-               "tiny agent, 2 CPU threads). Then: agent-loop rollout/train --task ... --model OUTPUT_DIR/model.")
+               "tiny agent; --threads torch threads, unset: OMP_NUM_THREADS or the cores the machine leaves idle). "
+               "Then: agent-loop rollout/train --task ... --model OUTPUT_DIR/model.")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -79,26 +80,12 @@ def load_checked_task(config: WarmstartConfig):
 
 
 def claim_output(config: WarmstartConfig) -> RunLock:
-    """Lock ``--output-dir`` and check it holds nothing (``--overwrite`` deletes what it holds first)."""
-    folder = Path(config.output_dir)
-    try:
-        lock = RunLock(folder, folder=True).acquire()
-    except (OutputLockedError, OSError) as error:
-        raise UsageError(f"--output-dir {folder}: {error}") from None
-    held = sorted(p.name for p in folder.iterdir() if p.name != FOLDER_LOCK)
-    if config.resume:  # goes on from the checkpoint there: nothing is deleted
-        if config.overwrite:
-            lock.release()
-            raise UsageError("--resume and --overwrite exclude each other: --resume goes on with what --output-dir holds")
-        return lock
-    if held and not config.overwrite:
-        lock.release()
-        raise UsageError(f"--output-dir {folder}: holds files ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); "
-                         "pass --overwrite to replace them, or another --output-dir")
-    for name in held:
-        target = folder / name
-        shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
-    return lock
+    """Lock ``--output-dir`` and check it holds nothing (``--overwrite`` deletes what it holds first; ``--resume``
+    goes on with it): ``agent_loop.cli.output_claim``, as train claims its folder."""
+    if config.resume and config.overwrite:  # goes on from the checkpoint there: nothing is deleted
+        raise UsageError("--resume and --overwrite exclude each other: --resume goes on with what --output-dir holds")
+    return claim_output_dir(config.output_dir, keep=config.resume, overwrite=config.overwrite,
+                            refusal="holds files ({held}); pass --overwrite to replace them, or another --output-dir")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from trainer.warmstart import (
     demonstration_order,
     has_demonstrations,
     loss_mask,
+    lr_at,
     replay,
     step_loss,
     summed_loss,
@@ -107,6 +109,22 @@ def test_a_replayed_demonstration_is_what_the_loop_records_for_a_model_writing_i
         assert replayed.messages == loop.messages and replayed.success and loop.success
         assert [c.result for c in replayed.tool_calls] == [c.result for c in loop.tool_calls]
         assert replayed.finish_reason == "stop" and replayed.metrics["template_exact"]
+
+
+def test_the_replay_is_keyed_by_the_session_ids_the_loop_sends(tiny_tokenizer):
+    """ReplayBackend's keys come from the loop's own function: each episode's requests arrive under its key, once
+    per demonstrated turn, and no request arrives under another."""
+    from agent_loop.episode.sessions import episode_session_id
+    from trainer.warmstart import ReplayBackend, prepare
+
+    task = as_task(Quadruple())
+    prepared = [asyncio.run(prepare(task, index, 5, tiny_tokenizer)) for index in range(3)]
+    keys = {episode_session_id(task.name, 5, d.index): d.turns for d in prepared}
+    assert sorted(keys) == [f"{task.name}:5:{i}" for i in range(3)]  # the documented shape: name:seed:index
+    backend = ReplayBackend(keys)
+    played = asyncio.run(run_rollouts(task, backend, tiny_tokenizer, range(3), LoopConfig(), seed=5, progress=False))
+    assert dict(backend.played) == {key: len(turns) for key, turns in keys.items()}
+    assert all(t.finish_reason == "stop" and t.success for t in played)
 
 
 def test_the_loss_mask_is_exactly_the_assistant_tokens(tiny_tokenizer, tiny_agent_dir, demonstrations):
@@ -289,6 +307,7 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4] and lines[-1]["loss"] < lines[0]["loss"]
     assert lines[0]["lr"] == pytest.approx(1e-3) and lines[1]["lr"] < lines[0]["lr"]
+    assert [m["lr"] for m in lines] == [lr_at(step, config) for step in range(4)]  # trainer.optimization's cosine
     assert len((tmp_path / "run" / "demonstrations.jsonl").read_text().splitlines()) == 8
     assert check_model_dir(result.model_dir).architecture == "LlamaForCausalLM"
     assert result.longest["turns"] == 3
@@ -308,10 +327,31 @@ def test_the_default_steps_scale_with_the_demonstrations():
     assert planned_steps(WarmstartConfig(steps=7), 256) == 7  # given: kept
 
 
+def as_older_checkpoint(folder, *, warmup: int, steps: int) -> None:
+    """Rewrite warm-start checkpoint ``folder`` as one from before trainer/optimization.py: its state also holds the
+    transformers LR scheduler's state (and the optimizer's groups its ``initial_lr``), which a resume now ignores."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    import trainer.checkpoint as checkpoint
+
+    state = checkpoint.load_state(folder)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=state["config"]["lr"])
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, steps, min_lr_rate=0.1)
+    for _ in range(state["step"]):
+        optimizer.step()
+        schedule.step()
+    for group in state["optimizer"]["param_groups"]:
+        group["initial_lr"] = state["config"]["lr"]
+    checkpoint.write_checkpoint(folder, step=state["step"], state={**state, "schedule": schedule.state_dict()},
+                                save_model=lambda target: shutil.copytree(folder / "model", target))
+    assert "schedule" in checkpoint.load_state(folder) and not checkpoint.problems(folder)
+
+
 @pytest.mark.slow
 def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path, tiny_agent_dir, monkeypatch, capsys):
     """Stopped after step 3 of 4 (a checkpoint every 2 steps), then --resume: the same metrics and bit-equal weights
-    as the run that was never stopped; the work and an ETA are printed before the steps."""
+    as the run that was never stopped, from a checkpoint written as before trainer/optimization.py (with its
+    scheduler state); the work and an ETA are printed before the steps."""
     import trainer.warmstart as warmstart
 
     def config(name: str, **more) -> WarmstartConfig:
@@ -337,6 +377,7 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
     with pytest.raises(KeyboardInterrupt):
         warm_start(config("stopped"), Quadruple())
     monkeypatch.setattr(warmstart, "_step", step)
+    as_older_checkpoint(tmp_path / "stopped" / "checkpoints" / "step_000002", warmup=1, steps=4)
     with pytest.raises(FileExistsError):
         warm_start(config("stopped"), Quadruple())  # not without --resume
     with pytest.raises(warmstart.checkpoint.CheckpointError, match="lr: 0.001 -> 0.002"):
