@@ -1,4 +1,4 @@
-"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``warmstart``, ``inspect``, ``serve``, ``tiny``, ``models``).
+"""``agent-loop COMMAND ...``: the application over the library (``rollout``, ``train``, ``warmstart``, ``inspect``, ``serve``, ``tiny``, ``models``, ``verl-check``).
 
 One module per command, each with ``add_parser(commands)`` and ``run(args)``. Only this package parses
 argv, reads config files, runs preflight checks or prints tables; a usage error is one line on stderr
@@ -18,11 +18,12 @@ import agent_loop.cli.rollout as rollout_command
 import agent_loop.cli.serve as serve_command
 import agent_loop.cli.tiny as tiny_command
 import agent_loop.cli.train as train_command
+import agent_loop.cli.verl_check as verl_check_command
 import agent_loop.cli.warmstart as warmstart_command
 from agent_loop.cli.stops import run_command
 
 COMMANDS = (rollout_command, inspect_command, train_command, warmstart_command, serve_command, tiny_command, proxy_command,
-            models_command)
+            models_command, verl_check_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ and ``extra_fields`` (which verl's worker turns into ``non_tensor_batch`` column
 ``turn_ids``, ``tool_calls`` (our records as dicts), ``messages``, ``finish_reason``, ``truncated``,
 ``reward_source``, ``agent_loop_reward``, ``turn_scores`` (our per-turn rewards) and ``tool_rewards``.
 
-Options (:class:`VerlLoopOptions`) come from the trainer config's top-level ``agent_loop`` section
+Options (:class:`~agent_loop.integrations.verl_options.VerlLoopOptions`) come from the trainer config's top-level ``agent_loop`` section
 (``+agent_loop.task=arithmetic`` on verl's command line) and, overriding it, from the keys of an entry in
 verl's ``agent_loop_config_path`` file (``- name: my_loop`` / ``_target_: ...verl_agent_loop.AgentLoop`` /
 ``task: ...``). This module imports verl; the backend and everything else it uses do not.
@@ -25,116 +25,25 @@ import logging
 from typing import Any, Callable
 from uuid import uuid4
 
-from pydantic import TypeAdapter
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
 
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.contracts import TaskWrapper
 from agent_loop.episode.loop import formatter_for, run_episode
 from agent_loop.episode.tool_formats import TOOL_FORMATS
 from agent_loop.episode.tools import Tool, ToolExecutor, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
+from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.tasks.base import Task, as_task
 from agent_loop.tasks.dataset import DatasetTask
-from agent_loop.types import Episode, ToolCallRecord, Trajectory
+from agent_loop.types import Episode, Trajectory
 from masking.kinds import SpanKind
 
 AGENT_NAME = "agent_loop"
 # the keyword arguments verl 0.9's AgentLoopWorker gives every agent loop (besides tools=)
 VERL_KWARGS = frozenset({"trainer_config", "server_manager", "tokenizer", "processor", "dataset_cls", "data_config",
                          "hf_model_type"})
-REWARD_SOURCES = ("auto", "agent_loop", "verl")
 logger = logging.getLogger(__name__)
-
-
-# built once: verl makes one AgentLoop per row, and a TypeAdapter's schema build was a third of our worker's time
-# (BENCHMARKS.md, "Our loop against verl's tool_agent")
-LOOP_CONFIG = TypeAdapter(LoopConfig)
-
-
-@dataclasses.dataclass(frozen=True)
-class VerlLoopOptions:
-    """What the verl AgentLoop plays (see the module docstring for where the keys are written).
-
-    - ``task``: one of our tasks (a registry name such as ``arithmetic``, ``package.module:Name`` or
-      ``file.py[:Name]``); episode ``index`` of it is played for a row whose ``index`` (verl's
-      ``extra_info.index``) is ``index``, with the row's ``reward_model.ground_truth`` as the episode's
-      answer where the task gives none. Without a task the row is the episode: its ``raw_prompt`` messages,
-      ``reward_model.ground_truth`` as the answer.
-    - ``reward``: for row episodes, our reward rules or functions (``number``, ``exact``, ``contains``,
-      ``regex:P``, ``module:function``; one or a list), with ``reward_weights``.
-    - ``tool_functions``: a module or ``.py`` file of plain functions (our ``--tools``), added to verl's
-      tools (``multi_turn.tool_config_path`` / ``function_tool_path``) and the task's.
-    - ``tool_format``: our tool-call format by name (``hermes``, ``qwen3_xml``, ...); default: the one the
-      chat template's markers name.
-    - ``reward_source``: ``agent_loop`` (our reward is ``reward_score``, which verl places as ``rm_scores``
-      on the last response token and uses instead of its reward manager), ``verl`` (verl's reward manager
-      scores the rows; ours is kept in ``extra_fields["agent_loop_reward"]``), ``auto`` (``agent_loop``
-      when a task or reward is given, else ``verl``).
-    - ``loop``: :class:`~agent_loop.episode.config.LoopConfig` fields (``max_turns``, ``max_tokens``,
-      ``max_observation_tokens``, ...); ``max_response_tokens`` is verl's ``rollout.response_length``.
-    - ``seed``: the task's episode stream; ``system``: a system prompt for row episodes.
-    """
-
-    task: str | None = None
-    reward: tuple[str, ...] = ()
-    reward_weights: tuple[float, ...] | None = None
-    tool_functions: str | None = None
-    tool_format: str | None = None
-    reward_source: str = "auto"
-    loop: str = "{}"  # LoopConfig fields as sorted JSON (the options are hashable, to cache what they load)
-    seed: int = 0
-    system: str | None = None
-
-    @classmethod
-    def from_mapping(cls, values: dict) -> "VerlLoopOptions":
-        """Options from a config mapping; ValueError naming an unknown key or a bad value."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"agent_loop options: unknown key(s) {unknown}; known: {sorted(fields)}")
-        values = dict(values)
-        for key in ("reward", "reward_weights"):
-            if isinstance(values.get(key), (str, int, float)):
-                values[key] = [values[key]]
-        values["reward"] = tuple(str(r) for r in values.get("reward") or ())
-        if values.get("reward_weights") is not None:
-            values["reward_weights"] = tuple(float(w) for w in values["reward_weights"])
-        values["loop"] = json.dumps(dict(values.get("loop") or {}), sort_keys=True)
-        options = cls(**values)
-        options.check()
-        return options
-
-    def check(self) -> None:
-        if self.reward_source not in REWARD_SOURCES:
-            raise ValueError(f"agent_loop.reward_source must be one of {REWARD_SOURCES}, got {self.reward_source!r}")
-        if self.task and self.reward:
-            raise ValueError("agent_loop: give a task (it brings its reward) or a reward for row episodes, not both")
-        if self.reward_source == "agent_loop" and not (self.task or self.reward):
-            raise ValueError("agent_loop.reward_source=agent_loop needs a task or a reward to score with")
-        if self.tool_format is not None and self.tool_format not in {f.name for f in TOOL_FORMATS}:
-            raise ValueError(f"agent_loop.tool_format {self.tool_format!r} is not one of ours: "
-                             f"{sorted({f.name for f in TOOL_FORMATS})}")
-
-    @property
-    def scores(self) -> str:
-        """Who scores the rows: "agent_loop" or "verl"."""
-        if self.reward_source != "auto":
-            return self.reward_source
-        return "agent_loop" if (self.task or self.reward) else "verl"
-
-    def loop_config(self, response_length: int) -> LoopConfig:
-        """Our loop's options, with verl's ``response_length`` as the episode's token budget."""
-        fields = json.loads(self.loop)
-        given = fields.get("max_response_tokens")
-        if given is not None and given > response_length:
-            raise ValueError(f"agent_loop.loop.max_response_tokens={given} exceeds verl's rollout.response_length="
-                             f"{response_length}")
-        fields.setdefault("max_response_tokens", response_length)
-        try:
-            return LOOP_CONFIG.validate_python(fields)
-        except Exception as error:  # pydantic's ValidationError names the field and the value
-            raise ValueError(f"agent_loop.loop: {error}") from None
 
 
 def options_from(trainer_config, kwargs: dict) -> VerlLoopOptions:
@@ -219,26 +128,16 @@ def verl_tool_functions(verl_tools: list, tools_kwargs: dict | None, tool_reward
 # --- the episode of a row ------------------------------------------------------------------------------
 
 
-class _Prepared(Task):
-    """``task`` with its episode already made (from a verl row): the loop plays that one episode."""
+class _Prepared(TaskWrapper):
+    """``task`` with its episode already made (from a verl row): the loop plays that one episode; every other
+    hook is the task's."""
 
     def __init__(self, task: Task, episode: Episode):
-        self.task, self.episode, self.name = task, episode, task.name
+        super().__init__(task)
+        self.episode = episode
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         return self.episode
-
-    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        return self.task.reward(episode, messages, tool_calls)
-
-    def success(self, episode: Episode, reward: float) -> bool:
-        return self.task.success(episode, reward)
-
-    def turn_rewards(self, episode, messages, tool_calls):
-        return self.task.turn_rewards(episode, messages, tool_calls)
-
-    def episode_metrics(self, episode, messages, tool_calls):
-        return self.task.episode_metrics(episode, messages, tool_calls)
 
 
 def _plain(value: Any) -> Any:
@@ -268,7 +167,7 @@ def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Calla
         else:
             data = {"prompt": _plain(row.get("raw_prompt")), "answer": ground_truth,
                     **{k: _plain(row[k]) for k in ("data_source", "extra_info") if k in row}}
-            rewards = _rewards(options.reward) if options.reward else [_no_reward]
+            rewards = _rewards(tuple(options.reward)) if options.reward else [_no_reward]
             task = DatasetTask([data], list(rewards), tools, reward_weights=options.reward_weights,
                                system=options.system, name="verl")
             episode = task.make_episode(0)
@@ -301,7 +200,7 @@ class AgentLoop(AgentLoopBase):
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.loop_config = self.options.loop_config(self.response_length)
         turns = self.rollout_config.multi_turn.get("max_assistant_turns")
-        if turns and "max_turns" not in json.loads(self.options.loop):
+        if turns and "max_turns" not in self.options.loop:
             self.loop_config.max_turns = int(turns)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:

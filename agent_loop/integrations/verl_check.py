@@ -1,14 +1,14 @@
 """Compare ``advantages`` with the installed verl, function by function, and the plugin inside verl's own
-``compute_advantage``: ``python -m agent_loop.integrations.verl_check`` in an environment with verl
-(docs/verl.md; the tests run it in the side environments against verl 0.9.1 and 0.8.0).
+``compute_advantage``; ``agent-loop verl-check`` (``agent_loop.cli.verl_check``) prints the rows in an
+environment with verl (docs/verl.md; the tests run it in the side environments against verl 0.9.1 and 0.8.0).
 
 One row per check: the largest difference over 5 random multi-turn batches (observation spans, trailing
 padding, an empty row). Status ``ok`` (within tolerance), ``expected`` (a difference docs/verl.md lists for
 this verl version, confirmed: the note says how) or ``FAIL`` (over tolerance, or an exception). Every
-section imports what it needs itself, so a missing verl module fails its own rows only. Exit 1 on any FAIL.
+section imports what it needs itself, so a missing verl module fails its own rows only. This module returns
+the rows (:func:`run_checks`); it prints nothing.
 """
 
-import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -319,44 +319,3 @@ def run_checks(seeds=range(5)) -> list[Row]:
                     outcome = outcome[0]
                 row.record(outcome)
     return list(rows.values())
-
-
-def print_table(rows: list[Row], title: str) -> None:
-    """A rich table when rich is installed, plain lines otherwise."""
-    cells = [(row.status, f"{row.worst:.2e}", f"{row.tolerance:.0e}", f"{row.section}: {row.name}", row.note)
-             for row in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        for status, worst, tolerance, name, note in cells:
-            print(f"{status:8} {worst:>9} {tolerance:>6}  {name}" + (f"  ({note})" if note else ""))
-        return
-    table = Table(title=title)
-    for column in ("status", "max diff", "tolerance", "check", "note"):
-        table.add_column(column, overflow="fold")
-    styles = {"ok": "green", "expected": "yellow", "FAIL": "bold red"}
-    for cell in cells:
-        table.add_row(f"[{styles[cell[0]]}]{cell[0]}[/]", *cell[1:])
-    Console(width=200).print(table)
-
-
-def main() -> int:
-    torch.set_num_threads(1)
-    try:
-        import verl
-    except ImportError as error:
-        print(f"verl_check needs verl in this environment: {error} (docs/verl.md)", file=sys.stderr)
-        return 1
-    rows = run_checks()
-    failed = sum(row.status == "FAIL" for row in rows)
-    expected = sum(row.status == "expected" for row in rows)
-    print_table(rows, f"agent-loop advantages vs verl {verl.__version__}: max |ours - verl| over 5 random multi-turn "
-                      f"batches (int64 rows: relative to max |verl|)")
-    print(f"{len(rows) - failed - expected} ok, {expected} expected (documented in docs/verl.md), {failed} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -140,9 +140,24 @@ def load_task(spec: str) -> Task:
 
 
 @dataclass
-class TaskOptions:
-    """Which task to play: a registered or plug-in ``task``, or a task from data (``prompts`` with
-    ``reward`` and ``tools``). Shared by ``agent-loop rollout`` and ``train``."""
+class DataTaskOptions:
+    """How the rows of a task from data are scored and prompted: agent-loop's ``--prompts`` rows, and verl's
+    dataset rows in our verl AgentLoop (``agent_loop.integrations.verl_options``). Declared once, for both."""
+
+    reward: Annotated[list[str], Field(description="reward of --prompts: exact, number, contains, regex:PATTERN "
+                                       "or module:function (repeatable)",
+                                       json_schema_extra={"allowed": "a rule or module:function, repeatable"})] = \
+        field(default_factory=list)
+    reward_weights: Annotated[list[float] | None, Field(description="one weight per --reward",
+                                                        json_schema_extra={"allowed": "numbers", "nargs": "+"})] = None
+    system: Annotated[str | None, Field(description="system prompt of --prompts episodes",
+                                        json_schema_extra={"allowed": "text"})] = None
+
+
+@dataclass
+class TaskSourceOptions:
+    """Where the episodes come from: a task, or a prompts file (declared before the row options, so the help
+    names --task first)."""
 
     task: Annotated[str, AfterValidator(check_task), Field(
         description="task to play: a built-in name, SOURCE:NAME of another library (reasoning_gym:chain_sum, "
@@ -151,12 +166,13 @@ class TaskOptions:
     prompts: Annotated[str | None, Field(description="a task from data: its prompts file (.jsonl, .parquet or a "
                                          "saved Hugging Face dataset folder)",
                                          json_schema_extra={"allowed": "a file or folder"})] = None
-    reward: Annotated[list[str], Field(description="reward of --prompts: exact, number, contains, regex:PATTERN "
-                                       "or module:function (repeatable)",
-                                       json_schema_extra={"allowed": "a rule or module:function, repeatable"})] = \
-        field(default_factory=list)
-    reward_weights: Annotated[list[float] | None, Field(description="one weight per --reward",
-                                                        json_schema_extra={"allowed": "numbers", "nargs": "+"})] = None
+
+
+@dataclass
+class TaskOptions(DataTaskOptions, TaskSourceOptions):
+    """Which task to play: a registered or plug-in ``task``, or a task from data (``prompts`` with
+    ``reward`` and ``tools``). Shared by ``agent-loop rollout`` and ``train``."""
+
     tools: Annotated[str | None, Field(description="tools of --prompts: a module or .py file of functions; or a "
                                        "built-in tool set added to any task's tools: python (sandboxed code, a "
                                        "fresh interpreter per call), python_persistent (one per episode)",
@@ -166,8 +182,6 @@ class TaskOptions:
                                            "HTTP); one session per episode (repeatable)",
                                            json_schema_extra={"allowed": "a command line or URL, repeatable"})] = \
         field(default_factory=list)
-    system: Annotated[str | None, Field(description="system prompt of --prompts episodes",
-                                        json_schema_extra={"allowed": "text"})] = None
     task_options: Annotated[dict, BeforeValidator(parse_task_options), Field(
         description="options of a SOURCE:NAME task (reasoning_gym: size, seed, calculator, generator config; "
                     "skyrl_gym: the env_config); a mapping in a config file",

@@ -3,7 +3,7 @@
 test_reinforce_pp_multiturn_on_cpu.py, test_loss_aggregation_on_cpu.py), the verl plugin called
 exactly as verl's ``compute_advantage`` calls an estimator, and the TRL recipe on tensors built as
 TRL's GRPOTrainer builds them. verl itself cannot be installed next to this project (docs/verl.md);
-``python -m agent_loop.integrations.verl_check`` runs the same comparisons against a real verl.
+``agent-loop verl-check`` runs the same comparisons against a real verl.
 
 The KL straight-through cases (test_kl_penalty_straight_through_*) are ported in test_policy_losses.py.
 """

@@ -9,7 +9,7 @@ that builds it, never a skip (CI builds them: scripts/setup.sh --test).
 - docs/verl.md's multi-node Hydra overrides, composed with verl's config, give Ray a valid runtime_env;
 - verl's ``core_algos`` estimators against ours and the serial references, with int64 masks, groups of one
   and bf16 inputs (the measured tolerances are the ones docs/verl.md states);
-- ``python -m agent_loop.integrations.verl_check`` exits 0 under verl 0.9.1 and 0.8.0.
+- ``agent-loop verl-check`` (``python -m agent_loop.cli verl-check``) exits 0 under verl 0.9.1 and 0.8.0.
 """
 
 import hashlib
@@ -277,7 +277,7 @@ def test_bf16_inputs_stay_as_close_to_the_float64_reference_as_verls(verl_numeri
 
 @pytest.mark.parametrize("name", ["verl-0.9.1", "verl-0.8.0"])
 def test_verl_check_exits_0_with_only_documented_differences(name):
-    out = run_side(name, "-m", "agent_loop.integrations.verl_check")
+    out = run_side(name, "-m", "agent_loop.cli", "verl-check")
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " 0 failed" in out.stdout and "FAIL" not in out.stdout
     expected = [line for line in out.stdout.splitlines() if "expected" in line and "│" in line]
