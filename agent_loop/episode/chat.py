@@ -59,11 +59,14 @@ class Observation:
     prompt (pass it to the next :meth:`ChatFormatter.observation`). ``mismatch``: ``None`` when the
     text the model has seen is a prefix of that render; else where they first differ
     (``{"char", "token", "seen", "fresh"}``: offsets in the fresh render and the text around them).
+    ``rerender``: ``None`` when that render shows the assistant turn as it was sampled; else where the sampled
+    text and the template's text of the turn's recorded message first differ (:func:`turn_difference`).
     """
 
     ids: list[int]
     rendered: str
     mismatch: dict | None = None
+    rerender: dict | None = None
 
 
 def first_difference(a, b) -> int:
@@ -71,6 +74,18 @@ def first_difference(a, b) -> int:
     one is a prefix of the other (also when they are equal)."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def turn_difference(sampled: str, rendered: str) -> dict | None:
+    """Where the text the model sampled for an assistant turn and the template's text of the turn's recorded
+    message first differ (``{"char", "sampled", "rendered"}``: the offset in the turn and the text around it), or
+    None when they are the same: a trainer that renders the recorded messages again (verl, TRL, SFT) would
+    see other tokens than the model wrote there, e.g. where the parser keeps a field the template renders
+    elsewhere, or the model skipped text the template always writes."""
+    if sampled == rendered:
+        return None
+    pos = first_difference(sampled, rendered)
+    return {"char": pos, "sampled": sampled[max(0, pos - 40): pos + 40], "rendered": rendered[max(0, pos - 40): pos + 40]}
 
 
 class ChatFormatter:
@@ -160,9 +175,11 @@ class ChatFormatter:
         """:meth:`observation` without the up-front probe (which itself observes)."""
         messages = list(history) + list(new_messages)
         fresh = self.render_text(messages, add_generation_prompt=True)
-        mismatch, before = None, seen
+        mismatch, before, rerender = None, seen, None
         if fresh.startswith(seen):
             marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+            if marker is not None and sampled is not None:
+                rerender = turn_difference(sampled, fresh[len(seen): marker[0]])
             if marker is not None and fresh[len(seen): marker[0]] != sampled:
                 alone = self.render_text(history)  # the turn as it rendered when it was the last message
                 end = self._marker(alone, len(seen), len(alone), stop_id, first=True)
@@ -178,7 +195,7 @@ class ChatFormatter:
                 f"{fresh[len(seen) if mismatch is None else 0:][-300:]!r}; pass chat_template= a template that "
                 "closes assistant turns with a special token")
         start, end = marker
-        return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch)
+        return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch, rerender)
 
     def final_mismatch(self, messages: list[dict], seen: str) -> dict | None:
         """Check a finished episode that ends with an assistant turn: the one-go render of ``messages`` must
@@ -189,6 +206,16 @@ class ChatFormatter:
         pos = first_difference(seen, fresh)
         return {"char": pos, "token": len(self.encode(fresh[:pos])),
                 "seen": seen[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+
+    def final_rerender(self, messages: list[dict], seen: str, sampled: str, stop_id: int | None) -> dict | None:
+        """:func:`turn_difference` of a finished episode's last assistant turn (sampled after the generation prompt
+        ``seen``, ended by ``stop_id``) and the one-go render of ``messages``; None where the render does not
+        start with ``seen`` (:meth:`final_mismatch` says where)."""
+        fresh = self.render_text(messages)
+        if not fresh.startswith(seen):
+            return None
+        marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+        return turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)])
 
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
         """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
@@ -202,9 +229,13 @@ class ChatFormatter:
         return self.observation(history, seen, new_messages, stop_id=stop).ids
 
     @staticmethod
-    def assistant_message(text: str, tool_calls: list[dict] | None = None) -> dict:
-        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts)."""
+    def assistant_message(text: str, tool_calls: list[dict] | None = None, *, reasoning: str | None = None) -> dict:
+        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts);
+        ``reasoning`` (:attr:`ParsedTurn.reasoning`) as its ``reasoning_content``, the field templates that render
+        reasoning apart from the content read (Command R7B's plan), as vLLM, verl and TRL name it."""
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = [
                 {"id": c.get("id", default_call_id(i)), "type": "function",

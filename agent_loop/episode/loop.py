@@ -44,6 +44,7 @@ from agent_loop.episode.contracts import (
     as_task,
     checked_step,
 )
+from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
 from agent_loop.types import Episode, ToolCallRecord, Trajectory
@@ -178,6 +179,8 @@ class _EpisodeState:
     seen: str = ""  # the one-go render of the messages so far, up to the current generation prompt
     calls_made: int = 0  # tool calls so far: their ids are unique in the episode
     template_diffs: list[dict] = field(default_factory=list)  # turns whose fresh render differs from what was seen
+    rerender_diffs: list[dict] = field(default_factory=list)  # assistant turns the template renders otherwise than sampled
+    last_turn: tuple[str, int | None] = ("", None)  # the last assistant turn's sampled text and stop token
     step_rewards: list[float | None] = field(default_factory=list)  # per assistant turn: its step's reward, if any
     steps: list[dict] = field(default_factory=list)  # steps with a reward or metadata (Trajectory.info["steps"])
     env_error: str | None = None  # why the environment's step failed (the episode ends with "error")
@@ -217,6 +220,15 @@ def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch
         raise TemplateError(f"turn {turn}: the chat template's one-go render of this episode differs from the "
                             f"tokens the model saw: {mismatch}")
     state.template_diffs.append({"turn": turn, **mismatch})
+
+
+def _final_checks(ctx: _Context, state: _EpisodeState) -> None:
+    """A finished chat's one-go render: it starts with the last generation prompt, and shows the last turn as sampled."""
+    last = len(state.turn_tokens) - 1
+    _template_diff(ctx.config, state, last, ctx.formatter.final_mismatch(state.messages, state.seen))
+    rerender = ctx.formatter.final_rerender(state.messages, state.seen, *state.last_turn)
+    if rerender is not None:
+        state.rerender_diffs.append({"turn": last, **rerender})
 
 
 async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tuple[GenerationResult | None, SamplingParams]:
@@ -261,6 +273,7 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
 
     stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
     text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
+    state.last_turn = (text, result.token_ids[-1] if stopped else None)
     assistant = _assistant_turn(ctx, state, turn, text, result.finish_reason)
     step = await _step(ctx, state, assistant)
     if step is None:
@@ -280,7 +293,7 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
         state.env_error = (f"EnvironmentError: turn {turn}: {type(ctx.env).__name__}'s step neither ended the "
                            "episode (done) nor gave an observation")
         return "error"
-    return _observe(ctx, state, turn, step.observations, result.token_ids[-1] if stopped else None, text)
+    return _observe(ctx, state, turn, step.observations, state.last_turn[1], text)
 
 
 def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, finish_reason: str) -> AssistantTurn:
@@ -292,8 +305,8 @@ def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, f
     if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
         state.messages.append(formatter.assistant_message(text))
     else:
-        state.messages.append(formatter.assistant_message(
-            parsed.content, [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)] or None))
+        calls = [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)]
+        state.messages.append(formatter.assistant_message(parsed.content, calls or None, reasoning=parsed.reasoning))
     final = finish_reason == "length" or turn == ctx.config.max_turns - 1
     return AssistantTurn(turn, text, parsed.content, parsed.calls + parsed.errors, ids, final, finish_reason)
 
@@ -334,6 +347,8 @@ def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict
     state.observation_truncations += cut
     state.messages += new_messages
     _template_diff(config, state, turn, obs.mismatch)
+    if obs.rerender is not None:
+        state.rerender_diffs.append({"turn": turn, **obs.rerender})
     state.seen = obs.rendered
     context = ctx.backend.context_length or ctx.context_length
     room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(ctx.prompt_ids))
@@ -393,7 +408,7 @@ async def run_episode(
                 finish_reason = ended
                 break
         if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
-            _template_diff(ctx.config, state, len(state.turn_tokens) - 1, ctx.formatter.final_mismatch(state.messages, state.seen))
+            _final_checks(ctx, state)
         score = await _score(task, episode, state, config.reward_timeout_s)
     finally:
         close_error = await _close(env, config.tool_timeout_s)
@@ -418,7 +433,7 @@ def _begin(task: Task, episode: Episode, env: TurnEnvironment, index: int, backe
         backend=backend, tokenizer=tokenizer, formatter=formatter,
         parser=episode.tool_format.parser_for(env.tool_schemas), env=env,
         config=config, prompt_ids=prompt_ids,
-        session_id=f"{task.name}:{seed}:{index}",  # one per episode: multi-server backends keep it on one server
+        session_id=episode_session_id(task.name, seed, index),  # one per episode: multi-server backends keep it on one server
         seed=seed, index=index,
     )
     ctx.vocab_size, ctx.context_length = model_limits(tokenizer)
@@ -500,6 +515,10 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         "template_mismatch": 0 if ctx.config.history_mode == "keep_seen" else len(state.template_diffs),
         "template_drift": len(state.template_diffs) if ctx.config.history_mode == "keep_seen" else 0,
         "template_first_diff": state.template_diffs[0] if state.template_diffs else None,
+        # assistant turns whose recorded message the template renders otherwise than the model sampled them (what a
+        # trainer rendering the messages again would see): {"turn", "char", "sampled", "rendered"} of the first
+        "template_rerender_diffs": len(state.rerender_diffs),
+        "template_rerender_first": state.rerender_diffs[0] if state.rerender_diffs else None,
     }
     if task_metrics:  # the task's own numbers about the episode, averaged by the trainer
         metrics["task"] = task_metrics

@@ -57,11 +57,17 @@ class ParseError:
 
 @dataclass
 class ParsedTurn:
-    """What an assistant turn said: its text without the calls, the calls in order, and the failed ones."""
+    """What an assistant turn said: its text without the calls, the calls in order, and the failed ones.
+
+    ``reasoning``: for formats whose template renders the turn's reasoning from the message's own field
+    (``reasoning_content``, as vLLM's reasoning parsers, verl and TRL name it) and not from its content, the
+    reasoning exactly as written (Command R7B's plan); None for the others, whose reasoning stays in the content
+    (Qwen3 ``<think>``: its template splits the content itself)."""
 
     content: str
     calls: list[ParsedCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 Item = ParsedCall | ParseError
@@ -353,24 +359,35 @@ def parse_functools(text: str) -> ParsedTurn:
     if "functools" not in text and text.strip().startswith("{"):
         return _turn("", _json_sequence(text.strip(), "arguments"))
     return _functools_list(text)
+
+
 _command_r_action = _marker_then_list("parse_command_r", "Action:", None, "tool_name", "parameters")
 _command_r7b_action = _marker_then_list("parse_command_r", "<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters")
 
 
 _R7B_RESPONSE = re.compile(r"<\|START_RESPONSE\|>(.*?)(?:<\|END_RESPONSE\|>|$)", re.DOTALL)
+_R7B_THINKING = re.compile(r"<\|START_THINKING\|>(.*?)<\|END_THINKING\|>", re.DOTALL)
 
 
 def parse_command_r(text: str) -> ParsedTurn:
-    """Command R7B/A: ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]<|END_ACTION|>``
-    (the plan in ``<|START_THINKING|>`` is content), and a reply ``<|START_RESPONSE|>TEXT<|END_RESPONSE|>`` whose
-    content is TEXT: the template wraps an answer's content in those markers itself, so keeping them would
-    render them twice in the one-go render of the episode. Command R/R+: ``Action: ```json [{"tool_name",
-    "parameters"}] ````."""
-    if "<|START_ACTION|>" in text:
-        return _command_r7b_action(text)
-    if (response := _R7B_RESPONSE.search(text)) is not None:
-        return ParsedTurn(response.group(1).strip())
-    return _command_r_action(text)
+    """Command R7B/A: ``<|START_THINKING|>PLAN<|END_THINKING|><|START_ACTION|>[{"tool_call_id", "tool_name",
+    "parameters"}, ...]<|END_ACTION|>``, and a reply ``<|START_RESPONSE|>TEXT<|END_RESPONSE|>`` whose content is TEXT.
+    The template writes those markers itself: a tool-call turn as ``<|START_THINKING|>{{ reasoning_content }}
+    <|END_THINKING|>`` + the calls (its content is not rendered), an answer as ``<|START_RESPONSE|>{{ content }}
+    <|END_RESPONSE|>``; so PLAN is the turn's reasoning, kept exactly as written, and no marker stays in the
+    content (it would render twice in the one-go render of the episode). Command R/R+: ``Action: ```json
+    [{"tool_name", "parameters"}] ````."""
+    plan = _R7B_THINKING.search(text)
+    rest = text if plan is None else text[: plan.start()] + text[plan.end():]
+    reasoning = None if plan is None else plan.group(1)
+    if "<|START_ACTION|>" in rest:
+        turn = _command_r7b_action(rest)
+    elif (response := _R7B_RESPONSE.search(rest)) is not None:
+        turn = ParsedTurn(response.group(1).strip())
+    else:
+        return _command_r_action(text)
+    turn.reasoning = reasoning
+    return turn
 
 
 def parse_granite_20b_fc(text: str) -> ParsedTurn:
