@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from trainer import TrainConfig, Trainer
 
 
@@ -44,12 +46,13 @@ def main() -> None:
                          seed=args.seed, threads=args.threads, output_dir=args.output_dir, progress=False)
     started = time.perf_counter()
     trainer = Trainer(config)
+    threads = torch.get_num_threads()  # what the Trainer resolved (agent_loop.threads): config.threads may be None
     history = trainer.train()  # one line per step: sampled success, reward, loss, ...; eval every few steps
     elapsed = time.perf_counter() - started
     print()
     print(summarize(history, trainer.eval_history, window=5))
     print(f"{len(history)} steps x {config.episodes_per_step} episodes in {elapsed:.0f} s "
-          f"({elapsed / 60:.1f} min, {config.threads} threads)")
+          f"({elapsed / 60:.1f} min, {threads} threads)")
 
 
 if __name__ == "__main__":
