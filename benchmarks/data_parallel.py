@@ -8,7 +8,7 @@ Runs ``agent-loop train`` four times on the same seeds: one process with 1 threa
 ``DistributedDataParallel`` and in FSDP2 (``--parallel ddp`` / ``fsdp``). Prints the
 median step time (steps after the first), episodes/s and the ratio to the 1-process/1-thread run,
 then the success rate of every step of each run side by side (the runs play the same episodes while
-their weights agree; see tests/test_distributed.py for the exact check).
+their weights agree; see tests/trainer/test_distributed.py for the exact check).
 """
 
 from __future__ import annotations

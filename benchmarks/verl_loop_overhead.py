@@ -35,19 +35,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the verl worker setup the integration tests use (config, rows, the verl tool) and the test tokenizer
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integrations" / "verl_side")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integrations" / "verl_side")]
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from testdata import qwen_tokenizer_dir  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 from verl_worker_common import RESPONSE_LENGTH, batch_of, model_dir, row, trainer_config  # noqa: E402
 
 import agent_loop.integrations.verl_agent_loop  # noqa: E402,F401  (registers "agent_loop" in verl's registry)
 from agent_loop.backends.scripted import scripted_logprob  # noqa: E402
+from tests.helpers.testdata import qwen_tokenizer_dir  # noqa: E402
 
 LOOPS = ("tool_agent", "agent_loop")  # verl's, ours
 COMPARED = ("prompts", "responses", "response_mask", "attention_mask", "rollout_log_probs")

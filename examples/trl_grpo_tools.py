@@ -101,8 +101,8 @@ def build_model(out_dir: Path, tokenizer_dir: Path) -> Path:
 
 
 def repo_tokenizer_dir() -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
-    from testdata import qwen_tokenizer_dir  # the real Qwen2.5 tokenizer shipped in tests/data
+    sys.path.insert(0, str(REPO))  # tests.helpers
+    from tests.helpers.testdata import qwen_tokenizer_dir  # the real Qwen2.5 tokenizer shipped in tests/data
 
     return qwen_tokenizer_dir()
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from masking.cache import cache_root  # the one cache folder (stdlib only: agent_loop reads it without torch)
+
 # No -march=native: the cache may be shared by machines with other CPUs. IEEE semantics are kept
 # (NaN compares unequal: the checks rely on it; no fused multiply-adds, which only some clones
 # would use). Relaxed: errno from sqrt and the FP exception flags (so float ops under a condition
@@ -36,12 +38,6 @@ import torch
 # between CPUs in bits far below a float32 output's rounding.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
 HEADERS = Path(__file__).parent  # native_simd.h, included by every C file: on the -I path, hashed with each source
-
-
-def cache_root() -> Path:
-    """The one cache folder of agent-loop: ``$AGENT_LOOP_CACHE``, else ``~/.cache/agent_loop`` (compiled loops
-    here, the tiny agent and test data beside them)."""
-    return Path(os.environ.get("AGENT_LOOP_CACHE") or Path.home() / ".cache" / "agent_loop")
 
 
 def cache_dir() -> Path:
@@ -73,7 +69,7 @@ def load(source: Path) -> ctypes.CDLL | None:
                 built = Path(scratch) / path.name
                 command = [*_compile_command(), "-o", str(built), str(source)]
                 subprocess.run(command, check=True, capture_output=True, text=True)
-                os.replace(built, path)
+                os.replace(built, path)  # not agent_loop.files: masking imports only torch
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as error:
         reason = getattr(error, "stderr", None) or error

@@ -20,15 +20,16 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "episode")]  # tests.helpers; test_chat_templates
 
 BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 
 
 def _tokenizer():
     from test_chat_templates import MARKER
-    from testdata import TEMPLATE_FILES, TEMPLATES_DIR, qwen_tokenizer_dir
     from transformers import AutoTokenizer
+
+    from tests.helpers.testdata import TEMPLATE_FILES, TEMPLATES_DIR, qwen_tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     markers = sorted({m for name in TEMPLATE_FILES for m in MARKER.findall((TEMPLATES_DIR / name).read_text())})
@@ -72,10 +73,10 @@ def rows(tokenizer) -> list[tuple[str, ...]]:
         make_formatter,
     )
     from test_parser_roundtrip import LOSSY
-    from testdata import TEMPLATE_FILES, read_template
 
     from agent_loop.episode.chat import ChatFormatter, TemplateError
     from agent_loop.episode.tool_formats import parser_for_template
+    from tests.helpers.testdata import TEMPLATE_FILES, read_template
 
     out = []
     for name in TEMPLATE_FILES:

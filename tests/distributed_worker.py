@@ -1,4 +1,4 @@
-"""One training step, with its intermediate tensors saved, for tests/test_distributed.py.
+"""One training step, with its intermediate tensors saved, for tests/trainer/test_distributed.py.
 
 Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON [--no-share-prefix]``) or under
 torchrun; every rank writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns,

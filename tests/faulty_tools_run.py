@@ -1,4 +1,4 @@
-"""Run by tests/test_faults.py in a subprocess: a rollout whose tools misbehave in every way the issue lists.
+"""Run by tests/runners/test_faults.py in a subprocess: a rollout whose tools misbehave in every way the issue lists.
 
 argv: tokenizer dir, output path, episodes. Episode i calls tool number i % len(TOOLS) in its first
 turn (hung tools: the first HUNG episodes), then answers "done". The process must finish the run and exit.

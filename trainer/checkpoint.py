@@ -26,15 +26,15 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
 import pickle
 import random
-import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+
+import agent_loop.files as files
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
@@ -53,14 +53,6 @@ RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "th
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from (missing or cut-short files), or no complete one."""
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -96,37 +88,34 @@ def sha256(path: Path) -> str:
     return _digests[key]
 
 
-def write_checkpoint(path: Path, *, step: int, state: dict, save_model) -> Path:
-    """Write a checkpoint folder atomically: ``save_model(folder)`` fills ``model/``, ``state`` (plain values and
-    tensors) goes to ``trainer_state.pt``, then the manifest (sizes and sha256), every file fsynced, the folder
-    renamed into place and ``latest`` pointed at it. ``train`` and ``warmstart`` both save this way."""
+def write_folder(path: Path, *, fill, manifest: dict | None = None) -> Path:
+    """Write folder ``path`` atomically (:func:`agent_loop.files.write_folder`): ``fill(tmp)`` writes into
+    ``.tmp-NAME`` beside it, then :data:`MANIFEST` (every file's size and sha256, and ``manifest``'s keys), every
+    file and folder fsynced, the folder renamed into place (an existing ``path`` swapped out via ``.old-NAME``,
+    never removed first). :func:`problems` and :func:`damaged` check such a folder. Returns ``path``."""
+    def filled(tmp: Path) -> None:
+        fill(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        (tmp / MANIFEST).write_text(json.dumps({**(manifest or {}),
+                                                "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
+                                                "sha256": {str(p.relative_to(tmp)): sha256(p) for p in files}},
+                                               indent=1))
+
     path = Path(path)
-    root = path.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-    save_model(tmp / "model")
-    torch.save(state, tmp / STATE_FILE)
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"format": FORMAT, "step": step,
-                "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
-                "sha256": {str(p.relative_to(tmp)): sha256(p) for p in files}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    for p in [*files, tmp / MANIFEST, tmp / "model", tmp]:
-        _fsync(p)
-    if path.exists():  # the same step saved again: swap the old one out, never leave neither
-        old = root / f".old-{path.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(path.name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync(root)
+    files.write_folder(path, filled)
+    return path
+
+
+def write_checkpoint(path: Path, *, step: int, state: dict, save_model) -> Path:
+    """Write a checkpoint folder atomically (:func:`write_folder`): ``save_model(folder)`` fills ``model/``,
+    ``state`` (plain values and tensors) goes to ``trainer_state.pt``, then the manifest, and ``latest`` is
+    pointed at it. ``train`` and ``warmstart`` both save this way."""
+    def fill(tmp: Path) -> None:
+        save_model(tmp / "model")
+        torch.save(state, tmp / STATE_FILE)
+
+    path = write_folder(path, fill=fill, manifest={"format": FORMAT, "step": step})
+    files.write_text(path.parent / LATEST, path.name + "\n")
     return path
 
 
@@ -298,14 +287,12 @@ def changed_settings(saved: dict, config) -> list[str]:
 
 def check_settings(saved: dict, config) -> None:
     """Refuse a resume with changed settings unless ``config.allow_config_change``; warn when allowed."""
-    changes = changed_settings(saved, config)
-    if not changes:
-        return
-    listing = "; ".join(changes)
-    if not getattr(config, "allow_config_change", False):
-        raise CheckpointError(f"resume: settings differ from the checkpoint's: {listing} "
-                              "(pass --allow-config-change to resume with them anyway)")
-    warnings.warn(f"resume with changed settings: {listing}", stacklevel=2)
+    from agent_loop.runners.outputs import refuse_changed  # the one refusal (rollout --resume too)
+
+    refuse_changed(changed_settings(saved, config), allowed=getattr(config, "allow_config_change", False),
+                   warning="resume with changed settings", refusal=lambda listing: CheckpointError(
+                       f"resume: settings differ from the checkpoint's: {listing} "
+                       "(pass --allow-config-change to resume with them anyway)"))
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -326,8 +313,5 @@ def trim_metrics(path: Path, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        _fsync(tmp)
-        os.replace(tmp, path)
+        files.write_text(path, "".join(line + "\n" for line in kept))
     return dropped

@@ -6,7 +6,7 @@ get gradients and AdamW state. In-process rollout backends and checkpoints get t
 ``W + (alpha / r) B A``, computed without touching ``W`` (no merge/unmerge round trip that would
 drift the frozen base in float rounding): a checkpoint's ``model/`` is a plain transformers model,
 and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``). vLLM rollout
-servers get the adapter alone (``agent_loop.backends.weight_sync.VLLMServerLoRASync``).
+servers get the adapter alone (``trainer.transports.vllm_servers.VLLMServerLoRASync``).
 """
 
 from __future__ import annotations

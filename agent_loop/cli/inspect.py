@@ -12,24 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import USAGE_EXIT, UsageError, add_threads_option, int_at_least, threads_from
+from agent_loop.cli.options import USAGE_EXIT, UsageError, add_threads_option, int_at_least, number_in, threads_from
+from agent_loop.files import write_file
 from agent_loop.inspect.choices import INFORMATIVE, LABEL
-from agent_loop.inspect.output import write_atomically
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop inspect"
 DESCRIPTION = "see spans, rewards, returns and advantages token by token"
-
-
-def discount(text: str) -> float:
-    """argparse type: a float in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="registered estimator whose returns and (whitened) advantages are computed "
                              "(default: info['estimator'] of the file, else reinforce_plus_plus, carry-through); "
                              "episodes of a training step file show the step's own values")
-    parser.add_argument("--gamma", type=discount, default=None,
+    parser.add_argument("--gamma", type=number_in(ge=0, le=1), default=None,
                         help="discount of the returns, in [0, 1] (default: info['gamma'] of the file, else 1.0)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="local tokenizer folder (default: each trajectory's info['model_path'])")
@@ -120,7 +109,7 @@ def consoles(args: argparse.Namespace):
 
 
 def written(err, path: str, write) -> None:
-    write_atomically(path, write)
+    write_file(path, write)  # through a temporary file: an existing output is replaced only once complete
     err.print(f"wrote {path}")
 
 

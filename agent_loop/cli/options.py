@@ -242,6 +242,28 @@ def int_at_least(low: int):
     return convert
 
 
+def number_in(*, gt: float | None = None, ge: float | None = None, le: float | None = None, lt: float | None = None):
+    """An argparse ``type=`` for parsers not built from a dataclass: a number within the bounds (pydantic's
+    names), else argparse's usage error (exit 2) in the words of a declared field's ("must be a number >= 0 and
+    <= 1"). NaN is outside any bound."""
+    bounds = [(word, bound, test) for word, bound, test in
+              ((">", gt, float.__gt__), (">=", ge, float.__ge__), ("<=", le, float.__le__), ("<", lt, float.__lt__))
+              if bound is not None]
+    words = " and ".join(f"{word} {bound:g}" for word, bound, _ in bounds)
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not all(test(value, float(bound)) for _, bound, test in bounds):
+            raise argparse.ArgumentTypeError(f"{text}: must be a number {words}".rstrip())
+        return value
+
+    convert.__name__ = f"number {words}".rstrip()
+    return convert
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--threads`` (:class:`~agent_loop.threads.ThreadOptions`) for a command whose parser is not built from an
     options dataclass (serve, inspect, tiny)."""

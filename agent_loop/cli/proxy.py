@@ -14,21 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import UsageError, add_threads_option, int_at_least, threads_from
+from agent_loop.cli.options import UsageError, add_threads_option, int_at_least, number_in, threads_from
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
 DEFAULT_OUT = "runs/sessions.jsonl"
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be a number > 0")
-    return value
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -50,7 +40,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="require Authorization: Bearer KEY (default: $AGENT_LOOP_PROXY_API_KEY; unset: none)")
     parser.add_argument("--one-request-sessions", action="store_true",
                         help="a call without a session id is a session of its own (default: refused)")
-    parser.add_argument("--idle-timeout-s", type=_positive, default=600.0,
+    parser.add_argument("--idle-timeout-s", type=number_in(gt=0), default=600.0,
                         help="close (and write) a session idle this long (default 600)")
     parser.add_argument("--max-sessions", type=int_at_least(1), default=1024, help="open sessions at most")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=256, help="per call, when a request gives none")

@@ -151,7 +151,7 @@ def check_resume_settings(opts: RolloutOptions, saved_path: Path) -> None:
     settings saved at ``saved_path``) unless ``--allow-config-change``; then the differences are a warning."""
     import yaml
 
-    from agent_loop.runners.outputs import changed_settings
+    from agent_loop.runners.outputs import changed_settings, refuse_changed
 
     flag = "--resume" if opts.resume else "--append"
     if not saved_path.is_file():
@@ -161,14 +161,11 @@ def check_resume_settings(opts: RolloutOptions, saved_path: Path) -> None:
         saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as error:
         raise UsageError(f"{flag}: cannot read the saved settings {saved_path}: {error}") from None
-    changes = changed_settings(saved, dataclasses.asdict(opts), EPISODE_SETTINGS)
-    if not changes:
-        return
-    listing = "; ".join(changes)
-    if not opts.allow_config_change:
-        raise UsageError(f"{flag}: settings differ from those the episodes in {opts.out} were played with "
-                         f"({saved_path}): {listing} (pass --allow-config-change to add such episodes to it anyway)")
-    warnings.warn(f"{flag} with changed settings ({saved_path} keeps the first run's): {listing}", stacklevel=2)
+    refuse_changed(changed_settings(saved, dataclasses.asdict(opts), EPISODE_SETTINGS),
+                   allowed=opts.allow_config_change, warning=f"{flag} with changed settings ({saved_path} keeps the "
+                   "first run's)", refusal=lambda listing: UsageError(
+                       f"{flag}: settings differ from those the episodes in {opts.out} were played with "
+                       f"({saved_path}): {listing} (pass --allow-config-change to add such episodes to it anyway)"))
 
 
 def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namespace | None = None) -> int:

@@ -97,24 +97,42 @@ def as_task(obj) -> Task:
     if not is_task(obj):
         raise TypeError(f"{obj!r} is not a task: a task has make_episode(index, seed) and "
                         "reward(episode, messages, tool_calls) (subclass agent_loop.tasks.base.Task)")
-    return _Wrapped(obj)
+    return TaskWrapper(obj)
 
 
-class _Wrapped(Task):
-    """A task object that does not subclass :class:`Task`, with the defaults for the hooks it lacks."""
+HOOKS = ("make_episode", "reward", "success", "turn_rewards", "episode_metrics", "demonstrate")  # every Task hook
+
+
+class TaskWrapper(Task):
+    """``task`` with every hook forwarded to it (:data:`HOOKS`); a hook it lacks (a task object that does not
+    subclass :class:`Task`) gets :class:`Task`'s default. Subclass it and override the hooks a wrapper changes
+    (:class:`agent_loop.tasks.grouping.GroupedTask`, the verl loop's row task): the others stay the task's."""
 
     def __init__(self, task):
         self.task = task
-        self.name = getattr(task, "name", None) or type(task).__name__
-        for hook in ("success", "turn_rewards", "episode_metrics", "demonstrate"):
-            if callable(getattr(task, hook, None)):
-                setattr(self, hook, getattr(task, hook))
+        self.name = task.name if isinstance(task, Task) else getattr(task, "name", None) or type(task).__name__
+
+    def _forward(self, hook: str, *args):
+        own = getattr(self.task, hook, None)
+        return own(*args) if callable(own) else getattr(Task, hook)(self, *args)
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
-        return self.task.make_episode(index, seed)
+        return self._forward("make_episode", index, seed)
 
     def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        return self.task.reward(episode, messages, tool_calls)
+        return self._forward("reward", episode, messages, tool_calls)
+
+    def success(self, episode: Episode, reward: float) -> bool:
+        return self._forward("success", episode, reward)
+
+    def turn_rewards(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> list[float] | None:
+        return self._forward("turn_rewards", episode, messages, tool_calls)
+
+    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict[str, float]:
+        return self._forward("episode_metrics", episode, messages, tool_calls)
+
+    def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict] | None:
+        return self._forward("demonstrate", episode, rng)
 
 
 # --- the environment of a turn ---------------------------------------------------------------------

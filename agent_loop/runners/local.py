@@ -130,40 +130,48 @@ async def stream_rollouts(spec: RunSpec, backend: Backend, *, concurrency: int =
     check_backend(backend)
     episodes = spec.episodes if total is not None else list(spec.episodes)
     total = len(episodes) if total is None else total
-    todo, order, head = iter(episodes), [], []
+    todo, order, head = iter(episodes), [] if keep else None, []
     if keep or sample_size:
         head = list(itertools.islice(todo, sample_size))
-        todo = _tracked(itertools.chain(head, todo), order if keep else None)
+    todo = tracked(itertools.chain(head, todo), order)
     stats = RolloutStats(sample_indices=frozenset(head))
     try:
         with TrajectorySink(total, f"rollout {spec.task.name}", spec.output_path, spec.progress, spec.output_mode,
                             keep=keep, stats=stats, info=spec.recorded()) as sink:
-            async def worker() -> None:
-                for index in todo:  # one shared iterator: each index is played once
-                    sink.add(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
+            async def next_index() -> int | None:
+                return next(todo, None)  # one shared iterator: each index is played once
 
-            await _all_or_none([asyncio.ensure_future(worker()) for _ in range(min(concurrency, max(total, 1)))])
+            await play_pool(spec, backend, sink, next_index, workers=min(concurrency, max(total, 1)))
     finally:
         await backend.end_run()
     return stats, (sink.in_order(order) if keep else None)
 
 
-def _tracked(indices: Iterable[int], order: list[int] | None) -> Iterable[int]:
-    """``indices``, each appended to ``order`` (when given) as it is handed out."""
+def tracked(indices: Iterable[int], order: list[int] | None) -> Iterable[int]:
+    """``indices``, each appended to ``order`` (when given) as it is handed out: the one place a runner records
+    the order its episodes were handed out in (what ``TrajectorySink.in_order`` returns them by)."""
     for index in indices:
         if order is not None:
             order.append(index)
         yield index
 
 
-async def _all_or_none(workers: list[asyncio.Future]) -> None:
-    """Wait for every worker; on a fatal error (or a cancellation) stop the rest, then raise the first error."""
+async def play_pool(spec: RunSpec, backend: Backend, sink: TrajectorySink, next_index, *, workers: int) -> None:
+    """The in-process worker pool (the local runner's and the asynchronous producer's): ``workers`` tasks, each
+    awaiting ``next_index()`` (an episode index, or None: no more), playing it with :func:`play_episode` and
+    handing the Trajectory to ``sink`` (which stamps the run's ``info``). A fatal backend error (or a
+    cancellation) stops the other workers, then is raised."""
+    async def worker() -> None:
+        while (index := await next_index()) is not None:
+            sink.add(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
     try:
-        await asyncio.gather(*workers)
+        await asyncio.gather(*tasks)
     except BaseException:
-        for worker in workers:
-            worker.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         raise
 
 

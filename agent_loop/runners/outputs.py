@@ -5,7 +5,8 @@ inside a training folder) from before it reads the output until it ends. The loc
 that file, which the kernel drops when the holder dies however it dies, so a second run into the same
 output is refused in one line naming the holder (pid, host, start time), and the file left by a killed
 run (its holder gone) is taken over with a warning. :func:`changed_settings` is the one comparison of a
-resumed run's settings with the saved ones (``rollout --resume`` and ``train --resume``).
+resumed run's settings with the saved ones and :func:`refuse_changed` the one refusal (``rollout --resume`` and
+``train --resume``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 LOCK_SUFFIX = ".lock"  # a file output's lock: X.jsonl -> X.jsonl.lock
 FOLDER_LOCK = ".agent-loop.lock"  # a folder output's lock, inside it
@@ -144,6 +145,17 @@ def changed_settings(saved: dict, now: dict, names: Iterable[str]) -> list[str]:
     """``"name: saved -> now"`` for each of ``names`` that both hold and that differs (sorted by name)."""
     return [f"{name}: {saved[name]!r} -> {now[name]!r}" for name in sorted(names)
             if name in saved and name in now and saved[name] != now[name]]
+
+
+def refuse_changed(changes: list[str], *, allowed: bool, refusal: Callable[[str], Exception], warning: str) -> None:
+    """The one rule for a resume with changed settings (:func:`changed_settings`'s lines): none, nothing to say;
+    else raise ``refusal(listing)`` unless ``allowed`` (``--allow-config-change``), then warn ``warning: listing``."""
+    if not changes:
+        return
+    listing = "; ".join(changes)
+    if not allowed:
+        raise refusal(listing)
+    warnings.warn(f"{warning}: {listing}", stacklevel=3)
 
 
 def is_write_failure(error: BaseException) -> bool:

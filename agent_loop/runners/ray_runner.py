@@ -31,7 +31,7 @@ import ray
 
 from agent_loop.backends.base import Backend, is_fatal
 from agent_loop.config import plural
-from agent_loop.runners.local import TrajectorySink, error_trajectory, play_episode
+from agent_loop.runners.local import TrajectorySink, error_trajectory, play_episode, tracked
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
@@ -70,7 +70,7 @@ class _ActorPool:
         self.options = {"max_concurrency": concurrency, **options}
         # the actors get the spec without its indices (a lazy iterable may not pickle; they need none)
         self.refs = (ray.put(dataclasses.replace(spec, episodes=())), ray.put(backend_factory))
-        self.todo, self.order = iter(spec.episodes), order  # order: indices as first handed out (keep=True)
+        self.todo = iter(tracked(spec.episodes, order))  # order: indices as first handed out (keep=True)
         self.replays: deque[int] = deque()  # a dead actor's unfinished episodes, played before new ones
         self.attempts: dict[int, int] = {}  # per episode in flight or waiting for its replay
         self.workers: list = [self._new_worker() for _ in range(min(num_workers, max(total, 1)))]
@@ -99,8 +99,6 @@ class _ActorPool:
             index = next(self.todo, None)
             if index is None:
                 return None
-            if self.order is not None:
-                self.order.append(index)
             self.replays.append(index)
         return self.replays[0] if peek else self.replays.popleft()
 

@@ -26,9 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,12 +35,13 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
+import agent_loop.files as files
 from agent_loop.tiny.data import dialogue, render, task_for
 from agent_loop.tiny.evaluate import evaluate
 from agent_loop.tiny.pinned import numerics, run_pinned
 from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
 from agent_loop.tiny.train import train
-from masking.native import cache_root
+from masking.cache import cache_root
 
 # Change whenever anything that shapes the built files changes (it names the cache folder).
 # v9: pinned numerics (agent_loop.tiny.pinned) and "mid" picked from every 2% of the second half of training
@@ -107,14 +106,11 @@ def unpack_shipped(target: Path) -> bool:
     if digest != SHIPPED_SHA256[target.name]:
         raise RuntimeError(f"{archive} is damaged (sha256 {digest}, expected {SHIPPED_SHA256[target.name]}); "
                            "restore it from git, or delete it to build the tiny agent from its recipe")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.unpack-", dir=target.parent))
-    try:
+    with files.staging_folder(target) as scratch:
         with tarfile.open(archive) as tar:
             tar.extractall(scratch, filter="data")
         (scratch / target.name / "shipped.txt").write_text(f"unpacked from {archive.name}, sha256 {digest}\n")
-        (scratch / target.name).rename(target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        files.publish_folder(scratch / target.name, target)
     return True
 
 
@@ -136,21 +132,11 @@ def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], d
 
     Replaces an existing ``target`` (the caller holds the lock). Returns the build record.
     """
-    for stale in target.parent.glob(f".{target.name}.build-*"):  # left by a killed build (we hold the lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     threads = torch.get_num_threads()  # an unpinned build (agent_loop.tiny.pinned) sets them in this process
-    try:
-        record = build_into(scratch) if build_into is not None else _build_into(scratch, progress)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            target.rename(old / "built")
-            shutil.rmtree(old)
-        scratch.rename(target)
-        return record
+    try:  # the caller holds the lock: a scratch folder left by a killed build is ours to remove
+        return files.write_folder(target, build_into or (lambda scratch: _build_into(scratch, progress)))
     finally:
         torch.set_num_threads(threads)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _build_into(folder: Path, progress: bool) -> dict:

@@ -1,17 +1,11 @@
 """Estimators and masked statistics against plain references written here with loops (over groups,
-rows or tokens), and the one estimator registry. Losses: tests/test_policy_losses.py."""
+rows or tokens), and the one estimator registry. Losses: tests/advantages/test_policy_losses.py."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
-from reference_returns import (
-    discounted_returns_ref,
-    gae_ref,
-    returns_ignore_mask_ref,
-    returns_reset_at_observation_ref,
-)
 
 from advantages import (
     ESTIMATORS,
@@ -31,6 +25,12 @@ from advantages import (
     rloo,
 )
 from masking.spans import SpanKind
+from tests.helpers.reference_returns import (
+    discounted_returns_ref,
+    gae_ref,
+    returns_ignore_mask_ref,
+    returns_reset_at_observation_ref,
+)
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 

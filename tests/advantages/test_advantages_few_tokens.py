@@ -1,18 +1,11 @@
 """Issue 28 item 7: every estimator with 0, 1 and 2 ASSISTANT tokens, validated and not, against the
-serial references (tests/reference_returns.py and the group loops here), on the compiled and the
+serial references (tests/helpers/reference_returns.py and the group loops here), on the compiled and the
 torch CPU paths. Off the mask the advantages are exactly 0 always; below 2 tokens the whitened
 estimators raise when validated (as verl) and give exactly 0 everywhere when not
 (advantages/stats.py). The Triton path's cases are in test_triton_kernels.py (interpreter)."""
 
 import pytest
 import torch
-from reference_returns import (
-    discounted_returns_ref,
-    gae_ref,
-    returns_ignore_mask_ref,
-    returns_reset_at_observation_ref,
-    whiten_ref,
-)
 
 from advantages import (
     gae,
@@ -26,6 +19,13 @@ from advantages import (
 )
 from advantages.native_scans import compiled_scans
 from masking.spans import SpanKind
+from tests.helpers.reference_returns import (
+    discounted_returns_ref,
+    gae_ref,
+    returns_ignore_mask_ref,
+    returns_reset_at_observation_ref,
+    whiten_ref,
+)
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 GAMMA, LAM = 0.9, 0.95

@@ -5,19 +5,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference_returns import (
-    discounted_returns_ref,
-    gae_ref,
-    returns_ignore_mask_ref,
-    returns_reset_at_observation_ref,
-    whiten_ref,
-)
 
 from advantages import discounted_returns, gae, returns_ignore_mask, returns_reset_at_observation
 from advantages.native_scans import native_gae, native_returns, native_whitened_returns
 from advantages.returns import WHITEN_EPS, whitened_discounted_returns
 from advantages.scan import carry_scan, max_exponent
 from masking.spans import SpanKind
+from tests.helpers.reference_returns import (
+    discounted_returns_ref,
+    gae_ref,
+    returns_ignore_mask_ref,
+    returns_reset_at_observation_ref,
+    whiten_ref,
+)
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 GAMMAS = (0.0, 0.5, 0.99, 1.0)
@@ -456,7 +456,7 @@ def test_hot_path_calls_nothing_that_syncs_with_the_host(monkeypatch):
     """validate=False: the torch path reads nothing back (on CUDA it would not wait for the device);
     validate=True reads its checks back once per call (one sync on CUDA: a stack of scalars) on
     the torch path, and through no torch call on the compiled CPU path."""
-    from host_syncs import HostSyncs
+    from tests.helpers.host_syncs import HostSyncs
 
     generator = torch.Generator().manual_seed(3)
     spans = random_spans(300, generator)

@@ -13,8 +13,6 @@ import subprocess
 
 import pytest
 import torch
-from host_syncs import HostSyncs
-from reference_losses import ppo_token_loss
 
 from advantages import (
     ROLLOUT_RS_OPTIONS,
@@ -26,6 +24,8 @@ from advantages import (
     ppo_clip_policy_loss,
 )
 from masking import SpanKind
+from tests.helpers.host_syncs import HostSyncs
+from tests.helpers.reference_losses import ppo_token_loss
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 BOUND = 20.0
@@ -422,7 +422,7 @@ def verl_cases() -> list[dict]:
 @pytest.mark.integration
 def test_against_the_real_verl_rollout_corr_helper():
     """verl's functions run in the verl 0.9.1 side environment on the same inputs (JSON on stdin)."""
-    from test_verl_real import ROOT, side_python
+    from tests.helpers.side_envs import ROOT, side_python
 
     cases = verl_cases()
     done = subprocess.run([str(side_python("verl-0.9.1")), "-c", VERL_SIDE], cwd=ROOT, input=json.dumps(cases),

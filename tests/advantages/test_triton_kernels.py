@@ -15,14 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from host_syncs import HostSyncs
+
+from tests.helpers.host_syncs import HostSyncs
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from reference_returns import discounted_returns_ref, gae_ref, whiten_ref  # noqa: E402
-
 from advantages import triton_kernels  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
+from tests.helpers.reference_returns import discounted_returns_ref, gae_ref, whiten_ref  # noqa: E402
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 BLOCK = 16  # small chunks so short rows cross several chunk boundaries
@@ -201,7 +201,7 @@ def moment_cases():
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     path = tmp_path_factory.mktemp("triton") / "results.pt"
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helpers (reference_returns)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # its parent: tests.helpers
     paths = os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=paths)
     proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True, timeout=300)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from testdata import qwen_tokenizer_dir, read_template
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.config import LoopConfig
@@ -25,6 +24,7 @@ from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.dataset import DatasetTask
 from masking.native import cache_root
 from masking.spans import SpanKind
+from tests.helpers.testdata import qwen_tokenizer_dir, read_template
 
 pytestmark = pytest.mark.slow
 

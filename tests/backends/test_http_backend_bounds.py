@@ -15,7 +15,6 @@ import time
 
 import pytest
 from aiohttp import web
-from test_http_backend import StubServer
 
 from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.openai_http import HTTPBackendError, OpenAIHTTPBackend, free_port
@@ -23,6 +22,7 @@ from agent_loop.backends.registry import make_backend
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
 from agent_loop.tasks.registry import get_task
+from tests.helpers.http_stub import StubServer
 
 MODEL = "stub-model"
 

@@ -293,7 +293,7 @@ INSPECT_CASES = [
     (["--max-episodes", "0"], "argument --max-episodes: 0: must be an integer >= 1"),
     (["--worst", "0"], "argument --worst: 0: must be an integer >= 1"),
     (["--width", "5"], "argument --width: 5: must be an integer >= 20"),
-    (["--gamma", "2"], "argument --gamma: must be in [0, 1], got 2.0"),
+    (["--gamma", "2"], "argument --gamma: 2: must be a number >= 0 and <= 1"),
 ]
 
 
@@ -415,13 +415,16 @@ def test_default_out_never_touches_an_earlier_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus_reset_at_observation", "reinforce_plus_plus_ignore_mask"])
 def test_rollout_summary_shows_the_chosen_estimator(capsys, tmp_path, tiny_agent_dir, estimator):
     """The returns table is computed by the estimator named on the command line, checked against the
-    serial references (tests/reference_returns.py) on the episodes written."""
+    serial references (tests/helpers/reference_returns.py) on the episodes written."""
     import re
-
-    from reference_returns import discounted_returns_ref, returns_ignore_mask_ref, returns_reset_at_observation_ref
 
     from agent_loop.runners.batch import trajectories_to_batch
     from agent_loop.runners.local import read_trajectories
+    from tests.helpers.reference_returns import (
+        discounted_returns_ref,
+        returns_ignore_mask_ref,
+        returns_reset_at_observation_ref,
+    )
 
     out = tmp_path / "r.jsonl"
     assert main(["rollout", "--model", str(tiny_agent_dir), "--episodes", "6", "--gamma", "0.9",

@@ -12,12 +12,13 @@ from agent_loop.threads import default_threads, resolve_threads
 
 COMMAND_ARGS = {  # the least each command needs to reach its option checks
     "rollout": [], "train": [], "warmstart": [], "serve": ["--dry-run"], "tiny": [], "inspect": ["missing.jsonl"],
-    "proxy": [], "models": [],
+    "proxy": [], "models": [], "verl-check": [],
 }
 
 
 def command_names() -> list[str]:
-    return [module.add_parser.__module__.rsplit(".", 1)[1] for module in COMMANDS]
+    """The command names (a module per command: ``verl_check`` is ``verl-check``)."""
+    return [module.add_parser.__module__.rsplit(".", 1)[1].replace("_", "-") for module in COMMANDS]
 
 
 def test_every_command_has_threads_in_its_help(capsys):

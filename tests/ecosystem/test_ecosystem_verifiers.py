@@ -8,9 +8,9 @@ episode it scores the same completions serially with verifiers' own objects (its
 tool method, its Task.score). This test checks what it printed."""
 
 import pytest
-from test_verl_real import ROOT, side_json
 
 from masking import SpanKind
+from tests.helpers.side_envs import ROOT, side_json
 
 A, O = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION)
 

@@ -2,9 +2,9 @@
 
 
 import pytest
-from testdata import read_template
 
 from agent_loop.episode.chat import ChatFormatter, TemplateError
+from tests.helpers.testdata import read_template
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

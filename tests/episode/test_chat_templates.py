@@ -11,11 +11,11 @@ import json
 import re
 
 import pytest
-from testdata import TEMPLATE_FILES, qwen_tokenizer_dir
-from testdata import TEMPLATES_DIR as TEMPLATES
 
 from agent_loop.episode.chat import ChatFormatter, TemplateError
 from masking.spans import SpanKind
+from tests.helpers.testdata import TEMPLATE_FILES, qwen_tokenizer_dir
+from tests.helpers.testdata import TEMPLATES_DIR as TEMPLATES
 
 # Special markers of the other families, added to the Qwen vocabulary (see tokenizers/README.md).
 MARKER = re.compile(r"<\|[A-Za-z0-9_.▁-]+\|>|<｜[^｜]*｜>|\[/?[A-Z_]{3,}\]|</?(?:start|end)_[a-z_]+>|<escape>"

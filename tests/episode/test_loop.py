@@ -5,7 +5,6 @@ token-in/token-out invariant: prompt + response ids equal the template's full re
 """
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -20,6 +19,7 @@ from agent_loop.runners.local import read_trajectories, run_rollouts
 from agent_loop.tasks.registry import get_task
 from agent_loop.types import Episode, Trajectory
 from masking import SpanKind
+from tests.helpers.scripted_turns import call, turn_script
 
 A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
@@ -27,10 +27,6 @@ A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 @pytest.fixture(scope="module")
 def tokenizer(qwen_tokenizer):
     return qwen_tokenizer
-
-
-def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
 def echo(text: str) -> str:
@@ -81,16 +77,6 @@ class ToolTroubleTask:
 
     def reward(self, episode, messages, tool_calls):
         return float(messages[-1]["role"] == "assistant" and "done" in messages[-1]["content"])
-
-
-def turn_script(tokenizer, replies: list[str]):
-    """Reply number k (k = assistant turns already in the prompt) is replies[k]."""
-
-    def script(prompt_ids):
-        turn = tokenizer.decode(prompt_ids).count("<|im_start|>assistant") - 1
-        return tokenizer.encode(replies[min(turn, len(replies) - 1)])
-
-    return script
 
 
 def play(task, tokenizer, replies, config=None, index=0):

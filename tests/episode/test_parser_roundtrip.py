@@ -10,10 +10,10 @@ import json
 
 import pytest
 from test_chat_templates import CALCULATOR, TEMPLATE_KWARGS, tokenizer  # noqa: F401 (fixture)
-from testdata import TEMPLATE_FILES, read_template
 
 from agent_loop.episode.chat import ChatFormatter, TemplateError, first_difference
 from agent_loop.episode.tool_formats import find_tool_format, parser_for_template
+from tests.helpers.testdata import TEMPLATE_FILES, read_template
 
 CALLS = [("calculator", {"expression": "2+3", "options": {"precision": 2, "exact": True, "tags": ["a", "b"]}}),
          ("lookup", {"key": 'say "hi"', "limit": 3, "ratio": 2.5, "missing": None})]

@@ -4,10 +4,10 @@
 import inspect
 
 import pytest
-from testdata import TEMPLATES_DIR as TEMPLATES
 
 from agent_loop.episode.parsers import ParsedCall, parse_hermes, parse_llama3_json
 from agent_loop.episode.tool_formats import parser_for_template
+from tests.helpers.testdata import TEMPLATES_DIR as TEMPLATES
 
 CALLS = [ParsedCall("calculator", {"expression": "2+3"}), ParsedCall("lookup", {"key": "née", "n": [1, 2.5]})]
 

@@ -6,7 +6,6 @@ import json
 import warnings
 
 import pytest
-from testdata import qwen_tokenizer_dir, read_template
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
@@ -14,29 +13,11 @@ from agent_loop.episode.chat import ChatFormatter, TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tools import ToolExecutor
-from agent_loop.types import Episode
+from tests.helpers.echo_task import EchoTask, echo
+from tests.helpers.testdata import qwen_tokenizer_dir, read_template
 
 DS = {"calls": "<｜tool▁calls▁begin｜>", "call": "<｜tool▁call▁begin｜>", "sep": "<｜tool▁sep｜>",
       "end": "<｜tool▁call▁end｜>", "calls_end": "<｜tool▁calls▁end｜>", "eos": "<｜end▁of▁sentence｜>"}
-
-
-def echo(text: str) -> str:
-    """Repeat the text.
-
-    Args:
-        text: What to repeat.
-    """
-    return text
-
-
-class EchoTask:
-    name = "echo"
-
-    def make_episode(self, index, seed=0):
-        return Episode(messages=[{"role": "user", "content": "Echo twice."}], tools=[echo], answer="done")
-
-    def reward(self, episode, messages, tool_calls):
-        return float("done" in messages[-1]["content"])
 
 
 def tokenizer_with(template: str):

@@ -9,8 +9,6 @@ import re
 import warnings
 
 import pytest
-from test_template_exactness import EchoTask, echo  # the same one-tool task
-from testdata import qwen_tokenizer_dir, read_template
 from transformers import AutoTokenizer
 
 import agent_loop.episode.parsers as p
@@ -21,6 +19,8 @@ from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tool_formats import TOOL_FORMATS, parser_for_template
 from agent_loop.episode.tools import ToolExecutor
 from masking import SpanKind
+from tests.helpers.echo_task import EchoTask, echo  # the same one-tool task
+from tests.helpers.testdata import qwen_tokenizer_dir, read_template
 
 
 def play(tok, replies, marker, config=None):

@@ -1,7 +1,6 @@
 """The tool-format table: one row per family, the first whose markers a template holds wins."""
 
 import pytest
-from testdata import read_template
 
 from agent_loop.episode.tool_formats import (
     ANY_CALL_MARKERS,
@@ -10,6 +9,7 @@ from agent_loop.episode.tool_formats import (
     find_tool_format,
     tool_format_for_template,
 )
+from tests.helpers.testdata import read_template
 
 
 def test_rows_are_found_from_the_template_text_first_match_first():

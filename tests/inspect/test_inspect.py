@@ -391,7 +391,11 @@ def test_informative_picks_across_a_big_file(batch, tmp_path):
 # -- values ----------------------------------------------------------------------------------------
 
 def test_values_match_the_serial_reference(view):
-    from reference_returns import discounted_returns_ref, returns_ignore_mask_ref, returns_reset_at_observation_ref
+    from tests.helpers.reference_returns import (
+        discounted_returns_ref,
+        returns_ignore_mask_ref,
+        returns_reset_at_observation_ref,
+    )
 
     v = view.values
     rewards, spans = v.token_level_rewards, v.batch["spans"]
@@ -422,7 +426,7 @@ def test_values_match_the_serial_reference(view):
 def test_estimator_option_picks_the_returns_and_advantages_shown(rollouts, estimator, label):
     """``--estimator``: the returns shown are that registry entry's (serial references), whitened with the
     whole file's moments of those same returns; the terminal says which."""
-    from reference_returns import returns_ignore_mask_ref, returns_reset_at_observation_ref, whiten_ref
+    from tests.helpers.reference_returns import returns_ignore_mask_ref, returns_reset_at_observation_ref, whiten_ref
 
     parser = argparse.ArgumentParser()
     inspect_cli.add_arguments(parser)
@@ -738,7 +742,7 @@ def test_png_is_written(view, tmp_path):
 
 @pytest.fixture(scope="module")
 def two_runs(tokenizer, tmp_path_factory):
-    from inspect_runs import write_run
+    from tests.helpers.inspect_runs import write_run
 
     folder = tmp_path_factory.mktemp("runs")
     a, b = folder / "before.jsonl", folder / "after.jsonl"

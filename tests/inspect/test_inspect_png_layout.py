@@ -1,6 +1,6 @@
 """The PNG's layout (issue 40 item 12): the legend never covers the title, the title's end is inside the figure,
 and no panel is spent on a flat failure (every return and reward 0) while an episode with values is shown.
-Episodes from the real runner (tests/inspect_runs.py: the real Qwen2.5 tokenizer and chat template)."""
+Episodes from the real runner (tests/helpers/inspect_runs.py: the real Qwen2.5 tokenizer and chat template)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from agent_loop.inspect.view import Selection, build_view, scan
 
 @pytest.fixture(scope="module")
 def played(qwen_dir, tmp_path_factory):
-    from inspect_runs import write_run
     from transformers import AutoTokenizer
+
+    from tests.helpers.inspect_runs import write_run
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir), local_files_only=True)
     folder = tmp_path_factory.mktemp("a_rather_long_folder_name_for_the_rollouts_of_this_run_" * 2)

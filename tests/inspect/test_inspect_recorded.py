@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_returns import discounted_returns_ref
 
 from agent_loop.cli import main
 from agent_loop.episode.config import LoopConfig
@@ -25,12 +24,13 @@ from agent_loop.runners.local import read_trajectories
 from agent_loop.tasks.registry import TaskOptions
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
+from tests.helpers.reference_returns import discounted_returns_ref
 
 
 @pytest.fixture(scope="module")
 def scripted(qwen_tokenizer, tmp_path_factory) -> Path:
     """Six arithmetic episodes from the real runner, the Qwen2.5 tokenizer and a scripted backend."""
-    from inspect_runs import write_run
+    from tests.helpers.inspect_runs import write_run
 
     path = tmp_path_factory.mktemp("scripted") / "run.jsonl"
     write_run(qwen_tokenizer, path, "before", 6)
@@ -203,9 +203,8 @@ def test_the_two_run_table_says_how_many_positions_differ_and_which(qwen_tokeniz
     """Every listed pair that differs says at how many positions and which (the first few); the line under
     the table counts the pairs it leaves out that differ and names them; checked against a plain serial
     comparison of the two files."""
-    from inspect_runs import write_run
-
     from agent_loop.inspect.runs import NAMED, TABLE_ROWS
+    from tests.helpers.inspect_runs import write_run
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     before = {t.info["index"]: t for t in write_run(qwen_tokenizer, a, "before", 30)}

@@ -1,7 +1,7 @@
 """``agent-loop inspect RUN_FOLDER`` (issue 40 item 3): a training run over its steps, from the files ``train``
 writes (metrics.jsonl by trainer.metrics.MetricsLogger, step files by trainer.rollout_files), as a table, a PNG
 and an HTML page; two step files of one run matched by prompt; the two-run table at 80 and 120 columns (item 6).
-Episodes come from the real runner (tests/inspect_runs.py: the real Qwen2.5 tokenizer and chat template)."""
+Episodes come from the real runner (tests/helpers/inspect_runs.py: the real Qwen2.5 tokenizer and chat template)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,7 @@ def reference_advantage(trajectories):
 def run_folder(tokenizer, tmp_path_factory):
     """Steps 1-4 as ``train`` logs them; step files for steps 2 and 4 only (--save-rollouts-every 2), and
     step 5 only as a step file (its metrics line lost)."""
-    from inspect_runs import write_run
-
+    from tests.helpers.inspect_runs import write_run
     from trainer.metrics import MetricsLogger, rollout_metrics
     from trainer.rollout_files import write_step
 

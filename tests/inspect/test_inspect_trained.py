@@ -1,6 +1,6 @@
 """agent-loop inspect of a trainer's step file (rollouts/step_NNNNNN.jsonl): episodes that carry the
 returns and advantages a step used are shown with exactly those values, and the file's recorded gamma,
-estimator and lam are the defaults. Trajectories come from the real runner (tests/inspect_runs.py: the
+estimator and lam are the defaults. Trajectories come from the real runner (tests/helpers/inspect_runs.py: the
 real Qwen2.5 tokenizer and chat template, the arithmetic task, a scripted backend)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def step_file(path, trajectories, step: int, trained_upto: int | None = None):
 
 @pytest.fixture(scope="module")
 def steps(tokenizer, tmp_path_factory):
-    from inspect_runs import write_run
+    from tests.helpers.inspect_runs import write_run
 
     folder = tmp_path_factory.mktemp("train")
     played = write_run(tokenizer, folder / "played.jsonl", "before", 6)

@@ -9,7 +9,6 @@ import json
 
 import pytest
 from rich.console import Console
-from test_template_exactness import EchoTask  # the same one-tool task
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli.inspect import main
@@ -19,6 +18,7 @@ from agent_loop.inspect.tokens import segments, versions_note
 from agent_loop.inspect.view import build_view
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
+from tests.helpers.echo_task import EchoTask  # the same one-tool task
 
 
 class AcrossAnUpdate(ScriptedBackend):

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from reference_returns import ASSISTANT, PAD, discounted_returns_ref, whiten_ref
-from trl_reference import from_trl_batch_ref
 
 from agent_loop.integrations.trl import (
     TESTED_TRL,
@@ -21,6 +19,8 @@ from agent_loop.integrations.trl import (
     sequence_rewards,
     trl_advantages,
 )
+from tests.helpers.reference_returns import ASSISTANT, PAD, discounted_returns_ref, whiten_ref
+from tests.helpers.trl_reference import from_trl_batch_ref
 
 
 def random_trl_batch(rng: random.Random, b: int = 6, t: int = 12, masked_rows=(), nan_row=None):

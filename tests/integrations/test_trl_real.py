@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_returns import ASSISTANT, discounted_returns_ref, whiten_ref
-from trl_reference import from_trl_batch_ref
+
+from tests.helpers.reference_returns import ASSISTANT, discounted_returns_ref, whiten_ref
+from tests.helpers.trl_reference import from_trl_batch_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_PYTHON = ROOT / ".side-envs" / "trl" / "bin" / "python"

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from testdata import qwen_tokenizer_dir
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import scripted_logprob
 from agent_loop.integrations.verl import spans_from_verl_batch
 from agent_loop.tasks.builtin import calculator
 from masking.kinds import SpanKind
+from tests.helpers.testdata import qwen_tokenizer_dir
 
 pytestmark = pytest.mark.integration
 

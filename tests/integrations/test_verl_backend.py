@@ -6,7 +6,6 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from testdata import qwen_tokenizer_dir
 from transformers import AutoTokenizer
 
 from agent_loop.backends.base import SamplingParams
@@ -15,6 +14,7 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
 from agent_loop.integrations.verl_backend import VerlServerBackend, finish_reason
 from agent_loop.tasks.dataset import DatasetTask
+from tests.helpers.testdata import qwen_tokenizer_dir
 
 VERL_PARAMS = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from reference_returns import discounted_returns_ref, whiten_ref
 
 from advantages import (
     ESTIMATORS,
@@ -34,6 +33,7 @@ from advantages import (
 from agent_loop.integrations import verl as verl_plugin
 from agent_loop.integrations.trl import from_trl_batch
 from masking.spans import SpanKind
+from tests.helpers.reference_returns import discounted_returns_ref, whiten_ref
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1, 0)]  # the repo (advantages), tests/, here
 
-from test_verl_real import SIDE, cases, relative, side_json  # noqa: E402
+from test_verl_real import SIDE, cases  # noqa: E402
+
+from tests.helpers.side_envs import relative, side_json  # noqa: E402
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ the field (the trainer's micro-batches: tests/trainer/test_rollout_correction_tr
 import random
 
 import torch
-from test_masking import collate_rows, random_trajectory
 
 from masking import uncollate
+from tests.helpers.trajectories import collate_rows, random_trajectory
 
 
 def test_collate_keeps_the_samplers_logprobs_when_old_logprobs_are_replaced():

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from host_syncs import HostSyncs
-from reference_returns import discounted_returns_ref
 
 from advantages import reinforce_plus_plus
 from masking import OBSERVATION_REWARD_POLICIES, relocate_observation_rewards
 from masking.spans import SpanKind, spans_from_response_mask
+from tests.helpers.host_syncs import HostSyncs
+from tests.helpers.reference_returns import discounted_returns_ref
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 

@@ -20,6 +20,7 @@ from agent_loop.backends.base import is_fatal
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError, repair_tail, written_episodes
 from agent_loop.runners.local import read_trajectories
+from tests.helpers.vllm_servers import server_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
@@ -204,7 +205,7 @@ def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
 
 
 def _http_stub(name, **kw):
-    from test_http_backend import StubServer
+    from tests.helpers.http_stub import StubServer
 
     return StubServer(name, **kw)
 
@@ -229,9 +230,8 @@ class StallingStub:
 def test_a_dead_server_is_marked_down_its_sessions_move_and_it_is_probed_back():
     import contextlib
 
-    from test_http_backend import MODEL, sampling
-
     from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from tests.helpers.http_stub import MODEL, sampling
 
     a, b = _http_stub("a", delay_s=0.02), _http_stub("b", delay_s=0.02)
     turns, sessions = 5, 8
@@ -281,9 +281,8 @@ def test_a_dead_server_is_marked_down_its_sessions_move_and_it_is_probed_back():
 
 @pytest.mark.timeout(60)
 def test_a_stalled_server_is_detected_and_the_request_retried_elsewhere(caplog):
-    from test_http_backend import MODEL, sampling
-
     from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from tests.helpers.http_stub import MODEL, sampling
 
     stalling, good = StallingStub(_http_stub("stalls")), _http_stub("good")
 
@@ -309,12 +308,11 @@ def test_a_stalled_server_is_detected_and_the_request_retried_elsewhere(caplog):
 def test_all_servers_down_past_the_deadline_stops_the_run_and_keeps_finished_episodes(qwen_tokenizer, tmp_path):
     import contextlib
 
-    from test_http_backend import MODEL
-
     from agent_loop.backends.openai_http import OpenAIHTTPBackend, ServersUnavailableError
     from agent_loop.episode.config import LoopConfig
     from agent_loop.runners.local import run_rollouts
     from agent_loop.tasks.registry import get_task
+    from tests.helpers.http_stub import MODEL
 
     only = _http_stub("only", delay_s=0.01)
     out = tmp_path / "out.jsonl"
@@ -397,17 +395,6 @@ def test_a_killed_ray_actor_is_replaced_and_the_run_completes(qwen_tokenizer, tm
 # -- a real vLLM server killed mid-run ----------------------------------------------------------------
 
 
-def _server_pid(url: str) -> int:
-    import psutil
-
-    port = url.rsplit(":", 1)[1]
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmdline and port in cmdline:
-            return process.pid
-    raise LookupError(f"no vLLM server process for {url}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny_agent_dir, tiny_tokenizer, tmp_path):
@@ -435,7 +422,7 @@ def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny
             while not run.done() and not (out.exists() and out.read_bytes().count(b"\n") >= 6):
                 await asyncio.sleep(0.02)
             assert not run.done() and backend.servers[0].in_flight > 0  # killed with work in flight on it
-            os.killpg(_server_pid(urls[0]), signal.SIGKILL)
+            os.killpg(server_pid(urls[0]), signal.SIGKILL)
             trajectories = await run
             return trajectories, backend.servers[0].up
 

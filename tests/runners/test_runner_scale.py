@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_loop import call, turn_script
 
 from agent_loop.backends.base import Backend
 from agent_loop.backends.scripted import ScriptedBackend
@@ -15,6 +14,7 @@ from agent_loop.runners.local import read_trajectories, run_rollouts, stream_rol
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.registry import get_task
+from tests.helpers.scripted_turns import call, turn_script
 
 
 def recount(trajectories) -> dict:

@@ -1,7 +1,7 @@
 """Bring your own task, tools, prompts, rewards and config (agent_loop.tasks, agent_loop.cli.config_file, models).
 
 The loop runs here with the real Qwen2.5 tokenizer and template and a scripted generator (loop logic);
-tests/test_architectures.py runs real random-weight models of real architectures.
+tests/backends/test_architectures.py runs real random-weight models of real architectures.
 """
 
 import asyncio
@@ -684,9 +684,8 @@ def test_a_usable_model_folder_passes(tmp_path, qwen_dir):
 
 
 def test_model_folder_problems_are_named_before_anything_loads(tmp_path, qwen_dir):
-    from testdata import read_template
-
     from agent_loop.models import ModelError, check_model_dir
+    from tests.helpers.testdata import read_template
 
     with pytest.raises(ModelError, match="no such folder"):
         check_model_dir(tmp_path / "nope")

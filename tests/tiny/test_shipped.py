@@ -1,5 +1,11 @@
 """The shipped tiny-agent builds: checked by sha256, unpacked into the cache's layout, and still what the
-recipe makes on this machine (within sampling noise)."""
+recipe makes on this machine.
+
+The recipe is checked in two cheap parts: its first training steps (a short pinned build, against the digest
+recorded in tests/data/tiny_recipe_digest.json: tests.helpers.tiny_recipe_digest), and the shipped agent's
+play on a smaller evaluation than its build's (against the rates its build.json recorded). The full
+reproduction (the whole recipe, over 11 minutes on one core) runs with AGENT_LOOP_TEST_FULL_RECIPE=1
+(tests/conftest.py)."""
 
 import hashlib
 import json
@@ -14,6 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_loop.tiny import build as tiny_build
 from agent_loop.tiny import pinned
+from agent_loop.tiny.evaluate import evaluate
+from tests.helpers import tiny_recipe_digest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_shipped_build_unpacks_into_a_loadable_cache_folder(tmp_path):
@@ -59,7 +69,72 @@ def _within_noise(built: float, shipped: float, episodes: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 70 s of CPU, several minutes beside other work
+def test_the_recipes_first_steps_still_train_the_recorded_weights(tmp_path, monkeypatch):
+    """The recipe itself (tokenizer, model, data, seed, optimizer, the 1000-step schedule), stopped after its
+    first SHORT_STEPS steps. Bit-identical where the CPU maker and numerics are those of the record; elsewhere
+    the per-tensor norms and a held-out loss agree within 1e-3 (agent_loop.tiny.pinned: only MKL's documentation
+    promises the bits across CPU makers)."""
+    for name in ("AGENT_LOOP_TINY_THREADS", "AGENT_LOOP_TINY_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the pinned child imports tests.helpers
+    recorded = json.loads(tiny_recipe_digest.DIGEST_FILE.read_text())
+    record = tiny_recipe_digest.run_short_build(tmp_path / "digest.json")
+    exact = ("short_steps", "train_steps", "checkpoint_steps", "seed", "vocab_size", "tokenizer_sha256")
+    assert {k: record[k] for k in exact} == {k: recorded[k] for k in exact}
+    assert record["held_out_loss"] == pytest.approx(recorded["held_out_loss"], rel=1e-3)
+    assert record["norms"] == pytest.approx(recorded["norms"], rel=1e-3)
+    same_numerics = pinned.can_pin() and (record["cpu_vendor"], record["numerics"]) == (recorded["cpu_vendor"], recorded["numerics"])
+    if same_numerics:
+        assert record["weights_sha256"] == recorded["weights_sha256"], "the recipe's first steps train other weights"
+    elif record["weights_sha256"] != recorded["weights_sha256"]:
+        warnings.warn(f"the recipe's first steps here ({record['cpu_vendor']}, {record['numerics']}) are not "
+                      f"bit-identical to the record's ({recorded['cpu_vendor']}); they agree within 1e-3")
+
+
+def test_the_digest_is_rewritten_by_its_documented_command(tmp_path, monkeypatch):
+    """``python -m tests.helpers.tiny_recipe_digest`` (its docstring) writes the short build's record to the file."""
+    assert "python -m tests.helpers.tiny_recipe_digest" in tiny_recipe_digest.__doc__
+    record = {"weights_sha256": "ab" * 32, "norms": {"w": 1.5}}
+    monkeypatch.setattr(tiny_recipe_digest, "run_short_build", lambda out: record)
+    monkeypatch.setattr(tiny_recipe_digest, "DIGEST_FILE", tmp_path / "digest.json")
+    tiny_recipe_digest.main()
+    assert json.loads((tmp_path / "digest.json").read_text()) == record
+    recorded = json.loads((ROOT / "tests" / "data" / "tiny_recipe_digest.json").read_text())
+    assert recorded["short_steps"] == tiny_recipe_digest.SHORT_STEPS and recorded["train_steps"] == tiny_build.TRAIN_STEPS
+
+
+SMALL_EVAL = {"arithmetic": 40, "lookup": 20}  # of the build's 100 and 50 episodes (the first ones: same seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", tiny_build.STAGES)
+def test_the_shipped_agent_still_plays_as_its_build_recorded(stage, tmp_path):
+    """The shipped stage played through today's loop, backend and tools, on the first episodes of its build's
+    evaluation: each rate within sampling noise of the one its build.json recorded."""
+    target = tmp_path / tiny_build.build_dir().name
+    tiny_build.unpack_shipped(target)
+    recorded = json.loads((target / "build.json").read_text())["stages"][stage]["eval"]
+    model = AutoModelForCausalLM.from_pretrained(target / stage, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target / stage)
+    assert {(r["task"], r["episodes"]) for r in recorded} == set(tiny_build.EVAL_EPISODES.items())
+    for theirs in recorded:
+        torch.manual_seed(0)
+        mine = evaluate(model, tokenizer, theirs["task"], SMALL_EVAL[theirs["task"]], tiny_build.EVAL_SEED, theirs["greedy"])
+        for key in ("well_formed", "right_arguments", "success"):
+            assert _subset_within_noise(mine[key], theirs[key], mine["episodes"], theirs["episodes"]), (stage, mine, theirs)
+
+
+def _subset_within_noise(part: float, whole: float, n: int, total: int) -> bool:
+    # the rate on the first n of the same total episodes: 4 standard errors of a sample of n drawn without
+    # replacement from the total (finite-population correction), plus one episode
+    p = min(max(whole, 0.05), 0.95)
+    return abs(part - whole) <= 4 * math.sqrt(p * (1 - p) / n * (total - n) / (total - 1)) + 1 / n
+
+
+@pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.full_recipe  # opt-in: AGENT_LOOP_TEST_FULL_RECIPE=1 (tests/conftest.py)
 @pytest.mark.timeout(2400)  # 681 s alone on one core; beside the other xdist worker it ran past 900 s
 def test_the_recipe_still_makes_an_agent_that_behaves_like_the_shipped_one(tmp_path):
     target = tmp_path / tiny_build.build_dir().name

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import _server_pid  # the vLLM server process behind a URL
 
 from agent_loop.backends.base import Backend, FatalBackendError
 from agent_loop.backends.hf import TransformersBackend
 from agent_loop.runners.local import read_trajectories
+from agent_loop.runners.producer import RolloutProducerError
+from tests.helpers.vllm_servers import server_pid  # the vLLM server process behind a URL
 from trainer import TrainConfig, Trainer
-from trainer.async_rollouts import RolloutProducerError
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -140,7 +140,7 @@ def test_two_real_servers_train_asynchronously_and_a_killed_one_fails_over_then_
     from concurrent.futures import ThreadPoolExecutor
 
     from agent_loop.backends.openai_http import local_vllm_server
-    from trainer.weight_sync import WeightSyncError
+    from agent_loop.backends.weight_files import WeightSyncError
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the weight-push endpoints
     servers = [local_vllm_server(tiny_agent_dir, "tiny-agent", log_path=tmp_path / f"server{i}.log") for i in range(2)]
@@ -163,7 +163,7 @@ def test_two_real_servers_train_asynchronously_and_a_killed_one_fails_over_then_
         def kill_when_busy() -> None:  # after a step, with episodes in flight on server 0
             while not killed.is_set():
                 if trainer.step >= 1 and trainer.backend.servers[0].in_flight > 0:
-                    os.killpg(_server_pid(urls[0]), signal.SIGKILL)
+                    os.killpg(server_pid(urls[0]), signal.SIGKILL)
                     killed.set()
                 time.sleep(0.005)
 

@@ -1,4 +1,4 @@
-"""Asynchronous training (``--max-staleness K``, trainer/async_rollouts.py).
+"""Asynchronous training (``--max-staleness K``, agent_loop/runners/producer.py).
 
 Loop logic, with scripted replies on the real Qwen2.5 tokenizer and chat template and tools that wait on the
 test: the backend's gate (a swap waits for the request in flight, a request asked for during a swap gets the
@@ -36,13 +36,13 @@ from agent_loop.cli.train import main as train_main
 from agent_loop.config import checked
 from agent_loop.episode.config import LoopConfig
 from agent_loop.runners.local import read_trajectories
+from agent_loop.runners.producer import RolloutProducer, VersionedBackend, oldest_version
 from agent_loop.tasks.base import Task
 from agent_loop.tasks.grouping import GroupedTask
-from agent_loop.tasks.registry import get_task
 from agent_loop.types import Episode
 from masking import SpanKind
+from tests.helpers.async_training import SlowTools, small_config, token_logprobs
 from trainer import TrainConfig, Trainer
-from trainer.async_rollouts import RolloutProducer, VersionedBackend, oldest_version
 
 A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
@@ -352,39 +352,6 @@ def tiny_mid() -> str:
     return str(tiny_agent_path(stage="mid"))
 
 
-def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:
-    """8 episodes per step (4 questions x 2 samples), 2 mini-batches."""
-    settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
-                    micro_batch_size=4, threads=1, output_dir=str(out), progress=False, entropy_coef=0.01,
-                    tensorboard=False, save_every=100)
-    settings.update(overrides)
-    return TrainConfig(**settings)
-
-
-class SlowTools(Task):
-    """The arithmetic task with every tool call taking ``delay_s`` more (episodes long enough to span a push)."""
-
-    name = "arithmetic"
-
-    def __init__(self, delay_s: float):
-        self.task, self.delay_s = get_task("arithmetic"), delay_s
-
-    def make_episode(self, index, seed=0):
-        episode = self.task.make_episode(index, seed)
-        episode.tools = [self.slowed(tool) for tool in episode.tools]
-        return episode
-
-    def slowed(self, tool):
-        @functools.wraps(tool)
-        def slow(*args, **kwargs):
-            time.sleep(self.delay_s)
-            return tool(*args, **kwargs)
-        return slow
-
-    def reward(self, episode, messages, tool_calls):
-        return self.task.reward(episode, messages, tool_calls)
-
-
 @pytest.mark.slow
 def test_a_staleness_0_asynchronous_run_equals_the_synchronous_one(tiny_mid, tmp_path):
     synchronous = Trainer(small_config(tiny_mid, tmp_path / "sync"))
@@ -425,16 +392,16 @@ def test_a_resumed_asynchronous_run_plays_the_same_questions_none_twice(tiny_mid
     0 and 9-11 (at least) were in flight. A run of 4 steps, and the same run stopped after its step-2 checkpoint
     and resumed for the last 2, play the same questions (0-15), each once; a resume restarting at
     step x prompts_per_step would play 8 again and never 0."""
-    import trainer.async_rollouts as async_rollouts
+    import agent_loop.runners.local as local  # the one worker pool (the producer's too) plays with its play_episode
 
-    play = async_rollouts.play_episode
+    play = local.play_episode
 
     async def late_question_0(task, index, backend, *args):
         while index // 2 == 0 and backend.version < 2:
             await asyncio.sleep(0.01)
         return await play(task, index, backend, *args)
 
-    monkeypatch.setattr(async_rollouts, "play_episode", late_question_0)
+    monkeypatch.setattr(local, "play_episode", late_question_0)
     config = functools.partial(small_config, tiny_mid, steps=4, max_staleness=1, save_every=2)
     whole = Trainer(config(tmp_path / "whole"))
     whole.train()
@@ -457,15 +424,6 @@ def test_a_resumed_asynchronous_run_plays_the_same_questions_none_twice(tiny_mid
         questions = played_questions(out)
         assert sorted(questions) == [q for q in range(16) for _ in range(2)], out  # each question once (2 samples)
     assert sorted(played_questions(tmp_path / "whole")) == sorted(played_questions(tmp_path / "stopped"))
-
-
-def token_logprobs(model, trajectory) -> torch.Tensor:
-    """The model's logprob of each response token (one unpadded forward)."""
-    ids = torch.tensor([trajectory.prompt_ids + trajectory.response_ids])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
-    p = len(trajectory.prompt_ids)
-    return logprobs[p - 1:].gather(1, torch.tensor(trajectory.response_ids).unsqueeze(1))[:, 0]
 
 
 @pytest.mark.slow

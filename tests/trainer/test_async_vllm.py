@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_async_training import SlowTools, small_config, token_logprobs
 
 from agent_loop.runners.local import read_trajectories
+from agent_loop.runners.producer import oldest_version
 from masking import SpanKind
+from tests.helpers.async_training import SlowTools, small_config, token_logprobs
 from trainer import Trainer
-from trainer.async_rollouts import oldest_version
 
 pytest.importorskip("vllm")
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (needs vllm)

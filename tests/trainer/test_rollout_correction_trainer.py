@@ -13,14 +13,14 @@ import random
 
 import pytest
 import torch
-from reference_losses import ppo_token_loss
-from test_masking import collate_rows, random_trajectory
-from test_trainer import random_advantages, small_config
 
 from agent_loop.cli.train import main as train_main
 from agent_loop.config import checked
 from agent_loop.tiny import tiny_agent_path
 from masking import SpanKind
+from tests.helpers.reference_losses import ppo_token_loss
+from tests.helpers.trainer_config import random_advantages, small_config
+from tests.helpers.trajectories import collate_rows, random_trajectory
 from trainer import TrainConfig, Trainer
 from trainer.policy import micro_batches
 

@@ -16,13 +16,14 @@ import math
 
 import pytest
 import torch
-from reference_losses import ppo_token_loss
 
 from agent_loop.cli.train import main as train_main
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import get_task
 from agent_loop.tiny import tiny_agent_path
 from masking import SpanKind
+from tests.helpers.reference_losses import ppo_token_loss
+from tests.helpers.trainer_config import random_advantages, small_config
 from trainer import TrainConfig, Trainer
 
 ASSISTANT, OBSERVATION, PAD = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
@@ -33,25 +34,10 @@ def tiny_mid() -> str:
     return str(tiny_agent_path(stage="mid"))
 
 
-def small_config(tiny_mid: str, tmp_path, **overrides) -> TrainConfig:
-    """8 episodes per step (4 questions x 2 samples), 2 mini-batches of 4, micro-batches of 2."""
-    settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
-                    micro_batch_size=2, ppo_epochs=1, threads=2, output_dir=str(tmp_path / "run"), progress=False)
-    settings.update(overrides)
-    return TrainConfig(**settings)
-
-
 def scored_batch(trainer: Trainer, step: int = 0) -> dict[str, torch.Tensor]:
     batch = trainer.make_batch(trainer.rollouts(step))
     trainer.score(batch)
     return batch
-
-
-def random_advantages(batch: dict[str, torch.Tensor], seed: int = 0) -> None:
-    """Replace the advantages by fixed random numbers on ASSISTANT tokens (0 elsewhere), so the loss
-    has a signal whatever the warm start's success rate is."""
-    noise = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(seed))
-    batch["advantages"] = torch.where(batch["spans"] == ASSISTANT, noise, 0.0)
 
 
 def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio: float) -> float:
@@ -343,7 +329,7 @@ def test_bf16_step_keeps_fp32_master_weights_and_pushes_bf16_to_the_sampler(tiny
 
 
 def test_device_and_dtype_are_checked(tmp_path):
-    assert train_main(["--dtype", "fp16"]) == 2  # usage errors: one line, exit 2 (tests/test_cli.py)
+    assert train_main(["--dtype", "fp16"]) == 2  # usage errors: one line, exit 2 (tests/cli/test_cli.py)
     assert train_main(["--device", "tpu"]) == 2
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):

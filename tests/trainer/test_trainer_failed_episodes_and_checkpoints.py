@@ -142,8 +142,9 @@ def test_a_step_whose_episodes_all_failed_is_skipped_with_a_warning(tiny_mid, tm
 def random_model(tmp_path_factory) -> str:
     """A randomly initialised one-layer Llama with the real Qwen2.5 tokenizer and chat template: each step takes
     well under a second, so the kill lands while the workers train and save."""
-    from testdata import qwen_tokenizer_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers.testdata import qwen_tokenizer_dir
 
     folder = tmp_path_factory.mktemp("random") / "model"
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())

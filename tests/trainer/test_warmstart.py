@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import trainer.checkpoint as checkpoint
 from agent_loop import Environment
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.config import LoopConfig
@@ -310,6 +312,9 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
     assert [m["lr"] for m in lines] == [lr_at(step, config) for step in range(4)]  # trainer.optimization's cosine
     assert len((tmp_path / "run" / "demonstrations.jsonl").read_text().splitlines()) == 8
     assert check_model_dir(result.model_dir).architecture == "LlamaForCausalLM"
+    assert not checkpoint.problems(result.model_dir) and not checkpoint.damaged(result.model_dir)  # its manifest
+    assert json.loads((result.model_dir / checkpoint.MANIFEST).read_text())["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["demonstrations.jsonl", "metrics.jsonl", "model"]
     assert result.longest["turns"] == 3
     assert result.longest["response_tokens"] == max(len(t.response_ids) for t in result.demonstrations)
     with pytest.raises(FileExistsError, match=r"holds an earlier warm start \(demonstrations.jsonl, metrics.jsonl, model\)"):
@@ -317,6 +322,32 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
     trained = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     assert serial_reference(trained, result.demonstrations) < serial_reference(base, result.demonstrations)
+
+
+def test_the_model_folder_is_replaced_whole_or_not_at_all(tmp_path, tiny_tokenizer, tiny_agent_dir):
+    """save_model over an earlier model folder: a save that fails part-way leaves the earlier folder as it was
+    (never emptied first) and nothing beside it; one that succeeds replaces it, with its manifest."""
+    from trainer.warmstart import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    folder = save_model(model, tiny_tokenizer, tmp_path / "model", step=1)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    class Failing:  # writes part of a folder, then the disk is full
+        def save_pretrained(self, target):
+            (Path(target) / "config.json").write_text("{}")
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        save_model(Failing(), tiny_tokenizer, folder, step=2)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before and [p.name for p in tmp_path.iterdir()] == ["model"]
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_model(model, tiny_tokenizer, folder, step=2)
+    assert json.loads((folder / checkpoint.MANIFEST).read_text())["step"] == 2 and not checkpoint.problems(folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_the_default_steps_scale_with_the_demonstrations():

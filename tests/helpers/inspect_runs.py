@@ -2,7 +2,7 @@
 tokenizer and chat template, and a scripted backend (loop logic only, no model) in two flavours, so
 that two runs of the same episodes differ the way a run before and after training does.
 
-``python tests/inspect_runs.py OUT_DIR [EPISODES]`` writes ``before.jsonl`` and ``after.jsonl``.
+``python -m tests.helpers.inspect_runs OUT_DIR [EPISODES]`` writes ``before.jsonl`` and ``after.jsonl``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def write_run(tokenizer, path: Path, skill: str, episodes: int = 12) -> list:
 
 
 if __name__ == "__main__":
-    from testdata import qwen_tokenizer_dir
     from transformers import AutoTokenizer
+
+    from tests.helpers.testdata import qwen_tokenizer_dir
 
     out = Path(sys.argv[1])
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 12

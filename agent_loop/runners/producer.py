@@ -4,15 +4,18 @@ Who owns what (docs/design.md section 8a):
 
 - **The producer** (:class:`RolloutProducer`, rank 0 only) owns a thread with its own asyncio event loop,
   the rollout backend (in-process, or the HTTP backend over ``--rollout-servers`` with its failover)
-  wrapped in a :class:`VersionedBackend`, and ``concurrency`` worker tasks. Each worker takes the next
-  episode index (whole groups: a group's first member is admitted only under the staleness budget, its
-  other members follow it), plays it with ``play_episode`` and files the Trajectory under its group.
+  wrapped in a :class:`VersionedBackend`, and ``concurrency`` worker tasks: the local runner's pool
+  (``agent_loop.runners.local.play_pool``: the same episode playing, errors and cancellation). Each worker
+  takes the next episode index (whole groups: a group's first member is admitted only under the staleness
+  budget, its other members follow it), plays it and hands the Trajectory to the producer's sink, which
+  stamps the run's ``info`` as every runner's sink does and files it under its group.
 - **The hand-over** is the producer's table of finished groups, under one ``threading.Condition``: the
   producer adds, the trainer takes (:meth:`RolloutProducer.take`). A group is released only when every
   member has finished, so group estimators always see whole groups.
 - **The trainer** (every rank) owns the model and the optimizer; rank 0 takes a step's groups and
   broadcasts them to the other ranks; after the update rank 0 pushes the weights through the producer
-  (:meth:`RolloutProducer.push`), which swaps them in between requests.
+  (:meth:`RolloutProducer.push`; the trainer's ``trainer.transports.producer``), which swaps them in between
+  requests.
 
 Versions: the weights after ``v`` trainer steps are version ``v`` (a step whose update was skipped still
 advances the version: its weights equal the previous ones). :class:`VersionedBackend` stamps every
@@ -49,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import threading
 import time
 from collections import Counter, deque
@@ -57,7 +59,7 @@ from typing import Callable, Sequence
 
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams, check_backend
 from agent_loop.episode.config import LoopConfig
-from agent_loop.runners.local import play_episode
+from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec
 from agent_loop.types import Trajectory
 
@@ -158,6 +160,19 @@ class VersionedBackend(Backend):
         self.inner.close()
 
 
+class _Handover(TrajectorySink):
+    """The producer's sink: every runner's ``TrajectorySink`` (the run's ``info`` stamped, running statistics;
+    no file, no progress bar), then ``file`` puts the episode under its group for the trainer to take."""
+
+    def __init__(self, file: Callable[[Trajectory], None], *, info: dict):
+        super().__init__(0, "rollout producer", progress=False, info=info)
+        self.file_group = file
+
+    def add(self, trajectory: Trajectory) -> None:
+        super().add(trajectory)
+        self.file_group(trajectory)
+
+
 class RolloutProducer:
     """Plays episodes on its own thread and event loop, ahead of the trainer by at most ``max_staleness``
     versions (the module docstring: admission, hand-over, the staleness rule, faults).
@@ -175,7 +190,9 @@ class RolloutProducer:
                  last_step: int | None = None, position: dict | None = None):
         self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
         backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
-        self._recorded = RunSpec(task, tokenizer, (), config, seed).recorded()  # info keys a run's episodes get
+        self.spec = RunSpec(task, tokenizer, (), config, seed, progress=False)
+        self._sink = _Handover(self._file, info=self.spec.recorded())  # stamps info as every runner's sink does
+        self._admitted: dict[int, int] = {}  # episode in flight -> the version it was admitted under
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
         self.concurrency = concurrency
         self.last_step = last_step  # no group beyond what steps up to this one can train on is started
@@ -211,9 +228,9 @@ class RolloutProducer:
             self.loop.close()
 
     async def _produce(self) -> None:
-        workers = [asyncio.ensure_future(self._worker()) for _ in range(self.concurrency)]
         try:
-            await asyncio.gather(*workers)
+            with self._sink:
+                await play_pool(self.spec, self.backend, self._sink, self._admit, workers=self.concurrency)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # a fatal backend error (or a bug): the trainer's next call raises it
@@ -221,9 +238,6 @@ class RolloutProducer:
                 self._error = error
                 self._handover.notify_all()
         finally:
-            for worker in workers:
-                worker.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
             await self.backend.inner.end_run()
 
     def _may_start(self) -> bool:
@@ -235,9 +249,10 @@ class RolloutProducer:
         budget = (steps if self.last_step is None else min(steps, self.last_step)) * self.groups_per_step
         return self._budget_used < budget
 
-    async def _admit(self) -> tuple[int, int]:
+    async def _admit(self) -> int:
         """The next episode's index (the next member of the group being started, or the first of the next
-        group: a pending one from before a resume, else the next never started) and the version it starts under."""
+        group: a pending one from before a resume, else the next never started); the version it starts under
+        is noted for :meth:`_file`. The stream never ends: the pool plays until :meth:`close`."""
         while not self._may_start():
             self._changed.clear()
             await self._changed.wait()
@@ -253,19 +268,15 @@ class RolloutProducer:
             index = self._group * self.group_size + self._members
             self._members += 1
             self.counts["started"] += 1
-        return index, self.backend.version
+            self._admitted[index] = self.backend.version
+        return index
 
-    async def _worker(self) -> None:
-        while True:
-            index, version = await self._admit()
-            trajectory = await play_episode(self.task, index, self.backend, self.tokenizer, self.config, self.seed)
-            trajectory.info.update(copy.deepcopy(self._recorded))
-            self._file(index, version, trajectory)
-
-    def _file(self, index: int, started: int, trajectory: Trajectory) -> None:
-        """A finished episode into its group; the group is released when its last member arrives."""
+    def _file(self, trajectory: Trajectory) -> None:
+        """A finished episode (its ``info`` stamped) into its group; the group is released when its last member arrives."""
+        index = trajectory.info["index"]
         group = index // self.group_size
         with self._handover:
+            started = self._admitted.pop(index)
             self.counts["finished"] += 1
             self._finished.setdefault(group, []).append(trajectory)
             # its oldest token's version (an episode admitted under one version may sample its first token under a

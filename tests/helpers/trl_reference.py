@@ -3,7 +3,7 @@ time), for tests/integrations/test_trl.py and the real-TRL batch in test_trl_rea
 
 import math
 
-from reference_returns import ASSISTANT, OBSERVATION, PAD
+from tests.helpers.reference_returns import ASSISTANT, OBSERVATION, PAD
 
 
 def from_trl_batch_ref(completion, tools, rewards, masked: str):

@@ -2,7 +2,7 @@
 
 Written for reading, not speed, straight from the table in docs/design.md section 3 and verl's loops.
 Inputs are ``(b, t)`` tensors (or nested lists); outputs are ``(b, t)`` float64 tensors. Other
-test files import them: ``from reference_returns import ...``.
+test files import them: ``from tests.helpers.reference_returns import ...``.
 """
 
 import torch

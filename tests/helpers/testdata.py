@@ -13,7 +13,7 @@ from pathlib import Path
 
 from masking.native import cache_root
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 TEMPLATES_DIR = DATA / "chat_templates"
 TEMPLATE_FILES = sorted(p.name for p in TEMPLATES_DIR.glob("*.jinja"))
 _QWEN_SRC = DATA / "tokenizers" / "qwen2.5"

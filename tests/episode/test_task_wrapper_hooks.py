@@ -1,0 +1,115 @@
+"""One TaskWrapper forwards every Task hook (issue 37 item 7): the wrappers (as_task's, GroupedTask, the verl
+loop's row task) override only what they change; none drops a hook (two of them used to drop ``demonstrate``)."""
+
+import ast
+import inspect
+import random
+from pathlib import Path
+
+import pytest
+
+from agent_loop.episode.contracts import HOOKS, Task, TaskWrapper
+from agent_loop.tasks.base import as_task
+from agent_loop.tasks.grouping import GroupedTask
+from agent_loop.types import Episode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_hooks_names_every_public_method_of_task():
+    public = {name for name, value in vars(Task).items() if callable(value) and not name.startswith("_")}
+    assert public == set(HOOKS)
+
+
+class Recording(Task):
+    """A task whose every hook answers with a value no default gives, and records that it was asked."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.calls = []
+
+    def make_episode(self, index, seed=0):
+        self.calls.append("make_episode")
+        return Episode(messages=[{"role": "user", "content": f"q{index}"}], tools=[], info={"q": index})
+
+    def reward(self, episode, messages, tool_calls):
+        self.calls.append("reward")
+        return 0.25
+
+    def success(self, episode, reward):
+        self.calls.append("success")
+        return "yes"
+
+    def turn_rewards(self, episode, messages, tool_calls):
+        self.calls.append("turn_rewards")
+        return [0.5]
+
+    def episode_metrics(self, episode, messages, tool_calls):
+        self.calls.append("episode_metrics")
+        return {"own": 3.0}
+
+    def demonstrate(self, episode, rng):
+        self.calls.append("demonstrate")
+        return [{"role": "assistant", "content": "solved"}]
+
+
+ANSWERS = {"reward": 0.25, "success": "yes", "turn_rewards": [0.5], "episode_metrics": {"own": 3.0},
+           "demonstrate": [{"role": "assistant", "content": "solved"}]}
+
+
+def _ask(task: Task, hook: str, episode: Episode):
+    args = {"reward": (episode, [], []), "success": (episode, 0.0), "turn_rewards": (episode, [], []),
+            "episode_metrics": (episode, [], []), "demonstrate": (episode, random.Random(0)),
+            "make_episode": (3, 0)}[hook]
+    return getattr(task, hook)(*args)
+
+
+@pytest.mark.parametrize("wrap", [TaskWrapper, lambda t: GroupedTask(t, group_size=2, question_seed=7)],
+                         ids=["TaskWrapper", "GroupedTask"])
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_forwarded_to_the_wrapped_task(wrap, hook):
+    inner = Recording()
+    wrapped = wrap(inner)
+    assert wrapped.name == "recording"
+    episode = inner.make_episode(0)
+    inner.calls.clear()
+    got = _ask(wrapped, hook, episode)
+    assert inner.calls == [hook]
+    if hook == "make_episode":
+        assert got.info["q"] == (1 if isinstance(wrapped, GroupedTask) else 3)  # GroupedTask: question 3 // 2
+    else:
+        assert got == ANSWERS[hook]
+
+
+class Bare:
+    """A task object that does not subclass Task: only the two hooks a task must have."""
+
+    def make_episode(self, index, seed=0):
+        return Episode(messages=[{"role": "user", "content": "q"}], tools=[])
+
+    def reward(self, episode, messages, tool_calls):
+        return 1.0
+
+
+def test_a_task_object_that_is_no_task_gets_the_defaults_for_the_hooks_it_lacks():
+    task = as_task(Bare())
+    assert isinstance(task, TaskWrapper) and task.name == "Bare"
+    episode = task.make_episode(0)
+    assert task.reward(episode, [], []) == 1.0
+    defaults = Task()
+    for hook in HOOKS[2:]:
+        assert _ask(task, hook, episode) == _ask(defaults, hook, episode), hook
+
+
+def test_the_verl_row_task_is_a_task_wrapper_that_overrides_only_make_episode():
+    """verl does not import in this environment: read the class from its source (its behaviour is tested in
+    tests/integrations, in the verl side environment)."""
+    tree = ast.parse((ROOT / "agent_loop/integrations/verl_agent_loop.py").read_text(encoding="utf-8"))
+    prepared = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "_Prepared")
+    assert [ast.unparse(base) for base in prepared.bases] == ["TaskWrapper"]
+    assert {f.name for f in prepared.body if isinstance(f, ast.FunctionDef)} == {"__init__", "make_episode"}
+
+
+def test_task_wrapper_defines_each_hook_itself():
+    assert all(hook in vars(TaskWrapper) and inspect.isfunction(vars(TaskWrapper)[hook]) for hook in HOOKS)

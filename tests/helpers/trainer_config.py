@@ -1,0 +1,23 @@
+"""A small synchronous training run on the tiny agent, and fixed random advantages (tests/trainer)."""
+
+import torch
+
+from masking import SpanKind
+from trainer import TrainConfig
+
+ASSISTANT = SpanKind.ASSISTANT
+
+
+def small_config(tiny_mid: str, tmp_path, **overrides) -> TrainConfig:
+    """8 episodes per step (4 questions x 2 samples), 2 mini-batches of 4, micro-batches of 2."""
+    settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
+                    micro_batch_size=2, ppo_epochs=1, threads=2, output_dir=str(tmp_path / "run"), progress=False)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def random_advantages(batch: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Replace the advantages by fixed random numbers on ASSISTANT tokens (0 elsewhere), so the loss
+    has a signal whatever the warm start's success rate is."""
+    noise = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(seed))
+    batch["advantages"] = torch.where(batch["spans"] == ASSISTANT, noise, 0.0)
