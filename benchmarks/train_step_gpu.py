@@ -56,8 +56,9 @@ def parse_args():
 
 def build_model(folder: Path, shape: dict) -> None:
     """A random-weight Qwen2 causal LM of ``shape``, saved with the Qwen2.5 tokenizer and chat template."""
-    from testdata import qwen_tokenizer_dir
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from tests.helpers.testdata import qwen_tokenizer_dir
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
@@ -83,7 +84,9 @@ def main() -> int:
             micro_batch_size=args.micro_batch_size, entropy_coef=0.01, device=args.device, dtype=args.dtype,
             threads=args.threads, output_dir=str(Path(scratch) / "run"), save_every=10**9, progress=False,
         )
+        built = time.perf_counter()
         trainer = Trainer(config)
+        console.print(f"set-up {time.perf_counter() - built:.1f} s")
         cuda = trainer.device.type == "cuda"
         name = torch.cuda.get_device_name(trainer.device) if cuda else "cpu"
         parameters = sum(p.numel() for p in trainer.policy.parameters())
@@ -110,6 +113,9 @@ def main() -> int:
             tokens = int(batch["attention_mask"].sum())
             peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if cuda else float("nan")
             rows.append((rolled - started, done - rolled, tokens, tokens / (done - rolled), peak))
+            # each step as it ends: a run cut short (a device lease) keeps what it measured
+            console.print(f"step {len(rows)}: rollout {rows[-1][0]:.2f} s, train {rows[-1][1]:.2f} s, {tokens} tokens, "
+                          f"{rows[-1][3]:,.0f} tokens/s, peak {peak:.1f} GiB")
 
     table = Table(title=f"train_step_gpu: {name}, {args.dtype}{' (tiny shape)' if args.tiny else ''}")
     for column in ("step", "rollout s", "train s", "batch tokens", "train tokens/s", "peak GiB"):

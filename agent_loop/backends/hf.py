@@ -116,8 +116,8 @@ class TransformersBackend(Backend):
                 input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
                 attention[row, longest - len(request.prompt_ids) :] = 1
             generators = []
-            for request in batch:
-                generator = torch.Generator()
+            for request in batch:  # on the model's device: the draws stay there (no host round trip per row)
+                generator = torch.Generator(device=self.device)
                 generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else torch.seed())
                 generators.append(generator)
 
@@ -130,16 +130,19 @@ class TransformersBackend(Backend):
                     input_ids=step_ids, attention_mask=attention, position_ids=position_ids,
                     past_key_values=cache, use_cache=True, logits_to_keep=1,
                 )
-                logits = out.logits[:, -1, :].float().cpu()
-                logprobs = torch.log_softmax(logits, dim=-1)
+                active = [row for row, request in enumerate(batch) if request.finish_reason is None]
+                logits = out.logits[active, -1, :].float()
+                tokens = sample_tokens(logits, [batch[row].sampling for row in active], [generators[row] for row in active])
+                chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+                token_list, chosen_list = tokens.tolist(), chosen.tolist()  # the one host transfer of a decode step
+                if -1 in token_list:
+                    raise RuntimeError("probability tensor contains either inf or nan (the model's logits)")
                 next_ids = torch.full((len(batch),), self.pad_token_id, dtype=torch.long)
-                for row, request in enumerate(batch):
-                    if request.finish_reason is not None:
-                        continue
-                    token = self._sample(logits[row], request.sampling, generators[row])
+                for row, token, logprob in zip(active, token_list, chosen_list):
+                    request = batch[row]
                     next_ids[row] = token
                     request.token_ids.append(token)
-                    request.logprobs.append(float(logprobs[row, token]))
+                    request.logprobs.append(logprob)
                     if token in request.sampling.stop_token_ids:
                         request.finish_reason = "stop"
                     elif len(request.token_ids) >= request.sampling.max_tokens:
@@ -149,9 +152,53 @@ class TransformersBackend(Backend):
                 step_ids = next_ids.unsqueeze(1).to(self.device)
                 attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-        if sampling.temperature <= 0:
-            return int(torch.argmax(logits))
-        logits = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+def sample_tokens(logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator], *,
+                  batched: bool | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` (b, v), float32 on the model's device: argmax where the row's temperature is
+    0, else a draw from softmax(filtered logits / temperature) with the row's own generator (on that device).
+    Returns (b,) long on the same device; -1 marks a sampled row whose probabilities are not finite (the caller
+    raises after its one transfer of the tokens, as ``torch.multinomial`` raises on the CPU).
+
+    On the CPU each row is drawn whole in turn (``torch.multinomial``): a row stays in the cache through its
+    softmax, draw, division and argmax, which batch-wide passes over (b, v) would not (benchmarks/hf_sampling.py).
+    On a GPU the batch is drawn at once (:func:`draw_batch`), so no row leaves the device: the loop it replaced
+    copied every decode step's logits to the host and sampled there. ``batched`` picks the path (default: by the
+    device); both give the same tokens from the same generators.
+    """
+    if not (logits.device.type != "cpu" if batched is None else batched):
+        return torch.tensor([_draw_row(logits[row], params, generator)
+                             for row, (params, generator) in enumerate(zip(sampling, generators))], dtype=torch.long)
+    sampled = [params.temperature > 0 for params in sampling]  # on the host: no sync to read them
+    divisor = torch.tensor([params.temperature if row else 1.0 for params, row in zip(sampling, sampled)],
+                           device=logits.device)
+    scaled = logits / divisor[:, None]
+    for row, params in enumerate(sampling):  # top-k / top-p: rows that ask for it (off by default)
+        if sampled[row] and (params.top_k > 0 or params.top_p < 1.0):
+            scaled[row] = _filter_logits(scaled[row], params.top_k, params.top_p)
+    drawn = draw_batch(torch.softmax(scaled, dim=-1), sampled, generators)
+    if all(sampled):
+        return drawn
+    return torch.where(torch.tensor(sampled, device=logits.device), drawn, torch.argmax(logits, dim=-1))
+
+
+def _draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    filtered = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    return int(torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator))
+
+
+def draw_batch(probs: torch.Tensor, sampled: list[bool], generators: list[torch.Generator]) -> torch.Tensor:
+    """``torch.multinomial(probs[r], 1, generator=generators[r])`` for every row ``r`` where ``sampled[r]``, at
+    once: multinomial's own one-sample draw, ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's generator
+    over the row, so the tokens are the same (tests/backends/test_hf_backend.py). Only ``q`` is drawn row by row.
+    A row that is not finite gives -1 (its argmax is a NaN). ``probs`` (b, v) is overwritten."""
+    noise = torch.ones_like(probs)
+    for row, generator in enumerate(generators):
+        if sampled[row]:
+            noise[row].exponential_(generator=generator)
+    ratio = probs.div_(noise)
+    drawn = torch.argmax(ratio, dim=-1)  # a NaN anywhere in a row is its argmax
+    invalid = ratio.gather(1, drawn[:, None]).squeeze(1).isnan() & torch.tensor(sampled, device=probs.device)
+    return torch.where(invalid, -1, drawn)

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agent_loop.backends.base import SamplingParams
-from agent_loop.backends.hf import TransformersBackend, _filter_logits
+from agent_loop.backends.hf import TransformersBackend, _filter_logits, draw_batch, sample_tokens
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,47 @@ def test_top_k_top_p_filtering():
     probs = torch.softmax(logits, -1)  # 0.64, 0.24, 0.09, 0.03: top_p 0.8 keeps the first two
     kept = ~torch.isinf(_filter_logits(logits, top_k=0, top_p=0.8))
     assert kept.tolist() == [True, True, False, False] and probs[0] < 0.8 < probs[:2].sum()
+
+
+SAMPLING = [SamplingParams(max_tokens=1, temperature=t, top_p=p, top_k=k)
+            for t, p, k in ((1.0, 1.0, 0), (0.7, 1.0, 0), (0.0, 1.0, 0), (1.0, 0.9, 0), (1.3, 1.0, 5), (1.0, 1.0, 0))]
+
+
+def generators(seed: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + row) for row in range(len(SAMPLING))]
+
+
+def test_the_batched_draw_is_multinomials_draw_row_by_row():
+    """draw_batch (the GPU path, run here on the CPU) against torch.multinomial row by row with the same
+    generators: the same tokens, over many seeds; a row that is not a distribution is -1."""
+    for seed in range(20):
+        probs = torch.softmax(torch.randn(len(SAMPLING), 300, generator=torch.Generator().manual_seed(seed)) * 3, -1)
+        serial = [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators(seed))]
+        sampled = [True] * len(SAMPLING)
+        assert draw_batch(probs.clone(), sampled, generators(seed)).tolist() == serial
+    probs[1, 7] = float("nan")
+    assert draw_batch(probs.clone(), sampled, generators(0)).tolist()[1] == -1
+    assert draw_batch(probs.clone(), [True, False, *sampled[2:]], generators(0)).tolist()[1] != -1  # not sampled
+
+
+def test_both_sampling_paths_give_the_same_tokens():
+    """sample_tokens on the device path (batched) and the CPU path (row by row), with temperatures, top-k, top-p
+    and a greedy row: the same tokens from the same seeds; greedy is the logits' argmax."""
+    for seed in range(20):
+        logits = torch.randn(len(SAMPLING), 300, generator=torch.Generator().manual_seed(seed)) * 3
+        by_row = sample_tokens(logits, SAMPLING, generators(seed), batched=False)
+        assert sample_tokens(logits, SAMPLING, generators(seed), batched=True).tolist() == by_row.tolist()
+        assert by_row[2] == torch.argmax(logits[2])
+
+
+def test_logits_that_are_not_finite_are_refused_on_either_path():
+    """A NaN in the logits: -1 on the batched path (the backend raises after its transfer), an error row by row."""
+    logits = torch.zeros(2, 10)
+    logits[0, 3] = float("nan")
+    params, gens = [SamplingParams(max_tokens=1)] * 2, [torch.Generator(), torch.Generator()]
+    assert sample_tokens(logits, params, gens, batched=True).tolist()[0] == -1
+    with pytest.raises(RuntimeError):
+        sample_tokens(logits, params, gens, batched=False)
 
 
 def test_backend_failure_reaches_every_caller(model):
