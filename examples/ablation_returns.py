@@ -4,8 +4,9 @@
     python examples/ablation_returns.py --steps 150 --gamma 0.95 --parallel 2 --threads 1
     python examples/ablation_returns.py --task chain --seeds 0 1 2 --steps 20 --prompts-per-step 32 \\
         --max-response-tokens 512 --gamma 0.98 --eval-episodes 32 --parallel 2 --threads 1   # issue 17: 9 runs
-    python examples/ablation_returns.py --model smollm2-135m --task arithmetic --warm-start-steps 4 \\
-        --seeds 0 1 2 --steps 12 --prompts-per-step 8 --group-size 2 --eval-episodes 40 --threads 1   # issue 36
+    python examples/ablation_returns.py --model smollm2-135m --task arithmetic --warm-start-steps 2 \\
+        --warm-start-lr 1e-4 --seeds 0 1 2 --steps 12 --prompts-per-step 8 --group-size 2 --gamma 0.98 \\
+        --eval-episodes 40 --parallel 2 --threads 1 --output-dir runs/ablation_smollm2   # issue 36: 9 runs
 
 - ``carry_through``: the running return passes unchanged through OBSERVATION tokens (ours, verl
   after PR #7300);
@@ -86,13 +87,27 @@ def warm_started(args: argparse.Namespace) -> str:
     folder = Path(args.output_dir) / "warmstart"
     if not (folder / MODEL_DIR / "config.json").is_file():
         print(f"warm start: {args.warm_start_steps} steps on {args.task}'s demonstrations", flush=True)
-        config = WarmstartConfig(model=args.model, task=args.task, steps=args.warm_start_steps,
-                                 episodes=args.warm_start_episodes, batch_size=args.warm_start_batch,
+        # no warm-up of the learning rate: a few steps are the whole warm start (its default 10 would make them ~0)
+        config = WarmstartConfig(model=args.model, task=args.task, steps=args.warm_start_steps, lr=args.warm_start_lr,
+                                 warmup_steps=0, episodes=args.warm_start_episodes, batch_size=args.warm_start_batch,
                                  threads=args.threads, output_dir=str(folder), progress=False)
         result = warm_start(config)
         print(f"warm start: loss {result.history[0]['loss']:.3f} -> {result.history[-1]['loss']:.3f} in "
               f"{result.seconds:.0f} s", flush=True)
     return str(folder / MODEL_DIR)
+
+
+def start_of(trainer: Trainer, args: argparse.Namespace) -> dict[str, float]:
+    """The held-out rates of the starting model under this seed: the same for every variant (same model, same
+    questions, same sampling seeds), so measured once per seed and kept in ``<output-dir>/start-seed<S>.json``."""
+    from agent_loop.files import write_text
+
+    path = Path(args.output_dir) / f"start-seed{trainer.config.seed}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    start = held_out(trainer, args.eval_episodes)
+    write_text(path, json.dumps(start))  # whole or not at all (two runs of a seed may both measure it)
+    return start
 
 
 def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
@@ -109,7 +124,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     print(f"\n=== {variant} (gamma {args.gamma}, seed {seed}) ===", flush=True)
     started = time.perf_counter()
     trainer = Trainer(config)
-    start = held_out(trainer, args.eval_episodes)
+    start = start_of(trainer, args)
     history = trainer.train()
     end = held_out(trainer, args.eval_episodes)
     result = {"variant": variant, "seed": seed, "history": history, "evals": trainer.eval_history,
@@ -203,6 +218,8 @@ def main() -> None:
                         help="first warm-start --model on the task's demonstrations for this many steps (0: no warm start)")
     parser.add_argument("--warm-start-episodes", type=int, default=64, help="demonstrations of the warm start")
     parser.add_argument("--warm-start-batch", type=int, default=8, help="demonstrations per warm-start step")
+    parser.add_argument("--warm-start-lr", type=float, default=None,
+                        help="the warm start's learning rate (default: warmstart's own for a --model)")
     parser.add_argument("--max-response-tokens", type=int, default=defaults.max_response_tokens,
                         help="assistant + observation tokens per episode (chain: 512 fits its records)")
     parser.add_argument("--lr", type=float, default=defaults.lr)
