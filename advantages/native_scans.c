@@ -2,7 +2,7 @@
  *
  * Row-major (rows, cols) arrays of one float type T; steps holds the ASSISTANT mask as 0/1 in T.
  * The running state is a double, so long rows lose nothing to float32 rounding (as the serial
- * reference in tests/reference_returns.py, which works in Python floats). Off the steps the state
+ * reference in tests/helpers/reference_returns.py, which works in Python floats). Off the steps the state
  * is carried (an OBSERVATION, or a PAD, which only trails a row, where the state is still 0) and
  * the outputs are exactly 0. Four rows are scanned together: each row's recurrence is a chain of
  * dependent multiply-adds, and four independent chains keep the core busy.

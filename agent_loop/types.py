@@ -133,7 +133,7 @@ class Trajectory:
     advantages: list[float] | None = None
     # per response token, the policy version (trainer step of the weights) that sampled it on ASSISTANT tokens,
     # -1 elsewhere; None when the backend reports no version. An episode that ran across a weight update
-    # (trainer/async_rollouts.py: partial rollouts) holds several versions
+    # (agent_loop/runners/producer.py: partial rollouts) holds several versions
     policy_versions: list[int] | None = None
 
     def check(self) -> None:

@@ -24,12 +24,15 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+import agent_loop.files as files
 from agent_loop.backends.hf import TransformersBackend
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import ARCHITECTURES, build_random_model
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.registry import get_task
 from agent_loop.tiny import tiny_agent_path
+from agent_loop.tiny.build import build_lock
+from masking.cache import cache_root
 
 BACKENDS = ("transformers", "vllm", "http")
 
@@ -97,19 +100,19 @@ def run_backend(name: str, model_path: Path, task, tokenizer, args, config) -> d
 
 
 def random_model(arch: str) -> Path:
-    """A random-weight ``arch`` model with the real Qwen2.5 tokenizer (tests/data), built once into the cache."""
-    import os
+    """A random-weight ``arch`` model with the real Qwen2.5 tokenizer (tests/data), built once into the cache
+    (under the build lock, written whole: ``agent_loop.files``)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers
     from tests.helpers.testdata import qwen_tokenizer_dir
 
-    cache = Path(os.environ.get("AGENT_LOOP_CACHE", Path.home() / ".cache" / "agent_loop"))
-    target = cache / f"bench-random-{arch}"
+    target = cache_root() / f"bench-random-{arch}"
     if not (target / "config.json").is_file():
-        staging = Path(tempfile.mkdtemp(dir=cache, prefix=".build-"))
-        build_random_model(staging, arch, qwen_tokenizer_dir())
-        staging.rename(target)
+        tokenizer = qwen_tokenizer_dir()
+        with build_lock(target):
+            if not (target / "config.json").is_file():  # another process may have built it meanwhile
+                files.write_folder(target, lambda scratch: build_random_model(scratch, arch, tokenizer))
     return target
 
 

@@ -20,7 +20,6 @@ import contextlib
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ BACKENDS = ("hf", "vllm", "http")
 @contextlib.contextmanager
 def agent_loop_serve(model: str, threads: int, log_path: Path, startup_timeout_s: float = 600.0):
     """``agent-loop serve`` on 127.0.0.1 and a free port, in its own process group; yields its URL, stops it after."""
-    from agent_loop.backends.openai_http import _healthy, _stop_process_group, free_port
+    from agent_loop.backends.vllm_server import free_port, stop_process_group, wait_healthy
 
     port = free_port()
     command = [sys.executable, "-m", "agent_loop.cli", "serve", "--model", model, "--port", str(port),
@@ -49,17 +48,10 @@ def agent_loop_serve(model: str, threads: int, log_path: Path, startup_timeout_s
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while not _healthy(url):
-            if process.poll() is not None:
-                raise RuntimeError(f"agent-loop serve exited with code {process.returncode}: "
-                                   f"{log_path.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"agent-loop serve at {url} not healthy after {startup_timeout_s:.0f} s")
-            time.sleep(1.0)
+        wait_healthy(url, process, timeout_s=startup_timeout_s, name="agent-loop serve", log_path=log_path)
         yield url
     finally:
-        _stop_process_group(process)
+        stop_process_group(process)
 
 
 def run_backend(name: str, model: str, task, tokenizer, args, config) -> dict[int, dict]:

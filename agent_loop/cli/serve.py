@@ -39,24 +39,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def server_command(args: argparse.Namespace, vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The api_server command line and the environment variables it adds."""
-    from agent_loop.backends.openai_http import CPU_SERVER_ARGS
-    from agent_loop.models import vllm_on_cpu
+    """The api_server command line and the environment variables it adds: the one server command
+    (:func:`~agent_loop.backends.vllm_server.vllm_server_command`) with the weight-push endpoints on."""
+    from agent_loop.backends.vllm_server import vllm_server_command
+    from agent_loop.models import vllm_on_cpu  # the one check, by the name the command's model checks use
 
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-               "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
-               "--generation-config", "vllm"]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /collective_rpc, the endpoint the trainer's weight pushes use
-    if vllm_on_cpu():
-        command += CPU_SERVER_ARGS
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        # vLLM binds one OpenMP thread per core: to the first cores of the threads rule's count it may use
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, allowed[:resolve_threads(args.threads)]))
-    if args.lora_rank:
-        command += ["--enable-lora", "--max-lora-rank", str(args.lora_rank)]
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    return command + vllm_args, env
+    return vllm_server_command(args.model, port=args.port, served_model_name=args.served_model_name, host=args.host,
+                               lora_rank=args.lora_rank, weight_pushes=True, threads=resolve_threads(args.threads),
+                               cpu=vllm_on_cpu(), extra=vllm_args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
+from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.cli.stops import go_on_command, run_command
-from agent_loop.runners.outputs import FOLDER_LOCK, HELD_ENV, OutputLockedError, RunLock, is_write_failure
+from agent_loop.runners.outputs import HELD_ENV, OutputLockedError, RunLock, is_write_failure
 from trainer.config import TrainConfig
 
 PROG = "agent-loop train"
@@ -67,29 +67,14 @@ def check_world(config: TrainConfig, task=None) -> None:
 
 def claim_output(config: TrainConfig) -> RunLock | None:
     """Lock ``--output-dir`` for this run and check it holds no earlier run (unless ``--resume``; ``--overwrite``
-    deletes the earlier run's files first). None in a worker of a launcher that holds the lock, and in
-    torchrun ranks other than 0 (rank 0 holds it)."""
+    deletes the earlier run's files first): ``agent_loop.cli.output_claim``. None in a worker of a launcher that
+    holds the lock, and in torchrun ranks other than 0 (rank 0 holds it)."""
     if os.environ.get(HELD_ENV) or int(os.environ.get("RANK", "0")) != 0:
         return None
-    folder = Path(config.output_dir)
-    try:
-        lock = RunLock(folder, folder=True).acquire()
-    except (OutputLockedError, OSError) as error:
-        raise UsageError(f"--output-dir {folder}: {error}") from None
-    earlier = sorted(p.name for p in folder.iterdir() if p.name != FOLDER_LOCK)
-    if earlier and config.resume is None and not config.overwrite:
-        lock.release()
-        raise UsageError(f"--output-dir {folder}: holds an earlier run ({', '.join(earlier[:5])}"
-                         f"{', ...' if len(earlier) > 5 else ''}); pass --resume {folder} to continue it, "
-                         "--overwrite to replace it, or another --output-dir")
-    if config.overwrite:
-        for name in RUN_OUTPUTS:
-            target = folder / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    return lock
+    return claim_output_dir(config.output_dir, keep=config.resume is not None, overwrite=config.overwrite,
+                            remove=RUN_OUTPUTS,
+                            refusal="holds an earlier run ({held}); pass --resume {folder} to continue it, "
+                                    "--overwrite to replace it, or another --output-dir")
 
 
 def go_on(config: TrainConfig, argv: list[str]) -> str:

@@ -15,7 +15,6 @@ import asyncio
 import hashlib
 import inspect
 import json
-import os
 import threading
 import time
 import weakref
@@ -32,6 +31,7 @@ from agent_loop.backends.base import (
     check_result,
     is_fatal,
 )
+from agent_loop.backends.retry import backoff_delay
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.contracts import (
@@ -44,6 +44,7 @@ from agent_loop.episode.contracts import (
     as_task,
     checked_step,
 )
+from agent_loop.episode.info import episode_info, recorded_model_path  # noqa: F401  (its old home)
 from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
@@ -133,7 +134,7 @@ async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: 
                 raise  # e.g. every server down past the deadline: the run stops (agent_loop.runners.local)
             error = f"{type(exc).__name__}: {exc}"
             if attempt < retries:
-                await asyncio.sleep(config.retry_backoff_s * 2**attempt)
+                await asyncio.sleep(backoff_delay(attempt, base_s=config.retry_backoff_s))  # few retries: no cap
     return None, error
 
 
@@ -487,13 +488,6 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
         return _Score(error=f"{type(error).__name__}: {error}")
 
 
-def recorded_model_path(name_or_path: str) -> str:
-    """What ``info["model_path"]`` records: a local folder as an absolute path (so the record's tokenizer loads
-    from any working directory: ``agent-loop inspect``), anything else (a served or hub model name) as given."""
-    path = Path(name_or_path).expanduser()
-    return os.path.abspath(path) if path.is_dir() else name_or_path
-
-
 def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str, score: _Score,
             elapsed_s: float) -> Trajectory:
     """Assemble the episode's Trajectory record."""
@@ -526,13 +520,10 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         metrics["backend_error"] = state.error
     if state.env_error or score.error:
         metrics["error"] = state.env_error or score.error
-    info = {"task": task.name, "index": ctx.index, "seed": ctx.seed, "answer": episode.answer,
-            "success": score.success, **episode.info}
-    if state.steps:  # the environment's per-turn rewards, done/truncated and metadata, as it gave them
-        info["steps"] = state.steps
-    name_or_path = getattr(ctx.tokenizer, "name_or_path", None)
-    if name_or_path:
-        info["model_path"] = recorded_model_path(str(name_or_path))
+    # steps: the environment's per-turn rewards, done/truncated and metadata, as it gave them
+    info = episode_info(task.name, ctx.index, ctx.seed, success=score.success, tokenizer=ctx.tokenizer,
+                        identity={"answer": episode.answer},
+                        extra={**episode.info, **({"steps": state.steps} if state.steps else {})})
     return Trajectory(
         prompt_ids=ctx.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,
         logprobs=state.logprobs, messages=state.messages, tool_calls=state.records, reward=reward,

