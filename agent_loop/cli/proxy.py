@@ -10,15 +10,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import UsageError, add_threads_option, int_at_least, number_in, threads_from
+from agent_loop.backends.server_options import ServerOptions
+from agent_loop.cli.options import (
+    UsageError,
+    add_options,
+    add_threads_option,
+    given,
+    int_at_least,
+    number_in,
+    threads_from,
+    validate,
+)
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
 DEFAULT_OUT = "runs/sessions.jsonl"
+SERVER_FIELDS = {field.name for field in dataclasses.fields(ServerOptions)}
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -27,9 +39,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("proxy", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
     parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
     parser.add_argument("--backend", choices=list(BACKENDS), default="hf", help="who generates (default hf)")
-    parser.add_argument("--server", action="append", default=[], help="--backend http: upstream server root URL "
-                        "(repeat for failover)")
-    parser.add_argument("--served-model-name", default=None, help="--backend http: the upstream servers' model name")
+    add_options(parser, ServerOptions, config_file=False)  # --backend http: the upstream servers, declared once
     parser.add_argument("--model-name", default="policy", help="the model name clients ask for (default policy)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int_at_least(0), default=8100, help="port (default 8100; 0: a free one)")
@@ -51,6 +61,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     return parser
 
 
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The upstream servers' options given (``--server`` ...), validated as every command's (UsageError)."""
+    return validate(ServerOptions, {name: value for name, value in given(args).items() if name in SERVER_FIELDS})
+
+
 def run(args: argparse.Namespace) -> int:
     import agent_loop.cli.preflight as preflight
     from agent_loop.models import model_path
@@ -59,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from agent_loop.threads import apply_threads
 
     apply_threads(threads_from(args))
-    if args.backend == "http" and not args.server:
+    args.servers = server_options(args)
+    if args.backend == "http" and not args.servers.server:
         raise UsageError("--backend http needs at least one --server URL")
     if args.model is not None:
         preflight.check_model_dir(args.model, args.backend)
@@ -85,8 +101,7 @@ async def _serve(args: argparse.Namespace, path: str, writer) -> int:
     from agent_loop.proxy.server import ProxyServer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    backend = make_backend(args.backend, path, BackendSettings(servers=list(args.server),
-                                                               served_model_name=args.served_model_name))
+    backend = make_backend(args.backend, path, BackendSettings.from_options(args.servers))
     settings = ProxySettings(model_name=args.model_name, max_tokens=args.max_tokens, temperature=args.temperature,
                              seed=args.seed, idle_timeout_s=args.idle_timeout_s, max_sessions=args.max_sessions,
                              one_request_sessions=args.one_request_sessions)

@@ -163,3 +163,19 @@ def test_train_help_says_why_its_episode_defaults_differ_from_rollouts(capsys):
     turns = text[text.index("--max-turns MAX_TURNS assistant"):]
     assert turns.index("default: 3 (declared default: 4); train's own, not rollout's") < 300
     assert "tiny agent's RL results" in turns[:500]
+
+
+def test_the_proxy_takes_the_upstream_servers_options_as_declared():
+    """agent-loop proxy --backend http: --server, --served-model-name and the retry settings are ServerOptions'
+    own flags, and all of them reach the backend's settings (a hand-built settings object dropped the retries)."""
+    from agent_loop.cli import build_parser
+    from agent_loop.cli.proxy import server_options
+
+    args = build_parser().parse_args(["proxy", "--backend", "http", "--server", "http://127.0.0.1:9",
+                                      "--server", "http://127.0.0.1:10", "--served-model-name", "policy",
+                                      "--retry-deadline-s", "5", "--request-timeout-s", "2"])
+    settings = BackendSettings.from_options(server_options(args))
+    assert (settings.servers, settings.served_model_name) == (["http://127.0.0.1:9", "http://127.0.0.1:10"], "policy")
+    assert (settings.retry_deadline_s, settings.request_timeout_s) == (5.0, 2.0)
+    with pytest.raises(UsageError, match=r"--retry-deadline-s 0: must be a number > 0"):
+        server_options(build_parser().parse_args(["proxy", "--retry-deadline-s", "0"]))
