@@ -28,8 +28,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "success": stats.success_rate,
         **{name: stats.mean(name) for name in ("turns", "assistant_tokens", "observation_tokens", "tool_calls")},
         **{name: total / stats.episodes for name, total in stats.task_metrics.items()},  # e.g. tool_returned_answer
-        # template exactness, in turns (docs/templates.md)
-        "template_mismatch": float(stats.template_mismatch_turns),
+        # template exactness, in turns (docs/templates.md); mismatches are errors/template below, named once
         "template_drift": float(stats.template_drift_turns),
     }
     metrics.update({f"finish_frac/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})

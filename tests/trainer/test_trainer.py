@@ -271,6 +271,7 @@ def test_cli_writes_metrics_and_checkpoint(tiny_mid, tmp_path, capsys, monkeypat
                 "errors/template", "lr",
                 "ppo_kl", "clip_frac", "entropy", "grad_norm", "advantages/mean", "logprob_mismatch/mean_abs"):
         assert key in record, key
+    assert "template_mismatch" not in record and "clipfrac" not in record  # each metric under one name
     checkpoint = out / "checkpoints" / "step_000001"
     assert (checkpoint / "model" / "config.json").exists() and (checkpoint / "trainer_state.pt").exists()
     assert "step    1 | success" in capsys.readouterr().out
