@@ -10,5 +10,6 @@ bash scripts/setup.sh --test
 # (tests/conftest.py), so two of them use the two cores; AGENT_LOOP_TEST_WORKERS=0 runs them in this process.
 workers=${AGENT_LOOP_TEST_WORKERS:-2}
 parallel=()
-[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile)
+# files in collection order, the longest recorded first (tests/conftest.py, tests/data/test_durations.json)
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 exec .venv/bin/python -m pytest -q --durations=20 "${parallel[@]}" -m "slow or integration or not slow" "$@"

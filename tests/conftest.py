@@ -1,6 +1,8 @@
 """Fixtures: the built-in tiny agent (built once per machine, then cached) and the real Qwen2.5 tokenizer."""
 
+import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,13 +23,39 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"full_recipe: the tiny agent's whole recipe rebuilt; runs only with {FULL_RECIPE}=1")
 
 
+# The seconds each test file took in a recorded run of the whole suite (README's test command with
+# AGENT_LOOP_RECORD_DURATIONS=tests/data/test_durations.json). scripts/test.sh's pytest-xdist workers take whole
+# files in collection order (--dist loadfile --no-loadscope-reorder): the longest first, so the last file to
+# start is a short one and neither worker idles at the end. A file not in the record goes after the recorded ones
+# (a new file is usually short).
+DURATIONS = Path(__file__).parent / "data" / "test_durations.json"
+RECORD_DURATIONS = "AGENT_LOOP_RECORD_DURATIONS"
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(FULL_RECIPE) == "1":
-        return
-    deselected = [item for item in items if item.get_closest_marker("full_recipe")]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if not item.get_closest_marker("full_recipe")]
+    if os.environ.get(FULL_RECIPE) != "1":
+        deselected = [item for item in items if item.get_closest_marker("full_recipe")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("full_recipe")]
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::")[0], 0.0))  # stable: a file stays together
+
+
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get(RECORD_DURATIONS):  # set-up, call and tear-down of every test (the controller sees them all)
+        _seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get(RECORD_DURATIONS)
+    if path and _seconds and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        from agent_loop.files import write_text
+
+        write_text(path, json.dumps({name: round(s, 1) for name, s in sorted(_seconds.items())}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
