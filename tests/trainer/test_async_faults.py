@@ -28,6 +28,7 @@ from agent_loop.backends.base import Backend, FatalBackendError
 from agent_loop.backends.hf import TransformersBackend
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import RolloutProducerError
+from tests.helpers.async_training import small_config
 from tests.helpers.vllm_servers import server_pid  # the vLLM server process behind a URL
 from trainer import TrainConfig, Trainer
 
@@ -43,11 +44,8 @@ def tiny_mid() -> str:
 
 
 def config_for(tiny_mid: str, out: Path, **overrides) -> TrainConfig:
-    settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
-                    micro_batch_size=4, threads=1, output_dir=str(out), progress=False, entropy_coef=0.01,
-                    tensorboard=False, max_staleness=1)
-    settings.update(overrides)
-    return TrainConfig(**settings)
+    """The small asynchronous run (tests.helpers.async_training), one mini-batch a step, staleness 1."""
+    return small_config(tiny_mid, out, **{"mini_batches": 1, "max_staleness": 1, **overrides})
 
 
 class FailsAfter(Backend):
