@@ -82,6 +82,14 @@ def tiny_agent_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mid() -> str:
+    """The tiny agent's middling checkpoint (``tiny-mid``): a start RL can still improve."""
+    from agent_loop.tiny import tiny_agent_path
+
+    return str(tiny_agent_path(stage="mid"))
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_agent_dir):
     from transformers import AutoTokenizer
 

@@ -36,13 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    from agent_loop.tiny import tiny_agent_path
-
-    return str(tiny_agent_path(stage="mid"))
-
-
 def config_for(tiny_mid: str, out: Path, **overrides) -> TrainConfig:
     """The small asynchronous run (tests.helpers.async_training), one mini-batch a step, staleness 1."""
     return small_config(tiny_mid, out, **{"mini_batches": 1, "max_staleness": 1, **overrides})

@@ -345,13 +345,6 @@ def test_a_checkpoints_producer_position_is_checked_and_an_older_checkpoint_has_
 # -- the real thing: the tiny agent ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    from agent_loop.tiny import tiny_agent_path
-
-    return str(tiny_agent_path(stage="mid"))
-
-
 @pytest.mark.slow
 def test_a_staleness_0_asynchronous_run_equals_the_synchronous_one(tiny_mid, tmp_path):
     synchronous = Trainer(small_config(tiny_mid, tmp_path / "sync"))

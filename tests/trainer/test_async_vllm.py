@@ -25,13 +25,6 @@ from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (ne
 LOGPROB_ATOL = 2e-3  # vLLM's float32 kernels against a transformers forward (tests/backends/test_vllm_backend.py)
 
 
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    from agent_loop.tiny import tiny_agent_path
-
-    return str(tiny_agent_path(stage="mid"))
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:lr .* is known to be unstable", "ignore:step .* has no learning signal")
 def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_pushed_weights(tiny_mid, tmp_path):

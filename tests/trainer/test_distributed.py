@@ -20,15 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agent_loop.tiny import tiny_agent_path
-
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    return str(tiny_agent_path(stage="mid"))
 
 
 def _env() -> dict[str, str]:

@@ -14,18 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agent_loop.tiny import tiny_agent_path
 from trainer import TrainConfig, Trainer
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA = 4, 8.0
-
-
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    return str(tiny_agent_path(stage="mid"))
 
 
 def lora_config(tiny_mid, tmp_path, **overrides) -> TrainConfig:

@@ -16,7 +16,6 @@ import torch
 
 from agent_loop.cli.train import main as train_main
 from agent_loop.config import checked
-from agent_loop.tiny import tiny_agent_path
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
 from tests.helpers.trainer_config import random_advantages, small_config
@@ -29,11 +28,6 @@ MISMATCH_KEYS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ratio_mean", "mis
                  "mismatch/ratio_p05", "mismatch/ratio_p50", "mismatch/ratio_p95", "mismatch/frac_capped",
                  "mismatch/frac_masked")
 CAP, LOWER, UPPER = 1.1, 0.8, 1.25
-
-
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    return str(tiny_agent_path(stage="mid"))
 
 
 def serial_logprobs(model, trajectories) -> dict[tuple[int, int], float]:

@@ -20,18 +20,12 @@ import torch
 from agent_loop.cli.train import main as train_main
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import get_task
-from agent_loop.tiny import tiny_agent_path
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
 from tests.helpers.trainer_config import random_advantages, small_config
 from trainer import TrainConfig, Trainer
 
 ASSISTANT, OBSERVATION, PAD = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
-
-
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    return str(tiny_agent_path(stage="mid"))
 
 
 def scored_batch(trainer: Trainer, step: int = 0) -> dict[str, torch.Tensor]:

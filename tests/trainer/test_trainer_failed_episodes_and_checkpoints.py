@@ -39,13 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def tiny_mid() -> str:
-    from agent_loop.tiny import tiny_agent_path
-
-    return str(tiny_agent_path(stage="mid"))
-
-
 def config_for(tiny_mid: str, out: Path, **overrides) -> TrainConfig:
     """8 episodes per step (4 questions x 2 samples), one mini-batch."""
     settings = dict(model=tiny_mid, steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
