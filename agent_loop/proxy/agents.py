@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from agent_loop.backends.base import Backend
+from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.proxy import check_agent_spec
 from agent_loop.proxy.core import Proxy, ProxySettings
@@ -93,7 +94,7 @@ class AgentRunner:
     async def play(self, index: int, seed: int) -> list[Trajectory]:
         """One episode: its session's segments as Trajectories (one error Trajectory if the agent failed)."""
         row = episode_row(self.task, index, seed)
-        session_id = f"{self.task.name}:{seed}:{index}"
+        session_id = episode_session_id(self.task.name, seed, index)  # the loop's own key of an episode
         self.proxy.open(session_id, row={"task": self.task.name, "index": index, "seed": seed})
         error = None
         try:
