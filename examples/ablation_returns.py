@@ -27,9 +27,11 @@ calculator call then the answer), once, into ``<output-dir>/warmstart/model``, t
 run; keep N small so the start is partial (about 20-40% sampled success), with room for RL to show.
 
 Each (variant, seed) is one run; held-out questions are checked greedy and sampled (T=1) before and
-after training. A run whose ``result.json`` exists is not run again (and a finished warm start is reused),
-so the table can be filled over several sessions with the same command. Writes ``<output-dir>/results.md`` (the table: mean and min-max over seeds),
-``<output-dir>/learning_curves.png`` (mean and min-max band) and ``histories.json``.
+after training. A run whose ``result.json`` exists is not run again, an interrupted one goes on from its latest
+checkpoint (every ``--save-every`` steps), and a finished warm start is reused, so the table can be filled over
+several sessions with the same command (a resumed run's time is that of its last session). Writes
+``<output-dir>/results.md`` (the table: mean and min-max over seeds), ``<output-dir>/learning_curves.png`` (mean
+and min-max band) and ``histories.json``.
 """
 
 from __future__ import annotations
@@ -114,20 +116,25 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     output_dir = Path(args.output_dir) / f"{variant}-seed{seed}"
     if (output_dir / "result.json").is_file():  # finished in an earlier session
         return json.loads((output_dir / "result.json").read_text())
+    # an interrupted run goes on from its latest checkpoint; one with none starts over
+    resume = str(output_dir) if any((output_dir / "checkpoints").glob("step_*")) else None
     config = TrainConfig(
         model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, estimator=VARIANTS[variant],
         gamma=args.gamma, steps=args.steps, seed=seed, threads=args.threads, max_response_tokens=args.max_response_tokens,
         group_size=args.group_size, mini_batches=args.mini_batches, eval_every=args.eval_every,
-        eval_episodes=args.eval_episodes, output_dir=str(output_dir), save_every=args.steps, progress=False,
-        overwrite=True,  # a run interrupted before its result.json starts over
+        eval_episodes=args.eval_episodes, output_dir=str(output_dir), save_every=args.save_every, progress=False,
+        resume=resume, overwrite=resume is None,
     )
-    print(f"\n=== {variant} (gamma {args.gamma}, seed {seed}) ===", flush=True)
+    print(f"\n=== {variant} (gamma {args.gamma}, seed {seed}){' resumed' if resume else ''} ===", flush=True)
     started = time.perf_counter()
     trainer = Trainer(config)
     start = start_of(trainer, args)
-    history = trainer.train()
+    trainer.train()
     end = held_out(trainer, args.eval_episodes)
-    result = {"variant": variant, "seed": seed, "history": history, "evals": trainer.eval_history,
+    # every step's metrics, those of earlier sessions included (train() returns only the steps it ran)
+    history = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(m["step"], m["eval/success"]) for m in history if "eval/success" in m]
+    result = {"variant": variant, "seed": seed, "history": history, "evals": evals,
               "held_out": {"start": start, "end": end}, "seconds": time.perf_counter() - started}
     (Path(config.output_dir) / "result.json").write_text(json.dumps(result))  # for --collect
     return result
@@ -226,6 +233,8 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=defaults.gamma)
     parser.add_argument("--seeds", type=int, nargs="+", default=[defaults.seed])
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--save-every", type=int, default=4, help="steps between checkpoints (an interrupted run "
+                        "resumes from its latest)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between greedy held-out checks (0: never)")
     parser.add_argument("--eval-episodes", type=int, default=64, help="held-out questions per check")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
