@@ -20,45 +20,17 @@ from agent_loop.cli import main
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
 from agent_loop.model_registry import SMOLLM2_135M, TEMPLATES
-from agent_loop.models import check_model_dir, model_path
+from agent_loop.models import check_model_dir
 from agent_loop.types import Episode
+from tests.helpers.copy_call import CopyCall, echo
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-CALL = '<tool_call>\n{"name": "echo", "arguments": {"text": "blue"}}\n</tool_call>'
 # SmolLM2-135M-Instruct's own template (from its GGUF): ChatML, no tools
 PLAIN_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
                   "system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}"
                   "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def echo(text: str) -> str:
-    """Repeat the text back, upper-cased.
-
-    Args:
-        text: What to repeat.
-    """
-    return text.upper()
-
-
-class CopyCall:
-    """One call to make, shown in the prompt; success: the tool ran and the final answer holds its result."""
-
-    name = "copy_call"
-
-    def make_episode(self, index, seed=0):
-        return Episode(messages=[{"role": "user", "content": f"Copy this exactly, nothing else:\n{CALL}"}],
-                       tools=[echo], answer="BLUE")
-
-    def reward(self, episode, messages, tool_calls):
-        return float(any(c.name == "echo" and c.result == "BLUE" for c in tool_calls))
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> str:
-    """The converted model (the first use on a machine converts the set-up's wheel, 1-3 minutes)."""
-    return model_path("smollm2-135m")
 
 
 def test_the_converted_folder_passes_check_model_dir(smollm2_dir):
