@@ -1,6 +1,6 @@
 """agent-loop: multi-turn, tool-calling rollouts for RL.
 
-The names a user needs (README "Bring your own"); each is imported on first use, so ``import agent_loop``
+The names a user needs (docs/bring_your_own.md); each is imported on first use, so ``import agent_loop``
 stays cheap:
 
 - tasks: :class:`Task` (the contract), :class:`Environment` (subclass: ``sample(rng)`` and

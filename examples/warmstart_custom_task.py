@@ -1,9 +1,9 @@
-"""A warm start on your own tools, then RL: README's three steps on examples/custom_task.py, over seeds (issue 29).
+"""A warm start on your own tools, then RL: docs/bring_your_own.md's three steps on examples/custom_task.py, over seeds (issue 29).
 
     python examples/warmstart_custom_task.py                    # 3 seeds: the table in BENCHMARKS.md
     python examples/warmstart_custom_task.py --seeds 0          # one
 
-For each seed S, exactly README's commands (run in this process, each in its own output folder):
+For each seed S, exactly docs/bring_your_own.md's commands (run in this process, each in its own output folder):
 
 1. ``agent-loop warmstart --task examples/custom_task.py:Reverse --seed S`` (the built-in tiny agent, 600 steps on 256
    demonstrations);

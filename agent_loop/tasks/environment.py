@@ -1,4 +1,4 @@
-"""Tasks written as code: :class:`Environment`, the base class behind README's "Bring your own" example."""
+"""Tasks written as code: :class:`Environment`, the base class behind docs/bring_your_own.md's example."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rewards: the built-in rules, the final-answer rule they read, and the scoring of an episode by a
-weighted sum of reward functions (docs/design.md section 6a; README "Rewards").
+weighted sum of reward functions (docs/design.md section 6a; docs/bring_your_own.md "Rewards").
 
 A reward function takes, by name, any of :data:`REWARD_ARGUMENTS` and returns a number; one that
 raises or returns a non-number raises :class:`RewardError` from :func:`score_episode`, so the loop's
