@@ -26,3 +26,6 @@ class AgentOptions:
         description="play each episode with your own agent, called with an OpenAI client of an in-process recording "
                     "proxy that serves the policy (train: synchronous steps only; docs/agents.md)",
         json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
+    agent_timeout_s: Annotated[float, Field(gt=0, description="seconds --agent may play one episode; longer: the "
+                                            "episode ends with finish error (the reason in its info) and the run "
+                                            "goes on")] = 600.0
