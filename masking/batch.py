@@ -38,6 +38,8 @@ class Batch:
     # Filled in by the trainer after collation:
     index: torch.Tensor | None = None  # (b,) long, the prompt group of each row (group estimators)
     values: torch.Tensor | None = None  # (b, t) float, value estimates (GAE)
+    turn_states: torch.Tensor | None = None  # (b, n_turns) long, an id per turn of the task's state key (gigpo's
+    # anchor states, Task.turn_states; equal ids: equal keys), -1 past a row's last turn
     advantages: torch.Tensor | None = None  # (b, t) float
     returns: torch.Tensor | None = None  # (b, t) float
     rollout_is_weights: torch.Tensor | None = None  # (b, t) float, importance weights of the policy loss (--rollout-is)

@@ -156,7 +156,12 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                                            "pre-PR #7300 return bugs: ablation only)",
                                json_schema_extra={"allowed": estimator_names})] = \
         "reinforce_plus_plus"
-    lam: number("GAE lambda (estimator gae only)", ge=0, le=1) = 0.95
+    lam: number("GAE lambda (estimators gae and turn_gae only)", ge=0, le=1) = 0.95
+    step_advantage_w: number("weight omega of gigpo's step-level (anchor-state group) advantage beside its "
+                             "episode-level one (estimator gigpo only)", ge=0) = 1.0
+    gigpo_mode: Annotated[Literal["mean_norm", "mean_std_norm"], Field(
+        description="gigpo's group normalisation: mean_norm subtracts the group mean (GiGPO's default), "
+                    "mean_std_norm also divides by the group std (estimator gigpo only)")] = "mean_norm"
     kl_coef: number("KL penalty to the frozen initial policy, subtracted from ASSISTANT token rewards; 0 = off",
                      ge=0) = 0.0
     kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(

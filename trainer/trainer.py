@@ -45,7 +45,7 @@ from agent_loop.backends.registry import make_backend
 from agent_loop.config import checked, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
-from agent_loop.runners.batch import trajectories_to_batch
+from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.runners.producer import RolloutProducer, VersionedBackend, staleness_metrics
 from agent_loop.runners.stats import sampling_label
@@ -195,7 +195,7 @@ class Trainer:
         if start.state is not None:  # NaN weights would pass the load and fail steps later; checked before any sharding
             checkpoint.check_finite(((name, p.detach()) for name, p in self.policy.named_parameters()),
                                     f"checkpoint {start.folder} (its weights)")
-        self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if config.estimator == "gae" else None
+        self.value_head = ValueHead(self.policy.config.hidden_size).to(self.device) if self.estimator.needs_values else None
         self.reference = None
         if config.kl_coef > 0:
             reference = AutoModelForCausalLM.from_pretrained(start.initial_model, dtype=self.dtype).to(self.device).eval()
@@ -281,7 +281,8 @@ class Trainer:
             from agent_loop.proxy.agents import agent_rollouts
 
             return await agent_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
-                                        agent=self.config.agent, concurrency=self.config.concurrency)
+                                        agent=self.config.agent, concurrency=self.config.concurrency,
+                                        timeout_s=self.config.agent_timeout_s)
         return await run_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
                                   concurrency=self.config.concurrency, progress=False)
 
@@ -353,12 +354,9 @@ class Trainer:
             rewards = rewards - config.kl_coef * kl
             batch.token_level_rewards = rewards
 
-        estimator = self.estimator
-        needs = {"index": batch.index} if estimator.needs_index else {}
-        if estimator.needs_values:
-            needs["values"] = batch.values
+        estimator = self.estimator  # the batch fields it accepts (spans, index, values, turn ids, ...), its settings
         settings = {name: getattr(config, name) for name in estimator.hyperparameters if hasattr(config, name)}
-        advantages, returns = estimator(rewards, mask, spans=batch.spans, **needs, **settings)
+        advantages, returns = estimator(rewards, mask, **estimator_arguments(estimator, batch), **settings)
         batch.advantages, batch.returns = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))
@@ -652,6 +650,6 @@ class Trainer:
         load_full_optimizer_state_(self.optimizer, state["optimizer"])
         if self.value_head is not None:
             if state["value_head"] is None:
-                raise ValueError(f"{where} has no value head, but estimator 'gae' needs one")
+                raise ValueError(f"{where} has no value head, but estimator {self.estimator.name!r} needs one")
             load_full_state_dict_(self.value_head, state["value_head"])
         checkpoint.set_rng_state(state["rng"])

@@ -45,7 +45,8 @@ class Task:
     """An environment: makes episodes and scores them.
 
     Must write: ``name``, :meth:`make_episode` and :meth:`reward`. May override :meth:`success`,
-    :meth:`turn_rewards`, :meth:`episode_metrics` and :meth:`demonstrate` (their defaults are documented on each).
+    :meth:`turn_rewards`, :meth:`episode_metrics`, :meth:`turn_states` and :meth:`demonstrate` (their defaults are
+    documented on each).
     An episode may carry its own :class:`TurnEnvironment` (``Episode.environment``) that answers its turns.
     """
 
@@ -73,6 +74,13 @@ class Task:
         default none."""
         return {}
 
+    def turn_states(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> list | None:
+        """One hashable key per assistant turn: the state of the environment the turn started from (GiGPO's
+        anchor state; turns of a group's episodes with equal keys are compared with each other). Keys are
+        strings, numbers, None, or tuples/lists of them (recorded in ``Trajectory.info["turn_states"]``, read
+        back as tuples). Default None: ``gigpo`` keys each turn by the observation tokens before it."""
+        return None
+
     def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict] | None:
         """A solved ``episode`` for ``agent-loop warmstart`` (supervised fine-tuning on its ASSISTANT tokens):
         the messages after its prompt, as the loop records them (a list that starts with the prompt, such as
@@ -82,6 +90,29 @@ class Task:
         ``rng``: seeded by the episode's (index, seed), apart from the one that made the episode.
         Default None: no demonstration (a task with none cannot be warm-started)."""
         return None
+
+
+def state_key(key: Any, where: str = "") -> Any:
+    """A turn state as a hashable key: lists (a JSON record's tuples) become tuples, recursively; TypeError
+    (naming ``where``) for anything else that is not hashable, or not a string, number, bool, None or tuple."""
+    if isinstance(key, (list, tuple)):
+        return tuple(state_key(k, where) for k in key)
+    if key is None or isinstance(key, (str, int, float)):
+        return key
+    raise TypeError(f"{where}{' ' if where else ''}is {type(key).__name__} {key!r:.100}: a turn state must be a "
+                    "string, number, bool, None, or a tuple or list of them")
+
+
+def turn_state_keys(states: Any, turns: int, what: str = "turn_states") -> list | None:
+    """``states`` (a :meth:`Task.turn_states` answer, or a record's) as one :func:`state_key` per turn of the
+    ``turns`` assistant turns, or None; TypeError / ValueError naming the turn for a wrong type or count."""
+    if states is None:
+        return None
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(f"{what} returned {type(states).__name__} {states!r:.100}, not a list (one key per turn)")
+    if len(states) != turns:
+        raise ValueError(f"{what} returned {len(states)} keys for {turns} assistant turns (one key per turn)")
+    return [state_key(key, f"{what}[turn {k}]") for k, key in enumerate(states)]
 
 
 def is_task(obj) -> bool:
@@ -100,7 +131,8 @@ def as_task(obj) -> Task:
     return TaskWrapper(obj)
 
 
-HOOKS = ("make_episode", "reward", "success", "turn_rewards", "episode_metrics", "demonstrate")  # every Task hook
+HOOKS = ("make_episode", "reward", "success", "turn_rewards", "episode_metrics", "turn_states",
+         "demonstrate")  # every Task hook
 
 
 class TaskWrapper(Task):
@@ -130,6 +162,9 @@ class TaskWrapper(Task):
 
     def episode_metrics(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> dict[str, float]:
         return self._forward("episode_metrics", episode, messages, tool_calls)
+
+    def turn_states(self, episode: Episode, messages: list[dict], tool_calls: list[ToolCallRecord]) -> list | None:
+        return self._forward("turn_states", episode, messages, tool_calls)
 
     def demonstrate(self, episode: Episode, rng: random.Random) -> list[dict] | None:
         return self._forward("demonstrate", episode, rng)

@@ -17,6 +17,7 @@ import inspect
 import json
 import threading
 import time
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from agent_loop.episode.contracts import (
     as_reward,
     as_task,
     checked_step,
+    turn_state_keys,
 )
 from agent_loop.episode.info import episode_info, recorded_model_path  # noqa: F401  (its old home)
 from agent_loop.episode.sessions import episode_session_id
@@ -96,8 +98,13 @@ def model_limits(tokenizer) -> tuple[int, int | None]:
     return _LIMITS[tokenizer]
 
 
-async def call_bounded(fn, timeout_s: float, name: str):
-    """``fn()`` on a daemon thread of its own, awaited for at most ``timeout_s`` (TimeoutError after).
+SLOW_NOTICE_S = 5.0  # a bounded call still running after this many seconds is announced (its ``notice``)
+
+
+async def call_bounded(fn, timeout_s: float | None, name: str, *, notice=None):
+    """``fn()`` on a daemon thread of its own, awaited for at most ``timeout_s`` (TimeoutError after; None: no bound).
+    ``notice(seconds)`` is called once if it is still running after :data:`SLOW_NOTICE_S` seconds and its bound
+    is longer than that (so that a call that hangs is not a silent wait).
 
     Its own thread, not the default executor: a call that never returns keeps only that thread (which
     does not keep the process alive) and never the event loop or another episode's call."""
@@ -119,7 +126,22 @@ async def call_bounded(fn, timeout_s: float, name: str):
             pass
 
     threading.Thread(target=work, name=name, daemon=True).start()
+    if notice is not None and (timeout_s is None or timeout_s > SLOW_NOTICE_S):
+        done, _ = await asyncio.wait({future}, timeout=SLOW_NOTICE_S)  # never raises: fn's own TimeoutError stays its
+        if not done:
+            notice(SLOW_NOTICE_S)
+            timeout_s = None if timeout_s is None else timeout_s - SLOW_NOTICE_S
     return await asyncio.wait_for(future, timeout_s)
+
+
+def slow_reward_notice(where: str, timeout_s: float):
+    """``call_bounded``'s notice for a reward still running: one warning line naming the episode (``where``) and
+    when it ends."""
+    def notice(after_s: float) -> None:
+        warnings.warn(f"{where}: its reward has not returned after {after_s:g} s; at {timeout_s:g} s "
+                      f"(--reward-timeout-s), {timeout_s - after_s:g} s from now, the episode ends with an error and "
+                      "reward 0", stacklevel=2)
+    return notice
 
 
 async def _generate_with_retries(backend: Backend, prompt: list[int], sampling: SamplingParams, session_id: str,
@@ -410,7 +432,8 @@ async def run_episode(
                 break
         if finish_reason == "stop":  # the last turn's generation prompt, as a one-go render of the finished chat writes it
             _final_checks(ctx, state)
-        score = await _score(task, episode, state, config.reward_timeout_s)
+        score = await _score(task, episode, state, config.reward_timeout_s,
+                             where=f"episode {index} of {task.name} (seed {seed})")
     finally:
         close_error = await _close(env, config.tool_timeout_s)
     if close_error is not None:
@@ -465,22 +488,28 @@ class _Score:
     task_metrics: dict = field(default_factory=dict)
     success: bool = False
     error: str | None = None  # why scoring failed (then the rest are the defaults)
+    turn_states: list | None = None  # the task's state key per assistant turn (Task.turn_states), or None
 
 
-async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: float) -> _Score:
+async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: float, *,
+                 where: str = "an episode") -> _Score:
     """The task's reward, turn rewards, metrics and success of a played episode, computed on a thread of their
     own for at most ``timeout_s`` (a reward that hangs ends this episode only, the event loop never waits on
-    it); a hook that raises or times out gives the error and a zero reward."""
+    it, and after a few seconds a warning names the episode, ``where``); a hook that raises or times out gives
+    the error and a zero reward."""
     def score() -> _Score:  # a reward that is NaN, infinite or not a number fails like one that raises
         reward = as_reward(task.reward(episode, state.messages, state.records), f"{task.name}'s reward")
         turns = task.turn_rewards(episode, state.messages, state.records)
         reward, turns = with_step_rewards(reward, turns and [as_reward(r, f"{task.name}'s turn reward") for r in turns],
                                           state.step_rewards)
+        assistant_turns = len({t for t, s in zip(state.turn_ids, state.spans) if s == SpanKind.ASSISTANT})
+        states = turn_state_keys(task.turn_states(episode, state.messages, state.records), assistant_turns,
+                                 f"{task.name}'s turn_states")
         return _Score(reward, turns, task.episode_metrics(episode, state.messages, state.records) or {},
-                      bool(task.success(episode, reward)))
+                      bool(task.success(episode, reward)), turn_states=states)
 
     try:
-        return await call_bounded(score, timeout_s, f"reward-{task.name}")
+        return await call_bounded(score, timeout_s, f"reward-{task.name}", notice=slow_reward_notice(where, timeout_s))
     except asyncio.TimeoutError:
         return _Score(error=f"RewardTimeout: scoring {task.name} episode took longer than {timeout_s:g} s "
                             "(reward_timeout_s); reward 0")
@@ -523,7 +552,8 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
     # steps: the environment's per-turn rewards, done/truncated and metadata, as it gave them
     info = episode_info(task.name, ctx.index, ctx.seed, success=score.success, tokenizer=ctx.tokenizer,
                         identity={"answer": episode.answer},
-                        extra={**episode.info, **({"steps": state.steps} if state.steps else {})})
+                        extra={**episode.info, **({"steps": state.steps} if state.steps else {}),
+                               **({"turn_states": score.turn_states} if score.turn_states is not None else {})})
     return Trajectory(
         prompt_ids=ctx.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,
         logprobs=state.logprobs, messages=state.messages, tool_calls=state.records, reward=reward,

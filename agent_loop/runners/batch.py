@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
 
+from agent_loop.episode.contracts import turn_state_keys
 from agent_loop.types import Trajectory
 from masking.batch import Batch, collate
+from masking.spans import SpanKind
 
 
 def trajectories_to_batch(
@@ -20,7 +23,7 @@ def trajectories_to_batch(
             trajectory.check()
         except ValueError as error:
             raise ValueError(f"row {row}: {error}") from None
-    return collate(
+    batch = collate(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],
         spans=[t.spans for t in trajectories],
@@ -31,3 +34,42 @@ def trajectories_to_batch(
         pad_token_id=pad_token_id,
         dtype=dtype,
     )
+    batch.turn_states = turn_state_ids(trajectories)
+    return batch
+
+
+def turn_state_ids(trajectories: Sequence[Trajectory]) -> torch.Tensor | None:
+    """``(b, n_turns)`` long: the task's state key of each turn (``info["turn_states"]``, :meth:`Task.turn_states`)
+    as an id per distinct key over the batch (equal keys, equal ids; in order of first appearance), -1 past a
+    row's last turn; None when no episode records them. ValueError naming the row when only some do, or a
+    row's keys are not one per assistant turn."""
+    recorded = [t.info.get("turn_states") for t in trajectories]
+    if all(states is None for states in recorded):
+        return None
+    ids: dict = {}
+    rows = []
+    for row, (trajectory, states) in enumerate(zip(trajectories, recorded)):
+        if states is None:
+            first = next(r for r, s in enumerate(recorded) if s is not None)
+            raise ValueError(f"row {row}: no turn_states, while row {first} has them (a task gives every episode "
+                             "its turn states, or none)")
+        turns = len({k for k, s in zip(trajectory.turn_ids, trajectory.spans) if s == SpanKind.ASSISTANT})
+        try:
+            keys = turn_state_keys(states, turns, "info['turn_states']")
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"row {row}: {error}") from None
+        rows.append([ids.setdefault(key, len(ids)) for key in keys])
+    width = max(map(len, rows), default=0)
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+
+
+# the batch fields an estimator may accept (advantages.registry.Estimator.batch_arguments) -> the Batch's name
+ESTIMATOR_FIELDS = ("index", "values", "spans", "turn_ids", "responses", "turn_states")
+
+
+def estimator_arguments(estimator, batch: Batch) -> dict[str, torch.Tensor]:
+    """The batch fields ``estimator`` (a registry entry) accepts, from ``batch``, beside the rewards and the mask:
+    those of :data:`ESTIMATOR_FIELDS` it names in ``batch_arguments`` and ``batch`` holds (a missing ``index`` or
+    ``values`` it needs is the estimator's own ValueError)."""
+    accepted = set(getattr(estimator, "batch_arguments", None) or inspect.signature(estimator.fn).parameters)
+    return {name: batch[name] for name in ESTIMATOR_FIELDS if name in accepted and name in batch}

@@ -51,18 +51,24 @@ class Recording(Task):
         self.calls.append("episode_metrics")
         return {"own": 3.0}
 
+    def turn_states(self, episode, messages, tool_calls):
+        self.calls.append("turn_states")
+        return [("room", 1)]
+
     def demonstrate(self, episode, rng):
         self.calls.append("demonstrate")
         return [{"role": "assistant", "content": "solved"}]
 
 
 ANSWERS = {"reward": 0.25, "success": "yes", "turn_rewards": [0.5], "episode_metrics": {"own": 3.0},
+           "turn_states": [("room", 1)],
            "demonstrate": [{"role": "assistant", "content": "solved"}]}
 
 
 def _ask(task: Task, hook: str, episode: Episode):
     args = {"reward": (episode, [], []), "success": (episode, 0.0), "turn_rewards": (episode, [], []),
-            "episode_metrics": (episode, [], []), "demonstrate": (episode, random.Random(0)),
+            "episode_metrics": (episode, [], []), "turn_states": (episode, [], []),
+            "demonstrate": (episode, random.Random(0)),
             "make_episode": (3, 0)}[hook]
     return getattr(task, hook)(*args)
 
