@@ -456,7 +456,8 @@ def parse_functionary(text: str) -> ParsedTurn:
 
 _GEMMA_STRINGS = ('<|"|>', "<escape>")
 _GEMMA_CLOSE = {"<|tool_call>": "<tool_call|>", "<start_function_call>": "<end_function_call>"}
-_GEMMA_OPEN = re.compile("|".join(map(re.escape, _GEMMA_CLOSE)))
+_GEMMA_MARK = re.compile("|".join(map(re.escape, [*_GEMMA_CLOSE, *_GEMMA_CLOSE.values()])))  # opener or close
+_GEMMA_CALL_WORD = re.compile(r"call\s*:")
 _GEMMA_HEAD = re.compile(r"\s*call\s*:\s*([A-Za-z0-9_.\-]+)\s*")
 _GEMMA_BARE = re.compile(r"[^,}\]]*")
 
@@ -541,15 +542,33 @@ def _gemma_call(text: str, opened: int, marker: str) -> tuple[Item, int]:
 def parse_gemma(text: str) -> ParsedTurn:
     """Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>,n:2}<tool_call|>`` and FunctionGemma
     ``<start_function_call>call:NAME{k:<escape>v<escape>}<end_function_call>``: every opened call is a call
-    or a ParseError."""
+    or a ParseError, and so is every close marker no opener matched (``call:NAME{...}<tool_call|>``: a ParseError
+    naming the missing opener, its text from ``call:`` on; the turn stays as sampled, which a parsed call would
+    not: the template writes the opener)."""
     items: list[Item] = []
     content, pos = [], 0
-    while (m := _GEMMA_OPEN.search(text, pos)) is not None:
-        content.append(text[pos:m.start()])
-        item, pos = _gemma_call(text, m.start(), m.group(0))
+    while (m := _GEMMA_MARK.search(text, pos)) is not None:
+        if m.group(0) in _GEMMA_CLOSE:
+            content.append(text[pos:m.start()])
+            item, pos = _gemma_call(text, m.start(), m.group(0))
+        else:
+            item, start = _gemma_unopened(text, pos, m)
+            content.append(text[pos:start])
+            pos = m.end()
         items.append(item)
     content.append(text[pos:])
     return _turn("".join(content), items)
+
+
+def _gemma_unopened(text: str, pos: int, close: re.Match) -> tuple[ParseError, int]:
+    """The ParseError of a call closed by ``close`` with no opener after ``pos``, and where its text starts (the
+    last ``call:`` before the close marker, else ``pos``)."""
+    opener = next(o for o, c in _GEMMA_CLOSE.items() if c == close.group(0))
+    heads = [h.start() for h in _GEMMA_CALL_WORD.finditer(text, pos, close.start())]
+    start = heads[-1] if heads else pos
+    return ParseError(text[start:close.end()], f"a Gemma tool call without its opener {opener}: it closes with "
+                                               f"{close.group(0)} but does not open; write "
+                                               f"{opener}call:NAME{{key:value,...}}{close.group(0)}"), start
 
 
 def parse_xlam(text: str) -> ParsedTurn:

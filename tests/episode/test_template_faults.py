@@ -188,3 +188,39 @@ def test_a_malformed_gemma4_call_in_an_episode_is_an_error_observation_not_a_fin
     assert traj.metrics["tool_errors"] == {"malformed_json": 1}
     assert traj.metrics["turns"] == 2 and traj.finish_reason == "stop" and traj.reward == 1.0
     assert "call:NAME{key:value,...}" in traj.tool_calls[0].error  # what the model reads back: the expected form
+
+
+GEMMA4_CALL = 'call:echo{text:<|"|>Paris<|"|>}<tool_call|>'
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    ("I will look it up." + GEMMA4_CALL, [], "I will look it up."),  # the only call lacks its opener
+    ('<|tool_call>call:echo{text:<|"|>a<|"|>}<tool_call|>' + GEMMA4_CALL, [p.ParsedCall("echo", {"text": "a"})], ""),
+])
+def test_a_gemma4_call_without_its_opener_is_a_malformed_call_naming_the_opener(text, calls, content):
+    """Issue 49 item 6: a call that closes with <tool_call|> but never opened is a ParseError naming the missing
+    <|tool_call>, holding its text from ``call:`` on; beside a well-formed call it is not dropped into the content
+    (before: 1 call and no error, the second call silently gone), and its text never passes as content."""
+    turn = parser_for_template(read_template("vllm_tool_chat_template_gemma4.jinja"))(text)
+    assert turn.calls == calls and turn.content == content
+    assert [e.raw for e in turn.errors] == [GEMMA4_CALL]
+    assert "without its opener <|tool_call>" in turn.errors[0].error
+    assert "<|tool_call>call:NAME{key:value,...}<tool_call|>" in turn.errors[0].error
+
+
+def test_a_gemma4_call_without_its_opener_in_an_episode_tells_the_model_the_missing_opener():
+    """The same call sampled in an episode on the real Gemma 4 template: answered with a malformed-call error
+    that names the opener (what the model reads back), the turn kept as sampled, and the model gets another turn."""
+    template = read_template("vllm_tool_chat_template_gemma4.jinja")
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tok.add_special_tokens({"additional_special_tokens": sorted(set(GEMMA_MARKERS.findall(template)))},
+                           replace_extra_special_tokens=False)
+    tok.chat_template = template
+    replies = ["Checking." + GEMMA4_CALL + "<|tool_response>", "done<turn|>"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traj = play(tok, replies, "<|turn>model", LoopConfig(history_mode="keep_seen"))
+    assert traj.metrics["tool_errors"] == {"malformed_json": 1}
+    assert traj.metrics["turns"] == 2 and traj.finish_reason == "stop" and traj.reward == 1.0
+    assert "without its opener <|tool_call>" in traj.tool_calls[0].error
+    assert traj.messages[-3]["content"].endswith(GEMMA4_CALL) and "tool_calls" not in traj.messages[-3]
