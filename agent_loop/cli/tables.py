@@ -59,15 +59,22 @@ def failure_summary(stats: RolloutStats) -> str | None:
 
 
 def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str = "reinforce_plus_plus") -> Table:
-    """Collate the batch and show what the registered ``estimator`` gives the assistant tokens."""
+    """Collate the batch and show what the registered ``estimator`` gives the assistant tokens: it gets the batch
+    fields it accepts (``agent_loop.runners.batch.estimator_arguments``), ``index`` the question each episode
+    played (``info["group"]`` with ``--group-size`` 2 or more; else each episode is a group of its own)."""
+    import torch
+
     from advantages import get_estimator
-    from agent_loop.runners.batch import trajectories_to_batch
+    from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
 
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
-    adv, returns = get_estimator(estimator)(batch.token_level_rewards, batch.response_mask, gamma=gamma, spans=batch.spans)
+    batch.index = torch.tensor([t.info.get("group", t.info["index"]) for t in trajectories], dtype=torch.long)
+    entry = get_estimator(estimator)
+    adv, returns = entry(batch.token_level_rewards, batch.response_mask, **estimator_arguments(entry, batch),
+                         **({"gamma": gamma} if "gamma" in entry.hyperparameters else {}))
     mask = batch.response_mask.bool()
     indices = sorted({t.info["index"] for t in trajectories})
-    table = Table(title=f"batch tensors and {estimator} (gamma={gamma}), "
+    table = Table(title=f"batch tensors and {estimator}{f' (gamma={gamma})' * ('gamma' in entry.hyperparameters)}, "
                         f"{episode_set(len(indices), indices[0], indices[-1])}")
     table.add_column("tensor")
     table.add_column("value", justify="right")
@@ -78,5 +85,9 @@ def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str 
     table.add_row("first-turn ASSISTANT tokens with nonzero return",
                   f"{int(((batch.turn_ids == 0) & mask & (returns != 0)).sum())}")
     table.add_row("advantage mean / std (ASSISTANT)", f"{adv[mask].mean():.3f} / {adv[mask].std():.3f}")
+    turns = int(batch.turn_ids.max()) + 1 if batch.turn_ids.numel() else 0
+    per_turn = [adv[mask & (batch.turn_ids == k)] for k in range(min(turns, 8))]
+    table.add_row(f"mean advantage by turn (turns 0-{max(len(per_turn) - 1, 0)}, ASSISTANT)",
+                  " / ".join(f"{a.mean():.3f}" if a.numel() else "-" for a in per_turn))
     table.add_row("max |return| on OBSERVATION/PAD", f"{returns.masked_fill(mask, 0).abs().max():.1f}")
     return table

@@ -82,9 +82,10 @@ ROLLOUT_CASES = [
     (["--top-p", "nan"], "--top-p nan: must be a number > 0 and <= 1"),
     (["--top-k", "-1"], "--top-k -1: must be an integer >= 0"),
     (["--gamma", "1.5"], "--gamma 1.5: must be a number >= 0 and <= 1"),
-    (["--estimator", "grpo"], "--estimator grpo: needs group ids or critic values, which a file of rollouts lacks "
-                              "(choose one of reinforce_plus_plus, reinforce_plus_plus_ignore_mask, "
-                              "reinforce_plus_plus_reset_at_observation)"),
+    (["--estimator", "grpo"], "--estimator grpo: compares samples of the same question; needs --group-size 2 or "
+                              "more (got 1)"),
+    (["--estimator", "gae"], "--estimator gae: needs critic values, which a file of rollouts lacks (agent-loop train "
+                             "--estimator gae trains a critic; choose one of"),
     (["--estimator", "reinforce_plus_pls"], "--estimator reinforce_plus_pls: unknown advantage estimator; "
                                             "did you mean reinforce_plus_plus?"),
     (["--seed", "x"], "--seed x: must be an integer >= 0"),
