@@ -26,6 +26,7 @@ TASKS = {  # name -> "module:Class" (a Task subclass made with no arguments)
     "arithmetic": "agent_loop.tasks.builtin:ArithmeticTask",
     "lookup": "agent_loop.tasks.builtin:LookupTask",
     "chain": "agent_loop.tasks.builtin:ChainTask",
+    "keydoor": "agent_loop.tasks.keydoor:KeyDoorTask",
 }
 DEFAULT_TASK = "arithmetic"
 SOURCES = {  # --task SOURCE:NAME -> its module (agent_loop.ecosystem: names(), NEEDS_PROMPTS, load(), REFUSED)
@@ -155,14 +156,28 @@ class DataTaskOptions:
 
 
 @dataclass
-class TaskSourceOptions:
-    """Where the episodes come from: a task, or a prompts file (declared before the row options, so the help
-    names --task first)."""
+class SeedOptions:
+    """The seed: every command that plays or trains on a task, and our verl AgentLoop (declared once)."""
+
+    seed: Annotated[int, Field(ge=0, description="seed of the questions (the task's episode stream) and of each "
+                               "request's sampling (inside verl, verl seeds its own sampling)")] = 0
+
+
+@dataclass
+class TaskChoice:
+    """Which task: the commands' ``--task`` and our verl AgentLoop's ``task`` key (declared once)."""
 
     task: Annotated[str, AfterValidator(check_task), Field(
         description="task to play: a built-in name, SOURCE:NAME of another library (reasoning_gym:chain_sum, "
                     "skyrl_gym:gsm8k; docs/ecosystem.md), package.module:Name or path/to/file.py[:Name]",
         json_schema_extra={"allowed": task_names})] = DEFAULT_TASK
+
+
+@dataclass
+class TaskSourceOptions(TaskChoice):
+    """Where the episodes come from: a task, or a prompts file (declared before the row options, so the help
+    names --task first)."""
+
     prompts: Annotated[str | None, Field(description="a task from data: its prompts file (.jsonl, .parquet or a "
                                          "saved Hugging Face dataset folder)",
                                          json_schema_extra={"allowed": "a file or folder"})] = None
