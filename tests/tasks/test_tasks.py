@@ -169,7 +169,7 @@ def test_tool_schemas_from_type_hints_and_docstrings():
 
 
 def test_get_task():
-    assert set(TASKS) == {"arithmetic", "lookup", "chain"}
+    assert set(TASKS) == {"arithmetic", "lookup", "chain", "keydoor"}
     assert isinstance(get_task("arithmetic"), ArithmeticTask) and get_task("lookup").name == "lookup"
     with pytest.raises(ValueError, match="unknown task 'chess'; choose one of"):
         get_task("chess")
