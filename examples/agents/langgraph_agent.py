@@ -1,6 +1,8 @@
-"""LangGraph's prebuilt ReAct agent with a LangChain tool, changed only in its base URL and model.
+"""LangGraph's prebuilt ReAct agent with a LangChain tool, changed only in its base URL and model: ``agent``
+awaits the graph (``.ainvoke``), ``invoke_agent`` runs it synchronously (``.invoke``, on a thread of its own).
 
     agent-loop rollout --agent examples/agents/langgraph_agent.py:agent --task arithmetic --episodes 16
+    agent-loop rollout --agent examples/agents/langgraph_agent.py:invoke_agent --task arithmetic --episodes 16
 """
 
 from __future__ import annotations
@@ -31,4 +33,11 @@ async def agent(base_url: str, model: str, session_id: str, row: dict):
     """``--agent`` entry point: the ReAct loop on the task's question; the task scores the final answer."""
     graph = make_agent(base_url, model, session_id, langchain_tools(row))
     await graph.ainvoke({"messages": [("user", row["messages"][-1]["content"])]}, config={"recursion_limit": 9})
+    return None
+
+
+def invoke_agent(base_url: str, model: str, session_id: str, row: dict):
+    """The same agent, synchronous: ``.invoke`` blocks until the ReAct loop ends."""
+    graph = make_agent(base_url, model, session_id, langchain_tools(row))
+    graph.invoke({"messages": [("user", row["messages"][-1]["content"])]}, config={"recursion_limit": 9})
     return None

@@ -87,6 +87,31 @@ def test_a_dataset_reward_function_that_hangs_is_bounded_too(qwen_tokenizer):
     assert got[1].info["reward_error"].startswith("RewardTimeout: scoring dataset episode took longer than 0.5 s")
 
 
+def test_a_reward_still_running_after_a_few_seconds_is_announced_naming_the_episode_and_its_end(
+        qwen_tokenizer, monkeypatch):
+    """Issue 49: a reward that never returned left the user 60 s with no line and no episode written. "A few
+    seconds" is made 0.3 s here; the rule is the same at its 5 s."""
+    import agent_loop.episode.loop as loop
+
+    monkeypatch.setattr(loop, "SLOW_NOTICE_S", 0.3)
+    with pytest.warns(UserWarning) as caught:
+        got = asyncio.run(run_rollouts(Scored(bad=1), answering(qwen_tokenizer), qwen_tokenizer, range(3),
+                                       LoopConfig(reward_timeout_s=2.0), seed=5, progress=False))
+    lines = [str(w.message) for w in caught if "reward has not returned" in str(w.message)]
+    assert lines == ["episode 1 of scored (seed 5): its reward has not returned after 0.3 s; at 2 s "
+                     "(--reward-timeout-s), 1.7 s from now, the episode ends with an error and reward 0"]
+    assert [t.finish_reason for t in got] == ["stop", "error", "stop"]  # the others: no line
+
+
+def test_a_bound_no_longer_than_the_notice_delay_is_not_announced(qwen_tokenizer, monkeypatch, recwarn):
+    import agent_loop.episode.loop as loop
+
+    monkeypatch.setattr(loop, "SLOW_NOTICE_S", 0.3)
+    got = asyncio.run(run_rollouts(Scored(bad=0), answering(qwen_tokenizer), qwen_tokenizer, range(1),
+                                   LoopConfig(reward_timeout_s=0.3), progress=False))
+    assert got[0].finish_reason == "error" and not [w for w in recwarn if "reward has not" in str(w.message)]
+
+
 @pytest.mark.parametrize("hook", ["reward", "success"])
 def test_a_scoring_hook_that_raises_is_an_error_episode_with_its_tokens(qwen_tokenizer, hook):
     got = asyncio.run(run_rollouts(Scored(bad=0, how="raise", hook=hook), answering(qwen_tokenizer), qwen_tokenizer,
