@@ -239,7 +239,8 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
                 from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
 
                 return await stream_agent_rollouts(spec, backend, load_agent(opts.agent), concurrency=opts.concurrency,
-                                                   sample_size=RETURNS_SAMPLE, total=total)
+                                                   sample_size=RETURNS_SAMPLE, total=total,
+                                                   timeout_s=opts.agent_timeout_s)
             return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE,
                                          total=total)
         finally:
