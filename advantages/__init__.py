@@ -56,6 +56,15 @@ from advantages.stats import (
     masked_whiten,
     whitenable,
 )
+from advantages.turn_credit import (
+    gigpo,
+    gigpo_anchor_groups,
+    turn_gae,
+    turn_ids_from_spans,
+    turn_index_normalized,
+    turn_returns,
+    turn_rloo,
+)
 
 __all__ = [
     "ESTIMATORS",
@@ -105,4 +114,11 @@ __all__ = [
     "correct_rollouts",
     "rloo",
     "whitenable",
+    "gigpo",
+    "gigpo_anchor_groups",
+    "turn_gae",
+    "turn_ids_from_spans",
+    "turn_index_normalized",
+    "turn_returns",
+    "turn_rloo",
 ]

@@ -17,7 +17,10 @@ from typing import Callable
 
 import torch
 
-BATCH_ARGUMENTS = ("token_level_rewards", "response_mask", "values", "index", "spans", "validate")
+BATCH_ARGUMENTS = (
+    "token_level_rewards", "response_mask", "values", "index", "spans", "validate",
+    "turn_ids", "responses", "turn_states",  # the turn-level estimators' (advantages/turn_credit.py)
+)
 
 
 class AdvantageEstimator(str, Enum):
@@ -30,6 +33,12 @@ class AdvantageEstimator(str, Enum):
     RLOO = "rloo"
     REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION = "reinforce_plus_plus_reset_at_observation"
     REINFORCE_PLUS_PLUS_IGNORE_MASK = "reinforce_plus_plus_ignore_mask"
+    # turn-level credit (advantages/turn_credit.py, issue 47); GIGPO is verl-agent's name
+    TURN_RETURNS = "turn_returns"
+    TURN_RLOO = "turn_rloo"
+    TURN_INDEX_NORMALIZED = "turn_index_normalized"
+    GIGPO = "gigpo"
+    TURN_GAE = "turn_gae"
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,12 @@ class Estimator:
     @property
     def hyperparameters(self) -> tuple[str, ...]:
         return tuple(p for p in inspect.signature(self.fn).parameters if p not in BATCH_ARGUMENTS)
+
+    @property
+    def batch_arguments(self) -> tuple[str, ...]:
+        """The :data:`BATCH_ARGUMENTS` the function takes (from its signature, in its order), so a
+        caller passes exactly the batch fields this estimator uses (``turn_ids``, ``responses``, ..)."""
+        return tuple(p for p in inspect.signature(self.fn).parameters if p in BATCH_ARGUMENTS)
 
     def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs):
         """``fn(token_level_rewards=..., response_mask=..., **kwargs)`` after checking the needs."""

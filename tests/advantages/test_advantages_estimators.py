@@ -191,8 +191,9 @@ def test_registry_calls_every_estimator_by_keyword_and_declares_needs():
         got_advantages, got_returns = get_estimator(name)(rewards, mask, spans=spans, **kwargs)
         assert torch.equal(got_advantages, advantages) and torch.equal(got_returns, returns), name
     # needs and settings are declared by the entry, read off the function's signature
-    assert {n for n, e in ESTIMATORS.items() if e.needs_index} == {"grpo", "rloo", "reinforce_plus_plus_baseline"}
-    assert {n for n, e in ESTIMATORS.items() if e.needs_values} == {"gae"}
+    assert {n for n, e in ESTIMATORS.items() if e.needs_index} == {
+        "grpo", "rloo", "reinforce_plus_plus_baseline", "turn_rloo", "turn_index_normalized", "gigpo"}
+    assert {n for n, e in ESTIMATORS.items() if e.needs_values} == {"gae", "turn_gae"}
     assert get_estimator("gae").hyperparameters == ("gamma", "lam", "whiten")
     assert get_estimator(AdvantageEstimator.GRPO).hyperparameters == ("epsilon", "norm_adv_by_std_in_grpo")
     assert get_adv_estimator_fn(AdvantageEstimator.RLOO) is rloo
