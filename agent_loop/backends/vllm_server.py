@@ -43,6 +43,47 @@ def vllm_on_cpu() -> bool:
     return explicit or "cpu" in version or sys.platform.startswith("darwin")
 
 
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity, which containers and ``taskset`` narrow), sorted."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _core_ids(text: str) -> list[int]:
+    """The core ids of a ``VLLM_CPU_OMP_THREADS_BIND`` value ("0-3,6", ranks separated by "|"); ValueError."""
+    ids = []
+    for part in text.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={text}: not a list of core ids such as 0-1 or 0,2")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
+
+
+def omp_threads_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a vLLM CPU engine of ``threads`` threads: the first ``threads`` cores this
+    process may use ("0,1"), or the caller's own ``VLLM_CPU_OMP_THREADS_BIND`` when it is set. Without it vLLM's
+    "auto" binding computes on all but one core and reserves that one for its scheduler (on 2 cores: 1 of 2;
+    docs/platform.md). ValueError in one line when the binding asks for more cores than this process may use
+    (more threads than cores: each waits for the descheduled ones at every operation, 4-5x slower measured)."""
+    allowed = allowed_cores()
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if given and given not in ("auto", "nobind"):
+        outside = sorted(set(_core_ids(given)) - set(allowed))
+        if outside:
+            raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={given}: binds core(s) {','.join(map(str, outside))}, which "
+                             f"this process may not use (it may use {_ranges(allowed)}; docs/platform.md)")
+        return given
+    if threads > len(allowed):
+        raise ValueError(f"--threads {threads}: this process may use {len(allowed)} core(s) ({_ranges(allowed)}); "
+                         f"binding {threads} threads would oversubscribe them (docs/platform.md)")
+    return ",".join(map(str, allowed[:threads]))
+
+
+def _ranges(cores: list[int]) -> str:
+    return ",".join(map(str, cores)) if len(cores) < 3 or cores[-1] - cores[0] != len(cores) - 1 else \
+        f"{cores[0]}-{cores[-1]}"
+
+
 def vllm_server_command(model: str | Path, *, port: int, served_model_name: str, host: str = "127.0.0.1",
                         lora_rank: int = 0, weight_pushes: bool = False, quiet: bool = False,
                         threads: int | None = None, cpu: bool | None = None,
@@ -66,9 +107,7 @@ def vllm_server_command(model: str | Path, *, port: int, served_model_name: str,
         command += CPU_SERVER_ARGS
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
         if threads is not None:  # vLLM binds one OpenMP thread per core: to the first cores of those it may use
-            allowed = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else list(range(os.cpu_count() or 1)))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, allowed[:threads]))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(threads)
     if lora_rank:
         command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -35,6 +35,20 @@ def check_model_dir(path: str, backend: str = "hf", option: str = "--model", *, 
     return folder
 
 
+def check_vllm_binding(threads: int | None) -> str | None:
+    """The cores a vLLM CPU engine's threads will be bound to under the threads rule (None off the CPU); a binding
+    that asks for more cores than this process may use is one UsageError line (it would oversubscribe them)."""
+    from agent_loop.backends.vllm_server import omp_threads_bind, vllm_on_cpu
+    from agent_loop.threads import resolve_threads
+
+    if not vllm_on_cpu():
+        return None
+    try:
+        return omp_threads_bind(resolve_threads(threads))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def builtin_folder(path: str, option: str = "--model") -> str:
     """``path``, or the folder of the built-in model it names (the first use converts it into the cache, once);
     a built-in model that cannot be made ready is one UsageError line."""

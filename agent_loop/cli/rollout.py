@@ -123,6 +123,8 @@ def check_world(opts: RolloutOptions, task=None) -> str:
     """Check the model folder, the output path and the servers; return the model path. Reads only."""
     if opts.model is not None:
         preflight.check_model_dir(opts.model, opts.backend, task=task)
+    if opts.backend == "vllm":
+        preflight.check_vllm_binding(opts.threads)
     preflight.check_output_file(opts.out)
     path = model_path(opts.model)
     if opts.backend == "http":
@@ -230,8 +232,8 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
     from agent_loop.runners.local import stream_rollouts
     from agent_loop.runners.outputs import is_write_failure
 
-    apply_threads(opts.threads)
-    backend = make_backend(opts.backend, path, BackendSettings.from_options(opts))  # --server, deadlines, timeouts
+    threads = apply_threads(opts.threads)  # vllm on CPU: its engine's threads bound to as many cores
+    backend = make_backend(opts.backend, path, BackendSettings.from_options(opts, threads=threads))  # --server, deadlines
 
     async def play_all():
         try:

@@ -62,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
-    command, env = server_command(args, args.vllm_args)
+    try:  # a binding of more cores than this process may use (it would oversubscribe them): one line
+        command, env = server_command(args, args.vllm_args)
+    except ValueError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
     print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(command), flush=True)
     print(f"serving {args.served_model_name!r} at http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
     if args.dry_run:
