@@ -87,10 +87,14 @@ class _Names(dict):
         return self.name_of(key)
 
 
-def override_defaults(why: str = "", **defaults):
+def override_defaults(why: str | dict[str, str] = "", **defaults):
     """Class decorator: make ``cls`` a dataclass whose inherited fields ``defaults`` get other defaults,
     keeping their declaration (type, constraint, help). The one place a command says where its defaults differ;
-    ``why``: the reason, which the command's help shows beside each of these defaults."""
+    ``why``: the reason, which the command's help shows beside each of these defaults (a mapping: one reason per
+    option, for options changed for different reasons)."""
+    reasons = dict(why) if isinstance(why, dict) else dict.fromkeys(defaults, why)
+    if set(reasons) != set(defaults):
+        raise TypeError(f"override_defaults: reasons for {sorted(reasons)}, defaults for {sorted(defaults)}")
 
     def apply(cls):
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -101,7 +105,7 @@ def override_defaults(why: str = "", **defaults):
             own.setdefault(name, hints[name])
             setattr(cls, name, value)
         cls.__annotations__ = own
-        cls.__overridden_defaults__ = {**getattr(cls, "__overridden_defaults__", {}), **dict.fromkeys(defaults, why)}
+        cls.__overridden_defaults__ = {**getattr(cls, "__overridden_defaults__", {}), **reasons}
         return dataclasses.dataclass(cls)
 
     return apply

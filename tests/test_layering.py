@@ -2,6 +2,8 @@
 standing alone (docs/design.md section 1)."""
 
 import ast
+import dataclasses
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -34,15 +36,15 @@ def is_entry_point(node: ast.stmt) -> bool:
             and [getattr(c, "value", None) for c in test.comparators] == ["__main__"])
 
 
-def imports(name: str) -> set[str]:
+def imports(name: str, *, doors: bool = False, modules: dict[str, Path] = MODULES) -> set[str]:
     """Every module ``name`` imports, at the top or inside a function (its ``if __name__ == "__main__":`` block
-    aside: see :func:`is_entry_point`): ``import a.b`` is ``a.b``; ``from a import b`` is ``a`` (its ``__init__``
-    runs) and also ``a.b`` when that is a module."""
-    path = MODULES[name]
+    aside unless ``doors``: see :func:`is_entry_point`): ``import a.b`` is ``a.b``; ``from a import b`` is ``a``
+    (its ``__init__`` runs) and also ``a.b`` when that is a module."""
+    path = modules[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     tree = ast.parse(path.read_text())
-    tree.body = [node for node in tree.body if not is_entry_point(node)]
+    tree.body = [node for node in tree.body if doors or not is_entry_point(node)]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -91,10 +93,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_an_entry_point_block_is_not_the_module_s_imports():
-    """agent_loop.model_registry's ``python -m`` door imports agent_loop.cli.models, which imports it back."""
-    assert "agent_loop.cli.models" not in imports("agent_loop.model_registry")
-    assert "agent_loop.model_registry" in imports("agent_loop.cli.models")
+def test_an_entry_point_block_is_found():
     door = ast.parse('if __name__ == "__main__":\n    import agent_loop.cli\n').body[0]
     assert is_entry_point(door) and not is_entry_point(ast.parse("if __name__:\n    pass\n").body[0])
 
@@ -134,6 +133,45 @@ def test_no_package_cycles():
     """No package imports one that imports it back (issue 37: episode <-> tasks; the task contract now lives
     below the tasks, in agent_loop.episode.contracts)."""
     assert cycles(package_graph(graph())) == []
+
+
+# the whole repo: the packages, and the tests, benchmarks, scripts and examples that import them
+REPO_MODULES = {module_name(p): p for folder in (*PACKAGES, "tests", "benchmarks", "scripts", "examples")
+                for p in (ROOT / folder).rglob("*.py")}
+
+
+def repo_package_of(name: str) -> str:
+    """:func:`package_of`, with each ``__main__`` module a node of its own: the ``python -m`` door, which nothing
+    imports (it can close no cycle, so it is not its package's code)."""
+    return name if name.endswith("__main__") else package_of(name)
+
+
+def repo_package_graph() -> dict[str, set[str]]:
+    """Package -> the packages it imports, over every module of the repo and every import in it: at the top,
+    inside functions and inside ``if __name__ == "__main__":`` doors (issue 49: agent_loop.model_registry's
+    door imported agent_loop.cli, which a check outside the project found as cli <-> model_registry)."""
+    packages: dict[str, set[str]] = {}
+    for name in REPO_MODULES:
+        imported = {m for m in imports(name, doors=True, modules=REPO_MODULES) if m in REPO_MODULES}
+        packages.setdefault(repo_package_of(name), set()).update(repo_package_of(m) for m in imported)
+    return {p: q - {p} for p, q in packages.items()}
+
+
+def test_no_package_cycles_over_the_whole_repo_doors_included():
+    edges = repo_package_graph()
+    assert {"agent_loop.cli", "agent_loop.model_registry", "trainer", "tests", "benchmarks"} <= set(edges)
+    assert cycles(edges) == []
+    # the check sees a door: the one model_registry had closes the cycle again
+    edges["agent_loop.model_registry"] = edges["agent_loop.model_registry"] | {"agent_loop.cli"}
+    assert any({"agent_loop.cli", "agent_loop.model_registry"} <= set(c) for c in cycles(edges))
+
+
+def test_the_model_registry_builds_under_the_files_lock_not_the_tiny_agent_s():
+    """The built-in models' cache is written as every output is (agent_loop.files), not through the tiny
+    agent's build module (issue 49)."""
+    found = imports("agent_loop.model_registry", doors=True)
+    assert {"agent_loop.tiny.build.build", "agent_loop.tiny.build.build_lock"} & found == set()
+    assert {"agent_loop.files.build_lock", "agent_loop.files.write_folder"} <= found
 
 
 def test_the_package_cycle_finder_finds_one():
@@ -208,3 +246,69 @@ def test_nothing_reads_the_folder_beside_the_repo():
                  for p in (ROOT / folder).rglob("*.py")
                  if p != Path(__file__).resolve() and any(n in p.read_text() for n in needles)]
     assert offenders == []
+
+
+def declares_options(node: ast.ClassDef) -> bool:
+    """A class whose body declares an option (``name: Annotated[..., Field(...)]``, or the declaration helpers
+    ``integer(...)``, ``number(...)``, ``_int(...)``), or that changes inherited defaults (``override_defaults``)."""
+    helpers = {"Field", "integer", "number", "_int"}
+
+    def calls(tree) -> set[str]:
+        return {getattr(n.func, "id", getattr(n.func, "attr", None)) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+
+    return (any(isinstance(s, ast.AnnAssign) and calls(s.annotation) & helpers for s in node.body)
+            or any("override_defaults" in ast.unparse(d) for d in node.decorator_list))
+
+
+def option_classes() -> dict[str, type]:
+    """Every option class in the packages, found by reading the source (so a new one cannot be left out)."""
+    found = {}
+    for name, path in sorted(MODULES.items()):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and declares_options(node):
+                found[f"{name}.{node.name}"] = getattr(importlib.import_module(name), node.name)
+    return found
+
+
+def declared_by(cls) -> set[str]:
+    """The options ``cls`` declares itself: its own annotated fields, less old names (InitVars), class
+    constants and inherited fields it only gives another default (``override_defaults``)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return {n for n in cls.__dict__.get("__annotations__", {}) if n in fields} - set(
+        cls.__dict__.get("__overridden_defaults__", {}))
+
+
+def declared_twice(classes: dict[str, type]) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for qualified, cls in classes.items():
+        for name in declared_by(cls):
+            where.setdefault(name, []).append(qualified)
+    return {name: sorted(owners) for name, owners in where.items() if len(owners) > 1}
+
+
+def test_no_option_is_declared_by_two_option_classes():
+    """Every option class (not only the composed ones): an option shared by two commands, or by a command and
+    our verl AgentLoop, is one declaration they both inherit (issue 49: allow_config_change, estimator, resume
+    in rollout, train and warmstart; seed and task in VerlLoopOptions)."""
+    classes = option_classes()
+    assert all(dataclasses.is_dataclass(c) for c in classes.values())
+    names = {q.rpartition(".")[2] for q in classes}
+    assert {"RolloutOptions", "TrainConfig", "WarmstartConfig", "VerlLoopOptions", "ModelOptions", "LoopConfig",
+            "TaskSourceOptions", "ServerOptions", "ThreadOptions", "AgentOptions", "OptimizerOptions"} <= names
+    assert declared_twice(classes) == {}
+
+
+def test_the_option_check_finds_one_declared_twice():
+    @dataclasses.dataclass
+    class Mine:
+        seed: int = 0
+
+    classes = {**option_classes(), "here.Mine": Mine}
+    assert declared_twice(classes) == {"seed": ["agent_loop.tasks.registry.SeedOptions", "here.Mine"]}
+    from agent_loop.config import override_defaults
+
+    @override_defaults("another default", seed=1)
+    class Other(Mine):
+        pass
+
+    assert declared_by(Other) == set()  # a changed default is no declaration

@@ -24,7 +24,7 @@ from agent_loop.config import OptionError, closest, integer, number, one_of, ove
 from agent_loop.episode.config import LoopConfig
 from agent_loop.proxy import AgentOptions
 from agent_loop.runners.outputs import fresh_path
-from agent_loop.runners.spec import RunOptions, check_estimator, estimator_names
+from agent_loop.runners.spec import EstimatorOptions, ResumeOptions, RunOptions, check_group_estimator
 from agent_loop.tasks.registry import TaskOptions
 from agent_loop.threads import ThreadOptions
 
@@ -128,15 +128,37 @@ class DeviceOptions:
         json_schema_extra={"allowed": "auto, cpu, cuda or cuda:N"})] = "auto"
 
 
+@dataclass
+class StepsOptions:
+    """How long a run trains (train, warmstart; declared once)."""
+
+    steps: Annotated[int | None, Field(ge=1, description=(
+        "steps to train: train's RL steps (each plays a batch, then --ppo-epochs x --mini-batches AdamW steps); "
+        "warmstart's AdamW steps (unset: --epochs passes over the demonstrations)"),
+        json_schema_extra={"allowed": "an integer >= 1 (warmstart: or unset)"})] = None
+
+
+def run_folder_of(resume: str) -> str:
+    """The run folder a ``--resume`` folder names: OUTPUT_DIR, OUTPUT_DIR/checkpoints or
+    OUTPUT_DIR/checkpoints/step_N."""
+    path = Path(resume)
+    if path.name == "checkpoints":
+        return str(path.parent)
+    return str(path.parent.parent if path.parent.name == "checkpoints" else path)
+
+
 # agent-loop rollout's defaults differ; --help says why beside each
 SHORTER_EPISODES = ("train's own, not rollout's (shorter episodes, more at once): the built-in tasks take 2 turns, "
                     "and the tiny agent's RL results (BENCHMARKS.md) were trained and are reproduced with these; "
                     "raise them for longer tasks")
 
 
-@override_defaults(SHORTER_EPISODES, concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256)
+@override_defaults({**dict.fromkeys(("concurrency", "max_turns", "max_tokens", "max_response_tokens"),
+                                    SHORTER_EPISODES),
+                    "steps": "train's own: a run of RL steps must be given a length (warmstart's follows its data)"},
+                   concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256, steps=150)
 class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, ServerOptions, LoopConfig,
-                  TaskOptions, RunOptions):
+                  TaskOptions, ResumeOptions, EstimatorOptions, StepsOptions, RunOptions):
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
@@ -146,16 +168,9 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                     "final = fully trained")] = "mid"
 
     # rollouts: each step plays prompts_per_step * group_size episodes with the current policy
-    steps: _int(1, "training steps") = 150
     prompts_per_step: _int(1, "questions per step") = 64
-    group_size: _int(1, "samples per question; grpo, rloo and reinforce_plus_plus_baseline need 2 or more") = 1
 
     # rewards and advantages
-    estimator: Annotated[str, AfterValidator(check_estimator),
-                         Field(description="advantage estimator (the two reinforce_plus_plus_* variants reproduce "
-                                           "pre-PR #7300 return bugs: ablation only)",
-                               json_schema_extra={"allowed": estimator_names})] = \
-        "reinforce_plus_plus"
     lam: number("GAE lambda (estimators gae and turn_gae only)", ge=0, le=1) = 0.95
     step_advantage_w: number("weight omega of gigpo's step-level (anchor-state group) advantage beside its "
                              "episode-level one (estimator gigpo only)", ge=0) = 1.0
@@ -213,11 +228,6 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                                  "with the returns and advantages each step used); 0 = none") = 1
     eval_every: _int(0, "steps between greedy evaluations on held-out questions; 0 = never") = 0
     eval_episodes: _int(1, "held-out questions per evaluation") = 100
-    resume: Annotated[str | None, Field(description="checkpoint folder (OUTPUT_DIR/checkpoints/step_NNNNNN), or a run "
-                                        "folder (its latest complete checkpoint), to continue from",
-                                        json_schema_extra={"allowed": "a checkpoint or run folder"})] = None
-    allow_config_change: Annotated[bool, Field(
-        description="resume even when settings differ from the checkpoint's (the differences are listed)")] = False
 
     # hardware and processes (trainer/distributed.py; --device: DeviceOptions)
     dtype: Annotated[Literal[tuple(DTYPES)], Field(
@@ -271,8 +281,12 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
             self.max_staleness = max(self.max_staleness, 1)
         if self.agent and self.max_staleness:
             raise OptionError("agent", "plays synchronous steps only: use it with {max_staleness} 0", self.agent)
+        if self.steps is None:
+            raise OptionError("steps", "must be set in train: an integer >= 1")
         if self.resume is not None and self.overwrite:
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
+        if self.resume is True:  # --resume alone: the run in --output-dir (unset: the default run folder)
+            self.resume = self.output_dir or self.DEFAULT_OUTPUT_DIR
         self.check_rollout_correction()
         try:  # --rollout-servers (the old name) gives URLs unchecked
             self.server = [server_url(url) for url in self.server]
@@ -284,11 +298,7 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
             raise OptionError("mini_batches", "must divide the episodes per step, {prompts_per_step} x {group_size} "
                               f"= {self.prompts_per_step} x {self.group_size} = {self.episodes_per_step}",
                               self.mini_batches)
-        from advantages import get_estimator
-
-        if get_estimator(self.estimator).needs_index and self.group_size < 2:
-            raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
-                              f"(got {self.group_size})", self.estimator)
+        check_group_estimator(self.estimator, self.group_size)
 
     @property
     def corrects_rollouts(self) -> bool:
@@ -313,10 +323,7 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
 
         Under torchrun every process must name the same folder, so there it must be given."""
         if self.resume is not None:
-            resume = Path(self.resume)  # OUTPUT_DIR, OUTPUT_DIR/checkpoints or OUTPUT_DIR/checkpoints/step_N
-            if resume.name == "checkpoints":
-                return str(resume.parent)
-            return str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
+            return run_folder_of(self.resume)
         if "WORLD_SIZE" in os.environ:
             raise OptionError("output_dir", "must be given under torchrun (every process writes to one folder)")
         return super().default_output_dir()

@@ -9,37 +9,47 @@ rest is the fine-tune's. Importing it does not import torch (the CLI lists every
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from agent_loop.config import integer, override_defaults
-from agent_loop.runners.spec import ModelOptions
+from agent_loop.config import OptionError, integer, override_defaults
+from agent_loop.runners.spec import EpisodesOptions, ModelOptions, ResumeOptions
 from agent_loop.tasks.registry import TaskOptions
 from agent_loop.threads import ThreadOptions
-from trainer.config import MIN_LR_FRACTION, MODEL_LR, TINY_LR, DeviceOptions, OptimizerOptions, OutputOptions
+from trainer.config import (
+    MIN_LR_FRACTION,
+    MODEL_LR,
+    TINY_LR,
+    DeviceOptions,
+    OptimizerOptions,
+    OutputOptions,
+    StepsOptions,
+    run_folder_of,
+)
 
 __all__ = ["MIN_LR_FRACTION", "MODEL_LR", "TINY_LR", "WarmstartConfig"]
 DEFAULT_OUTPUT_DIR = "runs/warmstart"  # unset --output-dir: this, or the first free runs/warmstart-N
 
 
 # a warm-start step is one batch's forward and backward (no rollouts): saving every 20 would cost more than it keeps
-@override_defaults("warmstart's own: its steps are cheap (no rollouts), a checkpoint is not", save_every=100)
-class WarmstartConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, TaskOptions, ModelOptions):
+@override_defaults({"save_every": "warmstart's own: its steps are cheap (no rollouts), a checkpoint is not",
+                    "episodes": "warmstart's own: more demonstrations than rollout's episodes to look at"},
+                   save_every=100, episodes=256)
+class WarmstartConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, TaskOptions, ResumeOptions,
+                      StepsOptions, EpisodesOptions, ModelOptions):
     """Everything one warm start needs. The CLI exposes every field as ``--field-name``."""
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
 
-    episodes: integer("demonstrations: the task's episodes 0 .. N-1 under --seed, each solved by its "
-                      "demonstrate(episode, rng) hook (evaluate on another --seed)") = 256
-    steps: Annotated[int | None, Field(ge=1, description="optimizer steps; unset: --epochs passes over the "
-                                       "demonstrations")] = None
     epochs: Annotated[float, Field(gt=0, description="passes over the demonstrations when --steps is unset: steps = "
                                    "ceil(epochs x demonstrations / --batch-size); 37.5 gives the 600 steps x 16 of "
-                                   "256 demonstrations that README's and BENCHMARKS.md's warm starts used")] = 37.5
+                                   "256 demonstrations that docs/bring_your_own.md's and BENCHMARKS.md's warm starts used")] = 37.5
     batch_size: integer("demonstrations per optimizer step (in a new random order every pass)") = 16
-    resume: Annotated[bool, Field(description="go on from the latest complete checkpoint in --output-dir (a warm "
-                                  "start that was stopped), with the same settings")] = False
+    check_episodes: integer("held-out questions of the task (another --seed stream, as train's evaluation) played "
+                            "at the end, sampled at T=1, and their success printed: whether the warm start took "
+                            "before RL; written to OUTPUT_DIR/check.jsonl (0 = skip)", low=0) = 16
 
     def default_lr(self) -> float:
         """:data:`TINY_LR` for the built-in tiny agent, :data:`MODEL_LR` for a ``--model``."""
@@ -48,5 +58,11 @@ class WarmstartConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOpti
     def check(self) -> None:
         """The task's rules (OptionError); then the default ``output_dir``: never an earlier run's folder."""
         TaskOptions.check(self)
+        if isinstance(self.resume, str):  # a checkpoint or run folder: the warm start goes on in that run's folder
+            folder = run_folder_of(self.resume)
+            if self.output_dir is not None and Path(self.output_dir).resolve() != Path(folder).resolve():
+                raise OptionError("resume", f"is a checkpoint of the run in {folder}, not of {{output_dir}} "
+                                  f"{self.output_dir}: a warm start goes on in its own folder", self.resume)
+            self.output_dir, self.resume = folder, True
         if self.output_dir is None:
             self.output_dir = self.default_output_dir()

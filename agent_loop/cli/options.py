@@ -60,6 +60,11 @@ def _without_none(kind):
     return kind, False
 
 
+def _takes_bool(kind) -> bool:
+    """Whether a declared type takes True/False: ``bool``, or a union holding it (``bool | str | None``)."""
+    return kind is bool or bool in typing.get_args(kind)
+
+
 def _bounds(info: FieldInfo) -> str:
     words = {annotated_types.Ge: (">=", "ge"), annotated_types.Gt: (">", "gt"),
              annotated_types.Le: ("<=", "le"), annotated_types.Lt: ("<", "lt")}
@@ -144,6 +149,9 @@ def _add_flag(parser: argparse.ArgumentParser, cls, name: str, default) -> argpa
     elif typing.get_origin(kind) is list:
         action = parser.add_argument(flag(name), action="append", default=argparse.SUPPRESS, metavar=name.upper(),
                                      help=help_text)
+    elif _extra(info).get("nargs") == "?":  # a flag alone (True) or with a value (--resume [FOLDER])
+        action = parser.add_argument(flag(name), nargs="?", const=True, default=argparse.SUPPRESS,
+                                     metavar=_extra(info).get("metavar", name.upper()), help=help_text)
     else:
         action = parser.add_argument(flag(name), default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
     if later is not None:
@@ -198,7 +206,7 @@ def validate(cls, values: dict[str, Any], *, keys: bool = False):
         if name not in declared:
             kind = "key" if keys else "option"
             raise UsageError(f"unknown {kind} {name_of(name)}{closest(name_of(name), [name_of(k) for k in declared])}")
-        if isinstance(value, bool) and _without_none(declared[name][0])[0] is not bool:  # pydantic takes True as 1
+        if isinstance(value, bool) and not _takes_bool(declared[name][0]):  # pydantic takes True as 1
             raise UsageError(f"{name_of(name)} {value}: must be {allowed(cls, name)}")
     try:
         return build(cls, values)

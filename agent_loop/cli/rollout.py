@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import Field
 from rich.console import Console
 
 import agent_loop.cli.preflight as preflight
@@ -38,7 +38,17 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.proxy import AgentOptions
 from agent_loop.runners.outputs import fresh_path
-from agent_loop.runners.spec import RunOptions, RunSpec, check_row_estimator, made_with, row_estimator_names
+from agent_loop.runners.spec import (
+    EpisodesOptions,
+    EstimatorOptions,
+    ResumeOptions,
+    RunOptions,
+    RunSpec,
+    check_group_estimator,
+    check_row_estimator,
+    made_with,
+)
+from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import TaskOptions
 from agent_loop.threads import ThreadOptions, apply_threads
 
@@ -46,38 +56,36 @@ DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
 # what an episode is: a --resume/--append that changes one of these would mix two kinds of episodes in one file
 EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f in dataclasses.fields(cls)}
-                             | {"model", "seed"})
+                             | {"model", "seed", "group_size"})
 
 
 @dataclass
-class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, TaskOptions, RunOptions):
+class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, TaskOptions, ResumeOptions,
+                     EstimatorOptions, EpisodesOptions, RunOptions):
     """The options of ``agent-loop rollout`` (and the keys of its config file)."""
 
     backend: Annotated[Literal[tuple(BACKENDS)], Field(
         description="hf: transformers in-process; vllm: vLLM engine in-process; http: OpenAI-compatible "
                     "server(s) given by --server")] = "hf"
-    episodes: Annotated[int, Field(ge=1, description="episodes to play (indices 0 .. N-1)")] = 64
     out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
                                      f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
                                      "when that exists (an existing file is only added to with --resume/--append)",
                                      json_schema_extra={"allowed": "a file path (not a folder)"})] = None
-    estimator: Annotated[str, AfterValidator(check_row_estimator), Field(
-        description="advantage estimator of the summary table (one that needs no group ids or critic values)",
-        json_schema_extra={"allowed": row_estimator_names})] = "reinforce_plus_plus"
-    resume: Annotated[bool, Field(description="play only the episodes --out lacks (same seed and task), "
-                                  "appending them; a torn last line is repaired first")] = False
     append: Annotated[bool, Field(description="append to an existing --out (without --resume/--append an "
                                   "existing non-empty --out is refused, never emptied)")] = False
-    allow_config_change: Annotated[bool, Field(
-        description="--resume or --append even when settings that change what an episode is (sampling, turns, "
-                    "budgets, task, prompts, model, seed) differ from those saved beside --out (the differences "
-                    "are listed)")] = False
     max_error_fraction: Annotated[float, Field(ge=0, le=1, description="exit status 1 when more episodes than "
                                                "this fraction end with an error")] = 0.1
 
     def check(self) -> None:
         """The rules across options (OptionError), then the default ``out``: never an earlier run's file."""
         TaskOptions.check(self)
+        try:  # the declaration takes any registered estimator; a file of rollouts shows fewer
+            check_row_estimator(self.estimator)
+        except ValueError as error:
+            raise OptionError("estimator", str(error).replace("{", "{{").replace("}", "}}"), self.estimator) from None
+        if isinstance(self.resume, str):
+            raise OptionError("resume", "takes no folder in rollout: it goes on with the file {out} names "
+                              "({out} FILE {resume})", self.resume)
         if self.backend == "http" and not self.server:
             raise OptionError("backend", "needs at least one {server} URL (e.g. {server} http://127.0.0.1:8000)", "http")
         if self.resume and self.append:
@@ -87,6 +95,7 @@ class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, Tas
                               self.served_model_name)
         if self.server and self.backend != "http":
             raise OptionError("server", f"used by {{backend}} http only (got {{backend}} {self.backend})", self.server[0])
+        check_group_estimator(self.estimator, self.group_size)
         if self.out is None:  # README's command runs again without touching the last run's file
             self.out = DEFAULT_OUT if self.resume or self.append else fresh_path(DEFAULT_OUT)
 
@@ -105,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     opts = resolve(RolloutOptions, args)
     try:
         task = opts.load()
+        if opts.group_size > 1:  # episode i plays question i // group_size, as train's steps do
+            task = GroupedTask(task, opts.group_size, question_seed=opts.seed)
         if opts.agent:  # loaded now: a module that cannot load is a usage error before any model loads
             from agent_loop.proxy.agents import load_agent
 

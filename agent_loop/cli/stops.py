@@ -68,18 +68,20 @@ def _ended(prog: str, args) -> int:
         return 128 + number
 
 
-def go_on_command(prog: str, argv: list[str], *, drop: dict[str, bool], add: list[str]) -> str:
+def go_on_command(prog: str, argv: list[str], *, drop: dict[str, bool | str], add: list[str]) -> str:
     """The command line that goes on from a stopped run: ``prog ARGV`` without the options in ``drop``
-    (name -> whether it takes a value; ``--no-NAME`` forms too), with ``add`` at the end."""
+    (name -> whether it takes a value: True, False, or ``"?"``, a value when the next word is no option, as
+    ``--resume [FOLDER]``; ``--no-NAME`` forms too), with ``add`` at the end."""
     kept, skip = [], False
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
         base = "--" + name[5:] if name.startswith("--no-") else name
         if base in drop:
-            skip = drop[base] and "=" not in arg and not name.startswith("--no-")
+            takes = drop[base] is True or (drop[base] == "?" and i + 1 < len(argv) and not argv[i + 1].startswith("-"))
+            skip = takes and "=" not in arg and not name.startswith("--no-")
             continue
         kept.append(arg)
     return " ".join([prog, shlex.join(kept + add)]).strip()

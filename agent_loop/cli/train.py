@@ -79,7 +79,7 @@ def claim_output(config: TrainConfig) -> RunLock | None:
 
 def go_on(config: TrainConfig, argv: list[str]) -> str:
     """The command that continues this run from its latest complete checkpoint."""
-    return go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": True, "--overwrite": False},
+    return go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
                          add=["--output-dir", config.output_dir, "--resume", config.output_dir])
 
 
@@ -89,7 +89,7 @@ def stop_note(config: TrainConfig, argv: list[str]):
     def note() -> str:
         steps = sorted((Path(config.output_dir) / "checkpoints").glob("step_*"))
         if not steps:
-            again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": True, "--overwrite": False},
+            again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
                                   add=["--output-dir", config.output_dir, "--overwrite"])
             return f"no checkpoint was saved yet in {config.output_dir} (--save-every {config.save_every}); to start again: {again}"
         return (f"checkpoints up to {steps[-1].name} are in {config.output_dir}/checkpoints; to go on from the "

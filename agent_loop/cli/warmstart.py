@@ -114,7 +114,7 @@ def stop_note(config: WarmstartConfig, argv: list[str]):
         if not saved:
             return (f"no checkpoint was saved yet (--save-every {config.save_every}); {config.output_dir} holds what "
                     "was written so far")
-        again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": False, "--overwrite": False},
+        again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
                               add=["--output-dir", config.output_dir, "--resume"])
         return f"the latest checkpoint is {saved[-1]}; to go on from it: {again}"
 
@@ -150,6 +150,11 @@ def report(config: WarmstartConfig, result) -> int:
         if longest[need] > defaults[option]:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
+    if result.check:
+        from trainer.warmstart import CHECK_FILE, check_line
+
+        print(f"{check_line(result.check)}\n  (the episodes: {Path(config.output_dir) / CHECK_FILE}; --check-episodes "
+              "sizes the check, 0 skips it)")
     task = shlex.join([*task_argv(config), "--model", str(model)])
     sharp = " --lr 5e-5  # a warm-started policy is sharp: a small RL step (BENCHMARKS.md)" if config.model is None else ""
     print(f"next: agent-loop rollout {task}\n      agent-loop train {task}{sharp}")

@@ -12,25 +12,21 @@ file (docs/verl.md, "Our agent loop inside verl"). This module does not import v
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 
-from agent_loop.config import OptionError, build, closest, one_of
+from agent_loop.config import OptionError, build, closest, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.tool_formats import TOOL_FORMATS
-from agent_loop.tasks.registry import DataTaskOptions, check_task
+from agent_loop.tasks.registry import DataTaskOptions, SeedOptions, TaskChoice
 
 REWARD_SOURCES = ("auto", "agent_loop", "verl")
 # built once: verl makes one AgentLoop per row, and a TypeAdapter's schema build was a third of our worker's time
 # (BENCHMARKS.md, "Our loop against verl's tool_agent")
 LOOP_CONFIG = TypeAdapter(LoopConfig)
 LOOP_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopConfig))
-
-
-def _optional_task(spec: str | None) -> str | None:
-    return None if spec is None else check_task(spec)
 
 
 def _tool_format(name: str | None) -> str | None:
@@ -53,15 +49,16 @@ def _loop_fields(fields: dict) -> dict:
     return dict(fields)
 
 
-@dataclass
-class VerlLoopOptions(DataTaskOptions):
+@override_defaults({"task": "verl's: unset, each row is the episode; with a task, a row with verl's "
+                            "extra_info.index i plays its episode i, with the row's reward_model.ground_truth as the "
+                            "answer where the task gives none"}, task=None)
+class VerlLoopOptions(DataTaskOptions, SeedOptions, TaskChoice):
     """What the verl AgentLoop plays; without a ``task`` each verl row is the episode (its ``raw_prompt``,
-    ``reward_model.ground_truth`` as the answer), scored by ``reward``/``reward_weights``, with ``system``."""
+    ``reward_model.ground_truth`` as the answer), scored by ``reward``/``reward_weights``, with ``system``. The
+    ``task`` and ``seed`` keys are the commands' ``--task`` and ``--seed`` (declared once:
+    :class:`~agent_loop.tasks.registry.TaskChoice`, :class:`~agent_loop.tasks.registry.SeedOptions`); ``task``
+    is unset here."""
 
-    task: Annotated[str | None, AfterValidator(_optional_task), Field(
-        description="one of our tasks (a registry name, package.module:Name or file.py[:Name]); a row with verl's "
-                    "extra_info.index i plays its episode i, with the row's reward_model.ground_truth as the answer "
-                    "where the task gives none; unset: the row is the episode")] = None
     tool_functions: Annotated[str | None, Field(
         description="a module or .py file of plain functions (our --tools), added to verl's tools and the task's")] = None
     tool_format: Annotated[str | None, AfterValidator(_tool_format), Field(
@@ -74,7 +71,6 @@ class VerlLoopOptions(DataTaskOptions):
     loop: Annotated[dict, AfterValidator(_loop_fields), Field(
         description="LoopConfig fields (max_turns, max_tokens, max_observation_tokens, ...); max_response_tokens "
                     "is verl's rollout.response_length")] = field(default_factory=dict)
-    seed: Annotated[int, Field(ge=0, description="the task's episode stream (verl seeds its own sampling)")] = 0
 
     def check(self) -> None:
         """The rules across the options (OptionError)."""

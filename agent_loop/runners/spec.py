@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Iterable
 
-from pydantic import Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
-from agent_loop.config import closest, one_of
+from agent_loop.config import OptionError, closest, one_of
 from agent_loop.episode.config import LoopConfig
 from agent_loop.tasks.base import Task, as_task
+from agent_loop.tasks.registry import SeedOptions
 
 
 @dataclass
@@ -59,13 +60,12 @@ def made_with(gamma: float | None = None, estimator: str | None = None, options:
 
 
 @dataclass
-class ModelOptions:
+class ModelOptions(SeedOptions):
     """The model and the seed: what every command that plays or trains on a task takes (declared once)."""
 
     model: Annotated[str | None, Field(description="local model folder (config.json, tokenizer, chat template); "
                                        "unset: the built-in tiny agent",
                                        json_schema_extra={"allowed": "a folder"})] = None
-    seed: Annotated[int, Field(ge=0, description="seed of the questions and of each request's sampling")] = 0
 
 
 @dataclass
@@ -75,14 +75,19 @@ class RunOptions(ModelOptions):
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once (the transformers backend "
                                       "decodes them as one batch)")] = 16
     gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns")] = 1.0
+    group_size: Annotated[int, Field(ge=1, description=(
+        "samples per question: episode i plays question i // group_size (info.group); the group estimators "
+        "(grpo, rloo, reinforce_plus_plus_baseline and the turn-level ones that compare a group's episodes) "
+        "need 2 or more"))] = 1
 
 
 def estimators(per_row: bool = False) -> list[str]:
     """The registered advantage estimators (``advantages.ESTIMATORS``; imports torch when called). ``per_row``:
-    only those a file of rollouts can show alone, needing no group ids and no critic values."""
+    only those a file of rollouts can show, needing no critic values (the group estimators take the group ids
+    of ``group_size`` samples per question: :func:`check_group_estimator`)."""
     from advantages import ESTIMATORS
 
-    return sorted(n for n, e in ESTIMATORS.items() if not per_row or not (e.needs_index or e.needs_values))
+    return sorted(n for n, e in ESTIMATORS.items() if not per_row or not e.needs_values)
 
 
 def estimator_names() -> str:
@@ -100,9 +105,63 @@ def check_estimator(name: str, per_row: bool = False) -> str:
     if name in names:
         return name
     if name in estimators():
-        raise ValueError(f"needs group ids or critic values, which a file of rollouts lacks (choose {one_of(names)})")
+        raise ValueError(f"needs critic values, which a file of rollouts lacks (agent-loop train --estimator {name} "
+                         f"trains a critic; choose {one_of(names)})")
     raise ValueError(f"unknown advantage estimator{closest(name, names)} (choose {one_of(names)})")
 
 
 def check_row_estimator(name: str) -> str:
     return check_estimator(name, per_row=True)
+
+
+def check_group_estimator(name: str, group_size: int) -> None:
+    """OptionError unless ``group_size`` is 2 or more for an estimator that compares a group's samples
+    (``needs_index``): with one sample per question it would have no baseline."""
+    from advantages import get_estimator
+
+    if get_estimator(name).needs_index and group_size < 2:
+        raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
+                          f"(got {group_size})", name)
+
+
+@dataclass
+class EstimatorOptions:
+    """The advantage estimator: what train trains with and rollout's summary table shows (declared once; rollout's
+    ``check()`` takes only those a file of rollouts can show, :func:`check_row_estimator`)."""
+
+    estimator: Annotated[str, AfterValidator(check_estimator), Field(
+        description="advantage estimator (train: what it trains with; rollout: its summary table, one that needs "
+                    "no critic values); the two reinforce_plus_plus_* variants reproduce pre-PR #7300 return bugs: "
+                    "ablation only", json_schema_extra={"allowed": estimator_names})] = "reinforce_plus_plus"
+
+
+@dataclass
+class EpisodesOptions:
+    """How many of the task's episodes a command takes (rollout plays them, warmstart demonstrates them)."""
+
+    episodes: Annotated[int, Field(ge=1, description=(
+        "the task's episodes 0 .. N-1 under --seed: rollout plays them; warmstart solves each by the task's "
+        "demonstrate(episode, rng) hook and fine-tunes on them (evaluate on another --seed)"))] = 64
+
+
+def resume_value(value):
+    """``--resume`` alone (True), a folder (str), or off: None (a saved config's ``false`` too)."""
+    return None if value is None or value is False or value == "" else value
+
+
+@dataclass
+class ResumeOptions:
+    """Going on from where a stopped run left off: rollout, train and warmstart (declared once)."""
+
+    resume: Annotated[bool | str | None, BeforeValidator(resume_value), Field(
+        description="go on from where a stopped run left off. Alone: from the run's own output (rollout: play only "
+                    "the episodes --out lacks, appending them, a torn last line repaired first; train, warmstart: "
+                    "the latest complete checkpoint in --output-dir). train and warmstart also take a checkpoint "
+                    "folder (OUTPUT_DIR/checkpoints/step_NNNNNN) or a run folder (its latest complete checkpoint)",
+        json_schema_extra={"allowed": "alone, or a checkpoint or run folder (train, warmstart)", "nargs": "?",
+                           "metavar": "FOLDER"})] = None
+    allow_config_change: Annotated[bool, Field(
+        description="--resume (rollout: or --append) even when settings that change the run differ from those "
+                    "saved (rollout: beside --out; train, warmstart: in the checkpoint); the differences are "
+                    "listed")] = False
+

@@ -20,9 +20,7 @@ training, for experiments; it gets its own cache folder).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import os
@@ -114,16 +112,7 @@ def unpack_shipped(target: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def build_lock(target: Path):
-    """Hold an exclusive file lock for building ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+build_lock = files.build_lock  # the one build lock (agent_loop.files); the tests and benchmarks take it from here too
 
 
 def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], dict] | None = None) -> dict:

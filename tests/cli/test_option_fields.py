@@ -10,8 +10,9 @@ from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.options import UsageError, add_options, validate
 from agent_loop.cli.rollout import RolloutOptions
+from agent_loop.runners.spec import EpisodesOptions, EstimatorOptions, ResumeOptions
 from agent_loop.threads import ThreadOptions
-from trainer.config import DeviceOptions, OptimizerOptions, OutputOptions, TrainConfig
+from trainer.config import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
 from trainer.warmstart_config import WarmstartConfig
 
 COMMAND_OPTIONS = (RolloutOptions, TrainConfig, WarmstartConfig, ThreadOptions)  # every add_options class
@@ -35,30 +36,18 @@ def declarations(roots) -> dict[str, list[str]]:
     return where
 
 
-# One name, two commands' own options that differ in meaning or type, so no shared declaration fits; a new
-# entry here needs its reason.
-DIFFERENT_OPTIONS = {
-    "resume": "rollout: a flag (append the missing episodes to --out); warmstart: a flag (go on in --output-dir); "
-              "train: a checkpoint or run folder",
-    "estimator": "rollout: only estimators a file of rollouts can show alone; train: any registered one",
-    "episodes": "rollout: episodes to play; warmstart: demonstrations to fine-tune on",
-    "steps": "train: RL steps (each several optimizer steps); warmstart: optimizer steps",
-    "allow_config_change": "rollout: against the settings saved beside --out; train: against the checkpoint's",
-}
-
-
 def twice(roots) -> dict[str, list[str]]:
     return {name: owners for name, owners in declarations(roots).items() if len(owners) > 1}
 
 
 def test_no_option_field_is_declared_in_two_classes():
-    found = twice(COMMAND_OPTIONS)
-    assert {name: owners for name, owners in found.items() if name not in DIFFERENT_OPTIONS} == {}
-    assert set(DIFFERENT_OPTIONS) <= set(found)  # the list holds no stale name
+    assert twice(COMMAND_OPTIONS) == {}  # no exceptions (issue 49; every option class: tests/test_layering.py)
     # the shared groups are composed, not copied: each command has their fields
     trainers = (TrainConfig, WarmstartConfig)
     for shared, commands in ((ServerOptions, (RolloutOptions, TrainConfig)), (ThreadOptions, COMMAND_OPTIONS),
-                             (OptimizerOptions, trainers), (OutputOptions, trainers), (DeviceOptions, trainers)):
+                             (OptimizerOptions, trainers), (OutputOptions, trainers), (DeviceOptions, trainers),
+                             (ResumeOptions, COMMAND_OPTIONS[:3]), (EstimatorOptions, (RolloutOptions, TrainConfig)),
+                             (EpisodesOptions, (RolloutOptions, WarmstartConfig)), (StepsOptions, trainers)):
         for command in commands:
             assert issubclass(command, shared), (command, shared)
 
@@ -179,3 +168,42 @@ def test_the_proxy_takes_the_upstream_servers_options_as_declared():
     assert (settings.retry_deadline_s, settings.request_timeout_s) == (5.0, 2.0)
     with pytest.raises(UsageError, match=r"--retry-deadline-s 0: must be a number > 0"):
         server_options(build_parser().parse_args(["proxy", "--retry-deadline-s", "0"]))
+
+
+def test_resume_is_one_option_alone_or_with_a_folder(tmp_path):
+    """One --resume for rollout, train and warmstart (issue 49): alone, the run's own output; train and warmstart
+    also take a checkpoint or run folder; a saved config's ``resume: false`` is unset."""
+    from agent_loop.cli import build_parser
+    from agent_loop.cli.options import resolve
+
+    parsed = build_parser().parse_args(["rollout", "--resume", "--episodes", "2"])
+    assert (parsed.resume, parsed.episodes) == (True, "2")  # alone: the next option is not its value
+    assert resolve(RolloutOptions, parsed).resume is True
+    with pytest.raises(UsageError, match="--resume runs/x: takes no folder in rollout"):
+        validate(RolloutOptions, {"resume": "runs/x"})
+    assert validate(RolloutOptions, {"resume": False, "out": str(tmp_path / "a.jsonl")}).resume is None
+    run = tmp_path / "train"
+    assert validate(TrainConfig, {"resume": True, "output_dir": str(run)}).resume == str(run)  # train --resume alone
+    alone = validate(TrainConfig, {"resume": True})
+    assert alone.resume == alone.output_dir == TrainConfig.DEFAULT_OUTPUT_DIR
+    step = run / "checkpoints" / "step_000004"
+    assert validate(TrainConfig, {"resume": str(step)}).output_dir == str(run)
+    warm = validate(WarmstartConfig, {"resume": str(step)})  # warmstart takes a folder too: it goes on there
+    assert (warm.resume, warm.output_dir) == (True, str(run))
+    with pytest.raises(UsageError, match="--resume .*: is a checkpoint of the run in .*, not of --output-dir"):
+        validate(WarmstartConfig, {"resume": str(step), "output_dir": str(tmp_path / "other")})
+
+
+def test_the_go_on_hint_drops_resume_with_or_without_its_folder():
+    from agent_loop.cli.stops import go_on_command
+
+    drop = {"--output-dir": True, "--resume": "?"}
+    assert go_on_command("p", ["--resume", "runs/a", "--steps", "3"], drop=drop, add=["--resume"]) == "p --steps 3 --resume"
+    assert go_on_command("p", ["--resume", "--steps", "3"], drop=drop, add=[]) == "p --steps 3"
+
+
+def test_rollout_takes_the_shared_estimator_and_refuses_one_a_file_cannot_show():
+    with pytest.raises(UsageError, match="--estimator gae: needs critic values"):
+        validate(RolloutOptions, {"estimator": "gae"})
+    with pytest.raises(UsageError, match="--steps: must be set in train"):
+        validate(TrainConfig, {"steps": None, "output_dir": "unused"})

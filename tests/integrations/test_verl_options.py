@@ -10,19 +10,15 @@ import pytest
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.episode.config import LoopConfig
 from agent_loop.integrations.verl_options import VerlLoopOptions
-from agent_loop.tasks.registry import DataTaskOptions, TaskOptions
+from agent_loop.tasks.registry import DataTaskOptions, SeedOptions, TaskChoice, TaskOptions
 from trainer.config import TrainConfig
 from trainer.warmstart_config import WarmstartConfig
 
-# the names the verl loop shares with agent-loop's commands but not their meaning (so not their declaration)
-VERL_OWN_MEANING = {
-    "task": "commands: default arithmetic; verl: unset means each verl row is the episode",
-    "seed": "commands: the questions and each request's sampling; verl: the questions only (verl seeds sampling)",
-}
-
 
 def own_fields(cls) -> set[str]:
-    return set(cls.__dict__.get("__annotations__", {})) & {f.name for f in dataclasses.fields(cls)}
+    """The fields ``cls`` declares itself (an inherited field given another default is none)."""
+    own = set(cls.__dict__.get("__annotations__", {})) & {f.name for f in dataclasses.fields(cls)}
+    return own - set(cls.__dict__.get("__overridden_defaults__", {}))
 
 
 def test_the_row_options_are_declared_once_for_prompts_rows_and_verl_rows():
@@ -32,7 +28,10 @@ def test_the_row_options_are_declared_once_for_prompts_rows_and_verl_rows():
             assert [c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {})] == [DataTaskOptions]
     commands = {name for root in (RolloutOptions, TrainConfig, WarmstartConfig) for cls in root.__mro__
                 if dataclasses.is_dataclass(cls) for name in own_fields(cls)}
-    assert own_fields(VerlLoopOptions) & commands == set(VERL_OWN_MEANING)
+    assert own_fields(VerlLoopOptions) & commands == set()  # task and seed too: one declaration (issue 49)
+    assert issubclass(VerlLoopOptions, (SeedOptions, TaskChoice)) and issubclass(TaskOptions, TaskChoice)
+    assert VerlLoopOptions().task is None and VerlLoopOptions.from_mapping({"task": "arithmetic"}).task == "arithmetic"
+    assert TaskOptions().task == "arithmetic"  # the commands' default; verl's is unset (each row is the episode)
     assert {f.name for f in dataclasses.fields(VerlLoopOptions)} == {  # verl users' keys, unchanged
         "task", "reward", "reward_weights", "tool_functions", "tool_format", "reward_source", "loop", "seed", "system"}
 

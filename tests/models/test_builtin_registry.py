@@ -259,8 +259,8 @@ def test_models_fetch_prints_a_line_per_model_and_a_failure_is_a_note(capsys, fa
 
 
 def test_python_m_model_registry_is_the_fetch_command_s_door():
-    """``python -m agent_loop.model_registry fetch`` still works (the library module only hands argv on to
-    agent_loop.cli.models); anything else is the usage line, exit status 2."""
+    """``python -m agent_loop.model_registry fetch`` still works, importing nothing of the application (its door
+    imported agent_loop.cli.models, a package cycle: issue 49); anything else is the usage line, exit status 2."""
     done = subprocess.run([sys.executable, "-m", "agent_loop.model_registry", "fetch", "now"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", "usage: python -m agent_loop.model_registry fetch\n")
