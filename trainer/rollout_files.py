@@ -3,8 +3,8 @@
 One ``Trajectory.to_json`` line per episode of the step (whole-line writes, ``JsonlWriter``), with the
 per-response-token ``returns`` and ``advantages`` the step used (None for episodes it dropped) and
 ``info["step"]`` (1-based), ``info["trained"]``, and how the values were made as ``agent-loop rollout``
-records it (:func:`made_with`): ``info["gamma"]``, ``info["estimator"]``, ``info["lam"]`` /
-``info["kl_coef"]`` where they apply, ``info["options"]``. Files of steps after the step a run resumes
+records it (:func:`made_with`): ``info["gamma"]``, ``info["estimator"]``, ``info["lam"]``,
+``info["step_advantage_w"]``, ``info["gigpo_mode"]`` / ``info["kl_coef"]`` where they apply, ``info["options"]``. Files of steps after the step a run resumes
 from (left by the interrupted run) are moved aside, never deleted.
 """
 
@@ -59,15 +59,32 @@ def made_with(config, estimator) -> dict:
     """How the step's values were computed and its episodes played, recorded as ``agent-loop rollout`` records
     it (``agent_loop.runners.spec.made_with``): ``gamma``, ``estimator``, ``lam`` / ``kl_coef`` where they
     apply, and ``options`` (the loop's and the task's options of ``config``)."""
+    own = {name: getattr(config, name) for name in ("lam", "step_advantage_w", "gigpo_mode")
+           if name in estimator.hyperparameters}  # the estimator's own settings, as it used them
     return spec.made_with(config.gamma, config.estimator, {**pick(LoopConfig, config), **pick(TaskOptions, config)},
-                          lam=float(config.lam) if "lam" in estimator.hyperparameters else None,
-                          kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
+                          **own, kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
 
 
-def annotated(trajectories, kept, batch, step: int, how: dict) -> list:
+def anchor_groups(estimator, batch) -> tuple | None:
+    """gigpo's anchor-state groups of ``batch`` (``advantages.gigpo_anchor_groups``: per row and turn the group's
+    id, and how many other episodes' turns it holds, 0 where gigpo fell back to the turn-index baseline), as the
+    step computed them; None for another estimator or no batch."""
+    if batch is None or estimator.name != "gigpo":
+        return None
+    from advantages import gigpo_anchor_groups
+    from agent_loop.runners.batch import estimator_arguments
+
+    arguments = {name: value for name, value in estimator_arguments(estimator, batch).items()
+                 if name in ("index", "spans", "turn_ids", "responses", "turn_states")}
+    sets, others = gigpo_anchor_groups(batch.response_mask, **arguments)
+    return sets.cpu(), others.cpu()
+
+
+def annotated(trajectories, kept, batch, step: int, how: dict, anchors: tuple | None = None) -> list:
     """Copies of ``trajectories`` with ``info`` (step, trained, ``how``) and, for those in ``kept`` (row ``i``
     of ``batch``), their returns and advantages unpadded over their response length. ``batch`` may be None
-    (a skipped step: nothing trained)."""
+    (a skipped step: nothing trained). ``anchors`` (:func:`anchor_groups`): each kept episode's
+    ``info["anchor_groups"]`` and ``info["anchor_others"]``, one entry per assistant turn."""
     rows = {id(t): i for i, t in enumerate(kept)} if batch is not None else {}
     if rows:  # one device-to-host copy for the file
         advantages, returns = batch.advantages.detach().cpu(), batch.returns.detach().cpu()
@@ -78,6 +95,10 @@ def annotated(trajectories, kept, batch, step: int, how: dict) -> list:
         if row is None:
             out.append(dataclasses.replace(t, info=info, returns=None, advantages=None))
             continue
+        if anchors is not None:
+            present = anchors[0][row] >= 0
+            info["anchor_groups"] = anchors[0][row][present].tolist()
+            info["anchor_others"] = anchors[1][row][present].tolist()
         n = len(t.response_ids)
         out.append(dataclasses.replace(t, info=info, returns=returns[row, :n].tolist(),
                                        advantages=advantages[row, :n].tolist()))
@@ -93,4 +114,4 @@ def write_step(output_dir: str | Path, step: int, trajectories) -> Path:
     return path
 
 
-__all__ = ["FOLDER", "annotated", "keeps", "made_with", "move_aside_after", "step_file", "write_step"]
+__all__ = ["FOLDER", "anchor_groups", "annotated", "keeps", "made_with", "move_aside_after", "step_file", "write_step"]

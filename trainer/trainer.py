@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -41,6 +42,7 @@ import trainer.rollout_files as rollout_files
 from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from advantages.rollout_correction import correct_rollouts
 from agent_loop.backends.base import BackendSettings
+from agent_loop.backends.choice import AUTO, choose_backend
 from agent_loop.backends.registry import make_backend
 from agent_loop.config import checked, pick
 from agent_loop.episode.config import LoopConfig
@@ -156,7 +158,7 @@ class Trainer:
     def _set_up_processes(self) -> None:
         """Threads, data-parallel ranks, device and dtype, the estimator, the output folder."""
         config = self.config
-        apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
+        self.threads = apply_threads(config.threads)  # the one threads rule (agent_loop.threads)
         self.dp = init_data_parallel(config.device, config.parallel, lora=config.lora_rank > 0)
         self.device = resolve_device(config.device, self.dp.local_rank)
         self.dtype = getattr(torch, DTYPES[config.dtype])
@@ -214,6 +216,8 @@ class Trainer:
         servers = config.server if backend is None else ()  # the trainer's own HTTP backend over --server
         if servers:
             backend = make_backend("http", config.served_name(start.initial_model), BackendSettings.from_options(config))
+        if backend is None and self.rollout_backend_name(start) == "vllm":  # the engine loads the policy's folder;
+            backend = make_backend("vllm", start.policy_path, BackendSettings(threads=self.threads))  # pushed below
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
                 device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,
@@ -236,6 +240,17 @@ class Trainer:
             warnings.warn(f"resume: an asynchronous checkpoint resumed synchronously (--max-staleness 0): the question "
                           f"stream restarts at step {start.step} x prompts_per_step, not where its producer stood "
                           f"(group {start.stream_position['next_group']})", stacklevel=3)
+
+    def rollout_backend_name(self, start: Start) -> str:
+        """``--backend``, with ``auto`` chosen by ``agent_loop.backends.choice`` (one line on stderr, rank 0, when a
+        real model falls back to transformers or plays on vLLM)."""
+        if self.config.backend != AUTO:
+            return self.config.backend
+        name, note = choose_backend(start.policy_path, lora=bool(self.config.lora_rank),
+                                    processes=self.dp.world_size, device=str(self.device))
+        if note and self.dp.is_main:
+            print(f"agent-loop train: {note}", file=sys.stderr, flush=True)
+        return name
 
     def start_producer(self, max_staleness: int, *, position: dict | None = None) -> None:
         """Asynchronous rollouts from now on (``max_staleness`` >= 1 calls it at set-up): rank 0 starts a
@@ -519,8 +534,9 @@ class Trainer:
         step = self.step + 1
         if self.dp.is_main and rollout_files.keeps(step, self.config.save_rollouts_every):
             how = rollout_files.made_with(self.config, self.estimator)
+            anchors = rollout_files.anchor_groups(self.estimator, batch)  # gigpo: the group each turn joined
             rollout_files.write_step(self.output_dir, step,
-                                     rollout_files.annotated(trajectories, kept, batch, step, how))
+                                     rollout_files.annotated(trajectories, kept, batch, step, how, anchors))
 
     def push_weights(self, version: int | None = None, *, changed: bool = True) -> None:
         """The policy's weights, as ``version`` (default: the current step), through the weight transport

@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import USAGE_EXIT, UsageError, add_threads_option, int_at_least, number_in, threads_from
+from agent_loop.cli.options import USAGE_EXIT, UsageError, add_common_options, int_at_least, number_in, threads_from
 from agent_loop.files import write_file
-from agent_loop.inspect.choices import INFORMATIVE, LABEL
+from agent_loop.inspect.choices import INFORMATIVE, LABEL, TURN_ESTIMATORS
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop inspect"
@@ -35,10 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"show every episode (up to --max-episodes), not only the {INFORMATIVE} most informative")
     parser.add_argument("--values", action="store_true",
                         help="terminal: a table per turn with each token's logprob, reward, return and advantage")
-    parser.add_argument("--color-by", choices=("span", "version"), default="span",
+    parser.add_argument("--color-by", choices=("span", "version", "turn-advantage"), default="span",
                         help="terminal: colour tokens by span (default), or assistant tokens by the policy version "
                              "that sampled them (the trainer's step files; an episode that ran across a "
-                             "weight update shows both)")
+                             "weight update shows both), or by their turn's advantage")
+    parser.add_argument("--turns", action="store_true",
+                        help="terminal: the per-turn view: assistant tokens coloured by their turn's advantage and a "
+                             "table per episode of each turn's tokens, reward, return, advantage and the anchor-state "
+                             "group it joined (train --estimator gigpo's step files); on for a file whose episodes "
+                             "record a turn-level estimator (turn_returns, turn_rloo, turn_index_normalized, gigpo, "
+                             "turn_gae)")
     parser.add_argument("--compare", action="store_true",
                         help="returns under carry-through, reset-at-observation and ignore-mask side by side")
     parser.add_argument("--estimator", choices=list(LABEL), default=None,
@@ -58,11 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "of a prompt in each); default: by prompt for two step files of a run, else by index")
     parser.add_argument("--width", type=int_at_least(20), help="terminal width, at least 20 (default: detected)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no terminal view (with --html/--png)")
-    return add_threads_option(parser)
+    return add_common_options(parser)
 
 
-ONE_FILE_ONLY = ("png", "worst", "values", "compare")
-EPISODE_OPTIONS = ("episode", "worst", "failed", "values", "compare", "estimator", "gamma", "tokenizer", "match")
+ONE_FILE_ONLY = ("png", "worst", "values", "compare", "turns")
+EPISODE_OPTIONS = ("episode", "worst", "failed", "values", "compare", "estimator", "gamma", "tokenizer", "match",
+                   "turns")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -147,11 +154,13 @@ def one_file(args: argparse.Namespace, console, err) -> int:
     if args.color_by == "version" and not any(t.policy_versions for t in view.trajectories):
         err.print("[yellow]warning:[/yellow] --color-by version: the episodes shown record no policy versions "
                   "(the trainer's step files do: OUTPUT_DIR/rollouts/); coloured by span")
+    turn_level = args.turns or any(t.info.get("estimator") in TURN_ESTIMATORS for t in view.trajectories)
     if not args.quiet:
         from agent_loop.inspect.terminal import render
 
         render(view, console, values=args.values or bool(args.worst), compare=args.compare, all_mode=bool(args.all),
-               color_by=args.color_by)
+               color_by="turn-advantage" if turn_level and args.color_by == "span" else args.color_by,
+               turns_view=turn_level or args.color_by == "turn-advantage")
     if args.html:
         from agent_loop.inspect.html import render as render_html
 

@@ -16,3 +16,5 @@ REGISTERED = {
 }
 LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> COMPARED name
 INFORMATIVE = 3  # episodes the terminal shows by default
+# the turn-level estimators (advantages/turn_credit.py): a file whose episodes record one gets the per-turn view
+TURN_ESTIMATORS = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")

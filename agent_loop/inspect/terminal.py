@@ -11,6 +11,7 @@ from rich.text import Text
 
 from agent_loop.config import plural
 from agent_loop.inspect.tokens import Segment, show_whitespace, turns, versions_note
+from agent_loop.inspect.turn_view import turn_advantage_of, turn_rows
 from agent_loop.inspect.values import COMPARED
 from agent_loop.inspect.values import carried as carried_runs
 from agent_loop.inspect.view import InspectView, row_values_note
@@ -30,7 +31,23 @@ def _fmt(x: float) -> str:
     return f"{x:+.3f}" if x else "0"
 
 
+def advantage_style(value: float, scale: float) -> str:
+    """A background from white to green (positive) or red (negative), by ``|value| / scale``."""
+    level = min(abs(value) / scale, 1.0) if scale > 0 else 0.0
+    end = (90, 200, 90) if value >= 0 else (230, 95, 95)
+    r, g, b = (round(255 + (c - 255) * level) for c in end)
+    return f"black on rgb({r},{g},{b})"
+
+
 def legend(color_by: str = "span") -> Text:
+    if color_by == "turn-advantage":
+        text = Text("assistant tokens by their turn's advantage: ")
+        for value in (-1.0, -0.5, 0.0, 0.5, 1.0):
+            text.append(f" {value:+.1f} " if value else " 0 ", style=advantage_style(value, 1.0))
+        text.append(" ")
+        text.append(" observation ", style=TOKEN_STYLES[SpanKind.OBSERVATION][0])
+        return text.append("  (scaled to each episode's largest |advantage|; the per-turn table gives the values)",
+                           style="dim")
     if color_by == "version":
         text = Text("assistant tokens by policy version: ")
         for k, style in enumerate(VERSION_STYLES):
@@ -70,10 +87,14 @@ def segment_text(view: InspectView, row: int, segment: Segment, color_by: str = 
     pieces, versions = view.pieces[row], view.trajectories[row].policy_versions
     by_version = color_by == "version" and versions is not None and segment.span == SpanKind.ASSISTANT
     oldest = min((v for v in versions if v >= 0), default=0) if by_version else 0
+    by_turn = color_by == "turn-advantage" and segment.span == SpanKind.ASSISTANT and view.values is not None
+    if by_turn:  # the turn's advantage, scaled to the episode's largest
+        per_turn = turn_advantage_of(view, row)
+        turn_style = advantage_style(per_turn[segment.turn], max(map(abs, per_turn.values())))
     text = Text()
     for k, pos in enumerate(range(segment.start, segment.end)):
         style = (VERSION_STYLES[(versions[pos] - oldest) % len(VERSION_STYLES)] if by_version
-                 else TOKEN_STYLES[SpanKind(segment.span)][k % 2])
+                 else turn_style if by_turn else TOKEN_STYLES[SpanKind(segment.span)][k % 2])
         text.append(show_whitespace(pieces[pos]), style=style)
     return text
 
@@ -119,9 +140,25 @@ def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> 
     return table
 
 
-def episode(view: InspectView, row: int, values: bool = False, color_by: str = "span") -> Group:
-    """Header, prompt, then each turn: its tokens (coloured by span or by policy version), its tool calls and
-    (``values``) its value table."""
+def turn_table(view: InspectView, row: int) -> Table:
+    """One row per assistant turn (:func:`~agent_loop.inspect.turn_view.turn_rows`): tokens, reward, return,
+    advantage, and the anchor-state group it joined (gigpo, as trained) or the task's state key."""
+    rows = turn_rows(view, row)
+    table = Table(title=f"episode {view.ids[row]}: per turn ({row_values_note(view, row)})", title_justify="left")
+    for name in ("turn", "tokens", "reward", "return", "advantage", "anchor group", "state"):
+        table.add_column(name, justify="left" if name in ("anchor group", "state") else "right", no_wrap=True,
+                         overflow="ellipsis")
+    scale = max((abs(r.advantage) for r in rows), default=0.0)
+    for r in rows:
+        table.add_row(str(r.turn), str(r.tokens), _fmt(r.reward), _fmt(r.ret),
+                      Text(_fmt(r.advantage), style=advantage_style(r.advantage, scale)),
+                      r.anchor or "-", r.state or "-")
+    return table
+
+
+def episode(view: InspectView, row: int, values: bool = False, color_by: str = "span", turns_view: bool = False) -> Group:
+    """Header, prompt, then each turn: its tokens (coloured by span, by policy version or by the turn's advantage),
+    its tool calls and (``values``) its value table; ``turns_view``: the per-turn table at the end."""
     traj = view.trajectories[row]
     prompt = view.prompts[row].replace("\n", "↵")
     if len(prompt) > PROMPT_CHARS:
@@ -141,6 +178,8 @@ def episode(view: InspectView, row: int, values: bool = False, color_by: str = "
             parts.append(value_table(view, row, turn, segs))
     if traj.turn_rewards is not None:
         parts.append(Text(f"turn rewards: {traj.turn_rewards}"))
+    if turns_view and view.values is not None:
+        parts.append(turn_table(view, row))
     return Group(*parts)
 
 
@@ -243,9 +282,9 @@ def shown_line(view: InspectView, all_mode: bool) -> str:
 
 
 def render(view: InspectView, console: Console, values: bool = False, compare: bool = False,
-           all_mode: bool = False, color_by: str = "span") -> None:
+           all_mode: bool = False, color_by: str = "span", turns_view: bool = False) -> None:
     """Print the file's summary (load problems are the caller's to report), then each selected episode
-    (and the comparison when ``compare``)."""
+    (and the comparison when ``compare``; the per-turn table when ``turns_view``)."""
     console.print(batch_summary(view, shown_line(view, all_mode), console.width))
     if compare:
         console.print(estimator_table(view))
@@ -254,6 +293,6 @@ def render(view: InspectView, console: Console, values: bool = False, compare: b
         return
     console.print(legend(color_by))
     for row in view.selected:
-        console.print(episode(view, row, values=values, color_by=color_by))
+        console.print(episode(view, row, values=values, color_by=color_by, turns_view=turns_view))
         if compare:
             console.print(compare_table(view, row))
