@@ -46,7 +46,7 @@ _OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.mul
 _HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
 RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
-                                "eval_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite",
+                                "eval_episodes", "check_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite",
                                 # where the episodes are played, not what they are (ServerOptions): servers move
                                 "server", "served_model_name", "retry_deadline_s", "request_timeout_s"})
 

@@ -17,6 +17,9 @@ so that RL on one's own task starts from a model that calls its tools (docs/desi
 3. **Outputs** (:func:`warm_start`): ``OUTPUT_DIR/model`` (a model folder ``agent-loop rollout --model`` and
    ``agent-loop train --model`` load, written as a checkpoint is: atomically, with a manifest), ``metrics.jsonl`` (loss, learning rate and gradient norm per step) and
    ``demonstrations.jsonl`` (the replayed episodes: ``agent-loop inspect`` shows what was trained on).
+4. **The check** (:func:`held_out_check`, ``--check-episodes``, 0 skips it): the saved model plays held-out
+   questions (train's evaluation stream), sampled at T=1, into ``check.jsonl``; the CLI prints their success
+   (:func:`check_line`), so a warm start that did not take shows before RL starts from it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ from trainer.warmstart_config import MIN_LR_FRACTION, WarmstartConfig
 
 TINY_STAGE = "final"  # unset --model: the fully trained tiny agent (the one that calls tools best)
 DEMONSTRATIONS_FILE, METRICS_FILE, MODEL_DIR = "demonstrations.jsonl", "metrics.jsonl", "model"
+CHECK_FILE = "check.jsonl"  # the held-out check's episodes (--check-episodes), sampled at T=1
+CHECK_TEMPERATURE = 1.0  # as train samples its rollouts: what RL will start from
 CHECKPOINTS_DIR = "checkpoints"  # OUTPUT_DIR/checkpoints/step_NNNNNN, the latest only (--save-every, --resume)
 
 
@@ -376,8 +381,7 @@ def fine_tune(model, batch: Batch, config: WarmstartConfig, logger: MetricsLogge
             tqdm.write(eta_line(time.perf_counter() - started, step + 1, config.steps))
         if save is not None and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save(step + 1, {"step": step + 1, "optimizer": optimizer.state_dict(), "rng": checkpoint.rng_state()})
-        if step % 10 == 0 or step == config.steps - 1:
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)  # this step's: shown as the bar next moves
     model.eval()
     return history
 
@@ -418,6 +422,7 @@ class WarmstartResult:
     history: list[dict]
     demonstrations: list[Trajectory]
     seconds: float
+    check: list[Trajectory] = field(default_factory=list)  # the held-out check's episodes (:func:`held_out_check`)
 
     @property
     def longest(self) -> dict[str, int]:
@@ -468,7 +473,54 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     if not all(math.isfinite(m["loss"]) for m in history):
         raise FloatingPointError(f"the loss is not finite (see {logger.path}); nothing saved; lower --lr")
     folder = save_model(model, tokenizer, output / MODEL_DIR, step=config.steps)
-    return WarmstartResult(folder, earlier_history + history, demonstrations, time.perf_counter() - started)
+    result = WarmstartResult(folder, earlier_history + history, demonstrations, time.perf_counter() - started)
+    if config.check_episodes:
+        result.check = held_out_check(model, tokenizer, task, config, result.longest, output / CHECK_FILE)
+        result.seconds = time.perf_counter() - started
+    return result
+
+
+def check_loop_config(longest: dict[str, int]) -> LoopConfig:
+    """The held-out check's loop options: ``rollout``'s defaults, sampled at :data:`CHECK_TEMPERATURE`, with
+    budgets raised to what the longest demonstration needs (``WarmstartResult.longest``), so that the check
+    measures the model, not a budget (the CLI's report names a default budget that is too small)."""
+    default = LoopConfig()
+    return dataclasses.replace(default, temperature=CHECK_TEMPERATURE, max_turns=max(default.max_turns, longest["turns"]),
+                               max_response_tokens=max(default.max_response_tokens, longest["response_tokens"]),
+                               max_tokens=max(default.max_tokens, longest["turn_tokens"]))
+
+
+def held_out_check(model, tokenizer, task, config: WarmstartConfig, longest: dict[str, int], path: Path) -> list[Trajectory]:
+    """``config.check_episodes`` held-out questions of ``task`` (episodes 0.. under ``config.seed`` plus train's
+    ``EVAL_SEED_OFFSET``: never the demonstrations' questions), played by the fine-tuned ``model`` in this
+    process (the transformers backend, on its device), sampled (:func:`check_loop_config`), written to ``path``."""
+    from agent_loop.backends.hf import TransformersBackend
+    from trainer.trainer import EVAL_SEED_OFFSET
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    Path(path).unlink(missing_ok=True)  # a resumed run's earlier check
+    with TransformersBackend(model, device=device, pad_token_id=pad) as backend:
+        return asyncio.run(run_rollouts(as_task(task), backend, tokenizer, range(config.check_episodes),
+                                        check_loop_config(longest), config.seed + EVAL_SEED_OFFSET,
+                                        output_path=path, progress=config.progress))
+
+
+def check_line(trajectories: list[Trajectory]) -> str:
+    """The held-out check as the CLI prints it: success with its sampling and episode count, tool calls and
+    tool errors per episode (malformed calls among them); a hint when fewer than half succeed."""
+    from agent_loop.config import plural
+    from agent_loop.runners.stats import sampling_label
+    from trainer.metrics import rollout_metrics
+
+    metrics, n = rollout_metrics(trajectories), len(trajectories)
+    line = (f"held-out check ({sampling_label(CHECK_TEMPERATURE)}, {plural(n, 'episode')}): success "
+            f"{metrics['success']:.3f}; {metrics['tool_calls']:.2f} tool calls and "
+            f"{metrics['errors/tool'] / n:.2f} tool errors an episode")
+    if metrics["success"] < 0.5:
+        line += ("; under half: the warm start did not take (a larger --lr or more --steps; agent-loop inspect "
+                 "shows the episodes)")
+    return line
 
 
 def _save(output: Path, step: int, state: dict, model, tokenizer, config: WarmstartConfig, source) -> None:

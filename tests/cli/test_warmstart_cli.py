@@ -130,8 +130,13 @@ def test_warm_start_then_rollout_and_train_load_the_model(capsys, tmp_path, tiny
     out = tmp_path / "warm"
     (out / "old").mkdir(parents=True)
     code, stdout, err = run_cli(capsys, "warmstart", "--task", EXAMPLE, "--episodes", "8", "--steps", "2",
-                                "--batch-size", "4", "--output-dir", str(out), "--overwrite", "--no-progress")
+                                "--batch-size", "4", "--output-dir", str(out), "--overwrite", "--no-progress",
+                                "--check-episodes", "3")
     assert code == 0, err
+    # issue 49 item 2: whether the warm start took, on held-out questions, sampled, before the next commands
+    check = next(line for line in stdout.splitlines() if line.startswith("held-out check"))
+    assert check.startswith("held-out check (sampled at T=1, 3 episodes): success "), stdout
+    assert stdout.index(check) < stdout.index("next: ") and len((out / "check.jsonl").read_text().splitlines()) == 3
     assert f"model: {out / 'model'}" in stdout and f"next: agent-loop rollout --task {EXAMPLE} --model {out / 'model'}" in stdout
     assert not (out / "old").exists() and not (out / ".agent-loop.lock").exists()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -10,6 +10,7 @@ a short warm start lowers the loss and saves a model folder the loop loads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -304,7 +305,8 @@ def _from_chats(chats):
 
 def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp_path, tiny_agent_dir):
     config = WarmstartConfig(model=str(tiny_agent_dir), episodes=8, steps=4, batch_size=4, micro_batch_size=2, lr=1e-3,
-                             warmup_steps=0, output_dir=str(tmp_path / "run"), progress=False, threads=2)
+                             warmup_steps=0, output_dir=str(tmp_path / "run"), progress=False, threads=2,
+                             check_episodes=0)
     result = warm_start(config, Quadruple())
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4] and lines[-1]["loss"] < lines[0]["loss"]
@@ -388,7 +390,7 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
     def config(name: str, **more) -> WarmstartConfig:
         return WarmstartConfig(**{**dict(model=str(tiny_agent_dir), episodes=6, steps=4, batch_size=4,
                                          micro_batch_size=2, lr=1e-3, warmup_steps=1, save_every=2, progress=False,
-                                         output_dir=str(tmp_path / name), threads=1), **more})
+                                         output_dir=str(tmp_path / name), threads=1, check_episodes=0), **more})
 
     whole = warm_start(config("whole"), Quadruple())
     printed = capsys.readouterr().out
@@ -421,3 +423,51 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
     a = AutoModelForCausalLM.from_pretrained(whole.model_dir, dtype=torch.float32).state_dict()
     b = AutoModelForCausalLM.from_pretrained(resumed.model_dir, dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_progress_bar_shows_each_steps_loss(tiny_tokenizer, tiny_agent_dir, demonstrations, monkeypatch):
+    """Issue 49 item 2: the bar showed the first step's loss until step 10 while metrics.jsonl fell. Every step's
+    loss is shown, as the bar next moves (a bar that redraws on every move, into a buffer)."""
+    import io
+
+    import trainer.warmstart as warmstart
+
+    shown = io.StringIO()
+
+    class Bar(warmstart.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, file=shown, mininterval=0, miniters=1)
+
+    monkeypatch.setattr(warmstart, "tqdm", Bar)
+    model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
+    batch = trajectories_to_batch(demonstrations, pad_token_id=tiny_tokenizer.pad_token_id)
+    config = WarmstartConfig(steps=4, batch_size=2, lr=1e-2, warmup_steps=0, progress=True)
+    history = warmstart.fine_tune(model, batch, config)
+    losses = [f"loss={m['loss']:.3f}" for m in history]
+    assert len(set(losses)) == 4, losses  # four different losses, each of which the bar showed
+    assert all(loss in shown.getvalue() for loss in losses), (losses, shown.getvalue())
+
+
+def test_the_warm_start_ends_with_a_sampled_check_on_held_out_questions(tmp_path, tiny_agent_dir):
+    """Issue 49 item 2: a warm start that did not take (0/40 sampled afterwards) said nothing. It now plays
+    --check-episodes held-out questions (train's evaluation stream, never the demonstrations'), sampled at T=1, by
+    the model it saved, and the line names the sampling and the count; --check-episodes 0 skips it."""
+    from trainer.trainer import EVAL_SEED_OFFSET
+    from trainer.warmstart import CHECK_FILE, check_line
+
+    config = WarmstartConfig(model=str(tiny_agent_dir), episodes=4, steps=1, batch_size=2, warmup_steps=0, seed=5,
+                             output_dir=str(tmp_path / "run"), progress=False, threads=2, check_episodes=3)
+    result = warm_start(config, Quadruple())
+    check = result.check
+    assert [(t.info["index"], t.info["seed"]) for t in check] == [(i, 5 + EVAL_SEED_OFFSET) for i in range(3)]
+    assert {t.info["seed"] for t in result.demonstrations} == {5}  # the demonstrations: another stream
+    assert all(t.info["options"]["temperature"] == 1.0 and t.logprobs for t in check)  # sampled by the model
+    assert [json.loads(line)["info"]["index"] for line in (tmp_path / "run" / CHECK_FILE).read_text().splitlines()] == [0, 1, 2]
+    successes, calls = sum(bool(t.info["success"]) for t in check), sum(len(t.tool_calls) for t in check)
+    errors = sum(bool(c.error_kind) for t in check for c in t.tool_calls)
+    line = check_line(check)
+    assert line.startswith(f"held-out check (sampled at T=1, 3 episodes): success {successes / 3:.3f}; "
+                           f"{calls / 3:.2f} tool calls and {errors / 3:.2f} tool errors an episode"), line
+    assert ("did not take" in line) == (successes < 1.5)
+    skipped = warm_start(dataclasses.replace(config, output_dir=str(tmp_path / "skip"), check_episodes=0), Quadruple())
+    assert skipped.check == [] and not (tmp_path / "skip" / CHECK_FILE).exists()
