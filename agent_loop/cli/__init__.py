@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``agent-loop COMMAND ...``; returns the exit status (2: a usage error, 130/143: stopped by SIGINT/SIGTERM,
     each reported in one line)."""
+    owns_process = argv is None  # the agent-loop entry point, not a call from Python
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]  # the command's own arguments (train --nproc relaunches itself with them)
-    return run_command(args.prog, args)
+    return run_command(args.prog, args, owns_process=owns_process)

@@ -74,3 +74,32 @@ def test_a_cancellation_that_no_signal_caused_is_not_called_a_stop(background_jo
 
     with pytest.raises(asyncio.CancelledError):
         run_command("agent-loop rollout", command(lambda args: asyncio.run(cancelled())))
+
+
+@pytest.mark.parametrize("job", ["background", "terminal"])
+def test_sigterm_stops_a_command_whose_event_loop_user_code_blocks(request, monkeypatch, capsys, job):
+    """Issue 49: an agent that blocks the event loop (an ``async def`` calling a synchronous client) never lets the
+    loop cancel anything, so SIGTERM's clean way never ended the run. After STOP_GRACE_S (0.5 s here) a
+    KeyboardInterrupt is raised in the main thread, wherever it waits."""
+    import threading
+    import time
+
+    import agent_loop.cli.stops as stops
+
+    if job == "background":
+        request.getfixturevalue("background_job")
+    else:  # SIGINT as a terminal leaves it: asyncio.run takes it over, SIGTERM takes its path
+        saved = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        request.addfinalizer(lambda: signal.signal(signal.SIGTERM, saved))
+    monkeypatch.setattr(stops, "STOP_GRACE_S", 0.5)
+    main = threading.main_thread().ident
+
+    async def blocked():
+        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGTERM)).start()
+        time.sleep(60)  # user code on the event loop: nothing awaits, nothing can be cancelled
+
+    started = time.monotonic()
+    assert run_command("agent-loop rollout", command(lambda args: asyncio.run(blocked()))) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10
+    assert capsys.readouterr().err == "agent-loop rollout: stopped by SIGTERM; it wrote what it wrote\n"
