@@ -4,7 +4,7 @@
 #   bash scripts/side_env.sh verl-0.9.1     # -> .side-envs/verl-0.9.1/bin/python
 # Its requirements: scripts/side_envs/<name>.txt (with the CPU torch wheel). agent-loop goes in as
 # docs/verl.md tells a verl user to install it. Rebuilt when the requirements, the lock, pyproject.toml or this
-# script change.
+# script change. An mcp-* environment is an MCP server's own interpreter (docs/ecosystem.md): its packages only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: side_env.sh NAME (one of: $(cd scripts/side_envs && ls | sed 's/\.txt$//' | tr '\n' ' '))}
@@ -31,6 +31,9 @@ if [[ -f $lock ]]; then
   "$uv" venv --quiet --python "$python" "$env"  # pip and setuptools come from the lock
   "$uv" pip sync --quiet --python "$env/bin/python" "${uv_sources[@]}" "$lock"
   pip+=(--constraint "$lock")
+elif [[ $name == mcp-* ]]; then
+  "$python" -m venv "$env"
+  "${pip[@]}" -r "$requirements"
 else
   "$python" -m venv "$env"
   "${pip[@]}" -r "$requirements" "torch==2.13.0"  # with the CPU wheel, so nothing below pulls a CUDA build
@@ -40,6 +43,7 @@ fi
 case $name in
   verl-0.9.1) "${pip[@]}" -e '.[verl]' "torch==2.13.0" ;;
   verl-0.8.0) "${pip[@]}" -e . cachetools uvicorn fastapi 'pyarrow>=19,<22' "torch==2.13.0" ;;
+  mcp-*) ;;  # an MCP server's own interpreter (docs/ecosystem.md): the server's packages only, no agent-loop, no torch
   *) "${pip[@]}" -e . "torch==2.13.0" ;;
 esac
 if [[ ! -f $lock ]]; then

@@ -160,6 +160,9 @@ def _described(server: McpServer, what: str, errlog, name: str | None = None) ->
         errlog.seek(0)
         lines = [line.strip(_BOX) for line in errlog.read()[-4000:].splitlines() if re.search(r"\w{3}", line)]
         tail = f" (its stderr ends: {' | '.join(lines[-3:])})" if lines else ""
+        if any("mcp.server.fastmcp" in line for line in lines):  # a server of the 1.x SDK under our mcp 2.x
+            tail += (". A server written for the 1.x SDK (FastMCP) runs under its own interpreter: --mcp-server "
+                     "'/path/to/its/venv/bin/python server.py', or 'uvx PACKAGE' for a published one (docs/ecosystem.md)")
     return f"MCP server {name or server.spec!r} {what}{tail}"
 
 
