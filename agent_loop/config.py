@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import ConfigDict, Field, TypeAdapter
@@ -109,6 +110,15 @@ def override_defaults(why: str | dict[str, str] = "", **defaults):
         return dataclasses.dataclass(cls)
 
     return apply
+
+
+@dataclass
+class ProgressOptions:
+    """Whether a command draws progress bars: with ``--threads``, an option every command takes (issue 49;
+    ``agent_loop.cli.options.CommonOptions``)."""
+
+    progress: Annotated[bool, Field(description="progress bars on stderr (--no-progress: none, e.g. for logs); "
+                                    "every command takes it, those that draw no bar too")] = True
 
 
 def pick(cls, source) -> dict:

@@ -88,6 +88,12 @@ def builtin_names() -> list[str]:
     return [*BUILTIN_MODELS, *TINY_NAMES]
 
 
+def model_option_help() -> str:
+    """What ``--model`` takes, the built-in names read from this registry: every command's help says it (issue 49)."""
+    return (f"a local model folder (config.json, tokenizer, chat template) or a built-in model by name: "
+            f"{', '.join(builtin_names())} (agent-loop models lists them); unset: the built-in tiny agent")
+
+
 def looks_builtin(model: str) -> bool:
     """A ``--model`` value meant as a built-in name: a known one, or a bare word that is no existing path."""
     return model in builtin_names() or not (os.sep in model or "/" in model or model.startswith(("~", "."))

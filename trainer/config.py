@@ -20,7 +20,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, Field
 
 from agent_loop.backends.server_options import ServerOptions, server_url
-from agent_loop.config import OptionError, closest, integer, number, one_of, override_defaults
+from agent_loop.config import OptionError, ProgressOptions, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
 from agent_loop.proxy import AgentOptions
 from agent_loop.runners.outputs import fresh_path
@@ -98,8 +98,9 @@ class OptimizerOptions:
 
 
 @dataclass
-class OutputOptions:
-    """The run's folder and how the run reports, for every command that writes one (train, warmstart)."""
+class OutputOptions(ProgressOptions):
+    """The run's folder and how the run reports, for every command that writes one (train, warmstart); the
+    progress bar's option is every command's (:class:`~agent_loop.config.ProgressOptions`)."""
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = "runs/run"  # each command's own: runs/train, runs/warmstart
 
@@ -110,7 +111,6 @@ class OutputOptions:
         "without --overwrite (train: or --resume)"), json_schema_extra={"allowed": "a folder path"})] = None
     overwrite: Annotated[bool, Field(description="replace the earlier run in --output-dir (its files are deleted "
                                      "first)")] = False
-    progress: Annotated[bool, Field(description="progress bar")] = True
     save_every: _int(1, "steps between checkpoints (OUTPUT_DIR/checkpoints; and one at the end): a stopped run goes "
                         "on from the latest complete one with --resume") = 20
 
@@ -168,6 +168,11 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                     "final = fully trained")] = "mid"
 
     # rollouts: each step plays prompts_per_step * group_size episodes with the current policy
+    backend: Annotated[Literal["auto", "hf", "vllm"], Field(
+        description="the in-process rollout backend (unless --server): hf (transformers), vllm (the vLLM engine, "
+                    "the weights pushed into it in place after each step); auto: vllm for a real model that vLLM "
+                    "runs (installed; not with LoRA, several processes or an accelerator), else hf, with one line "
+                    "saying why (agent_loop/backends/choice.py)")] = "auto"
     prompts_per_step: _int(1, "questions per step") = 64
 
     # rewards and advantages

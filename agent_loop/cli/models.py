@@ -11,7 +11,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.cli.options import add_common_options, threads_from
 
 PROG = "agent-loop models"
 DESCRIPTION = ("list the built-in models (--model NAME): size, sha256 and status (converted, wheel present: "
@@ -20,7 +20,7 @@ DESCRIPTION = ("list the built-in models (--model NAME): size, sha256 and status
 
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("models", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
-    add_threads_option(parser)  # every command takes --threads (one rule)
+    add_common_options(parser)  # every command takes --threads and --progress (one rule)
     parser.add_argument("--fetch", action="store_true",
                         help="download the wheels of the built-in models into the cache instead (scripts/setup.sh); "
                              "exit status 1 if one could not be")

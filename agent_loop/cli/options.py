@@ -25,7 +25,7 @@ import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from agent_loop.config import OptionError, build, closest, one_of, renamed
+from agent_loop.config import OptionError, ProgressOptions, build, closest, one_of, renamed
 from agent_loop.threads import ThreadOptions
 
 USAGE_EXIT = 2  # exit status of a usage error (argparse's too)
@@ -191,7 +191,27 @@ def resolve(cls, args: argparse.Namespace):
             values = read_config(args.config, cls)
         except ConfigError as error:
             raise UsageError(str(error)) from None
-    return validate(cls, {**values, **given(args)})
+    options = validate(cls, {**values, **given(args)})
+    if getattr(options, "progress", True) is False:
+        quiet_progress()
+    return options
+
+
+def quiet_progress() -> None:
+    """``--no-progress``: no bar at all, the libraries' loading bars too (transformers', huggingface_hub's), from
+    now on in this process and its children."""
+    import os
+    import sys
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub / transformers are imported
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def validate(cls, values: dict[str, Any], *, keys: bool = False):
@@ -272,12 +292,24 @@ def number_in(*, gt: float | None = None, ge: float | None = None, le: float | N
     return convert
 
 
-def add_threads_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--threads`` (:class:`~agent_loop.threads.ThreadOptions`) for a command whose parser is not built from an
-    options dataclass (serve, inspect, tiny)."""
-    return add_options(parser, ThreadOptions, config_file=False)
+@dataclasses.dataclass
+class CommonOptions(ThreadOptions, ProgressOptions):
+    """The options every command takes (issue 49): ``--threads`` and ``--progress/--no-progress``. The commands
+    built from an options dataclass inherit both groups; the others add them with :func:`add_common_options`."""
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """:class:`CommonOptions`' flags for a command whose parser is not built from an options dataclass (serve,
+    inspect, tiny, proxy, models, verl-check)."""
+    return add_options(parser, CommonOptions, config_file=False)
+
+
+add_threads_option = add_common_options  # its old name
 
 
 def threads_from(args: argparse.Namespace) -> int | None:
-    """The checked ``--threads`` of such a parser (None: unset); UsageError for a bad value."""
+    """The checked ``--threads`` of such a parser (None: unset); UsageError for a bad value. Its ``--no-progress``
+    quiets the libraries' bars (:func:`quiet_progress`)."""
+    if getattr(args, "progress", True) is False:
+        quiet_progress()
     return validate(ThreadOptions, {"threads": args.threads} if getattr(args, "threads", None) is not None else {}).threads

@@ -18,14 +18,15 @@ from pathlib import Path
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.options import (
     UsageError,
+    add_common_options,
     add_options,
-    add_threads_option,
     given,
     int_at_least,
     number_in,
     threads_from,
     validate,
 )
+from agent_loop.model_registry import model_option_help
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
@@ -37,7 +38,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     from agent_loop.backends.registry import BACKENDS
 
     parser = commands.add_parser("proxy", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
+    parser.add_argument("--model", default=None, help=model_option_help())
     parser.add_argument("--backend", choices=list(BACKENDS), default="hf", help="who generates (default hf)")
     add_options(parser, ServerOptions, config_file=False)  # --backend http: the upstream servers, declared once
     parser.add_argument("--model-name", default="policy", help="the model name clients ask for (default policy)")
@@ -56,7 +57,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int_at_least(1), default=256, help="per call, when a request gives none")
     parser.add_argument("--temperature", type=float, default=1.0, help="when a request gives none (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    add_threads_option(parser)
+    add_common_options(parser)
     parser.set_defaults(run=run, prog=PROG)
     return parser
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,12 +29,13 @@ from rich.console import Console
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.backends.base import BackendSettings, is_fatal
+from agent_loop.backends.choice import AUTO, choose_backend
 from agent_loop.backends.registry import BACKENDS, make_backend
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
-from agent_loop.config import OptionError, pick, plural
+from agent_loop.config import OptionError, ProgressOptions, pick, plural
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.proxy import AgentOptions
@@ -60,13 +62,14 @@ EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f 
 
 
 @dataclass
-class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, TaskOptions, ResumeOptions,
-                     EstimatorOptions, EpisodesOptions, RunOptions):
+class RolloutOptions(AgentOptions, ThreadOptions, ProgressOptions, ServerOptions, LoopConfig, TaskOptions,
+                     ResumeOptions, EstimatorOptions, EpisodesOptions, RunOptions):
     """The options of ``agent-loop rollout`` (and the keys of its config file)."""
 
-    backend: Annotated[Literal[tuple(BACKENDS)], Field(
+    backend: Annotated[Literal[(AUTO, *BACKENDS)], Field(
         description="hf: transformers in-process; vllm: vLLM engine in-process; http: OpenAI-compatible "
-                    "server(s) given by --server")] = "hf"
+                    "server(s) given by --server; auto: http with --server, else vllm for a real model that vLLM "
+                    "runs (installed), else hf, with one line saying why (agent_loop/backends/choice.py)")] = AUTO
     out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
                                      f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
                                      "when that exists (an existing file is only added to with --resume/--append)",
@@ -90,10 +93,10 @@ class RolloutOptions(AgentOptions, ThreadOptions, ServerOptions, LoopConfig, Tas
             raise OptionError("backend", "needs at least one {server} URL (e.g. {server} http://127.0.0.1:8000)", "http")
         if self.resume and self.append:
             raise OptionError(None, "{resume} and {append} exclude each other: {resume} appends only the missing episodes")
-        if self.served_model_name is not None and self.backend != "http":
+        if self.served_model_name is not None and self.backend not in ("http", AUTO):
             raise OptionError("served_model_name", f"used by {{backend}} http only (got {{backend}} {self.backend})",
                               self.served_model_name)
-        if self.server and self.backend != "http":
+        if self.server and self.backend not in ("http", AUTO):
             raise OptionError("server", f"used by {{backend}} http only (got {{backend}} {self.backend})", self.server[0])
         check_group_estimator(self.estimator, self.group_size)
         if self.out is None:  # README's command runs again without touching the last run's file
@@ -131,7 +134,13 @@ def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
 
 
 def check_world(opts: RolloutOptions, task=None) -> str:
-    """Check the model folder, the output path and the servers; return the model path. Reads only."""
+    """Check the model folder, the output path and the servers; return the model path. Reads only.
+    ``--backend auto`` becomes the backend the rule chooses (``agent_loop.backends.choice``; its note on stderr)."""
+    if opts.backend == AUTO:
+        opts.backend, note = choose_backend(preflight.builtin_folder(opts.model) if opts.model else model_path(None),
+                                            servers=opts.server)
+        if note:
+            print(f"agent-loop rollout: {note}", file=sys.stderr, flush=True)
     if opts.model is not None:
         preflight.check_model_dir(opts.model, opts.backend, task=task)
     if opts.backend == "vllm":
@@ -225,7 +234,7 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     if save_options is not None and (mode == "new" or not saved.exists()):  # the settings the episodes were played with
         save_options(saved)  # rerun with --config
     spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode,
-                   info=made_with(opts.gamma, opts.estimator, pick(TaskOptions, opts)))  # inspect reads them
+                   progress=opts.progress, info=made_with(opts.gamma, opts.estimator, pick(TaskOptions, opts)))  # inspect reads them
     started = time.perf_counter()
     stats = _stream(opts, spec, path, out, total, argv)
     if not report(opts, stats, tokenizer, time.perf_counter() - started, path, out, task.name):

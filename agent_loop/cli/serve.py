@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.cli.options import add_common_options, threads_from
+from agent_loop.model_registry import model_option_help
 from agent_loop.threads import resolve_threads
 
 PROG = "agent-loop serve"
@@ -24,7 +25,7 @@ DESCRIPTION = "serve a model with vLLM's OpenAI-compatible server (CPU build and
 
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("serve", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in tiny agent)")
+    parser.add_argument("--model", default=None, help=model_option_help())
     parser.add_argument("--served-model-name", default="policy",
                         help="the name this server serves; clients ask for it with --served-model-name (default: policy)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -32,7 +33,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="serve runtime LoRA adapters up to this rank (train --lora-rank pushes them)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
-    add_threads_option(parser)
+    add_common_options(parser)
     parser.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG", help="passed to vLLM's api_server")
     parser.set_defaults(run=run, prog=PROG)
     return parser

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.cli.options import add_common_options, threads_from
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop tiny"
@@ -18,7 +18,7 @@ DESCRIPTION = "unpack (or reuse) the shipped tiny agent, or rebuild it with --fo
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="rebuild from the recipe here (minutes), replacing the cached or shipped build")
-    return add_threads_option(parser)  # this process's; a --force rebuild pins its own (AGENT_LOOP_TINY_THREADS)
+    return add_common_options(parser)  # this process's; a --force rebuild pins its own (AGENT_LOOP_TINY_THREADS)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     target = build_dir()
     if args.force:
         with build_lock(target):
-            build(target)
+            build(target, progress=getattr(args, "progress", True))
     record = build_record()
     table = Table(title=f"tiny agent {record['recipe']} at {target}")
     for column in ("stage", "step", "task", "decoding", "episodes", "well-formed", "right args", "success"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent_loop.cli.options import add_threads_option, threads_from
+from agent_loop.cli.options import add_common_options, threads_from
 
 PROG = "agent-loop verl-check"
 DESCRIPTION = ("compare agent-loop's estimators, losses and verl plugin with the installed verl's on random "
@@ -17,7 +17,7 @@ SEEDS = 5
 
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("verl-check", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
-    add_threads_option(parser)  # every command takes --threads (one rule)
+    add_common_options(parser)  # every command takes --threads and --progress (one rule)
     parser.set_defaults(run=run, prog=PROG)
     return parser
 

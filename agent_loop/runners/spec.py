@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 from agent_loop.config import OptionError, closest, one_of
 from agent_loop.episode.config import LoopConfig
+from agent_loop.model_registry import model_option_help
 from agent_loop.tasks.base import Task, as_task
 from agent_loop.tasks.registry import SeedOptions
 
@@ -63,9 +64,8 @@ def made_with(gamma: float | None = None, estimator: str | None = None, options:
 class ModelOptions(SeedOptions):
     """The model and the seed: what every command that plays or trains on a task takes (declared once)."""
 
-    model: Annotated[str | None, Field(description="local model folder (config.json, tokenizer, chat template); "
-                                       "unset: the built-in tiny agent",
-                                       json_schema_extra={"allowed": "a folder"})] = None
+    model: Annotated[str | None, Field(description=model_option_help(),
+                                       json_schema_extra={"allowed": "a folder or a built-in name"})] = None
 
 
 @dataclass
