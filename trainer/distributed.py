@@ -47,7 +47,8 @@ How a step is split (``Trainer`` calls these at the marked places):
   ``check_replicas_equal`` verifies it at every checkpoint) or on each rank's shard (FSDP).
 
 Workers die with their launcher (:func:`die_with_launcher`): torchrun starts each in its own session,
-so without it a SIGKILLed ``agent-loop train --nproc N`` would leave them training alone.
+so without it a SIGKILLed ``agent-loop train --nproc N`` would leave them training alone; and they check
+their launcher before every write, so no step, checkpoint or rollout file is written after it died.
 
 Rank 0 writes metrics and checkpoints and pushes weights to shared rollout servers. A checkpoint is the
 plain transformers model and an unsharded optimizer state (FSDP: gathered from the shards, every rank
@@ -72,33 +73,42 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import agent_loop.files as files
+
 PARALLEL_MODES = ("auto", "ddp", "fsdp")
 LAUNCHER_PID = "AGENT_LOOP_LAUNCHER_PID"  # set by relaunch_under_torchrun: the process the workers die with
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_launcher(poll_s: float = 1.0) -> None:
-    """Make this worker process end when the process that started it (torchrun's agent) ends, however it ends.
+    """Make this worker process end when the process that started it (torchrun's agent) ends, however it ends,
+    and write nothing after.
 
-    Linux: the parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); everywhere, as a backstop, a daemon
-    thread that watches the parent pid every ``poll_s`` seconds. SIGKILL, not SIGTERM: with the launcher gone
-    the run cannot go on, and a clean stop would wait on collectives with peers that are dying too; the
-    checkpoints are written atomically (trainer/checkpoint.py), so the last complete one stays usable.
+    Linux: the parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); everywhere, as a backstop, a check of
+    the parent pid before every write (``agent_loop.files.guard_writes``: a checkpoint or rollout file renamed
+    into place, a metrics or rollout line appended) and a daemon thread that checks it every ``poll_s`` seconds.
+    SIGKILL, not SIGTERM: with the launcher gone the run cannot go on, and a clean stop would wait on collectives
+    with peers that are dying too; the checkpoints are written atomically (trainer/checkpoint.py), so the last
+    complete one stays usable.
     """
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     # the launcher's pid when it said (relaunch_under_torchrun), else the parent now (plain torchrun)
     launcher = os.environ.get(LAUNCHER_PID, "")
     parent = int(launcher) if launcher.isdigit() else os.getppid()
-    if os.getppid() != parent:  # the launcher died before the signal was armed (torch's import takes seconds)
-        os.kill(os.getpid(), signal.SIGKILL)
+
+    def stop_if_orphaned() -> None:
+        if os.getppid() != parent:  # re-parented: the launcher is gone
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    stop_if_orphaned()  # the launcher died before the signal was armed (torch's import takes seconds)
+    files.guard_writes(stop_if_orphaned)
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent:  # re-parented: the launcher is gone
-                os.kill(os.getpid(), signal.SIGKILL)
+            stop_if_orphaned()
 
     threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
 

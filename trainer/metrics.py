@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+import agent_loop.files as files
 from agent_loop.config import plural
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
@@ -139,6 +140,7 @@ class MetricsLogger:
         self.wandb = _wandb_run(wandb_project, self.path.parent, run_config or {}, not fresh) if wandb_project else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        files.before_write()  # a worker whose launcher died stops here (trainer.distributed.die_with_launcher)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(strict_json({"step": step, **metrics})[0] + "\n")  # a NaN loss is null: every line strict JSON
         if self.writer is not None:

@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+import agent_loop.files as files
+
 MODES = ("new", "append", "resume")
 MAX_LINE_BYTES = 32 << 20  # a longer line is skipped unread, not loaded (no episode we write comes near it)
 _BLOCK = 1 << 20
@@ -97,6 +99,7 @@ class JsonlWriter:
         check_output(path, mode)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        files.before_write()
         if mode != "new":
             repair_tail(self.path)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -105,6 +108,7 @@ class JsonlWriter:
         """Append ``line`` whole, or raise OutputWriteError with the file as it was (a partial line is cut)."""
         data = (line.rstrip("\n") + "\n").encode("utf-8")
         view = memoryview(data)
+        files.before_write()
         start = os.fstat(self.fd).st_size  # one writer (the run's lock), so this is where the line begins
         try:
             while view:  # a regular file takes it in one call; loop only for the rare short write
