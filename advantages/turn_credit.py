@@ -35,6 +35,7 @@ expected gradient is ``(1 - 1/G + step_advantage_w)`` times the true one) are un
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -93,12 +94,22 @@ def _check_turn_ids(turn_ids: torch.Tensor, assistant: torch.Tensor, observation
         )
 
 
-def _structure(token_level_rewards, response_mask, spans, turn_ids, validate):
-    """Check the batch (shapes always; values with ``validate``) and resolve its turns.
+class _Turns(NamedTuple):
+    """A batch's turn structure: ``(b, t)`` bool ``assistant`` and ``observation`` masks, ``(b, t)``
+    long ``turns`` (the turn ids), the number of turn columns ``n``, ``(b, t)`` long ``column``
+    (the turn of an ASSISTANT token, ``n`` elsewhere: scattered into and gathered from a spare
+    column ``n``, so nothing else needs masking) and ``(b, n)`` bool ``exists`` (the row has turn k)."""
 
-    Returns ``(assistant, observation, turns, n)``: the ``(b, t)`` bool ASSISTANT and OBSERVATION
-    masks, ``(b, t)`` long turn ids (given or derived) and the number of turn columns ``n``.
-    """
+    assistant: torch.Tensor
+    observation: torch.Tensor
+    turns: torch.Tensor
+    n: int
+    column: torch.Tensor
+    exists: torch.Tensor
+
+
+def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) -> _Turns:
+    """Check the batch (shapes always; values with ``validate``) and resolve its turns (:class:`_Turns`)."""
     check_batch(token_level_rewards, response_mask, spans, validate)
     assistant = response_mask.bool()
     if spans is None:
@@ -121,24 +132,24 @@ def _structure(token_level_rewards, response_mask, spans, turn_ids, validate):
         if validate:
             _check_turn_ids(turns, assistant, observation)
     b, t = token_level_rewards.shape
+    # consecutive ids (validated or derived): an OBSERVATION carries an earlier id, PAD -1, so a row's
+    # largest id is its last turn
+    count = turns.amax(1) + 1 if t else torch.zeros(b, dtype=torch.long, device=turns.device)
     if validate or token_level_rewards.device.type == "cpu":
-        n = int(torch.where(assistant, turns, -1).max()) + 1 if b * t else 0
+        n = int(count.max()) if b else 0
     else:
         n = t  # no host sync: every turn has a token, so at most t turns
-    return assistant, observation, turns, max(n, 1)
+    n = max(n, 1)
+    exists = torch.arange(n, device=turns.device) < count.unsqueeze(1)
+    return _Turns(assistant, observation, turns, n, torch.where(assistant, turns, n), exists)
 
 
-def _per_turn(token_level_rewards, assistant, turns, n):
-    """``(b, n)`` per-turn rewards ``r`` (sum over the turn's ASSISTANT tokens) and ``(b, n)`` bool
-    ``exists`` (the turn has an ASSISTANT token), in the accumulation dtype."""
-    b = token_level_rewards.shape[0]
+def _per_turn(token_level_rewards: torch.Tensor, s: _Turns) -> torch.Tensor:
+    """``(b, n)`` per-turn rewards ``r_k`` (the sum over turn k's ASSISTANT tokens; one
+    ``scatter_add``, other tokens land in the spare column), in the accumulation dtype."""
     dtype = accumulation_dtype(token_level_rewards.dtype)
-    column = torch.where(assistant, turns, n)
-    rewards = torch.where(assistant, token_level_rewards.to(dtype), 0.0)
-    r = torch.zeros(b, n + 1, dtype=dtype, device=rewards.device).scatter_add_(1, column, rewards)[:, :n]
-    exists = torch.zeros(b, n + 1, dtype=torch.bool, device=rewards.device)
-    exists.scatter_(1, column, True)
-    return r, exists[:, :n]
+    r = torch.zeros(token_level_rewards.shape[0], s.n + 1, dtype=dtype, device=token_level_rewards.device)
+    return r.scatter_add_(1, s.column, token_level_rewards.to(dtype))[:, : s.n]
 
 
 def _turn_returns(r: torch.Tensor, exists: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -147,11 +158,11 @@ def _turn_returns(r: torch.Tensor, exists: torch.Tensor, gamma: float) -> torch.
     return discounted_returns(r, exists.to(r.dtype), gamma, None, False)
 
 
-def _broadcast(per_turn: torch.Tensor, assistant: torch.Tensor, turns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(b, n)`` per-turn values -> ``(b, t)``: turn k's value on turn k's ASSISTANT tokens, exactly 0 elsewhere."""
-    n = per_turn.shape[1]
-    gathered = per_turn.gather(1, torch.where(assistant, turns, 0).clamp_(0, n - 1))
-    return torch.where(assistant, gathered, 0.0).to(dtype)
+def _broadcast(per_turn: torch.Tensor, s: _Turns, dtype: torch.dtype) -> torch.Tensor:
+    """``(b, n)`` per-turn values -> ``(b, t)``: turn k's value on turn k's ASSISTANT tokens, exactly 0
+    elsewhere (one gather from the values with a spare zero column)."""
+    padded = torch.nn.functional.pad(torch.where(s.exists, per_turn, 0.0).to(dtype), (0, 1))
+    return padded.gather(1, s.column)
 
 
 def _dense_ids(*keys: torch.Tensor) -> torch.Tensor:
@@ -227,11 +238,10 @@ def turn_returns(
     reward-to-go per turn: unbiased (Williams 1992; Sutton et al. 2000).
     """
     check_discount("gamma", gamma)
-    assistant, _, turns, n = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists = _per_turn(token_level_rewards, assistant, turns, n)
-    G = _turn_returns(r, exists, gamma)
-    returns = _broadcast(G, assistant, turns, G.dtype)
-    advantages = masked_whiten(returns, assistant, check=validate) if whiten else returns
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
+    G = _turn_returns(_per_turn(token_level_rewards, s), s.exists, gamma)
+    returns = _broadcast(G, s, G.dtype)
+    advantages = masked_whiten(returns, s.assistant, check=validate) if whiten else returns
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
@@ -257,12 +267,11 @@ def turn_rloo(
     _needs_index("turn_rloo", index)
     check_discount("gamma", gamma)
     group = _dense_group(index, token_level_rewards.shape[0], token_level_rewards.device)
-    assistant, _, turns, n = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists = _per_turn(token_level_rewards, assistant, turns, n)
-    G = _turn_returns(r, exists, gamma)
-    baseline, _ = _loo_turn_index_baseline(G, exists, group)
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
+    G = _turn_returns(_per_turn(token_level_rewards, s), s.exists, gamma)
+    baseline, _ = _loo_turn_index_baseline(G, s.exists, group)
     dtype = token_level_rewards.dtype
-    return _broadcast(G - baseline, assistant, turns, dtype), _broadcast(G, assistant, turns, dtype)
+    return _broadcast(G - baseline, s, dtype), _broadcast(G, s, dtype)
 
 
 @register_adv_est(AdvantageEstimator.TURN_INDEX_NORMALIZED, needs_index=True)
@@ -291,8 +300,8 @@ def turn_index_normalized(
     _needs_index("turn_index_normalized", index)
     check_discount("gamma", gamma)
     group = _dense_group(index, token_level_rewards.shape[0], token_level_rewards.device)
-    assistant, _, turns, n = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists = _per_turn(token_level_rewards, assistant, turns, n)
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
+    r, exists, n = _per_turn(token_level_rewards, s), s.exists, s.n
     b = r.shape[0]
     ids = _turn_index_sets(group, n)
     w = exists.reshape(-1).to(r.dtype)
@@ -305,7 +314,7 @@ def turn_index_normalized(
     A = _turn_returns(normalized, exists, gamma)
     G = _turn_returns(r, exists, gamma)
     dtype = token_level_rewards.dtype
-    return _broadcast(A, assistant, turns, dtype), _broadcast(G, assistant, turns, dtype)
+    return _broadcast(A, s, dtype), _broadcast(G, s, dtype)
 
 
 @register_adv_est(AdvantageEstimator.TURN_GAE, needs_values=True)
@@ -334,19 +343,19 @@ def turn_gae(
     check_discount("lam", lam)
     if not isinstance(values, torch.Tensor) or values.shape != token_level_rewards.shape:
         raise ValueError(f"values must be a (b, t) tensor of shape {tuple(token_level_rewards.shape)}")
-    assistant, _, turns, n = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists = _per_turn(token_level_rewards, assistant, turns, n)
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
+    r, exists, n = _per_turn(token_level_rewards, s), s.exists, s.n
     b, t = r.shape[0], token_level_rewards.shape[1]
     positions = torch.arange(t, device=r.device).expand(b, t)
     first = torch.full((b, n + 1), t, dtype=torch.long, device=r.device)
-    first.scatter_reduce_(1, torch.where(assistant, turns, n), positions, reduce="amin")
+    first.scatter_reduce_(1, s.column, positions, reduce="amin")
     first = first[:, :n].clamp_(max=max(t - 1, 0))
     V = torch.where(exists, values.to(r.dtype).gather(1, first), 0.0) if t else torch.zeros_like(r)
     V_next = torch.nn.functional.pad(V[:, 1:], (0, 1))
     delta = torch.where(exists, r + gamma * V_next - V, 0.0)
     A = _turn_returns(delta, exists, gamma * lam)
     dtype = token_level_rewards.dtype
-    return _broadcast(A, assistant, turns, dtype), _broadcast(A + V, assistant, turns, dtype)
+    return _broadcast(A, s, dtype), _broadcast(A + V, s, dtype)
 
 
 # ----------------------------------------------------------------------------- GiGPO
@@ -363,53 +372,62 @@ def _powers(base: int, modulus: int, length: int, device: str) -> torch.Tensor:
     return out[:length].to(device)
 
 
-def _observation_hashes(responses, observation, turns, n):
-    """Key of the observation before each turn, ``(b, n)`` int64 ``(h1, h2 * 2**32 + length')``:
+def _observation_columns(s: _Turns) -> torch.Tensor:
+    """``(b, t)``: the turn each OBSERVATION token precedes (``turn id + 1``: 0 before the first
+    turn), ``n`` on every other token (the spare column)."""
+    return torch.where(s.observation, s.turns + 1, s.n)
+
+
+def _observation_hashes(responses: torch.Tensor, s: _Turns) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key of the observation before each turn, ``(b, n)`` int64 ``(h1, h2)``:
     ``h = sum_q (x_q + 1) B^(q - start) mod M`` over the OBSERVATION tokens q before turn k
-    (``start`` its first position), for the two ``(M, B)`` of ``_HASHES``; ``length' = 0`` for turn 0
-    (the prompt, shared by the group, plus any OBSERVATION before the first turn), ``1 + length``
-    after. Summed per turn by ``scatter_add`` of ``x B^q`` and shifted by ``B^-start``: position-free."""
+    (``start``: the first of them), for the two ``(M, B)`` of ``_HASHES``; turn 0 (the prompt,
+    shared by the group, plus any OBSERVATION before the first turn) gets ``h2 = -1 - h2``, a key
+    no later turn has. Per token one fused multiply-add, one remainder and one ``scatter_add``
+    of ``(x + 1) B^q`` per hash; then per turn a shift by ``B^-start`` makes it position-free."""
     b, t = responses.shape
-    device = responses.device
-    column = torch.where(observation, turns + 1, n).clamp_(0, n)  # the turn each OBSERVATION token precedes
-    positions = torch.arange(t, device=device)
+    device, n = responses.device, s.n
+    column = _observation_columns(s)
     start = torch.full((b, n + 1), t, dtype=torch.long, device=device)
-    start.scatter_reduce_(1, column, positions.expand(b, t), reduce="amin")
-    start = start[:, :n].clamp_(max=max(t - 1, 0))
-    length = torch.zeros(b, n + 1, dtype=torch.long, device=device).scatter_add_(1, column, observation.long())[:, :n]
-    values = responses.long() + 1
+    start = start.scatter_reduce_(1, column, torch.arange(t, device=device).expand(b, t), reduce="amin")[:, :n]
+    start = start.clamp_(max=max(t - 1, 0))
+    tokens = responses if responses.dtype == torch.long else responses.long()
     hashes = []
     for modulus, base in _HASHES:
         power = _powers(base, modulus, max(t, 1), str(device))[:t]
-        term = torch.where(observation, values % modulus * power % modulus, 0)
-        h = torch.zeros(b, n + 1, dtype=torch.long, device=device).scatter_add_(1, column, term)[:, :n] % modulus
+        term = torch.addcmul(power, tokens, power).remainder_(modulus)  # (x + 1) B^q mod M, below 2**31
+        h = torch.zeros(b, n + 1, dtype=torch.long, device=device).scatter_add_(1, column, term)[:, :n]
         inverse = _powers(pow(base, modulus - 2, modulus), modulus, max(t, 1), str(device))
-        hashes.append(h * inverse[start] % modulus)
+        hashes.append(h.remainder_(modulus).mul_(inverse[start]).remainder_(modulus))
     first_turn = torch.arange(n, device=device) == 0
-    return hashes[0], hashes[1] * 2**32 + torch.where(first_turn, 0, length + 1), start, length
+    return hashes[0], torch.where(first_turn, -1 - hashes[1], hashes[1])
 
 
-def _check_collisions(responses, observation, turns, n, keys, exists, group, start, length):
+def _check_collisions(responses: torch.Tensor, s: _Turns, keys, group: torch.Tensor) -> None:
     """ValueError naming row and turn where two observations with equal keys differ.
 
     Each (group, key) set's first member is its representative; every member's length and
     OBSERVATION tokens are compared with the representative's at the same offset (gathers;
     validation only, one host sync)."""
     b, t = responses.shape
-    device = responses.device
+    n, device, exists = s.n, responses.device, s.exists
     present = exists.reshape(-1)
+    column = _observation_columns(s)
+    positions = torch.arange(t, device=device)
+    start = torch.full((b, n + 1), t, dtype=torch.long, device=device)
+    start = start.scatter_reduce_(1, column, positions.expand(b, t), reduce="amin")[:, :n].clamp_(max=max(t - 1, 0))
+    length = torch.zeros(b, n + 1, dtype=torch.long, device=device).scatter_add_(1, column, s.observation.long())[:, :n]
     ids = _dense_ids(torch.where(exists, group.unsqueeze(1), b).reshape(-1), *(k.reshape(-1) for k in keys))
     flat = torch.arange(b * n, device=device)
     representative = torch.full_like(flat, b * n).scatter_reduce_(0, ids, torch.where(present, flat, b * n), "amin")[ids]
     representative = torch.where(present, representative, flat).clamp_(max=b * n - 1)
     start_, length_ = start.reshape(-1), length.reshape(-1)
     bad = present & (length_ != length_[representative])
-    column = torch.where(observation, turns + 1, n).clamp_(0, n)
     entry = torch.arange(b, device=device).unsqueeze(1) * n + column.clamp(max=n - 1)  # (b, t)
-    offset = torch.arange(t, device=device) - start_[entry]
+    offset = positions - start_[entry]
     rep = representative[entry]
     other = responses[rep // n, (start_[rep] + offset).clamp_(0, max(t - 1, 0))]
-    differs = observation & (column < n) & present[entry] & (responses != other)
+    differs = s.observation & (column < n) & present[entry] & (responses != other)
     bad = bad.index_put((entry[differs],), torch.tensor(True, device=device))
     if bool(bad.any()):
         e = int(torch.nonzero(bad)[0, 0])
@@ -487,12 +505,13 @@ def gigpo_anchor_groups(
     group and same state; -1 on absent turns) and ``(b, n)`` the number of *other* episodes' turns
     in it (0: :func:`gigpo` falls back to the turn-index baseline). For ``inspect``."""
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    sets, others, exists = _anchor_sets(rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate)[:3]
+    sets, others, s = _anchor_sets(rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate)[:3]
+    exists = s.exists
     return torch.where(exists, sets, -1), torch.where(exists, others, 0)
 
 
 def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate):
-    """Everything gigpo groups by: ``(set ids, others per entry, exists, group, assistant, turns, n)``."""
+    """Everything gigpo groups by: ``(set ids, others per entry, the _Turns, group ids, own-entry set ids)``."""
     _needs_index("gigpo", index)
     if responses is None and turn_states is None:
         raise ValueError("gigpo needs responses=(b, t) token ids (the observations are the anchor states) or turn_states")
@@ -501,16 +520,14 @@ def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, res
     if turn_states is None and (not isinstance(responses, torch.Tensor) or responses.shape != token_level_rewards.shape
                                 or responses.dtype.is_floating_point or responses.dtype == torch.bool):
         raise ValueError(f"responses must be a (b, t) integer tensor of token ids of shape {tuple(token_level_rewards.shape)}")
-    assistant, observation, turns, n = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    exists = torch.zeros(b, n + 1, dtype=torch.bool, device=assistant.device)
-    exists = exists.scatter_(1, torch.where(assistant, turns, n), True)[:, :n]
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
+    exists, n = s.exists, s.n
     if turn_states is not None:
         keys = (_turn_state_keys(turn_states, exists, validate),)
     else:
-        h1, h2, start, length = _observation_hashes(responses, observation, turns, n)
-        keys = (h1, h2)
+        keys = _observation_hashes(responses, s)
         if validate:
-            _check_collisions(responses, observation, turns, n, keys, exists, group, start, length)
+            _check_collisions(responses, s, keys, group)
     members = torch.where(exists, group.unsqueeze(1), b).reshape(-1)  # absent turns: a group of their own
     sets = _dense_ids(members, *(k.reshape(-1) for k in keys))
     rows = torch.arange(b, device=sets.device).repeat_interleave(n)
@@ -518,7 +535,7 @@ def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, res
     w = exists.reshape(-1).long()
     zeros = torch.zeros_like(w)
     others = zeros.index_add(0, sets, w)[sets] - zeros.index_add(0, own, w)[own]
-    return sets.reshape(b, n), others.reshape(b, n), exists, group, assistant, turns, n, own.reshape(b, n)
+    return sets.reshape(b, n), others.reshape(b, n), s, group, own.reshape(b, n)
 
 
 def _episode_advantage(score: torch.Tensor, group: torch.Tensor, by_std: bool, epsilon: float) -> torch.Tensor:
@@ -604,13 +621,13 @@ def gigpo(
     if gigpo_mode not in ("mean_norm", "mean_std_norm"):
         raise ValueError(f"gigpo_mode must be 'mean_norm' or 'mean_std_norm', got {gigpo_mode!r}")
     check_discount("gamma", gamma)
-    sets, others, exists, group, assistant, turns, n, own = _anchor_sets(
+    sets, others, s, group, own = _anchor_sets(
         token_level_rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate
     )
-    r, _ = _per_turn(token_level_rewards, assistant, turns, n)
+    r, exists = _per_turn(token_level_rewards, s), s.exists
     G = _turn_returns(r, exists, gamma)
     episode = _episode_advantage(r.sum(1), group, gigpo_mode == "mean_std_norm", epsilon)
     step = _step_advantage(G, exists, group, sets, own, others, gigpo_mode == "mean_std_norm", epsilon)
     advantages = torch.where(exists, episode.unsqueeze(1) + step_advantage_w * step, 0.0)
     dtype = token_level_rewards.dtype
-    return _broadcast(advantages, assistant, turns, dtype), _broadcast(G, assistant, turns, dtype)
+    return _broadcast(advantages, s, dtype), _broadcast(G, s, dtype)
