@@ -137,28 +137,35 @@ def trl_advantages(
     estimator: str = "reinforce_plus_plus",
     index: torch.Tensor | None = None,
     masked: str = "raise",
+    responses: torch.Tensor | None = None,
     **hyperparameters,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(advantages, spans, metrics)``: a registered estimator's ``(b, t)`` advantages for a TRL
     batch, ready for TRL's ``inputs["advantages"]`` (TRL's loss takes ``(b, t)``), and the spans.
 
     ``estimator``: a name in :mod:`advantages.registry` (``hyperparameters`` go to it, e.g.
-    ``gamma=0.95``); group estimators (GRPO, RLOO, REINFORCE++-baseline) need ``index`` ``(b,)``
-    integer group ids, and a masked row is left out of its group (its reward could reach no
-    token). ``masked`` as in :func:`from_trl_batch`. ``metrics`` (0-d tensors, no host sync):
+    ``gamma=0.95``); it gets the batch fields it accepts (``Estimator.batch_arguments``): the
+    spans, ``index`` and ``responses`` ``(b, t)`` (TRL's ``completion_ids``: gigpo keys its anchor
+    states on the tool results' tokens); the turns are read from the spans. Group estimators (GRPO,
+    RLOO, REINFORCE++-baseline, turn_rloo, gigpo, ...) need ``index`` ``(b,)`` integer group ids,
+    and a masked row is left out of its group (its reward could reach no token). An estimator that
+    needs critic values has none here (ValueError). ``masked`` as in :func:`from_trl_batch`. ``metrics`` (0-d tensors, no host sync):
     ``masked_rows`` (rows without an ASSISTANT token) and ``dropped_rewards`` (those with a
     nonzero reward, given up under ``masked="drop"``).
     """
     entry = get_estimator(estimator)
+    if entry.needs_values:
+        raise ValueError(f"the {entry.name} estimator needs critic values, which TRL's GRPOTrainer has none of")
     spans, response_mask, token_level_rewards = from_trl_batch(completion_mask, tool_mask, rewards, masked=masked)
     empty = masked_rows(spans)
-    kwargs = dict(hyperparameters, spans=spans)
+    given = {"spans": spans, "responses": responses}
     if entry.needs_index:
         if not isinstance(index, torch.Tensor):
             raise ValueError(f"the {entry.name} estimator needs index=(b,) integer group ids (a tensor)")
         # a masked row becomes a group of its own (ids below every real one), so it moves no baseline
         own_group = index.min() - 1 - torch.arange(index.shape[0], device=index.device)
-        kwargs["index"] = torch.where(empty.to(index.device), own_group, index)
-    advantages, _ = entry(token_level_rewards, response_mask, **kwargs)
+        given["index"] = torch.where(empty.to(index.device), own_group, index)
+    kwargs = {name: value for name, value in given.items() if name in entry.batch_arguments and value is not None}
+    advantages, _ = entry(token_level_rewards, response_mask, **kwargs, **hyperparameters)
     metrics = {"masked_rows": empty.sum(), "dropped_rewards": (empty & (rewards != 0)).sum()}
     return advantages, spans, metrics

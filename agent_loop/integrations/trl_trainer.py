@@ -24,7 +24,8 @@ class SpanGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss gets agent-loop's token-level advantages ``(b, t)``.
 
     ``estimator``: a name in ``advantages.registry`` (``estimator_kwargs`` go to it, e.g.
-    ``{"gamma": 1.0}``). A row TRL masked as truncated (``mask_truncated_completions=True``) has its
+    ``{"gamma": 1.0}``), given the batch fields it accepts (the spans, the group ids, TRL's
+    ``completion_ids`` as ``responses``: the turn-level ``turn_rloo`` and ``gigpo`` work on TRL's tool turns). A row TRL masked as truncated (``mask_truncated_completions=True``) has its
     reward dropped, counted in the metric ``agent_loop/dropped_rewards``; otherwise such a reward
     raises. NaN/inf rewards (TRL's NaN: every reward function returned None) raise ValueError.
     REINFORCE++ whitens over the ASSISTANT tokens of each process's generation batch.
@@ -40,6 +41,8 @@ class SpanGRPOTrainer(GRPOTrainer):
         check_trl_version(trl.__version__, allow_untested=allow_untested_trl)  # private methods are overridden
         check_trl_args(kwargs.get("args", args[2] if len(args) > 2 else None))  # GRPOTrainer(model, reward_funcs, args)
         self.estimator = get_estimator(estimator)  # an unknown name fails before TRL loads anything
+        if self.estimator.needs_values:
+            raise ValueError(f"the {estimator} estimator needs critic values, which GRPOTrainer has none of")
         self.estimator_kwargs = dict(estimator_kwargs or {})
         self.checks: list[dict] = []  # one per loss call, filled when record_checks is set
         self.batches: list[dict] = []  # per generation batch: TRL's masks, our rewards and advantages
@@ -66,11 +69,14 @@ class SpanGRPOTrainer(GRPOTrainer):
         advantages, spans, metrics = trl_advantages(
             output["completion_mask"], output.get("tool_mask"), rewards, estimator=self.estimator.name, index=index,
             masked="drop" if self.mask_truncated_completions else "raise", **self.estimator_kwargs,
+            responses=output["completion_ids"] if "responses" in self.estimator.batch_arguments else None,
         )
         output["advantages"] = advantages  # TRL's loss takes (b, t) advantages as they are
         output["agent_loop_spans"] = spans  # travels with TRL's shuffles and splits, for loss_checks
         if self.record_checks:
             self.batches.append({"completion_mask": output["completion_mask"].tolist(), "rewards": rewards.tolist(),
+                                 "completion_ids": output["completion_ids"].tolist(),
+                                 "index": None if index is None else index.tolist(),
                                  "tool_mask": output["tool_mask"].tolist() if "tool_mask" in output else None,
                                  "spans": spans.tolist(), "advantages": advantages.tolist()})
         for name, value in metrics.items():

@@ -20,15 +20,18 @@ this process, for an AgentLoop or trainer to report. Reading the count costs one
 (the validation the plugin runs costs one already).
 """
 
+import contextvars
+import functools
 import logging
 import os
+import sys
 
 import torch
 
 from advantages import gae, reinforce_plus_plus
 from agent_loop.integrations.spans import spans_from_masks
 from masking.rewards import OBSERVATION_REWARD_POLICIES, relocate_observation_rewards
-from masking.spans import spans_from_response_mask
+from masking.spans import SpanKind, spans_from_response_mask
 
 REINFORCE_PLUS_PLUS = "agent_loop_reinforce_plus_plus"
 GAE = "agent_loop_gae"
@@ -120,8 +123,108 @@ def _carry_through_gae(token_level_rewards, values, response_mask, gamma, lam, n
         return gae(rewards, values, response_mask, float(gamma), float(lam))
 
 
+# --- the turn-level estimators (advantages/turn_credit.py, issue 47) ------------------------------------
+
+TURN_LEVEL = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")  # registered as agent_loop_*
+_current_batch: contextvars.ContextVar = contextvars.ContextVar("agent_loop_verl_batch", default=None)
+
+
+def _batch_fields(data, b: int) -> dict:
+    """What verl's batch (``DataProto``, captured by :func:`capture_batches`) holds for the turn-level estimators:
+    ``responses``, ``attention_mask`` and ``values`` tensors, and ``turn_states`` (our AgentLoop's
+    ``agent_loop_info`` column, when every row records them)."""
+    if data is None:
+        return {}
+    tensors = data.batch
+    fields = {name: tensors[name] for name in ("responses", "attention_mask", "values") if name in tensors.keys()}
+    infos = data.non_tensor_batch.get("agent_loop_info") if data.non_tensor_batch is not None else None
+    if infos is not None and len(infos) == b:
+        states = [info.get("turn_states") if isinstance(info, dict) else None for info in infos]
+        if all(isinstance(row, list) for row in states):
+            fields["turn_states"] = states
+    return fields
+
+
+def _states_within(turn_states: list, spans: torch.Tensor) -> list:
+    """Each row's keys, hashable (lists as tuples), cut to the turns its response kept (verl cuts a response at
+    ``response_length``: the keys of turns cut off go)."""
+    from agent_loop.episode.contracts import state_key
+
+    assistant = spans == SpanKind.ASSISTANT
+    starts = assistant & ~torch.nn.functional.pad(assistant, (1, 0))[:, :-1]
+    turns = starts.sum(dim=1).tolist()  # host: the keys are host objects anyway
+    return [[state_key(key) for key in keys[:n]] for keys, n in zip(turn_states, turns)]
+
+
+def turn_level_for_verl(name: str):
+    """verl's estimator call -> ``advantages.<name>`` (one of :data:`TURN_LEVEL`) on the batch our AgentLoop
+    builds: ``response_mask`` is 1 on ASSISTANT tokens, 0 on tool results and padding; the spans tell them
+    apart by ``attention_mask`` (PAD where it is 0), the turns are the ASSISTANT runs; ``index`` is verl's
+    ``uid``; ``gamma``, ``lam``, ``step_advantage_w`` and ``gigpo_mode`` come from ``config`` (verl's
+    ``AlgoConfig``) where it has them. verl's ``compute_advantage`` passes only the rewards, the mask, the
+    config and the uids: the rest (``responses``: gigpo's anchor states are the tool results' tokens;
+    ``attention_mask``; ``values`` for turn_gae; ``turn_states`` a task records, in ``agent_loop_info``) is read
+    from the batch that ``compute_advantage`` is computing (:func:`capture_batches`), or given as keywords."""
+    from advantages import get_estimator
+
+    entry = get_estimator(name)
+
+    def estimator(token_level_rewards, response_mask, config=None, index=None, values=None, *, responses=None,
+                  attention_mask=None, turn_states=None, observation_reward: str | None = None, **verl_kwargs):
+        b = token_level_rewards.shape[0]
+        given = {"responses": responses, "attention_mask": attention_mask, "values": values, "turn_states": turn_states}
+        fields = {**_batch_fields(_current_batch.get(), b), **{k: v for k, v in given.items() if v is not None}}
+        with torch.no_grad():
+            rewards = _place_observation_rewards(token_level_rewards, response_mask, f"agent_loop_{name}",
+                                                 observation_reward)
+            mask = fields.get("attention_mask")
+            spans = (spans_from_verl_batch(fields.get("responses", response_mask), mask, response_mask)
+                     if mask is not None else spans_from_response_mask(response_mask))
+            if "turn_states" in fields and not isinstance(fields["turn_states"], torch.Tensor):
+                fields["turn_states"] = _states_within(fields["turn_states"], spans)
+            batch = {"spans": spans, "index": index, **fields}
+            settings = {key: getattr(config, key) for key in entry.hyperparameters
+                        if config is not None and key in ("gamma", "lam", "step_advantage_w", "gigpo_mode")
+                        and getattr(config, key, None) is not None}
+            kwargs = {key: batch[key] for key in entry.batch_arguments if batch.get(key) is not None}
+            if name == "gigpo" and "responses" not in kwargs and "turn_states" not in kwargs:
+                raise ValueError("agent_loop_gigpo needs the batch's responses (its anchor states are the tool "
+                                 "results' tokens): register() lets verl's compute_advantage hand them over "
+                                 "(verl.trainer.ppo.ray_trainer), or pass responses=(b, t) token ids")
+            return entry(rewards, response_mask, **kwargs, **settings)
+
+    estimator.__name__ = estimator.__qualname__ = f"agent_loop_{name}_for_verl"
+    estimator.__doc__ = f"``agent_loop_{name}``: :func:`turn_level_for_verl` of ``{name}``."
+    return estimator
+
+
+TURN_LEVEL_FOR_VERL = {f"agent_loop_{name}": turn_level_for_verl(name) for name in TURN_LEVEL}
+
+
+def capture_batches(ray_trainer) -> None:
+    """Wrap verl's ``ray_trainer.compute_advantage`` so that the batch it computes is readable by the turn-level
+    estimators (:data:`TURN_LEVEL_FOR_VERL`) while it runs (a context variable; nothing else changes). verl's
+    trainer calls it by its module name, so the wrapper is what it calls. Wrapping twice is a no-op."""
+    original = ray_trainer.compute_advantage
+    if getattr(original, "agent_loop_captures", False):
+        return
+
+    @functools.wraps(original)
+    def compute_advantage(data, *args, **kwargs):
+        token = _current_batch.set(data)
+        try:
+            return original(data, *args, **kwargs)
+        finally:
+            _current_batch.reset(token)
+
+    compute_advantage.agent_loop_captures = True
+    ray_trainer.compute_advantage = compute_advantage
+
+
 def register(replace_builtin_gae: bool = False, *, observation_reward: str | None = None) -> list[str]:
-    """Add :data:`REINFORCE_PLUS_PLUS` and :data:`GAE` to verl's estimator registry; returns the names.
+    """Add :data:`REINFORCE_PLUS_PLUS`, :data:`GAE` and the turn-level ``agent_loop_turn_returns``,
+    ``agent_loop_turn_rloo``, ``agent_loop_turn_index_normalized``, ``agent_loop_gigpo`` and
+    ``agent_loop_turn_gae`` (:func:`turn_level_for_verl`) to verl's estimator registry; returns the names.
 
     ``replace_builtin_gae``: also point ``verl.trainer.ppo.core_algos.compute_gae_advantage_return``
     (which verl's trainer calls for ``adv_estimator=gae``) at :func:`compute_gae_advantage_return`.
@@ -139,9 +242,13 @@ def register(replace_builtin_gae: bool = False, *, observation_reward: str | Non
     _settings["observation_reward"] = policy
     core_algos.register_adv_est(REINFORCE_PLUS_PLUS)(reinforce_plus_plus_for_verl)
     core_algos.register_adv_est(GAE)(gae_for_verl)
+    for name, fn in TURN_LEVEL_FOR_VERL.items():
+        core_algos.register_adv_est(name)(fn)
     if replace_builtin_gae:
         core_algos.compute_gae_advantage_return = compute_gae_advantage_return
-    return [REINFORCE_PLUS_PLUS, GAE]
+    if "verl.trainer.ppo.ray_trainer" in sys.modules:  # else verl_register wraps it once it is imported
+        capture_batches(sys.modules["verl.trainer.ppo.ray_trainer"])
+    return [REINFORCE_PLUS_PLUS, GAE, *TURN_LEVEL_FOR_VERL]
 
 
 def spans_from_verl_batch(

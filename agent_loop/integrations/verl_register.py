@@ -8,7 +8,10 @@ imports verl: the driver, the ``TaskRunner`` actor (where ``compute_advantage`` 
 those actors, so the registering happens here, at import:
 
 - our estimators, :func:`agent_loop.integrations.verl.register` (``agent_loop_reinforce_plus_plus``,
-  ``agent_loop_gae``); with ``AGENT_LOOP_VERL_REPLACE_GAE=1`` also verl's built-in ``gae`` on our scans;
+  ``agent_loop_gae``, the turn-level ``agent_loop_turn_rloo``, ``agent_loop_gigpo``, ...); with
+  ``AGENT_LOOP_VERL_REPLACE_GAE=1`` also verl's built-in ``gae`` on our scans; once
+  ``verl.trainer.ppo.ray_trainer`` is imported, its ``compute_advantage`` hands its batch to the turn-level
+  estimators (the token ids, the attention mask, the values, the task's turn states);
 - our AgentLoop: ``agent_loop.integrations.verl_agent_loop`` (it registers itself under ``agent_loop`` in
   verl's agent-loop registry) is imported right after ``verl.experimental.agent_loop`` is, so processes
   that never run agent loops do not load it, and verl is not half-initialised when it loads.
@@ -28,6 +31,7 @@ from agent_loop.integrations import verl as plugin
 REPLACE_GAE = "AGENT_LOOP_VERL_REPLACE_GAE"
 VERL_AGENT_LOOPS = "verl.experimental.agent_loop"  # the package whose import brings verl's agent-loop registry
 OUR_AGENT_LOOP = "agent_loop.integrations.verl_agent_loop"
+VERL_RAY_TRAINER = "verl.trainer.ppo.ray_trainer"  # its compute_advantage hands the batch to the turn-level estimators
 
 
 def replace_gae_requested(environ=os.environ) -> bool:
@@ -73,14 +77,27 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def capture_batches() -> None:
+    """Let the turn-level estimators read the batch verl's ``compute_advantage`` computes
+    (:func:`agent_loop.integrations.verl.capture_batches`)."""
+    plugin.capture_batches(sys.modules[VERL_RAY_TRAINER])
+
+
+def _after_import(name: str, then) -> None:
+    """``then()`` now if ``name`` is imported, else right after it is (once)."""
+    if name in sys.modules:
+        then()
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
 def install() -> None:
-    """Register the estimators now and our AgentLoop once verl's agent loops are imported (or now, if they
-    already are). Called at import; calling it again adds nothing."""
+    """Register the estimators now, our AgentLoop once verl's agent loops are imported, and the batch capture of
+    the turn-level estimators once verl's ``ray_trainer`` is (or now, if they already are). Called at import;
+    calling it again adds nothing."""
     plugin.register(replace_builtin_gae=replace_gae_requested())
-    if VERL_AGENT_LOOPS in sys.modules:
-        import_our_agent_loop()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(VERL_AGENT_LOOPS, import_our_agent_loop))
+    _after_import(VERL_AGENT_LOOPS, import_our_agent_loop)
+    _after_import(VERL_RAY_TRAINER, capture_batches)
 
 
 install()

@@ -191,3 +191,31 @@ def test_the_docs_install_line_is_the_trl_side_environments():
     assert ours == [["pip", "install", "-e", "."]], ours
     side_env = (root / "scripts" / "side_env.sh").read_text()
     assert '  *) "${pip[@]}" -e . "torch==2.13.0" ;;' in side_env.splitlines()  # the trl environment's branch
+
+
+def test_turn_level_estimators_get_the_trl_batch_fields_they_accept():
+    """gigpo keys its anchor states on the tool results' tokens (TRL's completion_ids as responses): two rows of a
+    group with the same tool result share the second turn's anchor group; turn_rloo's turns come from the spans;
+    an estimator that needs critic values is refused."""
+    completion_mask, tool_mask, _ = example_like_batch()  # turn 0: 20 tokens, a 6-token tool result, turn 1: 8 tokens
+    rewards = torch.tensor([1.5, 0.5, 0.5, 1.0])
+    responses = torch.arange(4 * 34).reshape(4, 34)
+    responses[:, 20:26] = torch.tensor([[7] * 6, [7] * 6, [8] * 6, [9] * 6])  # rows 0 and 1: the same tool result
+    index = torch.tensor([0, 0, 0, 1])
+    spans, mask, token_rewards = from_trl_batch(completion_mask, tool_mask, rewards)
+    from advantages import get_estimator
+
+    for name in ("gigpo", "turn_rloo"):
+        got, _, _ = trl_advantages(completion_mask, tool_mask, rewards, estimator=name, index=index, responses=responses)
+        fields = {"index": index, "spans": spans, "responses": responses}
+        entry = get_estimator(name)
+        want, _ = entry(token_rewards, mask, **{k: v for k, v in fields.items() if k in entry.batch_arguments})
+        torch.testing.assert_close(got, want)
+    with_states, _, _ = trl_advantages(completion_mask, tool_mask, rewards, estimator="gigpo", index=index,
+                                       responses=responses)
+    apart = responses.clone()
+    apart[1, 20:26] = 6  # row 1's tool result now differs from row 0's: its second turn falls back
+    without, _, _ = trl_advantages(completion_mask, tool_mask, rewards, estimator="gigpo", index=index, responses=apart)
+    assert not torch.equal(with_states[:2, 26:], without[:2, 26:])  # the anchor states come from the tool results
+    with pytest.raises(ValueError, match="turn_gae estimator needs critic values"):
+        trl_advantages(completion_mask, tool_mask, rewards, estimator="turn_gae")

@@ -21,14 +21,13 @@ SIDE_PYTHON = ROOT / ".side-envs" / "trl" / "bin" / "python"
 GAMMA = 1.0  # the example's default (docs/trl.md: below 1, per-batch whitening can flip a wrong answer's sign)
 
 
-@pytest.fixture(scope="module")
-def trl_run() -> dict:
+def run_example(*argv: str) -> dict:
     if not SIDE_PYTHON.exists():
         pytest.fail(f"no TRL side environment at {SIDE_PYTHON}: build it with `bash scripts/side_env.sh trl` "
                     "(scripts/setup.sh --test does)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
-    done = subprocess.run([str(SIDE_PYTHON), str(ROOT / "examples" / "trl_grpo_tools.py")], cwd=ROOT, env=env,
+    done = subprocess.run([str(SIDE_PYTHON), str(ROOT / "examples" / "trl_grpo_tools.py"), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - started
     assert done.returncode == 0, f"the example failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -37,6 +36,32 @@ def trl_run() -> dict:
     result = json.loads(lines[-1].split(" ", 1)[1])
     print(f"TRL example: {wall:.0f} s wall, {result['seconds']} s in-process", file=sys.stderr)
     return result
+
+
+@pytest.fixture(scope="module")
+def trl_run() -> dict:
+    return run_example()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_gigpo_trains_a_step_in_trl_on_the_tool_turns():
+    """SpanGRPOTrainer with a turn-level estimator (issue 47): gigpo gets TRL's completion ids (its anchor states
+    are the tool results' tokens) and the group ids, and its advantages are what TRL's loss saw."""
+    from agent_loop.integrations.trl import trl_advantages
+
+    run = run_example("--estimator", "gigpo", "--steps", "1")
+    assert run["trl_steps"] == 1 and all(math.isfinite(loss) for loss in run["losses"])
+    batch = run["first_batch"]
+    assert batch["index"] == [row // 2 for row in range(len(batch["rewards"]))]  # num_generations 2
+    want, spans, _ = trl_advantages(torch.tensor(batch["completion_mask"]), torch.tensor(batch["tool_mask"]),
+                                    torch.tensor(batch["rewards"]), estimator="gigpo", index=torch.tensor(batch["index"]),
+                                    masked="drop", responses=torch.tensor(batch["completion_ids"]))
+    assert batch["spans"] == spans.tolist()
+    torch.testing.assert_close(torch.tensor(batch["advantages"]), want)
+    for check in run["checks"]:
+        assert check["trl_loss_mask_equals_spans"] and check["max_abs_advantage_off_assistant"] == 0.0
+        assert check["loss"] == pytest.approx(check["loss_from_advantages"], abs=1e-6)
 
 
 @pytest.mark.integration
