@@ -115,9 +115,9 @@ def _wait_for(path, process: subprocess.Popen, timeout: float = 300) -> None:
     assert path.exists(), process.stderr.read()[-3000:] if process.poll() is not None else "the agent never started"
 
 
-def _stop_by_sigterm(command: list[str], started, prog: str) -> str:
+def _stop_by_sigterm(command: list[str], started, prog: str, within_s: float = STOP_WITHIN_S) -> str:
     """Run ``command`` until its agent is stuck (it wrote ``started``), SIGTERM it; it must be gone within
-    STOP_WITHIN_S, exit 143, and say on one line what is kept and how to go on. Returns that line."""
+    ``within_s``, exit 143, and say on one line what is kept and how to go on. Returns that line."""
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**ENV, "STUCK_AGENT_STARTED": str(started)})
     try:
@@ -125,12 +125,12 @@ def _stop_by_sigterm(command: list[str], started, prog: str) -> str:
         time.sleep(0.5)  # stuck for good now
         process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        stderr = process.communicate(timeout=STOP_WITHIN_S)[1]  # before: alive at 600 s, SIGKILL needed
+        stderr = process.communicate(timeout=within_s)[1]  # before: alive at 600 s, SIGKILL needed
         waited = time.monotonic() - sent
     finally:
         process.kill()
         process.wait()
-    assert process.returncode == 128 + signal.SIGTERM and waited < STOP_WITHIN_S, stderr[-3000:]
+    assert process.returncode == 128 + signal.SIGTERM and waited < within_s, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     ours = [line for line in stderr.splitlines() if line.startswith(prog)]
     assert len(ours) == 1 and ours[0].startswith(f"{prog}: stopped by SIGTERM; "), stderr[-3000:]
@@ -155,6 +155,20 @@ def test_rollout_agent_that_never_returns_times_out_per_episode_and_sigterm_stop
                             tmp_path / "started", "agent-loop rollout")
     assert f"{out} holds 0 whole episodes" in line and line.endswith(f"--out {out} --resume"), line
     assert not out.with_name("stopped.jsonl.lock").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_sigterm_stops_a_rollout_whose_async_agent_blocks_the_event_loop(tmp_path, tiny_agent_dir):
+    """An ``async def`` calling a synchronous client blocks the loop that serves the proxy, and leaves an executor
+    thread that never ends: the clean stop never starts. The stop's watchdog ends it (2 x STOP_GRACE_S)."""
+    from agent_loop.cli.stops import STOP_GRACE_S
+
+    out = tmp_path / "blocked.jsonl"
+    line = _stop_by_sigterm(_command("rollout", "blocks_the_loop", "--episodes", "2", "--out", str(out)),
+                            tmp_path / "started", "agent-loop rollout", within_s=2 * STOP_GRACE_S + STOP_WITHIN_S)
+    assert f"{out} holds 0 whole episodes" in line and line.endswith(f"--out {out} --resume"), line
 
 
 TRAIN_ONE_STEP = ("--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--mini-batches", "1",
