@@ -476,7 +476,6 @@ def warm_start(config: WarmstartConfig, task=None) -> WarmstartResult:
     result = WarmstartResult(folder, earlier_history + history, demonstrations, time.perf_counter() - started)
     if config.check_episodes:
         result.check = held_out_check(model, tokenizer, task, config, result.longest, output / CHECK_FILE)
-        result.seconds = time.perf_counter() - started
     return result
 
 
