@@ -86,6 +86,64 @@ def test_an_agent_file_imports_a_module_beside_it():
     assert mark == "imported from beside the agent file" and message["content"] == "The answer is 7."
 
 
+class HangingReward:
+    """The arithmetic task whose reward never returns for episode 1."""
+
+    name = "hanging"
+
+    def __init__(self):
+        from agent_loop.tasks.registry import get_task
+
+        self.inner, self.release = get_task("arithmetic"), threading.Event()
+
+    def make_episode(self, index, seed=0):
+        episode = self.inner.make_episode(index, seed)
+        episode.info["i"] = index
+        return episode
+
+    def reward(self, episode, messages, tool_calls):
+        if episode.info["i"] == 1:
+            self.release.wait()
+        return self.inner.reward(episode, messages, tool_calls)
+
+    def success(self, episode, reward):
+        return reward > 0
+
+
+def test_the_reward_of_an_agents_episode_is_bounded_and_announced(tiny_tokenizer, tiny_agent_dir, monkeypatch):
+    """Issue 49 item 8 through ``--agent``: the task's reward ran on the event loop, unbounded (a reward that never
+    returned stopped the run for good). "A few seconds" is made 0.3 s here."""
+    from proxy_helpers import openai_tools_agent
+
+    import agent_loop.episode.loop as loop
+    from agent_loop.backends.hf import TransformersBackend
+    from agent_loop.episode.config import LoopConfig
+    from agent_loop.proxy.agents import stream_agent_rollouts
+    from agent_loop.runners.spec import RunSpec
+    from agent_loop.tasks.base import as_task
+
+    monkeypatch.setattr(loop, "SLOW_NOTICE_S", 0.3)
+    task = HangingReward()
+
+    async def play():
+        with TransformersBackend(str(tiny_agent_dir)) as backend:
+            spec = RunSpec(as_task(task), tiny_tokenizer, range(3), LoopConfig(temperature=0.0, reward_timeout_s=1.5),
+                           0, None, progress=False)
+            return (await stream_agent_rollouts(spec, backend, openai_tools_agent.agent, concurrency=3, keep=True))[1]
+
+    try:
+        with pytest.warns(UserWarning) as caught:
+            episodes = {t.info["index"]: t for t in asyncio.run(play())}
+    finally:
+        task.release.set()
+    assert [str(w.message) for w in caught if "reward has not returned" in str(w.message)] == [
+        "episode 1 of hanging (seed 0): its reward has not returned after 0.3 s; at 1.5 s (--reward-timeout-s), "
+        "1.2 s from now, the episode ends with an error and reward 0"]
+    assert episodes[1].finish_reason == "error" and episodes[1].metrics["error"] == (
+        "RewardTimeout: scoring episode 1 of hanging (seed 0) took longer than 1.5 s (--reward-timeout-s); reward 0")
+    assert all(episodes[i].finish_reason != "error" for i in (0, 2))
+
+
 # -- the real commands in a subprocess -------------------------------------------------------------------------
 
 
