@@ -36,6 +36,7 @@ def _command(command: str, agent: str, *argv: str) -> list[str]:
 # -- in process: where each kind of agent runs, the bound, the loader -----------------------------------------
 
 
+@pytest.mark.timeout(120)  # before the fix: a hang
 def test_a_plain_function_runs_on_a_thread_of_its_own_and_an_async_one_on_the_loop():
     """The loop must stay free while a plain function blocks: here it blocks until the loop itself answers."""
     async def main():
@@ -55,6 +56,7 @@ def test_a_plain_function_runs_on_a_thread_of_its_own_and_an_async_one_on_the_lo
     assert asyncio.run(main()) == ((True, 1), (True, 3))
 
 
+@pytest.mark.timeout(120)  # before the fix: a hang
 @pytest.mark.parametrize("kind", ["plain", "async"])
 def test_an_agent_that_never_returns_is_bounded_by_its_timeout(kind):
     def plain():
@@ -110,6 +112,7 @@ class HangingReward:
         return reward > 0
 
 
+@pytest.mark.timeout(120)  # before the fix: a hang
 def test_the_reward_of_an_agents_episode_is_bounded_and_announced(tiny_tokenizer, tiny_agent_dir, monkeypatch):
     """Issue 49 item 8 through ``--agent``: the task's reward ran on the event loop, unbounded (a reward that never
     returned stopped the run for good). "A few seconds" is made 0.3 s here."""
