@@ -224,9 +224,9 @@ class KeyDoorTask(Task):
     def make_episode(self, index: int, seed: int = 0) -> Episode:
         held_out = seed >= HELD_OUT_SEED
         world = episode_rng(self.name, seed, index).choice(maps(held_out))
-        question = (f"You are in a {SIZE}x{SIZE} grid of rooms; row 1 is the top, column 1 the left. "
-                    f"{describe(world, world.start_state)} Get the key, then open the door: walk into the key's "
-                    'room, then into the door\'s room, one move per call. When the door is open, say "Done."')
+        question = (f"A {SIZE}x{SIZE} grid of rooms, row 1 at the top, column 1 at the left. "
+                    f"{describe(world, world.start_state)} Walk into the key's room, then into the door's room, one "
+                    'move per call; then say "Done."')
         return Episode(
             messages=[{"role": "user", "content": question}],
             tools=make_tools(world),
