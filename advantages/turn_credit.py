@@ -35,15 +35,17 @@ expected gradient is ``(1 - 1/G + step_advantage_w)`` times the true one) are un
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from advantages.estimators import GRPO_EPS, group_ids
+from advantages.native_turns import native_broadcast, native_turn_tables
 from advantages.registry import AdvantageEstimator, register_adv_est
 from advantages.returns import check_batch, check_discount, discounted_returns
 from advantages.stats import accumulation_dtype, masked_whiten
-from masking.spans import SpanKind
+from masking.spans import SpanKind, spans_from_response_mask
+from masking.validate import as_dtype
 
 # Two polynomial hashes of an observation's token ids (mod two primes below 2**31), plus its
 # length: a false merge of two different observations needs both hashes and the length to agree.
@@ -94,6 +96,17 @@ def _check_turn_ids(turn_ids: torch.Tensor, assistant: torch.Tensor, observation
         )
 
 
+def _check_turn_ids_type(turn_ids, token_level_rewards: torch.Tensor) -> None:
+    """ValueError unless ``turn_ids`` is an integer tensor of the rewards' ``(b, t)`` shape."""
+    if not isinstance(turn_ids, torch.Tensor) or turn_ids.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"turn_ids must be a (b, t) integer tensor of shape {tuple(token_level_rewards.shape)}, got "
+            f"{type(turn_ids).__name__} of shape {tuple(getattr(turn_ids, 'shape', ()))}"
+        )
+    if turn_ids.dtype.is_floating_point or turn_ids.dtype.is_complex or turn_ids.dtype == torch.bool:
+        raise ValueError(f"turn_ids must hold integers, got {turn_ids.dtype}")
+
+
 class _Turns(NamedTuple):
     """A batch's turn structure: ``(b, t)`` bool ``assistant`` and ``observation`` masks, ``(b, t)``
     long ``turns`` (the turn ids), the number of turn columns ``n``, ``(b, t)`` long ``column``
@@ -121,13 +134,7 @@ def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) ->
     if turn_ids is None:
         turns = turn_ids_from_spans(spans_)
     else:
-        if not isinstance(turn_ids, torch.Tensor) or turn_ids.shape != token_level_rewards.shape:
-            raise ValueError(
-                f"turn_ids must be a (b, t) integer tensor of shape {tuple(token_level_rewards.shape)}, got "
-                f"{type(turn_ids).__name__} of shape {tuple(getattr(turn_ids, 'shape', ()))}"
-            )
-        if turn_ids.dtype.is_floating_point or turn_ids.dtype.is_complex or turn_ids.dtype == torch.bool:
-            raise ValueError(f"turn_ids must hold integers, got {turn_ids.dtype}")
+        _check_turn_ids_type(turn_ids, token_level_rewards)
         turns = turn_ids.to(device=token_level_rewards.device, dtype=torch.long)
         if validate:
             _check_turn_ids(turns, assistant, observation)
@@ -158,11 +165,71 @@ def _turn_returns(r: torch.Tensor, exists: torch.Tensor, gamma: float) -> torch.
     return discounted_returns(r, exists.to(r.dtype), gamma, None, False)
 
 
-def _broadcast(per_turn: torch.Tensor, s: _Turns, dtype: torch.dtype) -> torch.Tensor:
+def _broadcast(per_turn: torch.Tensor, dtype: torch.dtype, s: _Turns) -> torch.Tensor:
     """``(b, n)`` per-turn values -> ``(b, t)``: turn k's value on turn k's ASSISTANT tokens, exactly 0
     elsewhere (one gather from the values with a spare zero column)."""
     padded = torch.nn.functional.pad(torch.where(s.exists, per_turn, 0.0).to(dtype), (0, 1))
     return padded.gather(1, s.column)
+
+
+class _Tables(NamedTuple):
+    """What the estimators compute from: ``(b, n)`` per-turn rewards ``r`` (float64 from the compiled
+    pass, else the accumulation dtype), ``exists``, ``n``, the observation ``keys`` ``(h1, h2)``
+    (when asked for), the critic's value at each turn's first ASSISTANT token (when asked for),
+    ``broadcast(per_turn, dtype)`` back to ``(b, t)``, and the torch :class:`_Turns` where built
+    (validation, the torch path)."""
+
+    r: torch.Tensor
+    exists: torch.Tensor
+    n: int
+    keys: tuple | None
+    first_values: torch.Tensor | None
+    broadcast: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+    turns: _Turns | None
+
+
+def _tables(token_level_rewards, response_mask, spans, turn_ids, validate, responses=None, values=None) -> _Tables:
+    """Check the batch and build its per-turn tables: on the CPU with the compiled pass of
+    :mod:`advantages.native_turns` (one read of the tokens; one write per broadcast), elsewhere
+    (CUDA, no compiler, other dtypes) with torch's scatter/gather (:func:`_structure`)."""
+    s = None
+    if validate:
+        s = _structure(token_level_rewards, response_mask, spans, turn_ids, True)
+    else:
+        check_batch(token_level_rewards, response_mask, spans, False)
+        if turn_ids is not None:
+            _check_turn_ids_type(turn_ids, token_level_rewards)
+    if token_level_rewards.is_cpu:
+        spans8 = spans_from_response_mask(response_mask) if spans is None else spans
+        tokens = None if responses is None else as_dtype(responses, torch.long)
+        native = native_turn_tables(token_level_rewards, spans8, turn_ids, tokens, values)
+        if native is not None:
+            r, count, n, keys, first_values = native
+            exists = torch.arange(n) < count.unsqueeze(1)
+            if keys is not None:
+                keys = (keys[0], torch.where(torch.arange(n) == 0, -1 - keys[1], keys[1]))  # turn 0: the prompt
+
+            def broadcast(per_turn, dtype):
+                out = native_broadcast(torch.where(exists, per_turn, 0.0).double(), spans8, turn_ids, dtype)
+                return out if out is not None else _broadcast(per_turn, dtype, s or _structure(
+                    token_level_rewards, response_mask, spans, turn_ids, False))
+
+            return _Tables(r, exists, n, keys, first_values, broadcast, s)
+    if s is None:
+        s = _structure(token_level_rewards, response_mask, spans, turn_ids, False)
+    keys = None if responses is None else _observation_hashes(responses, s)
+    return _Tables(_per_turn(token_level_rewards, s), s.exists, s.n, keys, None if values is None else _first_values(values, s),
+                   functools.partial(_broadcast, s=s), s)
+
+
+def _first_values(values: torch.Tensor, s: _Turns) -> torch.Tensor:
+    """``(b, n)`` ``values`` at each turn's first ASSISTANT token (0 on absent turns)."""
+    b, t = values.shape
+    first = torch.full((b, s.n + 1), t, dtype=torch.long, device=values.device)
+    first.scatter_reduce_(1, s.column, torch.arange(t, device=values.device).expand(b, t), reduce="amin")
+    first = first[:, : s.n].clamp_(max=max(t - 1, 0))
+    dtype = accumulation_dtype(values.dtype) if values.dtype.is_floating_point else torch.float64
+    return torch.where(s.exists, values.to(dtype).gather(1, first), 0.0) if t else torch.zeros(b, s.n, dtype=dtype)
 
 
 def _dense_ids(*keys: torch.Tensor) -> torch.Tensor:
@@ -238,10 +305,10 @@ def turn_returns(
     reward-to-go per turn: unbiased (Williams 1992; Sutton et al. 2000).
     """
     check_discount("gamma", gamma)
-    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    G = _turn_returns(_per_turn(token_level_rewards, s), s.exists, gamma)
-    returns = _broadcast(G, s, G.dtype)
-    advantages = masked_whiten(returns, s.assistant, check=validate) if whiten else returns
+    tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate)
+    G = _turn_returns(tables.r, tables.exists, gamma)
+    returns = tables.broadcast(G, token_level_rewards.dtype)
+    advantages = masked_whiten(returns, response_mask, check=validate) if whiten else returns
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
@@ -267,11 +334,11 @@ def turn_rloo(
     _needs_index("turn_rloo", index)
     check_discount("gamma", gamma)
     group = _dense_group(index, token_level_rewards.shape[0], token_level_rewards.device)
-    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    G = _turn_returns(_per_turn(token_level_rewards, s), s.exists, gamma)
-    baseline, _ = _loo_turn_index_baseline(G, s.exists, group)
+    tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate)
+    G = _turn_returns(tables.r, tables.exists, gamma)
+    baseline, _ = _loo_turn_index_baseline(G, tables.exists, group)
     dtype = token_level_rewards.dtype
-    return _broadcast(G - baseline, s, dtype), _broadcast(G, s, dtype)
+    return tables.broadcast(G - baseline, dtype), tables.broadcast(G, dtype)
 
 
 @register_adv_est(AdvantageEstimator.TURN_INDEX_NORMALIZED, needs_index=True)
@@ -300,8 +367,8 @@ def turn_index_normalized(
     _needs_index("turn_index_normalized", index)
     check_discount("gamma", gamma)
     group = _dense_group(index, token_level_rewards.shape[0], token_level_rewards.device)
-    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists, n = _per_turn(token_level_rewards, s), s.exists, s.n
+    tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate)
+    r, exists, n = tables.r, tables.exists, tables.n
     b = r.shape[0]
     ids = _turn_index_sets(group, n)
     w = exists.reshape(-1).to(r.dtype)
@@ -314,7 +381,7 @@ def turn_index_normalized(
     A = _turn_returns(normalized, exists, gamma)
     G = _turn_returns(r, exists, gamma)
     dtype = token_level_rewards.dtype
-    return _broadcast(A, s, dtype), _broadcast(G, s, dtype)
+    return tables.broadcast(A, dtype), tables.broadcast(G, dtype)
 
 
 @register_adv_est(AdvantageEstimator.TURN_GAE, needs_values=True)
@@ -343,19 +410,14 @@ def turn_gae(
     check_discount("lam", lam)
     if not isinstance(values, torch.Tensor) or values.shape != token_level_rewards.shape:
         raise ValueError(f"values must be a (b, t) tensor of shape {tuple(token_level_rewards.shape)}")
-    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    r, exists, n = _per_turn(token_level_rewards, s), s.exists, s.n
-    b, t = r.shape[0], token_level_rewards.shape[1]
-    positions = torch.arange(t, device=r.device).expand(b, t)
-    first = torch.full((b, n + 1), t, dtype=torch.long, device=r.device)
-    first.scatter_reduce_(1, s.column, positions, reduce="amin")
-    first = first[:, :n].clamp_(max=max(t - 1, 0))
-    V = torch.where(exists, values.to(r.dtype).gather(1, first), 0.0) if t else torch.zeros_like(r)
+    tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate, values=values)
+    r, exists = tables.r, tables.exists
+    V = tables.first_values.to(r.dtype)
     V_next = torch.nn.functional.pad(V[:, 1:], (0, 1))
     delta = torch.where(exists, r + gamma * V_next - V, 0.0)
     A = _turn_returns(delta, exists, gamma * lam)
     dtype = token_level_rewards.dtype
-    return _broadcast(A, s, dtype), _broadcast(A + V, s, dtype)
+    return tables.broadcast(A, dtype), tables.broadcast(A + V, dtype)
 
 
 # ----------------------------------------------------------------------------- GiGPO
@@ -505,8 +567,8 @@ def gigpo_anchor_groups(
     group and same state; -1 on absent turns) and ``(b, n)`` the number of *other* episodes' turns
     in it (0: :func:`gigpo` falls back to the turn-index baseline). For ``inspect``."""
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    sets, others, s = _anchor_sets(rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate)[:3]
-    exists = s.exists
+    sets, others, tables = _anchor_sets(rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate)[:3]
+    exists = tables.exists
     return torch.where(exists, sets, -1), torch.where(exists, others, 0)
 
 
@@ -520,14 +582,15 @@ def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, res
     if turn_states is None and (not isinstance(responses, torch.Tensor) or responses.shape != token_level_rewards.shape
                                 or responses.dtype.is_floating_point or responses.dtype == torch.bool):
         raise ValueError(f"responses must be a (b, t) integer tensor of token ids of shape {tuple(token_level_rewards.shape)}")
-    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
-    exists, n = s.exists, s.n
+    tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate,
+                     responses=responses if turn_states is None else None)
+    exists, n = tables.exists, tables.n
     if turn_states is not None:
         keys = (_turn_state_keys(turn_states, exists, validate),)
     else:
-        keys = _observation_hashes(responses, s)
+        keys = tables.keys
         if validate:
-            _check_collisions(responses, s, keys, group)
+            _check_collisions(responses, tables.turns, keys, group)
     members = torch.where(exists, group.unsqueeze(1), b).reshape(-1)  # absent turns: a group of their own
     sets = _dense_ids(members, *(k.reshape(-1) for k in keys))
     rows = torch.arange(b, device=sets.device).repeat_interleave(n)
@@ -535,7 +598,7 @@ def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, res
     w = exists.reshape(-1).long()
     zeros = torch.zeros_like(w)
     others = zeros.index_add(0, sets, w)[sets] - zeros.index_add(0, own, w)[own]
-    return sets.reshape(b, n), others.reshape(b, n), s, group, own.reshape(b, n)
+    return sets.reshape(b, n), others.reshape(b, n), tables, group, own.reshape(b, n)
 
 
 def _episode_advantage(score: torch.Tensor, group: torch.Tensor, by_std: bool, epsilon: float) -> torch.Tensor:
@@ -621,13 +684,13 @@ def gigpo(
     if gigpo_mode not in ("mean_norm", "mean_std_norm"):
         raise ValueError(f"gigpo_mode must be 'mean_norm' or 'mean_std_norm', got {gigpo_mode!r}")
     check_discount("gamma", gamma)
-    sets, others, s, group, own = _anchor_sets(
+    sets, others, tables, group, own = _anchor_sets(
         token_level_rewards, response_mask, index, spans, turn_ids, responses, turn_states, validate
     )
-    r, exists = _per_turn(token_level_rewards, s), s.exists
+    r, exists = tables.r, tables.exists
     G = _turn_returns(r, exists, gamma)
     episode = _episode_advantage(r.sum(1), group, gigpo_mode == "mean_std_norm", epsilon)
     step = _step_advantage(G, exists, group, sets, own, others, gigpo_mode == "mean_std_norm", epsilon)
     advantages = torch.where(exists, episode.unsqueeze(1) + step_advantage_w * step, 0.0)
     dtype = token_level_rewards.dtype
-    return _broadcast(advantages, s, dtype), _broadcast(G, s, dtype)
+    return tables.broadcast(advantages, dtype), tables.broadcast(G, dtype)

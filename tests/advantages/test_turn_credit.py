@@ -19,6 +19,7 @@ from advantages import (
     turn_returns,
     turn_rloo,
 )
+from advantages.native_turns import compiled_turns
 from advantages.registry import BATCH_ARGUMENTS
 from tests.helpers.turn_credit_reference import (
     ASSISTANT,
@@ -35,6 +36,17 @@ from tests.helpers.turn_credit_reference import (
 )
 
 TURN_ESTIMATORS = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def turn_path(request, monkeypatch):
+    """Every test on both CPU paths: the compiled token pass (advantages/native_turns.c) and the torch
+    scatter/gather path (what CUDA and machines without a C compiler run)."""
+    if request.param == "torch":
+        monkeypatch.setattr(turn_credit, "native_turn_tables", lambda *args, **kwargs: None)
+    else:
+        assert compiled_turns() is not None
+    return request.param
 
 
 def _episodes(seed=0, n_groups=5, group_size=4, **kwargs):
@@ -418,7 +430,15 @@ def test_bad_turn_states_name_row_and_turn(batch):
 def test_hash_collision_is_found_by_the_check(monkeypatch):
     """With a degenerate hash (mod 2, base 1: the parity of the token sum) observations [3] and [5]
     collide; the check compares the tokens and names the rows and turns."""
-    monkeypatch.setattr(turn_credit, "_HASHES", ((2, 1), (2, 1)))
+    monkeypatch.setattr(turn_credit, "_HASHES", ((2, 1), (2, 1)))  # the torch path's hashes
+    compiled = turn_credit.native_turn_tables
+
+    def parity(*args, **kwargs):  # the compiled path's hashes, cut to the same parity
+        out = compiled(*args, **kwargs)
+        return out if out is None or out[3] is None else (*out[:3], tuple(k % 2 for k in out[3]), out[4])
+
+    if compiled(torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.int8), None) is not None:
+        monkeypatch.setattr(turn_credit, "native_turn_tables", parity)
     episodes = [Episode(0, [[10], [11]], [[], [3]], [0.0, 1.0]), Episode(0, [[10], [11]], [[], [5]], [0.0, 0.0])]
     batch = build_batch(episodes)
     with pytest.raises(ValueError, match=r"hash collision: the observation before row 1, turn 1 and the one before row 0, turn 1"):
