@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Sequence
 
 import torch
@@ -71,5 +70,5 @@ def estimator_arguments(estimator, batch: Batch) -> dict[str, torch.Tensor]:
     """The batch fields ``estimator`` (a registry entry) accepts, from ``batch``, beside the rewards and the mask:
     those of :data:`ESTIMATOR_FIELDS` it names in ``batch_arguments`` and ``batch`` holds (a missing ``index`` or
     ``values`` it needs is the estimator's own ValueError)."""
-    accepted = set(getattr(estimator, "batch_arguments", None) or inspect.signature(estimator.fn).parameters)
+    accepted = set(estimator.batch_arguments)
     return {name: batch[name] for name in ESTIMATOR_FIELDS if name in accepted and name in batch}
