@@ -110,6 +110,7 @@ class ChatFormatter:
         self.tool_format = find_tool_format(self.template_text)  # None: a template without tool calls
         self._special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
         self._probed: dict[tuple, TemplateError | None] = {}
+        self._history_dependent: dict[tuple, str | None] = {}  # the probe's finding per message structure
         self._synthetic: dict[tuple, tuple[list[dict], str]] = {}
         self.warned = False
         self.stop_opens_next_turn = False  # True for families whose turn ends on the next role's token (GLM-4)
@@ -226,7 +227,20 @@ class ChatFormatter:
             raise ValueError("observation_ids needs at least one new message")
         history, seen = self._synthetic_history(self._tool_key(new_messages))
         stop = self.end_of_turn_ids[0] if after_stop else None
-        return self.observation(history, seen, new_messages, stop_id=stop).ids
+        ids = self.observation(history, seen, new_messages, stop_id=stop).ids
+        if (why := self.history_dependence(new_messages)) is not None:
+            raise TemplateError(f"{why}; observation_ids renders them after a fixed one-round conversation, so it "
+                                "cannot give them: use ChatFormatter.observation(history, seen, new_messages) with the "
+                                "conversation's own messages, as the loop does (exact for this template)")
+        return ids
+
+    def history_dependence(self, new_messages: list[dict]) -> str | None:
+        """Why the observation of messages shaped like ``new_messages`` depends on the conversation before them (a
+        second round of the same calls renders otherwise than a first: Command R7B numbers results over every call
+        of the chat, R1-distill opens its outputs block once), or None. The loop is exact either way (it renders
+        the episode's own messages); a fixed synthetic prefix (:meth:`observation_ids`) is not."""
+        self._probe(new_messages)
+        return self._history_dependent.get(self._probe_key(new_messages))
 
     @staticmethod
     def assistant_message(text: str, tool_calls: list[dict] | None = None, *, reasoning: str | None = None) -> dict:
@@ -268,9 +282,12 @@ class ChatFormatter:
 
     # -- the up-front probe ----------------------------------------------------------------------
 
+    def _probe_key(self, new_messages: list[dict]) -> tuple:
+        return tuple(m.get("role") for m in new_messages), self._tool_key(new_messages)
+
     def _probe(self, new_messages: list[dict]) -> None:
         """Check once per message structure that the template is append-only for it (strict mode: raise)."""
-        key = (tuple(m.get("role") for m in new_messages), self._tool_key(new_messages))
+        key = self._probe_key(new_messages)
         if key not in self._probed:
             self._probed[key] = None  # the probe itself calls observation(): do not recurse
             try:
@@ -305,12 +322,16 @@ class ChatFormatter:
                 f"how the next assistant turn renders (at character {pos}: generation prompt "
                 f"{got.rendered[max(0, pos - 40): pos + 20]!r}, rendered turn {answered[max(0, pos - 40): pos + 20]!r}). "
                 f"{_KEEP_SEEN_FIX}")
-        return self._second_round_error(history, new_messages, got)
+        return self._second_round_error(history, seen, new_messages, got)
 
-    def _second_round_error(self, history: list[dict], new_messages: list[dict], first: Observation) -> TemplateError | None:
+    def _second_round_error(self, history: list[dict], seen: str, new_messages: list[dict],
+                            first: Observation) -> TemplateError | None:
         """Play a second round of the same calls and results (new ids) after the first: a template whose state
         over the conversation rewrites the first round once a second follows (tool results numbered by a count
-        of the whole chat, say) is append-only for one round and not for two; one-go and incremental differ."""
+        of the whole chat, say) is append-only for one round and not for two; one-go and incremental differ.
+        Where it only appends, the second round's observation is compared with the same round rendered as the
+        first (after ``seen``, the synthetic generation prompt): a difference is recorded
+        (:meth:`history_dependence`)."""
         calls = history[-1].get("tool_calls") or []
         offset = len(calls)
         renamed = {c["id"]: self.call_id(c["function"]["name"], offset + i) for i, c in enumerate(calls)}
@@ -319,9 +340,18 @@ class ChatFormatter:
                    if m.get("role") == "tool" and "tool_call_id" in m else m for m in new_messages]
         got = self._observe(list(history) + list(new_messages) + [again], first.rendered, results,
                             stop_id=self.end_of_turn_ids[0])
-        if got.mismatch is None:
-            return None
         roles = [m.get("role") for m in new_messages]
+        if got.mismatch is None:
+            alone = self._observe(list(history[:-1]) + [again], seen, results, stop_id=self.end_of_turn_ids[0])
+            if alone.ids != got.ids:
+                second, one = self.tokenizer.decode(got.ids), self.tokenizer.decode(alone.ids)
+                pos = first_difference(second, one)
+                self._history_dependent[self._probe_key(new_messages)] = (
+                    f"the observation of messages with roles {roles} depends on the conversation before it: after a "
+                    f"first round of the same calls it renders {second[max(0, pos - 30): pos + 30]!r} where the "
+                    f"round as the chat's first renders {one[max(0, pos - 30): pos + 30]!r} (state kept over the whole "
+                    "chat, e.g. tool results numbered over every call of the chat)")
+            return None
         return TemplateError(
             f"chat template is not append-only across rounds: a second round of messages with roles {roles} rewrites "
             f"the first round's text at character {got.mismatch['char']}: before {got.mismatch['seen']!r}, after "

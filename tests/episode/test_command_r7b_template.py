@@ -4,12 +4,14 @@ does not render a tool-call turn's content), so a played episode is its one-go r
 the template cannot render as sampled (a call without the plan markers it always writes) is reported per turn."""
 
 import asyncio
+import re
 
 import pytest
 from transformers import AutoTokenizer
 
 import agent_loop.episode.parsers as P
 from agent_loop.backends.scripted import ScriptedBackend
+from agent_loop.episode.chat import ChatFormatter, TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tool_formats import ToolFormat
@@ -143,3 +145,42 @@ def test_a_turn_the_parser_strips_is_reported_for_hermes_too(qwen_tokenizer):
     assert plain.metrics["template_rerender_diffs"] == 0 and plain.metrics["template_exact"]
     assert spaced.metrics["template_rerender_diffs"] == 1
     assert spaced.metrics["template_rerender_first"] == {"turn": 1, "char": 0, "sampled": "  done", "rendered": "done"}
+
+
+class SystemEchoTask(EchoTask):
+    def make_episode(self, index, seed=0):
+        episode = super().make_episode(index, seed)
+        episode.messages = [{"role": "system", "content": "Answer briefly."}, *episode.messages]
+        return episode
+
+
+def test_a_parallel_round_after_a_planned_call_is_exact_and_a_fixed_prefix_is_refused(cohere_tokenizer):
+    """Issue 49 item 5, the reported conversation: a system message, a planned turn with one call, a turn of two
+    parallel calls, a final answer. The template numbers results over every call of the chat, so turn 2's
+    results are "1" and "2": the loop, which renders the episode's own messages, plays exactly the one-go render;
+    an observation rendered after a fixed one-round prefix (``observation_ids``) would say "0" and "1" there,
+    and the analysis now finds that (``history_dependence``) and ``observation_ids`` refuses, naming it (before:
+    no finding, and the wrong ids returned)."""
+    tok = cohere_tokenizer
+    replies = [action(0, 1, 0, "I'll check Paris first."), action(1, 2, 1, ""), ANSWER]
+
+    def script(prompt_ids):
+        return tok.encode(replies[min(tok.decode(prompt_ids).count(GENERATION_PROMPT) - 1, 2)], add_special_tokens=False)
+    traj = asyncio.run(run_episode(SystemEchoTask(), 0, ScriptedBackend(script), tok, LoopConfig(max_turns=3)))
+    assert traj.finish_reason == "stop" and traj.reward == 1.0 and traj.metrics["template_exact"]
+    assert traj.metrics["template_rerender_diffs"] == 0
+    played, one_go = played_and_one_go(tok, traj)
+    assert played == one_go
+    before_turn_3 = tok.decode([i for i, s, t in zip(traj.response_ids, traj.spans, traj.turn_ids) if s == 2 and t == 1],
+                               skip_special_tokens=False)
+    assert re.findall(r'"tool_call_id": "(\d+)"', before_turn_3) == ["1", "2"]
+    assert [r.call_id for r in traj.tool_calls] == ["call00000", "call00001", "call00002"]  # unique in the episode
+
+    results = [m for m in traj.messages if m["role"] == "tool"][1:]  # turn 2's two results
+    formatter = ChatFormatter(tok, tools=ToolExecutor([echo]).schemas)
+    why = formatter.history_dependence(results)
+    assert why is not None and "depends on the conversation before it" in why and '"tool_call_id": "' in why
+    with pytest.raises(TemplateError, match="numbered over every call of the chat.*cannot give them"):
+        formatter.observation_ids(results)
+    qwen = ChatFormatter(AutoTokenizer.from_pretrained(qwen_tokenizer_dir()), tools=ToolExecutor([echo]).schemas)
+    assert qwen.history_dependence(results) is None and qwen.observation_ids(results)  # a template without such state

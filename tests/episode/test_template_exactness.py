@@ -56,9 +56,12 @@ def test_conversation_global_state_is_exact_in_the_loop():
                                skip_special_tokens=False) for turn in (0, 1)]
     assert all(o and o in full for o in observations)
     assert observations[0].startswith("<｜tool▁outputs▁begin｜>") and "outputs▁begin" not in observations[1]
-    synthetic = ChatFormatter(tok, tools=ToolExecutor([echo]).schemas).observation_ids(traj.messages[-2:-1])
-    second = [i for i, t in zip(traj.response_ids, traj.turn_ids) if t == 1]
-    assert tok.decode(synthetic) not in tok.decode(second)  # the fixed-prefix delta would have been wrong
+    # a fixed synthetic prefix would give the second group the first's opener: the probe finds that, and
+    # observation_ids (which renders after such a prefix) refuses, naming it (issue 49 item 5)
+    formatter = ChatFormatter(tok, tools=ToolExecutor([echo]).schemas)
+    assert "depends on the conversation before it" in formatter.history_dependence(traj.messages[-2:-1])
+    with pytest.raises(TemplateError, match="outputs▁begin.*cannot give them: use ChatFormatter.observation"):
+        formatter.observation_ids(traj.messages[-2:-1])
 
 
 def test_call_ids_are_unique_in_the_episode(qwen_tokenizer):
