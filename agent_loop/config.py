@@ -59,6 +59,12 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word if n == 1 else many or word + 's'}"
 
 
+def rate(value: float) -> str:
+    """A rate between 0 and 1 (success, well-formed calls) as every view writes it: ``0.667``, three decimals,
+    never a percentage (issue 49: the two-run table said 67% where the rest said 0.667)."""
+    return f"{value:.3f}"
+
+
 class OptionError(ValueError):
     """A rule across options is broken: ``option`` (a field name) and what is wrong with its value.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from agent_loop.config import plural
+from agent_loop.config import plural, rate
 from agent_loop.runners.stats import RolloutStats
 
 
@@ -25,7 +25,7 @@ def summary_table(stats: RolloutStats, title: str) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("episodes", f"{stats.episodes}"),
-        (f"success rate ({stats.sampling}, {plural(stats.episodes, 'episode')})", f"{stats.success_rate:.3f}"),
+        (f"success rate ({stats.sampling}, {plural(stats.episodes, 'episode')})", rate(stats.success_rate)),
         ("mean reward", f"{stats.mean('reward_sum'):.3f}"),
         ("mean turns", f"{stats.mean('turns'):.2f}"),
         ("assistant tokens / episode", f"{stats.mean('assistant_tokens'):.1f}"),

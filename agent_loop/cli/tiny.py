@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent_loop.cli.options import add_common_options, threads_from
+from agent_loop.config import rate
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop tiny"
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         for row in info["eval"]:
             table.add_row(
                 stage, str(info["step"]), row["task"], "greedy" if row["greedy"] else "T=1.0", str(row["episodes"]),
-                f"{row['well_formed']:.1%}", f"{row['right_arguments']:.1%}", f"{row['success']:.1%}",
+                rate(row["well_formed"]), rate(row["right_arguments"]), rate(row["success"]),
             )
     console = Console()
     console.print(table)

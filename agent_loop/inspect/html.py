@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 import json
 
-from agent_loop.config import plural
+from agent_loop.config import plural, rate
 from agent_loop.inspect.tokens import show_whitespace, turns, versions_note
 from agent_loop.inspect.view import InspectView, row_values_note
 from masking.spans import SpanKind
@@ -278,7 +278,7 @@ def overview(view: InspectView, compare: bool) -> str:
     s, n = view.summary, max(view.summary.episodes, 1)
     summary = (f"<table><tr><th>episodes</th><th>success rate</th><th>mean reward</th><th>mean turns</th><th>tool calls</th>"
                f"<th>tool errors</th><th>reward errors</th><th>template mismatches</th></tr>"
-               f"<tr><td>{s.episodes}</td><td>{s.successes / n:.0%}</td>"
+               f"<tr><td>{s.episodes}</td><td>{rate(s.successes / n)}</td>"
                f"<td>{s.reward_sum / n:.3f}</td><td>{s.turns / n:.2f}</td><td>{s.tool_calls}</td>"
                f"<td>{sum(s.tool_errors.values())}</td><td class=\"{'err' if s.reward_errors else ''}\">{s.reward_errors}</td>"
                f"<td class=\"{'err' if s.template_mismatches else ''}\">{s.template_mismatches}</td></tr></table>"

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 import agent_loop.inspect.html as page_html
-from agent_loop.config import plural
+from agent_loop.config import plural, rate
 from agent_loop.episode.chat import first_difference
 from agent_loop.inspect.load import Problems, iter_records, read_at
 from agent_loop.inspect.tokens import TokenText, show_whitespace
@@ -215,7 +215,7 @@ def named(values: list, cap: int = NAMED) -> str:
 
 def stats(summary: RolloutStats) -> dict[str, str]:
     """A run's summary as the rows of the comparison table."""
-    return {"episodes": str(summary.episodes), "success rate": f"{summary.success_rate:.0%}",
+    return {"episodes": str(summary.episodes), "success rate": rate(summary.success_rate),
             "mean reward": f"{summary.mean('reward_sum'):.3f}", "mean turns": f"{summary.mean('turns'):.2f}",
             "mean tokens": f"{summary.mean('assistant_tokens') + summary.mean('observation_tokens'):.1f}"}
 
@@ -259,15 +259,26 @@ def outcome(b: Brief) -> str:
 
 # -- terminal ----------------------------------------------------------------------------------------
 
-def summary_table(c: Comparison) -> Table:
+LABEL_MIN = 12  # the narrowest label column the summary table is drawn with; narrower: one plain line per row
+
+
+def summary_table(c: Comparison, width: int = 80) -> Table | Text:
+    """The two runs side by side within ``width`` columns: the values keep their full width, the labels wrap.
+    Too narrow for that: one line per row (``label: A x · B y``, wrapped by the console)."""
     a, b = (stats(r) for r in c.summaries)
-    table = Table(title=f"A = {c.paths[0]}\nB = {c.paths[1]}", title_justify="left")
-    for name in ("", "A", "B"):
-        table.add_column(name, justify="left" if not name else "right", no_wrap=True)
-    for key in a:
-        table.add_row(key, a[key], b[key])
-    table.add_row(f"matched by {MATCHES[c.match]}", str(len(c.pairs)), str(len(c.pairs)))
-    table.add_row("without a match", str(len(c.only[0])), str(len(c.only[1])))
+    rows = [(key, a[key], b[key]) for key in a] + [
+        (f"matched by {MATCHES[c.match]}", str(len(c.pairs)), str(len(c.pairs))),
+        ("without a match", str(len(c.only[0])), str(len(c.only[1])))]
+    title = f"A = {c.paths[0]}\nB = {c.paths[1]}"
+    values = [max([1] + [len(row[k]) for row in rows]) for k in (1, 2)]
+    if width - sum(values) - 3 * 3 - 1 < LABEL_MIN:
+        return Text("\n".join([title] + [f"{key}: A {x} · B {y}" for key, x, y in rows]))
+    table = Table(title=title, title_justify="left")
+    table.add_column("", justify="left")
+    for name, value_width in zip(("A", "B"), values):
+        table.add_column(name, justify="right", no_wrap=True, min_width=value_width)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -295,20 +306,41 @@ def episode_cell(p: Pair) -> str:
     return str(p.a.index) if p.a.index == p.b.index else f"{p.a.index}→{p.b.index}"
 
 
-def pairs_table(c: Comparison, rows: list[int]) -> Table:
-    """One line per pair at any width from 80 columns: the short cells (episode, seed, A, B) keep their full
-    width and "what differs" takes the rest, cut with … (the line under the table and --episode say all)."""
+def fit_words(text: str, width: int) -> str:
+    """``text`` in ``width`` characters: whole, or cut after its last whole word that fits (a trailing comma
+    dropped) and ended with …."""
+    if len(text) <= width:
+        return text
+    cut = text[: max(0, width - 1)]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(",;: ") + "…"
+
+
+DIFFERS_MIN = 12  # the narrowest "what differs" column the table is drawn with; narrower: one plain line per pair
+
+
+def pairs_table(c: Comparison, rows: list[int], width: int = 80) -> Table | Text:
+    """One line per pair within ``width`` columns: the short cells (episode, seed, A, B) keep their full width and
+    "what differs" takes exactly the rest, cut after a whole word with … (the line under the table and --episode
+    say all). Too narrow for that: one plain line per pair, cut the same way."""
     cells = [(episode_cell(c.pairs[i]), str(c.pairs[i].a.seed), outcome(c.pairs[i].a), outcome(c.pairs[i].b))
              for i in rows]
-    table = Table(title=f"matched episodes ({len(rows)} of {len(c.pairs)} listed)", title_justify="left")
+    widths = [max([len(name)] + [len(row[k]) for row in cells]) for k, name in enumerate(("episode", "seed", "A", "B"))]
+    title = f"matched episodes ({len(rows)} of {len(c.pairs)} listed)"
+    differs = width - sum(widths) - 3 * 5 - 1  # 5 columns: 2 spaces of padding and a rule each, and the last rule
+    if differs < DIFFERS_MIN:
+        lines = [fit_words(title, width)] + [
+            fit_words(f"{episode} seed {seed}: A {a} · B {b} · {tokens_state(c.pairs[i])}", width)
+            for i, (episode, seed, a, b) in zip(rows, cells)]
+        return Text("\n".join(lines))
+    table = Table(title=fit_words(title, width), title_justify="left")
     for k, name in enumerate(("episode", "seed", "A", "B")):
-        width = max([len(name)] + [len(row[k]) for row in cells])
-        table.add_column(name, no_wrap=True, min_width=width, justify="right" if k < 2 else "left")
-    table.add_column("what differs", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+        table.add_column(name, no_wrap=True, width=widths[k], justify="right" if k < 2 else "left")
+    table.add_column("what differs", no_wrap=True, width=differs)
     for i, (episode, seed, a, b) in zip(rows, cells):
         p = c.pairs[i]
         style = "bold red" if p.a.success and not p.b.success else "bold green" if p.b.success and not p.a.success else ""
-        table.add_row(episode, seed, a, Text(b, style=style), tokens_state(p))
+        table.add_row(episode, seed, a, Text(b, style=style), fit_words(tokens_state(p), differs))
     return table
 
 
@@ -345,12 +377,12 @@ def pair_view(c: Comparison, i: int, text: TokenText) -> list:
 
 
 def render_terminal(c: Comparison, console: Console, tokenizer: str | None, show_all: bool, limit: int) -> None:
-    console.print(summary_table(c))
+    console.print(summary_table(c, console.width))
     console.print(changes(c))
     rows = list(range(len(c.pairs)))[: limit if show_all else TABLE_ROWS]
     detail(c, rows)
     if c.pairs:
-        console.print(pairs_table(c, rows))
+        console.print(pairs_table(c, rows, console.width))
         if len(rows) < len(c.pairs):
             console.print(unlisted(c, rows), style="dim")
     text = TokenText(tokenizer)

@@ -9,7 +9,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from agent_loop.config import plural
+from agent_loop.config import plural, rate
 from agent_loop.inspect.tokens import Segment, show_whitespace, turns, versions_note
 from agent_loop.inspect.turn_view import turn_advantage_of, turn_rows
 from agent_loop.inspect.values import COMPARED
@@ -214,7 +214,7 @@ def batch_summary(view: InspectView, shown: str, width: int = 80) -> Group:
     n = max(s.episodes, 1)
     errors = ", ".join(f"{k} {c}" for k, c in s.tool_errors.most_common()) or "none"
     rows = (
-        ("success rate", f"{s.successes / n:.0%} ({s.successes} of {s.episodes})"),
+        ("success rate", f"{rate(s.successes / n)} ({s.successes} of {s.episodes})"),
         ("mean reward", f"{s.reward_sum / n:.3f}"),
         ("mean turns", f"{s.turns / n:.2f}"),
         ("finish reasons", ", ".join(f"{k} {c}" for k, c in s.finish_reasons.most_common())),

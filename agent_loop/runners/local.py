@@ -22,6 +22,7 @@ from typing import Iterable
 from tqdm.auto import tqdm
 
 from agent_loop.backends.base import Backend, check_backend, is_fatal
+from agent_loop.config import rate
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.info import episode_info
 from agent_loop.episode.loop import formatter_for, run_episode
@@ -99,7 +100,7 @@ class TrajectorySink:
         if self.file:
             self.file.write_line(trajectory.to_json())
         if not self.bar.disable:  # the postfix is redrawn with the bar (tqdm rate-limits that), not per episode
-            self.bar.set_postfix_str(f"success={self.stats.success_rate:.2f}", refresh=False)
+            self.bar.set_postfix_str(f"success={rate(self.stats.success_rate)}", refresh=False)
         self.bar.update()
 
     def in_order(self, indices: list[int]) -> list[Trajectory]:
