@@ -47,8 +47,9 @@ from advantages.stats import accumulation_dtype, masked_whiten
 from masking.spans import SpanKind, spans_from_response_mask
 from masking.validate import as_dtype
 
-# Two polynomial hashes of an observation's token ids (mod two primes below 2**31), plus its
-# length: a false merge of two different observations needs both hashes and the length to agree.
+# The torch path's two polynomial hashes of an observation's token ids (mod two primes below 2**31):
+# a false merge of two different observations needs both to agree (the compiled path has its own,
+# advantages/native_turns.c).
 _HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 911_382_323))
 
 
@@ -176,7 +177,7 @@ class _Tables(NamedTuple):
     """What the estimators compute from: ``(b, n)`` per-turn rewards ``r`` (float64 from the compiled
     pass, else the accumulation dtype), ``exists``, ``n``, the observation ``keys`` ``(h1, h2)``
     (when asked for), the critic's value at each turn's first ASSISTANT token (when asked for),
-    ``broadcast(per_turn, dtype)`` back to ``(b, t)``, and the torch :class:`_Turns` where built
+    ``broadcast([per_turn, ..], dtype)`` back to ``(b, t)`` (one or two tables), and the torch :class:`_Turns` where built
     (validation, the torch path)."""
 
     r: torch.Tensor
@@ -184,7 +185,7 @@ class _Tables(NamedTuple):
     n: int
     keys: tuple | None
     first_values: torch.Tensor | None
-    broadcast: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+    broadcast: Callable[[list, torch.dtype], list]
     turns: _Turns | None
 
 
@@ -210,16 +211,16 @@ def _tables(token_level_rewards, response_mask, spans, turn_ids, validate, respo
                 keys = (keys[0], torch.where(torch.arange(n) == 0, -1 - keys[1], keys[1]))  # turn 0: the prompt
 
             def broadcast(per_turn, dtype):
-                out = native_broadcast(torch.where(exists, per_turn, 0.0).double(), spans8, turn_ids, dtype)
-                return out if out is not None else _broadcast(per_turn, dtype, s or _structure(
-                    token_level_rewards, response_mask, spans, turn_ids, False))
+                out = native_broadcast(per_turn, spans8, turn_ids, dtype)  # absent turns have no token to read
+                return out if out is not None else [_broadcast(x, dtype, s or _structure(
+                    token_level_rewards, response_mask, spans, turn_ids, False)) for x in per_turn]
 
             return _Tables(r, exists, n, keys, first_values, broadcast, s)
     if s is None:
         s = _structure(token_level_rewards, response_mask, spans, turn_ids, False)
     keys = None if responses is None else _observation_hashes(responses, s)
     return _Tables(_per_turn(token_level_rewards, s), s.exists, s.n, keys, None if values is None else _first_values(values, s),
-                   functools.partial(_broadcast, s=s), s)
+                   lambda per_turn, dtype: [_broadcast(x, dtype, s) for x in per_turn], s)
 
 
 def _first_values(values: torch.Tensor, s: _Turns) -> torch.Tensor:
@@ -307,7 +308,7 @@ def turn_returns(
     check_discount("gamma", gamma)
     tables = _tables(token_level_rewards, response_mask, spans, turn_ids, validate)
     G = _turn_returns(tables.r, tables.exists, gamma)
-    returns = tables.broadcast(G, token_level_rewards.dtype)
+    (returns,) = tables.broadcast([G], token_level_rewards.dtype)
     advantages = masked_whiten(returns, response_mask, check=validate) if whiten else returns
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
@@ -338,7 +339,8 @@ def turn_rloo(
     G = _turn_returns(tables.r, tables.exists, gamma)
     baseline, _ = _loo_turn_index_baseline(G, tables.exists, group)
     dtype = token_level_rewards.dtype
-    return tables.broadcast(G - baseline, dtype), tables.broadcast(G, dtype)
+    advantages, returns = tables.broadcast([G - baseline, G], dtype)
+    return advantages, returns
 
 
 @register_adv_est(AdvantageEstimator.TURN_INDEX_NORMALIZED, needs_index=True)
@@ -381,7 +383,8 @@ def turn_index_normalized(
     A = _turn_returns(normalized, exists, gamma)
     G = _turn_returns(r, exists, gamma)
     dtype = token_level_rewards.dtype
-    return tables.broadcast(A, dtype), tables.broadcast(G, dtype)
+    advantages, returns = tables.broadcast([A, G], dtype)
+    return advantages, returns
 
 
 @register_adv_est(AdvantageEstimator.TURN_GAE, needs_values=True)
@@ -417,7 +420,8 @@ def turn_gae(
     delta = torch.where(exists, r + gamma * V_next - V, 0.0)
     A = _turn_returns(delta, exists, gamma * lam)
     dtype = token_level_rewards.dtype
-    return tables.broadcast(A, dtype), tables.broadcast(A + V, dtype)
+    advantages, returns = tables.broadcast([A, A + V], dtype)
+    return advantages, returns
 
 
 # ----------------------------------------------------------------------------- GiGPO
@@ -693,4 +697,5 @@ def gigpo(
     step = _step_advantage(G, exists, group, sets, own, others, gigpo_mode == "mean_std_norm", epsilon)
     advantages = torch.where(exists, episode.unsqueeze(1) + step_advantage_w * step, 0.0)
     dtype = token_level_rewards.dtype
-    return tables.broadcast(advantages, dtype), tables.broadcast(G, dtype)
+    advantages, returns = tables.broadcast([advantages, G], dtype)
+    return advantages, returns
