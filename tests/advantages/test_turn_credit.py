@@ -467,3 +467,17 @@ def test_rewards_off_assistant_rejected_before_work(batch):
     r[1, pos] = 1.0
     with pytest.raises(ValueError, match=f"row 1, position {pos}"):
         turn_index_normalized(r, batch["response_mask"], batch["index"], spans=batch["spans"])
+
+
+def test_many_turns_and_int64_turn_ids():
+    """Rows with more turns than the compiled pass's first try (64 columns: it runs again with
+    enough), given as int64 turn ids as well as the loop's int16 ones."""
+    gen = torch.Generator().manual_seed(21)
+    episodes = [Episode(g // 2, [[10 + k % 3] for k in range(turns)], [[]] + [[3 + k % 2] * (1 + k % 3) for k in range(turns - 1)],
+                        [float(torch.randn(1, generator=gen)) for _ in range(turns)], 1.0, pad=2)
+                for g, turns in enumerate((70, 66, 5, 90))]
+    batch = build_batch(episodes)
+    wide = dict(batch, turn_ids=batch["turn_ids"].long())
+    for b in (batch, wide):
+        _close(per_turn(_call("turn_rloo", b)[0], b, episodes), ref_turn_rloo(episodes, 1.0))
+        _close(per_turn(_call("gigpo", b)[0], b, episodes), ref_gigpo(episodes), tol=1e-10)
