@@ -66,8 +66,11 @@ def test_rollout_over_http_through_agent_loop_serve_then_inspect(smollm2_dir, tm
 
 @pytest.mark.timeout(900)
 def test_one_full_fine_tuning_step_changes_every_weight_and_inspect_shows_the_run(smollm2_dir, tmp_path, capsys):
+    """With the turn-level estimator gigpo (issue 47: ``agent-loop train --estimator gigpo --model smollm2-135m``):
+    its step file records each turn's anchor-state group, and ``inspect`` shows the per-turn view of it."""
     run = tmp_path / "train"
-    assert main(["train", *SMALL_TRAIN, "--steps", "1", "--output-dir", str(run)]) == 0, capsys.readouterr().err
+    assert main(["train", *SMALL_TRAIN, "--estimator", "gigpo", "--steps", "1", "--output-dir", str(run)]) == 0, \
+        capsys.readouterr().err
     (step,) = metrics_of(run)
     assert step["step"] == 1 and step["grad_norm"] > 0
     before = load_file(f"{smollm2_dir}/model.safetensors")
@@ -77,6 +80,15 @@ def test_one_full_fine_tuning_step_changes_every_weight_and_inspect_shows_the_ru
     capsys.readouterr()
     assert main(["inspect", str(run), "--png", str(tmp_path / "run.png")]) == 0, capsys.readouterr().err
     assert "step" in capsys.readouterr().out and (tmp_path / "run.png").stat().st_size > 0
+    path = run / "rollouts" / "step_000001.jsonl"
+    trained = [e for e in map(json.loads, path.read_text().splitlines()) if e["info"]["trained"]]
+    assert len(trained) == 4 and all(e["info"]["estimator"] == "gigpo" for e in trained)
+    for e in trained:  # one anchor group per assistant turn; the first turn's holds the question's other sample
+        turns = len({k for k, s in zip(e["turn_ids"], e["spans"]) if s == 1})
+        assert len(e["info"]["anchor_groups"]) == turns and e["info"]["anchor_others"][0] >= 1
+    assert main(["inspect", str(path), "--all", "--width", "200"]) == 0, capsys.readouterr().err
+    shown = capsys.readouterr().out
+    assert "per turn (as trained at step 1, estimator gigpo)" in shown and "anchor group" in shown
 
 
 @pytest.mark.timeout(900)
@@ -94,3 +106,4 @@ def test_an_asynchronous_run_trains_on_episodes_at_most_one_step_stale(smollm2_d
         for record in records:
             assert len(record["policy_versions"]) == len(record["response_ids"])
             assert max(step - 2, 0) <= min(record["policy_versions"]) <= max(record["policy_versions"]) <= step - 1
+

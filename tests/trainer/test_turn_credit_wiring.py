@@ -173,3 +173,19 @@ def test_estimator_arguments_are_exactly_the_batch_fields_each_estimator_accepts
             "token_level_rewards", "response_mask")}, name
     assert {"responses", "turn_states", "turn_ids", "index", "spans"} <= set(estimator_arguments(get_estimator("gigpo"), batch))
     assert "values" not in estimator_arguments(get_estimator("turn_gae"), batch)  # not in the batch: gae's own error
+
+
+@pytest.mark.slow
+def test_turn_gae_trains_with_the_value_head_gae_uses(tiny_mid, tmp_path):
+    trainer = Trainer(small_config(tiny_mid, tmp_path, estimator="turn_gae", gamma=0.9, lam=0.8, steps=1))
+    assert trainer.value_head is not None  # the critic of any estimator that needs values
+    torch.nn.init.normal_(trainer.value_head.linear.weight, generator=torch.Generator().manual_seed(0))
+    batch = trainer.make_batch(trainer.rollouts(0))
+    trainer.score(batch)
+    assert batch.values is not None and torch.isfinite(batch.advantages).all()
+    want, returns = get_estimator("turn_gae")(batch.token_level_rewards, batch.response_mask, values=batch.values,
+                                              spans=batch.spans, turn_ids=batch.turn_ids, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(batch.advantages, want)
+    torch.testing.assert_close(batch.returns, returns)
+    loss, stats = trainer.micro_batch_loss(batch.select(torch.arange(2)))
+    assert torch.isfinite(loss) and torch.isfinite(stats["value_loss"])
