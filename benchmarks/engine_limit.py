@@ -50,8 +50,9 @@ sys.path[:0] = [str(ROOT)]
 
 from agent_loop.backends.base import Backend  # noqa: E402
 
-BACKENDS = ("vllm", "http", "hf")
-LABELS = {"vllm": "vLLM in process", "http": "vLLM over HTTP (agent-loop serve)", "hf": "transformers"}
+BACKENDS = ("vllm", "http", "hf", "vllm-autobind")
+LABELS = {"vllm": "vLLM in process", "http": "vLLM over HTTP (agent-loop serve)", "hf": "transformers",
+          "vllm-autobind": "vLLM in process, vLLM's own binding"}
 COLUMNS = ("backend", "concurrency", "episodes", "tokens", "engine tok/s", "ours tok/s", "ratio", "busy", "in flight",
            "main thread cpu", "our other threads cpu", "engine procs cpu", "idle cores")
 
@@ -91,6 +92,18 @@ def interval_stats(calls: list[tuple], started: float, wall: float) -> tuple[flo
         area += (at - last) * level
         level, last = level + step, at
     return busy / wall, area / wall
+
+
+def reusable_prefix(calls: list[tuple]) -> float:
+    """Share of the prompt tokens a prefix cache can skip: each later turn's prompt starts with the turn before's
+    prompt and its generated tokens (the loop's token-in/token-out contract), checked on the prompts."""
+    reused = 0
+    for episode in episodes_of(calls):
+        for before, turn in zip(episode, episode[1:]):
+            if turn[1][: len(before[1])] != before[1]:
+                raise RuntimeError("a turn's prompt does not extend the turn before's")
+            reused += len(before[1]) + before[2]
+    return reused / max(1, sum(len(call[1]) for call in calls))
 
 
 def episodes_of(calls: list[tuple]) -> list[list[tuple]]:
@@ -203,7 +216,8 @@ def measure_level(name, backend, generate_exact, run_on_engine, task, tokenizer,
     row = {"backend": LABELS[name], "concurrency": c, "episodes": episodes, "tokens": tokens,
            "engine": tokens / engine_wall, "ours": tokens / wall, "ratio": engine_wall / wall, "busy": busy,
            "in_flight": in_flight / c, "cpu": cpu, "idle_cores": cores - sum(cpu),
-           "turns": len(recorder.calls), "prompt_tokens": sum(len(call[1]) for call in recorder.calls)}
+           "turns": len(recorder.calls), "prompt_tokens": sum(len(call[1]) for call in recorder.calls),
+           "reusable": reusable_prefix(recorder.calls)}
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
@@ -214,7 +228,8 @@ def measure_level(name, backend, generate_exact, run_on_engine, task, tokenizer,
             profile.disable()
         row["profile"] = profile_split(profile)
     print(f"  {LABELS[name]}, concurrency {c}: engine {row['engine']:.0f} tok/s, ours {row['ours']:.0f} tok/s, "
-          f"ratio {row['ratio']:.2f} ({tokens} tokens in {len(recorder.calls)} turns, {episodes} episodes; "
+          f"ratio {row['ratio']:.2f} ({tokens} tokens in {len(recorder.calls)} turns, {episodes} episodes, "
+          f"{row['prompt_tokens']} prompt tokens of which {row['reusable']:.0%} a prefix cache can skip; "
           f"load {os.getloadavg()[0]:.1f})", flush=True)
     return row
 
@@ -253,10 +268,17 @@ def open_backend(name: str, model: str, args):
             return len((await backend.generate(prompt, sampling)).token_ids)
 
         yield backend, exact, asyncio.run
-    elif name == "vllm":
+    elif name.startswith("vllm"):
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
 
-        with VLLMEngineBackend(model, seed=0, **args.engine_kwargs) as backend:
+        if name == "vllm-autobind":  # what the engine did before issue 48: vLLM's "auto" (1 core of 2 reserved)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
+        try:
+            backend = VLLMEngineBackend(model, seed=0, threads=args.threads, **args.engine_kwargs)
+        finally:
+            if name == "vllm-autobind":
+                del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        with backend:
             from vllm import SamplingParams as VLLMSamplingParams
             from vllm import TokensPrompt
             from vllm.sampling_params import RequestOutputKind

@@ -61,13 +61,15 @@ def _core_ids(text: str) -> list[int]:
 
 def omp_threads_bind(threads: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for a vLLM CPU engine of ``threads`` threads: the first ``threads`` cores this
-    process may use ("0,1"), or the caller's own ``VLLM_CPU_OMP_THREADS_BIND`` when it is set. Without it vLLM's
+    process may use ("0,1"), or the caller's own ``VLLM_CPU_OMP_THREADS_BIND`` when it is set (also "auto" or "nobind"). Without it vLLM's
     "auto" binding computes on all but one core and reserves that one for its scheduler (on 2 cores: 1 of 2;
     docs/platform.md). ValueError in one line when the binding asks for more cores than this process may use
     (more threads than cores: each waits for the descheduled ones at every operation, 4-5x slower measured)."""
     allowed = allowed_cores()
     given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if given and given not in ("auto", "nobind"):
+    if given in ("auto", "nobind"):  # the caller asks for vLLM's own binding, or none
+        return given
+    if given:
         outside = sorted(set(_core_ids(given)) - set(allowed))
         if outside:
             raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={given}: binds core(s) {','.join(map(str, outside))}, which "

@@ -40,6 +40,8 @@ def test_a_given_binding_is_kept_unless_it_names_cores_this_process_may_not_use(
     with pytest.raises(ValueError, match=r"^VLLM_CPU_OMP_THREADS_BIND=2-5: binds core\(s\) 4,5, which this process "
                                          r"may not use \(it may use 0-3; docs/platform.md\)$"):
         omp_threads_bind(1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # vLLM's own binding, asked for by name
+    assert omp_threads_bind(1) == "auto"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,x")
     with pytest.raises(ValueError, match="not a list of core ids"):
         omp_threads_bind(1)
