@@ -122,6 +122,12 @@ class _Turns(NamedTuple):
     exists: torch.Tensor
 
 
+def _sync_free(x: torch.Tensor) -> bool:
+    """Whether the hot path must not synchronise with the host for ``x`` (an accelerator): then the
+    tables get ``n = t`` columns instead of the batch's turn count (which would need a sync)."""
+    return not x.is_cpu
+
+
 def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) -> _Turns:
     """Check the batch (shapes always; values with ``validate``) and resolve its turns (:class:`_Turns`)."""
     check_batch(token_level_rewards, response_mask, spans, validate)
@@ -143,7 +149,7 @@ def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) ->
     # consecutive ids (validated or derived): an OBSERVATION carries an earlier id, PAD -1, so a row's
     # largest id is its last turn
     count = turns.amax(1) + 1 if t else torch.zeros(b, dtype=torch.long, device=turns.device)
-    if validate or token_level_rewards.device.type == "cpu":
+    if validate or not _sync_free(token_level_rewards):
         n = int(count.max()) if b else 0
     else:
         n = t  # no host sync: every turn has a token, so at most t turns

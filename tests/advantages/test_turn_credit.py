@@ -21,6 +21,7 @@ from advantages import (
 )
 from advantages.native_turns import compiled_turns
 from advantages.registry import BATCH_ARGUMENTS
+from tests.helpers.host_syncs import HostSyncs
 from tests.helpers.turn_credit_reference import (
     ASSISTANT,
     OBSERVATION,
@@ -481,3 +482,19 @@ def test_many_turns_and_int64_turn_ids():
     for b in (batch, wide):
         _close(per_turn(_call("turn_rloo", b)[0], b, episodes), ref_turn_rloo(episodes, 1.0))
         _close(per_turn(_call("gigpo", b)[0], b, episodes), ref_gigpo(episodes), tol=1e-10)
+
+
+@pytest.mark.parametrize("name", TURN_ESTIMATORS)
+def test_the_accelerator_layout_without_host_sync(name, monkeypatch):
+    """On CUDA without validation the tables have n = t columns (the turn count would need a host
+    sync): the same advantages, here on the CPU's torch path with that layout forced."""
+    episodes = _episodes(22)
+    batch = build_batch(episodes)
+    expected = _call(name, batch, validate=False)
+    monkeypatch.setattr(turn_credit, "native_turn_tables", lambda *args, **kwargs: None)
+    monkeypatch.setattr(turn_credit, "_sync_free", lambda x: True)
+    with HostSyncs() as recorder:
+        got = _call(name, batch, validate=False)
+    assert recorder.seen == [], recorder.seen  # no .item(), .tolist(), bool(tensor), ... on the way
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12)
