@@ -324,8 +324,9 @@ def demonstration_order(n: int, steps: int, batch_size: int, seed: int) -> torch
 
 
 def planned_steps(config: WarmstartConfig, demonstrations: int) -> int:
-    """``config.steps``, or when unset ``ceil(epochs x demonstrations / batch_size)``: the work scales with the data."""
-    return config.steps or max(1, math.ceil(config.epochs * demonstrations / config.batch_size))
+    """``config.steps``, or when unset ``ceil(passes x demonstrations / batch_size)`` (``WarmstartConfig.passes``:
+    ``--epochs``, or the model's default): the work scales with the data."""
+    return config.steps or max(1, math.ceil(config.passes * demonstrations / config.batch_size))
 
 
 def work_line(demonstrations: list[Trajectory], config: WarmstartConfig) -> str:

@@ -29,8 +29,11 @@ from trainer.config import (
     run_folder_of,
 )
 
-__all__ = ["MIN_LR_FRACTION", "MODEL_LR", "TINY_LR", "WarmstartConfig"]
+__all__ = ["MIN_LR_FRACTION", "MODEL_EPOCHS", "MODEL_LR", "TINY_EPOCHS", "TINY_LR", "WarmstartConfig"]
 DEFAULT_OUTPUT_DIR = "runs/warmstart"  # unset --output-dir: this, or the first free runs/warmstart-N
+# unset --epochs: the tiny agent's 600 steps x 16 of 256 demonstrations (issue 29); a pretrained model learns the
+# format in a few passes at MODEL_LR (BENCHMARKS.md, "How long and how fast a real model's warm start", issue 49)
+TINY_EPOCHS, MODEL_EPOCHS = 37.5, 2.5
 
 
 # a warm-start step is one batch's forward and backward (no rollouts): saving every 20 would cost more than it keeps
@@ -43,9 +46,11 @@ class WarmstartConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOpti
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
 
-    epochs: Annotated[float, Field(gt=0, description="passes over the demonstrations when --steps is unset: steps = "
-                                   "ceil(epochs x demonstrations / --batch-size); 37.5 gives the 600 steps x 16 of "
-                                   "256 demonstrations that docs/bring_your_own.md's and BENCHMARKS.md's warm starts used")] = 37.5
+    epochs: Annotated[float | None, Field(gt=0, description=(
+        "passes over the demonstrations when --steps is unset: steps = ceil(epochs x demonstrations / --batch-size); "
+        f"unset: {TINY_EPOCHS:g} for the built-in tiny agent (the 600 steps x 16 of 256 demonstrations that "
+        "docs/bring_your_own.md's and BENCHMARKS.md's warm starts used), "
+        f"{MODEL_EPOCHS:g} for a --model (BENCHMARKS.md, issue 49)"))] = None
     batch_size: integer("demonstrations per optimizer step (in a new random order every pass)") = 16
     check_episodes: integer("held-out questions of the task (another --seed stream, as train's evaluation) played "
                             "at the end, sampled at T=1, and their success printed: whether the warm start took "
@@ -54,6 +59,14 @@ class WarmstartConfig(ThreadOptions, DeviceOptions, OutputOptions, OptimizerOpti
     def default_lr(self) -> float:
         """:data:`TINY_LR` for the built-in tiny agent, :data:`MODEL_LR` for a ``--model``."""
         return TINY_LR if self.model is None else MODEL_LR
+
+    @property
+    def passes(self) -> float:
+        """``epochs`` when set, else :data:`TINY_EPOCHS` for the built-in tiny agent, :data:`MODEL_EPOCHS` for a
+        ``--model``: the passes over the demonstrations that set the steps when ``steps`` is unset."""
+        if self.epochs is not None:
+            return self.epochs
+        return TINY_EPOCHS if self.model is None else MODEL_EPOCHS
 
     def check(self) -> None:
         """The task's rules (OptionError); then the default ``output_dir``: never an earlier run's folder."""

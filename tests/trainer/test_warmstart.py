@@ -358,6 +358,10 @@ def test_the_default_steps_scale_with_the_demonstrations():
     assert planned_steps(WarmstartConfig(), 256) == 600  # the shipped default: 37.5 passes of 256 at batch 16
     assert planned_steps(WarmstartConfig(), 32) == 75 and planned_steps(WarmstartConfig(epochs=2), 33) == 5
     assert planned_steps(WarmstartConfig(steps=7), 256) == 7  # given: kept
+    # issue 49 item 2: a --model took the tiny agent's 37.5 passes (600 steps x 16: hours for a real model on a CPU)
+    assert planned_steps(WarmstartConfig(model="smollm2-135m"), 256) == 40  # 2.5 passes of 256 at batch 16
+    assert planned_steps(WarmstartConfig(model="smollm2-135m"), 64) == 10
+    assert planned_steps(WarmstartConfig(model="smollm2-135m", epochs=37.5), 256) == 600  # given: kept
 
 
 def as_older_checkpoint(folder, *, warmup: int, steps: int) -> None:
