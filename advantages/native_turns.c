@@ -24,6 +24,18 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
 }
 
 #define FNV 0x100000001b3ULL
+#define B3 0x9E3779B97F4A7C15ULL /* the check hash (validation only): another base, tokens mixed */
+#define MIX 0xD6E8FEB86659FD93ULL
+#define STORE(k)                                                                                     \
+    do {                                                                                             \
+        h1[row * n + (k)] = (int64_t)a; h2[row * n + (k)] = (int64_t)b;                              \
+        if (h3) { h3[row * n + (k)] = (int64_t)c; length[row * n + (k)] = (int64_t)m; }              \
+    } while (0)
+#define LOAD(k)                                                                                      \
+    do {                                                                                             \
+        a = (uint64_t)h1[row * n + (k)]; b = (uint64_t)h2[row * n + (k)];                            \
+        if (h3) { c = (uint64_t)h3[row * n + (k)]; m = (uint64_t)length[row * n + (k)]; }            \
+    } while (0)
 
 /* count[row] = the row's number of turns (largest ASSISTANT turn id + 1); tables of n columns
  * (turns at n or beyond are skipped: the caller retries with more columns). A turn's reward sum is
@@ -31,8 +43,9 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
 #define TABLES(NAME, T)                                                                              \
     void NAME(const T *rewards, const T *values, const int8_t *spans, const void *turn_ids, int turn_kind, \
               const int64_t *tokens, int64_t rows, int64_t cols, int64_t n, double *r, double *v,    \
-              int64_t *h1, int64_t *h2, int64_t *count) {                                            \
+              int64_t *h1, int64_t *h2, int64_t *h3, int64_t *length, int64_t *count) {              \
         memset(r, 0, sizeof(double) * rows * n);                                                     \
+        if (h3) { memset(h3, 0, sizeof(int64_t) * rows * n); memset(length, 0, sizeof(int64_t) * rows * n); } \
         if (v) memset(v, 0, sizeof(double) * rows * n);                                              \
         if (tokens) { memset(h1, 0, sizeof(int64_t) * rows * n); memset(h2, 0, sizeof(int64_t) * rows * n); } \
         for (int64_t row = 0; row < rows; row++) {                                                   \
@@ -40,7 +53,7 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
             double *rr = r + row * n;                                                                \
             int64_t last = -1, top = -1, current = -1; /* last ASSISTANT turn, largest, the run's */ \
             double sum = 0.0;                                                                        \
-            uint64_t a = 0, b = 0; /* the hashes of the observation being read */                    \
+            uint64_t a = 0, b = 0, c = 0, m = 0; /* the hashes and length of the observation read */ \
             int64_t into = 0;      /* the turn it precedes */                                        \
             int previous = 0;                                                                        \
             for (int64_t t = 0; t < cols; t++) {                                                     \
@@ -63,19 +76,20 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
                     if (s == 2 && tokens) {                                                          \
                         int64_t k = last + 1;                                                        \
                         if (k != into) { /* a new observation (the one before turn k) */             \
-                            if (into >= 0 && into < n) { h1[row * n + into] = (int64_t)a; h2[row * n + into] = (int64_t)b; } \
+                            if (into >= 0 && into < n) STORE(into);                                  \
                             into = k;                                                                \
-                            a = b = 0;                                                               \
-                            if (k >= 0 && k < n) { a = (uint64_t)h1[row * n + k]; b = (uint64_t)h2[row * n + k]; } \
+                            a = b = c = m = 0;                                                       \
+                            if (k >= 0 && k < n) LOAD(k);                                            \
                         }                                                                            \
                         uint64_t x = (uint64_t)tokens[base + t] + 1;                                 \
                         a = a * B1 + x;                                                              \
                         b = (b ^ x) * FNV;                                                           \
+                        if (h3) { c = c * B3 + (x ^ MIX); m++; }                                     \
                     }                                                                                \
                 }                                                                                    \
             }                                                                                        \
             if (current >= 0 && current < n) rr[current] += sum;                                     \
-            if (tokens && into >= 0 && into < n) { h1[row * n + into] = (int64_t)a; h2[row * n + into] = (int64_t)b; } \
+            if (tokens && into >= 0 && into < n) STORE(into);                                        \
             count[row] = top + 1;                                                                    \
         }                                                                                            \
     }
@@ -115,3 +129,25 @@ TABLES(turn_tables_f32, float)
 TABLES(turn_tables_f64, double)
 BROADCAST(turn_broadcast_f32, float)
 BROADCAST(turn_broadcast_f64, double)
+
+/* The first ASSISTANT token whose turn id is neither the largest id before it nor one more, or
+ * OBSERVATION token whose id is not that largest id (-1 before any): its flat index, else -1
+ * (advantages.turn_credit._check_turn_ids, which names it). */
+int64_t check_turn_ids(const int8_t *spans, const void *turn_ids, int turn_kind, int64_t rows, int64_t cols) {
+    for (int64_t row = 0; row < rows; row++) {
+        int64_t top = -1;
+        for (int64_t t = 0; t < cols; t++) {
+            const int64_t i = row * cols + t;
+            const int8_t s = spans[i];
+            if (s == 0) continue;
+            const int64_t k = turn_at(turn_ids, turn_kind, i);
+            if (s == 1) {
+                if (k != top && k != top + 1) return i;
+                top = k;
+            } else if (s == 2 && k != top) {
+                return i;
+            }
+        }
+    }
+    return -1;
+}

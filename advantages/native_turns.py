@@ -32,11 +32,14 @@ def compiled_turns() -> dict | None:
     functions = {}
     for dtype, name in _TYPES.items():
         tables = functions["tables", dtype] = getattr(lib, f"turn_tables_{name}")
-        tables.argtypes = [p, p, p, p, i32, p, i64, i64, i64, p, p, p, p, p]
+        tables.argtypes = [p, p, p, p, i32, p, i64, i64, i64, p, p, p, p, p, p, p]
         broadcast = functions["broadcast", dtype] = getattr(lib, f"turn_broadcast_{name}")
         broadcast.argtypes = [p, p, p, p, i32, i64, i64, i64, p, p]
     for function in functions.values():
         function.restype = None
+    functions["check"] = lib.check_turn_ids
+    lib.check_turn_ids.argtypes = [p, p, i32, i64, i64]
+    lib.check_turn_ids.restype = i64
     return functions
 
 
@@ -57,13 +60,23 @@ def _usable(dtype, spans, turn_ids, *others) -> dict | None:
     return compiled_turns()
 
 
-def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None):
+def native_check_turn_ids(spans, turn_ids) -> int | None:
+    """The flat index of the first token whose turn id breaks the rule of
+    ``advantages.turn_credit._check_turn_ids``, -1 if none; None where the loop cannot run."""
+    functions = _usable(torch.float32, spans, turn_ids)
+    if functions is None or turn_ids is None:
+        return None
+    return functions["check"](spans.data_ptr(), turn_ids.data_ptr(), _TURN_KINDS[turn_ids.dtype], *spans.shape)
+
+
+def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None, check=False):
     """``(r, count, n, keys, first_values)`` for ``(b, t)`` rewards (float32/float64), int8 spans,
     int16/int64 turn ids (None: derived from the spans), optional long token ids (the observation
     hashes) and values (at each turn's first ASSISTANT token): ``r`` ``(b, n)`` float64 per-turn
     reward sums, ``count`` ``(b,)`` turns per row, ``keys`` ``(h1, h2)`` ``(b, n)`` int64 or None,
     ``first_values`` ``(b, n)`` float64 or None; or None. One pass (two when a row has more than
-    :data:`FIRST_COLUMNS` turns)."""
+    :data:`FIRST_COLUMNS` turns). With ``check`` (and tokens) ``keys`` holds two more tables: a third
+    hash and the length of each observation, for gigpo's collision check."""
     if tokens is not None and tokens.dtype != torch.int64:
         return None
     if values is not None and values.dtype != rewards.dtype:
@@ -78,10 +91,12 @@ def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None):
     while True:
         r = torch.empty(b, n, dtype=torch.float64)
         v = torch.empty(b, n, dtype=torch.float64) if values is not None else None
-        h1, h2 = (torch.empty(b, n, dtype=torch.int64) for _ in range(2)) if tokens is not None else (None, None)
+        hashes = [torch.empty(b, n, dtype=torch.int64) for _ in range(4 if check else 2)] if tokens is not None else []
+        h1, h2, h3, length = (hashes + [None] * 4)[:4]
         functions["tables", rewards.dtype](
             rewards.data_ptr(), _pointer(values), spans.data_ptr(), _pointer(turn_ids), kind, _pointer(tokens),
-            b, t, n, r.data_ptr(), _pointer(v), _pointer(h1), _pointer(h2), count.data_ptr())
+            b, t, n, r.data_ptr(), _pointer(v), _pointer(h1), _pointer(h2), _pointer(h3), _pointer(length),
+            count.data_ptr())
         needed = max(int(count.max()) if b else 0, 1)
         if needed <= n:
             break
@@ -90,7 +105,7 @@ def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None):
     def cut(x):
         return None if x is None else x[:, :needed].contiguous()
 
-    return cut(r), count, needed, None if tokens is None else (cut(h1), cut(h2)), cut(v)
+    return cut(r), count, needed, tuple(cut(h) for h in hashes) or None, cut(v)
 
 
 def native_broadcast(tables: list[torch.Tensor], spans, turn_ids, dtype: torch.dtype) -> list[torch.Tensor] | None:

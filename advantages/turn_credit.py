@@ -40,11 +40,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from advantages.estimators import GRPO_EPS, group_ids
-from advantages.native_turns import native_broadcast, native_turn_tables
+from advantages.native_turns import native_broadcast, native_check_turn_ids, native_turn_tables
 from advantages.registry import AdvantageEstimator, register_adv_est
 from advantages.returns import check_batch, check_discount, discounted_returns
 from advantages.stats import accumulation_dtype, masked_whiten
-from masking.spans import SpanKind, spans_from_response_mask
+from masking.spans import SPAN_DTYPE, SpanKind
 from masking.validate import as_dtype
 
 # The torch path's two polynomial hashes of an observation's token ids (mod two primes below 2**31):
@@ -128,16 +128,21 @@ def _sync_free(x: torch.Tensor) -> bool:
     return not x.is_cpu
 
 
-def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) -> _Turns:
-    """Check the batch (shapes always; values with ``validate``) and resolve its turns (:class:`_Turns`)."""
-    check_batch(token_level_rewards, response_mask, spans, validate)
+def _mask_only_spans(response_mask: torch.Tensor) -> torch.Tensor:
+    """int8 spans of a mask-only batch: ASSISTANT where the mask is 1, OBSERVATION where it is 0 with
+    an ASSISTANT token later in the row, PAD after a row's last ASSISTANT token (those tokens join no
+    turn; the loop's turn ids there are -1)."""
     assistant = response_mask.bool()
-    if spans is None:
-        observation = ~assistant  # mask-only input: every 0 is an OBSERVATION (trailing ones join no turn)
-        spans_ = torch.where(assistant, SpanKind.ASSISTANT, SpanKind.OBSERVATION)
-    else:
-        observation = spans == SpanKind.OBSERVATION
-        spans_ = spans
+    later = assistant.flip(1).cumsum(1, dtype=torch.int32).flip(1) > 0
+    return torch.where(assistant, SpanKind.ASSISTANT, torch.where(later, SpanKind.OBSERVATION, SpanKind.PAD)).to(SPAN_DTYPE)
+
+
+def _structure(token_level_rewards, response_mask, spans, turn_ids, validate) -> _Turns:
+    """Resolve a batch's turns with torch ops (:class:`_Turns`); ``validate`` checks the turn ids
+    (the caller has checked the batch) and reads the exact turn count."""
+    assistant = response_mask.bool()
+    spans_ = _mask_only_spans(response_mask) if spans is None else spans
+    observation = spans_ == SpanKind.OBSERVATION
     if turn_ids is None:
         turns = turn_ids_from_spans(spans_)
     else:
@@ -193,40 +198,44 @@ class _Tables(NamedTuple):
     first_values: torch.Tensor | None
     broadcast: Callable[[list, torch.dtype], list]
     turns: _Turns | None
+    check_keys: tuple | None
 
 
 def _tables(token_level_rewards, response_mask, spans, turn_ids, validate, responses=None, values=None) -> _Tables:
     """Check the batch and build its per-turn tables: on the CPU with the compiled pass of
-    :mod:`advantages.native_turns` (one read of the tokens; one write per broadcast), elsewhere
-    (CUDA, no compiler, other dtypes) with torch's scatter/gather (:func:`_structure`)."""
-    s = None
-    if validate:
-        s = _structure(token_level_rewards, response_mask, spans, turn_ids, True)
-    else:
-        check_batch(token_level_rewards, response_mask, spans, False)
-        if turn_ids is not None:
-            _check_turn_ids_type(turn_ids, token_level_rewards)
+    :mod:`advantages.native_turns` (one read of the tokens; one write for the outputs), elsewhere
+    (CUDA, no compiler, other dtypes) with torch's scatter/gather (:func:`_structure`). With
+    ``validate`` and ``responses`` the compiled pass also gives ``check_keys`` (a third hash and the
+    length of each observation) for gigpo's collision check."""
+    check_batch(token_level_rewards, response_mask, spans, validate)
+    if turn_ids is not None:
+        _check_turn_ids_type(turn_ids, token_level_rewards)
     if token_level_rewards.is_cpu:
-        spans8 = spans_from_response_mask(response_mask) if spans is None else spans
+        spans8 = _mask_only_spans(response_mask) if spans is None else spans
+        if validate and turn_ids is not None and native_check_turn_ids(spans8, turn_ids) != -1:
+            _structure(token_level_rewards, response_mask, spans, turn_ids, True)  # names the bad token (or cannot run)
         tokens = None if responses is None else as_dtype(responses, torch.long)
-        native = native_turn_tables(token_level_rewards, spans8, turn_ids, tokens, values)
+        native = native_turn_tables(token_level_rewards, spans8, turn_ids, tokens, values, check=validate)
         if native is not None:
-            r, count, n, keys, first_values = native
-            exists = torch.arange(n) < count.unsqueeze(1)
-            if keys is not None:
-                keys = (keys[0], torch.where(torch.arange(n) == 0, -1 - keys[1], keys[1]))  # turn 0: the prompt
-
-            def broadcast(per_turn, dtype):
-                out = native_broadcast(per_turn, spans8, turn_ids, dtype)  # absent turns have no token to read
-                return out if out is not None else [_broadcast(x, dtype, s or _structure(
-                    token_level_rewards, response_mask, spans, turn_ids, False)) for x in per_turn]
-
-            return _Tables(r, exists, n, keys, first_values, broadcast, s)
-    if s is None:
-        s = _structure(token_level_rewards, response_mask, spans, turn_ids, False)
+            return _native_tables(native, spans8, turn_ids)
+    s = _structure(token_level_rewards, response_mask, spans, turn_ids, validate)
     keys = None if responses is None else _observation_hashes(responses, s)
     return _Tables(_per_turn(token_level_rewards, s), s.exists, s.n, keys, None if values is None else _first_values(values, s),
-                   lambda per_turn, dtype: [_broadcast(x, dtype, s) for x in per_turn], s)
+                   lambda per_turn, dtype: [_broadcast(x, dtype, s) for x in per_turn], s, None)
+
+
+def _native_tables(native, spans8, turn_ids) -> _Tables:
+    r, count, n, hashes, first_values = native
+    exists = torch.arange(n) < count.unsqueeze(1)
+    keys = check_keys = None
+    if hashes is not None:
+        keys = (hashes[0], torch.where(torch.arange(n) == 0, -1 - hashes[1], hashes[1]))  # turn 0: the prompt
+        check_keys = hashes[2:] or None
+
+    def broadcast(per_turn, dtype):
+        return native_broadcast(per_turn, spans8, turn_ids, dtype)  # absent turns have no token to read
+
+    return _Tables(r, exists, n, keys, first_values, broadcast, None, check_keys)
 
 
 def _first_values(values: torch.Tensor, s: _Turns) -> torch.Tensor:
@@ -500,7 +509,24 @@ def _check_collisions(responses: torch.Tensor, s: _Turns, keys, group: torch.Ten
     rep = representative[entry]
     other = responses[rep // n, (start_[rep] + offset).clamp_(0, max(t - 1, 0))]
     differs = s.observation & (column < n) & present[entry] & (responses != other)
-    bad = bad.index_put((entry[differs],), torch.tensor(True, device=device))
+    _raise_collision(bad.index_put((entry[differs],), torch.tensor(True, device=device)), representative, n)
+
+
+def _check_collisions_by_hash(keys, check_keys, exists: torch.Tensor, group: torch.Tensor) -> None:
+    """The compiled path's collision check: within each (group, key) set every member's length and
+    third hash must equal its first member's (ValueError naming row and turn otherwise)."""
+    b, n = exists.shape
+    present = exists.reshape(-1)
+    ids = _dense_ids(torch.where(exists, group.unsqueeze(1), b).reshape(-1), *(k.reshape(-1) for k in keys))
+    flat = torch.arange(b * n)
+    representative = torch.full_like(flat, b * n).scatter_reduce_(0, ids, torch.where(present, flat, b * n), "amin")[ids]
+    representative = torch.where(present, representative, flat).clamp_(max=b * n - 1)
+    bad = present.clone()
+    bad &= torch.stack([(c.reshape(-1) != c.reshape(-1)[representative]) for c in check_keys]).any(0)
+    _raise_collision(bad, representative, n)
+
+
+def _raise_collision(bad: torch.Tensor, representative: torch.Tensor, n: int) -> None:
     if bool(bad.any()):
         e = int(torch.nonzero(bad)[0, 0])
         r = int(representative[e])
@@ -599,7 +625,9 @@ def _anchor_sets(token_level_rewards, response_mask, index, spans, turn_ids, res
         keys = (_turn_state_keys(turn_states, exists, validate),)
     else:
         keys = tables.keys
-        if validate:
+        if validate and tables.check_keys is not None:
+            _check_collisions_by_hash(keys, tables.check_keys, exists, group)
+        elif validate:
             _check_collisions(responses, tables.turns, keys, group)
     members = torch.where(exists, group.unsqueeze(1), b).reshape(-1)  # absent turns: a group of their own
     sets = _dense_ids(members, *(k.reshape(-1) for k in keys))

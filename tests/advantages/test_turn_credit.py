@@ -190,12 +190,18 @@ def test_unvalidated_and_float32_paths_agree():
 
 
 def test_mask_only_input_equals_spans_input():
+    """Mask-only batches (every 0 an OBSERVATION, the trailing ones joining no turn), with the loop's
+    turn ids (-1 on the padding) or without."""
     episodes = _episodes(8)
     batch = build_batch(episodes)
-    mask_only = dict(batch)
-    del mask_only["spans"], mask_only["turn_ids"]
+    with_turn_ids = dict(batch)
+    del with_turn_ids["spans"]
+    mask_only = dict(with_turn_ids)
+    del mask_only["turn_ids"]
     for name in TURN_ESTIMATORS:
-        assert torch.equal(_call(name, mask_only)[0], _call(name, batch)[0]), name
+        expected = _call(name, batch)[0]
+        assert torch.equal(_call(name, mask_only)[0], expected), name
+        assert torch.equal(_call(name, with_turn_ids)[0], expected), name
 
 
 # ----------------------------------------------------------------------------- properties
@@ -436,7 +442,7 @@ def test_hash_collision_is_found_by_the_check(monkeypatch):
 
     def parity(*args, **kwargs):  # the compiled path's hashes, cut to the same parity
         out = compiled(*args, **kwargs)
-        return out if out is None or out[3] is None else (*out[:3], tuple(k % 2 for k in out[3]), out[4])
+        return out if out is None or out[3] is None else (*out[:3], (out[3][0] % 2, out[3][1] % 2, *out[3][2:]), out[4])
 
     if compiled(torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.int8), None) is not None:
         monkeypatch.setattr(turn_credit, "native_turn_tables", parity)
