@@ -266,3 +266,24 @@ def test_a_misspelt_gae_switch_stops_verl_at_import_with_a_clear_error():
                                                            "AGENT_LOOP_VERL_REPLACE_GAE": "ture"})
     assert out.returncode != 0
     assert "ValueError: AGENT_LOOP_VERL_REPLACE_GAE='ture': use 1" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["verl-0.9.1", "verl-0.8.0"])
+def test_turn_level_estimators_run_in_verls_compute_advantage(name):
+    """``agent_loop_<turn-level name>`` (issue 47) through verl's own ``compute_advantage`` with the variable exported:
+    equal to ours on the same batch; gigpo and turn_gae read the token ids and values from the batch verl computes."""
+    found = side_json(name, str(SIDE / "turn_level.py"), env={"VERL_USE_EXTERNAL_MODULES": REGISTER})
+    assert found["wrapped"]
+    batch = found["batch"]
+    rewards, values = (torch.tensor(batch[k], dtype=torch.float64) for k in ("rewards", "values"))
+    mask, uids = torch.tensor(batch["mask"]), batch["uids"]
+    fields = {"index": np.array(uids, dtype=object), "spans": spans_of(mask), "values": values,
+              "responses": torch.full(mask.shape, 7, dtype=torch.long)}  # turn_level.py's RESPONSE_TOKEN
+    for estimator, got in found["outputs"].items():
+        assert "error" not in got, (estimator, got)
+        entry = ours.get_estimator(estimator)
+        settings = {k: v for k, v in (("gamma", 0.9), ("lam", 0.95)) if k in entry.hyperparameters}
+        want, _ = entry(rewards, mask.double(), **{k: v for k, v in fields.items() if k in entry.batch_arguments},
+                        **settings)
+        assert float((torch.tensor(got, dtype=torch.float64) - want).abs().max()) <= FLOAT_TOLERANCE, estimator
