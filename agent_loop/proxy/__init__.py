@@ -27,5 +27,5 @@ class AgentOptions:
                     "proxy that serves the policy (train: synchronous steps only; docs/agents.md)",
         json_schema_extra={"allowed": "package.module:function or path/to/file.py:function"})] = None
     agent_timeout_s: Annotated[float, Field(gt=0, description="seconds --agent may play one episode; longer: the "
-                                            "episode ends with finish error (the reason in its info) and the run "
+                                            "episode ends with finish error (AgentTimeout in its metrics) and the run "
                                             "goes on")] = 600.0
