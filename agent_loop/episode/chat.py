@@ -169,7 +169,40 @@ class ChatFormatter:
         if not new_messages:
             raise ValueError("an observation needs at least one new message")
         self._probe(new_messages)
+        if self.history_mode == "strict" and (why := self._reused_call_ids(history, new_messages)) is not None:
+            raise TemplateError(why)
         return self._observe(history, seen, new_messages, stop_id, sampled)
+
+    def _reused_call_ids(self, history: list[dict], new_messages: list[dict]) -> str | None:
+        """Why results answering the last turn's calls would render as answers to earlier calls, or None: their
+        call ids are also ids of calls in an earlier turn (ids restarting per turn), and the template finds a
+        result's call by its id over the whole chat (Command R7B numbers the result as the first call with that
+        id), which renaming the earlier calls shows by changing the new results' text."""
+        last = history[-1] if history and history[-1].get("role") == "assistant" else {}
+        ids = {c.get("id") for c in last.get("tool_calls") or []}
+        earlier = {c.get("id"): n for n, m in enumerate(history[:-1]) for c in m.get("tool_calls") or []}
+        reused = [m["tool_call_id"] for m in new_messages
+                  if m.get("role") == "tool" and m.get("tool_call_id") in ids and m.get("tool_call_id") in earlier]
+        if not reused:
+            return None
+        fresh = {cid: f"dup{k:06d}" for k, cid in enumerate(reused)}  # 9 alphanumerics, as Mistral wants ids
+        renamed = [{**m, "tool_calls": [{**c, "id": fresh.get(c.get("id"), c.get("id"))} for c in m["tool_calls"]]}
+                   if m.get("tool_calls") else {**m, "tool_call_id": fresh[m["tool_call_id"]]}
+                   if m.get("role") == "tool" and m.get("tool_call_id") in fresh else m for m in history[:-1]]
+        try:
+            given, other = (self.render_text(h + [last] + list(new_messages), True) for h in (list(history[:-1]), renamed))
+        except TemplateError:
+            return None
+        for cid, new_id in fresh.items():  # where the template writes ids themselves (Mistral), write them back
+            other = other.replace(new_id, cid)
+        if given == other:
+            return None  # the template does not look results up by id across turns: harmless
+        turns = sorted({earlier[cid] for cid in reused})
+        return (f"tool call id(s) {reused} of the last turn are also ids of calls in earlier messages {turns}, and this "
+                "chat template finds a result's call by its id over the whole chat: the results would render as "
+                "answers to the earlier calls (Command R7B numbers them as those calls). Give every call an id "
+                "unique in the conversation (the loop does: ChatFormatter.call_id counts over the episode; a tool "
+                "message's tool_call_id is its ToolCallRecord.call_id)")
 
     def _observe(self, history: list[dict], seen: str, new_messages: list[dict], stop_id: int | None,
                  sampled: str | None = None) -> Observation:

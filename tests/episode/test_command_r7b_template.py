@@ -184,3 +184,40 @@ def test_a_parallel_round_after_a_planned_call_is_exact_and_a_fixed_prefix_is_re
         formatter.observation_ids(results)
     qwen = ChatFormatter(AutoTokenizer.from_pretrained(qwen_tokenizer_dir()), tools=ToolExecutor([echo]).schemas)
     assert qwen.history_dependence(results) is None and qwen.observation_ids(results)  # a template without such state
+
+
+def restarting_ids_chat(ids: list[str]) -> tuple[list[dict], list[dict]]:
+    """The reported conversation up to turn 2's results, its calls carrying ``ids`` (turn 1's, then turn 2's two)."""
+    def call(i, text):
+        return {"id": i, "type": "function", "function": {"name": "echo", "arguments": {"text": text}}}
+    history = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Echo twice."},
+               {"role": "assistant", "content": "", "reasoning_content": "I'll check Paris first.",
+                "tool_calls": [call(ids[0], "Paris")]},
+               {"role": "tool", "name": "echo", "tool_call_id": ids[0], "content": "Paris"},
+               {"role": "assistant", "content": "", "reasoning_content": "",
+                "tool_calls": [call(ids[1], "Rome"), call(ids[2], "Oslo")]}]
+    return history, [{"role": "tool", "name": "echo", "tool_call_id": i, "content": t} for i, t in zip(ids[1:], "RO")]
+
+
+def test_call_ids_restarting_per_turn_are_refused_where_the_template_looks_results_up_by_id(cohere_tokenizer):
+    """Issue 49 item 5, ids restarting per turn: turn 2's first result has turn 1's call id, and the template finds
+    a result's call by its id over the whole chat, so it would number it "0" (turn 1's call) where the call is
+    "1": the observation is refused naming the reused id (before: rendered so, silently). Ids unique in the
+    conversation (as the loop makes them) observe fine, and a template that does not look ids up (Qwen) takes
+    restarting ids as they are."""
+    formatter = ChatFormatter(cohere_tokenizer, tools=ToolExecutor([echo]).schemas)
+    history, results = restarting_ids_chat(["call00000", "call00000", "call00001"])
+    seen = formatter.render_text(history[:-1], add_generation_prompt=True)
+    wrong = formatter.render_text(history + results, add_generation_prompt=True)
+    assert re.findall(r'"tool_call_id": "(\d+)"', wrong[len(seen):]) == ["1", "2", "0", "2"]  # what it would show
+    with pytest.raises(TemplateError, match=r"\['call00000'\] of the last turn are also ids of calls in earlier "
+                                            r"messages \[2\].*find.*by its id over the whole chat"):
+        formatter.observation(history, seen, results, stop_id=formatter.end_of_turn_ids[0])
+    history, results = restarting_ids_chat(["call00000", "call00001", "call00002"])
+    observed = formatter.observation(history, seen, results, stop_id=formatter.end_of_turn_ids[0])
+    assert observed.mismatch is None
+    assert re.findall(r'"tool_call_id": "(\d+)"', cohere_tokenizer.decode(observed.ids)) == ["1", "2"]
+    qwen = ChatFormatter(AutoTokenizer.from_pretrained(qwen_tokenizer_dir()), tools=ToolExecutor([echo]).schemas)
+    history, results = restarting_ids_chat(["call00000", "call00000", "call00001"])
+    seen = qwen.render_text(history[:-1], add_generation_prompt=True)
+    assert qwen.observation(history, seen, results, stop_id=qwen.end_of_turn_ids[0]).mismatch is None
