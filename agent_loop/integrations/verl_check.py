@@ -247,7 +247,7 @@ def plugin_checks(seed: int):
         return out.batch["advantages"] * mask, out.batch["returns"] * mask
 
     def registered():
-        assert plugin.register() == [plugin.REINFORCE_PLUS_PLUS, plugin.GAE]
+        assert plugin.register() == [plugin.REINFORCE_PLUS_PLUS, plugin.GAE, *plugin.TURN_LEVEL_FOR_VERL]
         assert core_algos.get_adv_estimator_fn(plugin.REINFORCE_PLUS_PLUS) is plugin.reinforce_plus_plus_for_verl
         return max_diff(*zip(run(plugin.REINFORCE_PLUS_PLUS), ours.reinforce_plus_plus(rewards, mask, 0.9)))
 

@@ -466,7 +466,8 @@ def test_plugin_register_needs_verl():
     else:
         from verl.trainer.ppo import core_algos
 
-        assert verl_plugin.register() == [verl_plugin.REINFORCE_PLUS_PLUS, verl_plugin.GAE]
+        assert verl_plugin.register() == [verl_plugin.REINFORCE_PLUS_PLUS, verl_plugin.GAE,
+                                          *verl_plugin.TURN_LEVEL_FOR_VERL]
         assert core_algos.get_adv_estimator_fn(verl_plugin.GAE) is verl_plugin.gae_for_verl
 
 
