@@ -275,13 +275,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = [json.loads(f.read_text()) for f in files if f.exists()]
     else:
         check_variants(args.variants)
+        spawn = multiprocessing.get_context("spawn")
+        # the warm start and each run in a process of its own: its memory goes back when it ends
         if args.warm_start_steps:
-            args.model = warm_started(args)
-        if args.parallel == 1:
-            results = [run(variant, seed, args) for variant, seed in jobs]
-        else:
-            with ProcessPoolExecutor(max_workers=args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
+            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                args.model = pool.submit(warm_started, args).result()
+        with ProcessPoolExecutor(max_workers=args.parallel, mp_context=spawn, max_tasks_per_child=1) as pool:
+            results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     if not results:
         raise SystemExit(f"no finished runs under {out}")
     write_text(out / "histories.json", json.dumps(results))
