@@ -23,6 +23,7 @@ from agent_loop.backends.server_options import ServerOptions, server_url
 from agent_loop.config import OptionError, ProgressOptions, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
 from agent_loop.proxy import AgentOptions
+from agent_loop.runners.backend_choice import BackendOptions
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import EstimatorOptions, ResumeOptions, RunOptions, check_group_estimator
 from agent_loop.tasks.registry import TaskOptions
@@ -157,8 +158,8 @@ SHORTER_EPISODES = ("train's own, not rollout's (shorter episodes, more at once)
                                     SHORTER_EPISODES),
                     "steps": "train's own: a run of RL steps must be given a length (warmstart's follows its data)"},
                    concurrency=64, max_turns=3, max_tokens=48, max_response_tokens=256, steps=150)
-class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, ServerOptions, LoopConfig,
-                  TaskOptions, ResumeOptions, EstimatorOptions, StepsOptions, RunOptions):
+class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, OptimizerOptions, BackendOptions,
+                  ServerOptions, LoopConfig, TaskOptions, ResumeOptions, EstimatorOptions, StepsOptions, RunOptions):
     """Everything one training run needs. The CLI exposes every field as ``--field-name``."""
 
     DEFAULT_OUTPUT_DIR: ClassVar[str] = DEFAULT_OUTPUT_DIR
@@ -168,11 +169,6 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                     "final = fully trained")] = "mid"
 
     # rollouts: each step plays prompts_per_step * group_size episodes with the current policy
-    backend: Annotated[Literal["auto", "hf", "vllm"], Field(
-        description="the in-process rollout backend (unless --server): hf (transformers), vllm (the vLLM engine, "
-                    "the weights pushed into it in place after each step); auto: vllm for a real model that vLLM "
-                    "runs (installed; not with LoRA, several processes or an accelerator), else hf, with one line "
-                    "saying why (agent_loop/backends/choice.py)")] = "auto"
     prompts_per_step: _int(1, "questions per step") = 64
 
     # rewards and advantages
@@ -288,6 +284,8 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
             raise OptionError("agent", "plays synchronous steps only: use it with {max_staleness} 0", self.agent)
         if self.steps is None:
             raise OptionError("steps", "must be set in train: an integer >= 1")
+        if self.backend == "http" and not self.server:  # with --server the episodes are played there, as rollout's
+            raise OptionError("backend", "needs at least one {server} URL (e.g. {server} http://127.0.0.1:8000)", "http")
         if self.resume is not None and self.overwrite:
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
         if self.resume is True:  # --resume alone: the run in --output-dir (unset: the default run folder)

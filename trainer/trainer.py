@@ -42,11 +42,11 @@ import trainer.rollout_files as rollout_files
 from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_penalty, masked_mean, ppo_clip_policy_loss
 from advantages.rollout_correction import correct_rollouts
 from agent_loop.backends.base import BackendSettings
-from agent_loop.backends.choice import AUTO, choose_backend
 from agent_loop.backends.registry import make_backend
 from agent_loop.config import checked, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
+from agent_loop.runners.backend_choice import AUTO, choose_backend
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.runners.producer import RolloutProducer, VersionedBackend, staleness_metrics
@@ -242,7 +242,7 @@ class Trainer:
                           f"(group {start.stream_position['next_group']})", stacklevel=3)
 
     def rollout_backend_name(self, start: Start) -> str:
-        """``--backend``, with ``auto`` chosen by ``agent_loop.backends.choice`` (one line on stderr, rank 0, when a
+        """``--backend``, with ``auto`` chosen by ``agent_loop.runners.backend_choice`` (one line on stderr, rank 0, when a
         real model falls back to transformers or plays on vLLM)."""
         if self.config.backend != AUTO:
             return self.config.backend

@@ -22,15 +22,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field
 from rich.console import Console
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.backends.base import BackendSettings, is_fatal
-from agent_loop.backends.choice import AUTO, choose_backend
-from agent_loop.backends.registry import BACKENDS, make_backend
+from agent_loop.backends.registry import make_backend
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
@@ -39,6 +38,7 @@ from agent_loop.config import OptionError, ProgressOptions, pick, plural
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.proxy import AgentOptions
+from agent_loop.runners.backend_choice import AUTO, BackendOptions, choose_backend
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import (
     EpisodesOptions,
@@ -62,14 +62,10 @@ EPISODE_SETTINGS = frozenset({f.name for cls in (LoopConfig, TaskOptions) for f 
 
 
 @dataclass
-class RolloutOptions(AgentOptions, ThreadOptions, ProgressOptions, ServerOptions, LoopConfig, TaskOptions,
-                     ResumeOptions, EstimatorOptions, EpisodesOptions, RunOptions):
+class RolloutOptions(AgentOptions, ThreadOptions, ProgressOptions, BackendOptions, ServerOptions, LoopConfig,
+                     TaskOptions, ResumeOptions, EstimatorOptions, EpisodesOptions, RunOptions):
     """The options of ``agent-loop rollout`` (and the keys of its config file)."""
 
-    backend: Annotated[Literal[(AUTO, *BACKENDS)], Field(
-        description="hf: transformers in-process; vllm: vLLM engine in-process; http: OpenAI-compatible "
-                    "server(s) given by --server; auto: http with --server, else vllm for a real model that vLLM "
-                    "runs (installed), else hf, with one line saying why (agent_loop/backends/choice.py)")] = AUTO
     out: Annotated[str | None, Field(description="JSON Lines file the episodes are written to as they finish; unset: "
                                      f"{DEFAULT_OUT}, or the first free {DEFAULT_OUT.replace('.jsonl', '-N.jsonl')} "
                                      "when that exists (an existing file is only added to with --resume/--append)",
@@ -135,7 +131,7 @@ def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
 
 def check_world(opts: RolloutOptions, task=None) -> str:
     """Check the model folder, the output path and the servers; return the model path. Reads only.
-    ``--backend auto`` becomes the backend the rule chooses (``agent_loop.backends.choice``; its note on stderr)."""
+    ``--backend auto`` becomes the backend the rule chooses (``agent_loop.runners.backend_choice``; its note on stderr)."""
     if opts.backend == AUTO:
         opts.backend, note = choose_backend(preflight.builtin_folder(opts.model) if opts.model else model_path(None),
                                             servers=opts.server)

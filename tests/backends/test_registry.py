@@ -14,7 +14,7 @@ def test_every_registered_backend_is_a_backend_class_and_names_are_the_cli_choic
 
     for name in BACKENDS:
         assert issubclass(backend_class(name), Backend), name
-    assert allowed(RolloutOptions, "backend") == "one of auto, " + ", ".join(BACKENDS)  # auto: agent_loop.backends.choice
+    assert allowed(RolloutOptions, "backend") == "one of auto, " + ", ".join(BACKENDS)  # auto: agent_loop.runners.backend_choice
     with pytest.raises(ValueError, match="unknown backend 'nope'; choose one of hf, vllm, http"):
         make_backend("nope", "model")
 

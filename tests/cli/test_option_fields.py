@@ -10,6 +10,7 @@ from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.options import UsageError, add_options, validate
 from agent_loop.cli.rollout import RolloutOptions
+from agent_loop.runners.backend_choice import BackendOptions
 from agent_loop.runners.spec import EpisodesOptions, EstimatorOptions, ResumeOptions
 from agent_loop.threads import ThreadOptions
 from trainer.config import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
@@ -47,7 +48,8 @@ def test_no_option_field_is_declared_in_two_classes():
     for shared, commands in ((ServerOptions, (RolloutOptions, TrainConfig)), (ThreadOptions, COMMAND_OPTIONS),
                              (OptimizerOptions, trainers), (OutputOptions, trainers), (DeviceOptions, trainers),
                              (ResumeOptions, COMMAND_OPTIONS[:3]), (EstimatorOptions, (RolloutOptions, TrainConfig)),
-                             (EpisodesOptions, (RolloutOptions, WarmstartConfig)), (StepsOptions, trainers)):
+                             (EpisodesOptions, (RolloutOptions, WarmstartConfig)), (StepsOptions, trainers),
+                             (BackendOptions, (RolloutOptions, TrainConfig))):
         for command in commands:
             assert issubclass(command, shared), (command, shared)
 
@@ -207,3 +209,11 @@ def test_rollout_takes_the_shared_estimator_and_refuses_one_a_file_cannot_show()
         validate(RolloutOptions, {"estimator": "gae"})
     with pytest.raises(UsageError, match="--steps: must be set in train"):
         validate(TrainConfig, {"steps": None, "output_dir": "unused"})
+
+
+def test_one_backend_option_for_rollout_and_train():
+    """--backend was declared by rollout and train apart (train without http); one declaration, one rule."""
+    for cls in (RolloutOptions, TrainConfig):
+        with pytest.raises(UsageError, match="--backend http: needs at least one --server URL"):
+            validate(cls, {"backend": "http", "output_dir": "unused"} if cls is TrainConfig else {"backend": "http"})
+    assert validate(TrainConfig, {"backend": "http", "server": ["http://127.0.0.1:9"], "output_dir": "unused"}).backend == "http"

@@ -10,17 +10,39 @@ The rule (measured: BENCHMARKS.md "Rollouts at the engine's limit", docs/results
 3. else ``hf`` (transformers in process). A real model that falls back gets one line saying why; a small model
    (the tiny agent, test models) takes ``hf`` silently: the engine's start (15-30 s) outweighs its speed there.
 
-Imports nothing heavy: the choice is made before any model loads.
+Imports nothing heavy: the choice is made before any model loads. It lives with the runners, above both the
+backends and the model checks it weighs (``agent_loop.models``): in ``agent_loop.backends`` it closed a package
+cycle backends <-> models (tests/test_layering.py, issue 49). :class:`BackendOptions` declares ``--backend`` once
+for rollout and train.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from agent_loop.backends.registry import BACKENDS
 
 AUTO = "auto"
 REAL_MODEL_BYTES = 100 * 2**20  # weights on disk: SmolLM2-135M fp32 is 538 MB, the tiny agent 9 MB
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+@dataclass
+class BackendOptions:
+    """Which backend plays the episodes: rollout and train (declared once; each command's ``check()`` refuses
+    ``http`` without ``--server``)."""
+
+    backend: Annotated[Literal[(AUTO, *BACKENDS)], Field(
+        description="auto: http with --server, else vllm for a real model that vLLM runs (installed; train: not "
+                    "with LoRA, several processes or an accelerator), else hf, with one line saying why "
+                    "(agent_loop/runners/backend_choice.py); hf: transformers in process; vllm: the vLLM engine "
+                    "in process (train pushes the weights into it in place after each step); http: the "
+                    "OpenAI-compatible server(s) given by --server")] = AUTO
 
 
 def weight_bytes(folder: str | Path) -> int:

@@ -1,6 +1,6 @@
 """``--backend auto`` (the default of ``rollout`` and ``train``, issue 48 item 3): vLLM in process for a real model
 that vLLM runs, transformers otherwise, with one line saying why a real model falls back
-(agent_loop/backends/choice.py)."""
+(agent_loop/runners/backend_choice.py)."""
 
 import json
 import shutil
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent_loop.backends import choice
-from agent_loop.backends.choice import REAL_MODEL_BYTES, choose_backend
 from agent_loop.cli import main
+from agent_loop.runners import backend_choice as choice
+from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, choose_backend
 
 
 @pytest.fixture
