@@ -137,6 +137,35 @@ def test_call_bounded_returns_raises_and_times_out():
     assert value == 42 and 0.2 <= waited < 0.2 + 1.0
 
 
+def test_call_bounded_reuses_idle_threads_but_never_a_hung_one():
+    """A finished call's thread runs the next call (no thread start, which blocks the event loop, per scored
+    episode); a call that hangs keeps its thread, and later calls run on others."""
+    import threading
+
+    from agent_loop.episode import loop
+
+    async def until_idle():
+        for _ in range(500):  # the thread counts itself idle just after it answers
+            if loop._THREADS._idle:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("no thread came back idle")
+
+    async def main():
+        first = await call_bounded(threading.current_thread, 1.0, "a")
+        await until_idle()
+        second = await call_bounded(threading.current_thread, 1.0, "b")
+        await until_idle()
+        hung = []
+        with pytest.raises(asyncio.TimeoutError):
+            await call_bounded(lambda: hung.append(threading.current_thread()) or time.sleep(3600), 0.2, "hangs")
+        after = await call_bounded(threading.current_thread, 1.0, "c")
+        return first, second, hung[0], after
+
+    first, second, hung, after = asyncio.run(main())
+    assert second is first and after is not hung  # Thread objects: never reused, unlike idents
+
+
 # --- what comes back from a backend -------------------------------------------------------------------------
 
 
