@@ -88,6 +88,18 @@ def turn_difference(sampled: str, rendered: str) -> dict | None:
     return {"char": pos, "sampled": sampled[max(0, pos - 40): pos + 40], "rendered": rendered[max(0, pos - 40): pos + 40]}
 
 
+def _plain_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` that ``tokenizer(text)`` only forwards to (transformers' fast tokenizer without
+    its own ``__call__``/``_encode_plus``/input mode), or None."""
+    backend, cls = getattr(tokenizer, "_tokenizer", None), type(tokenizer)
+    if not getattr(tokenizer, "is_fast", False) or type(backend).__module__.split(".")[0] != "tokenizers":
+        return None
+    plain = (getattr(cls.__call__, "__module__", "") == "transformers.tokenization_utils_base"
+             and getattr(cls._encode_plus, "__module__", "") == "transformers.tokenization_utils_tokenizers"
+             and not hasattr(tokenizer, "_switch_to_input_mode") and hasattr(tokenizer, "split_special_tokens") and hasattr(backend, "encode_special_tokens"))
+    return backend if plain else None
+
+
 class ChatFormatter:
     """Renders prompts and observations with a chat template, as token ids.
 
@@ -116,6 +128,7 @@ class ChatFormatter:
         self.stop_opens_next_turn = False  # True for families whose turn ends on the next role's token (GLM-4)
         self.end_of_turn_ids: list[int] = self._find_end_of_turn_ids()
         self._stop_texts = {t: tokenizer.decode([t]) for t in self.end_of_turn_ids}
+        self._backend = _plain_backend(tokenizer)
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -133,6 +146,14 @@ class ChatFormatter:
                 "or need template variables: pass them as ChatFormatter keyword arguments), or pass chat_template=") from e
 
     def encode(self, text: str) -> list[int]:
+        """``tokenizer(text, add_special_tokens=False)["input_ids"]``: taken straight from a fast tokenizer's backend
+        when that call would only forward to it (transformers' own ``__call__``/``_encode_plus``, no truncation or
+        padding set on the backend, special tokens split as the tokenizer says), which skips transformers' per-call
+        wrapping (about half of a prompt's encoding time on the verl loop benchmark); else that call."""
+        backend = self._backend
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(self.tokenizer.split_special_tokens)):
+            return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:

@@ -80,3 +80,30 @@ def test_missing_end_of_turn_special_token_is_a_clear_error(tokenizer):
 def test_render_failure_names_the_roles(formatter):
     with pytest.raises(TemplateError, match="failed to render messages with roles"):
         ChatFormatter(formatter.tokenizer, chat_template="{{ raise_exception('boom') }}")
+
+
+ENCODE_TEXTS = ["", " leading space", "<|im_start|>user\nhé 2+3 = 5 ✓<|im_end|>\n<tool_call>\n{\"a\": 1}\n</tool_call>",
+                "tabs\tand\n\nnewlines  ", "<|im_end|><|im_end|>x<|endoftext|>"]
+
+
+def test_encode_equals_the_tokenizer_call_and_follows_the_backend_settings(tokenizer):
+    """ChatFormatter.encode reads the fast tokenizer's backend directly, yet equals ``tokenizer(text)`` on special
+    tokens, unicode and whitespace; a backend left with truncation or padding set, or a tokenizer that splits
+    special tokens, goes through ``tokenizer(text)`` (the backend alone would cut, pad or split)."""
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    formatter = ChatFormatter(own)
+    assert formatter._backend is own._tokenizer  # the fast path is taken for Qwen2.5
+    expected = [list(own(t, add_special_tokens=False)["input_ids"]) for t in ENCODE_TEXTS]
+    assert [formatter.encode(t) for t in ENCODE_TEXTS] == expected
+    long = ENCODE_TEXTS[2]
+    own._tokenizer.enable_truncation(max_length=3)  # left by an earlier tokenizer(truncation=True) call
+    assert formatter.encode(long) == expected[2] and len(expected[2]) > 3
+    own._tokenizer.no_truncation()
+    own._tokenizer.enable_padding(length=64)
+    assert formatter.encode(long) == expected[2]
+    own._tokenizer.no_padding()
+    own.split_special_tokens = True
+    split = formatter.encode(long)
+    assert split == list(own(long, add_special_tokens=False)["input_ids"]) and split != expected[2]
