@@ -61,7 +61,7 @@ def model_folder(root: Path, *, config=True, tokenizer=True, template=True, head
 ROLLOUT_CASES = [
     (["--concurrency", "-1"], "--concurrency -1: must be an integer >= 1"),
     (["--concurrency", "0"], "--concurrency 0: must be an integer >= 1"),
-    (["--task", "nope"], "--task nope: unknown task (choose one of arithmetic, chain, lookup)"),
+    (["--task", "nope"], "--task nope: unknown task (choose one of arithmetic, chain, keydoor, lookup)"),
     (["--task", "arithmetc"], "--task arithmetc: unknown task; did you mean arithmetic?"),
     (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
     (["--max-parallel-tool-calls", "0"], "--max-parallel-tool-calls 0: must be an integer >= 1"),
@@ -74,8 +74,8 @@ ROLLOUT_CASES = [
     (["--max-observation-tokens", "0"], "--max-observation-tokens 0: must be an integer >= 1"),
     (["--backend", "http", "--server", "not-a-url"], "--server not-a-url: not an http(s) URL"),
     (["--backend", "http"], "--backend http: needs at least one --server URL"),
-    (["--server", "http://127.0.0.1:8000"], "--server http://127.0.0.1:8000: used by --backend http only"),
-    (["--backend", "foo"], "--backend foo: must be one of hf, vllm, http"),
+    (["--backend", "hf", "--server", "http://127.0.0.1:8000"], "--server http://127.0.0.1:8000: used by --backend http only"),
+    (["--backend", "foo"], "--backend foo: must be one of auto, hf, vllm, http"),
     (["--tool-timeout-s", "-1"], "--tool-timeout-s -1: must be a number > 0"),
     (["--temperature", "-1"], "--temperature -1: must be a number >= 0"),
     (["--top-p", "2"], "--top-p 2: must be a number > 0 and <= 1"),
@@ -354,8 +354,8 @@ def test_help_exits_0_and_lists_allowed_values(capsys):
         main(["rollout", "--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "one of hf, vllm, http; default: hf" in text
-    assert "one of arithmetic, chain, lookup; default: arithmetic" in text
+    assert "one of auto, hf, vllm, http; default: auto" in text
+    assert "one of arithmetic, chain, keydoor, lookup; default: arithmetic" in text
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
