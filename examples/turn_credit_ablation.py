@@ -24,8 +24,8 @@ greedy and sampled (the rollouts' temperature) before (once per seed: ``start-se
 sampled success reaches ``--threshold``.
 
 A run whose ``result.json`` exists is not run again (with a larger ``--steps`` it trains on from its last
-checkpoint); an interrupted one goes on from its latest checkpoint (every ``--save-every`` steps), its history read
-from ``metrics.jsonl``; a finished warm start is reused: the same command fills the table over several sessions. ``--collect`` tabulates the finished runs only. Writes
+checkpoint); an interrupted one goes on from its latest checkpoint (every ``--save-every`` steps; only the latest is
+kept), its history read from ``metrics.jsonl``; a finished warm start is reused: the same command fills the table over several sessions. ``--collect`` tabulates the finished runs only. Writes
 ``<output-dir>/results.md`` (the table and one line per run), ``learning_curves.png`` and ``histories.json``.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -103,6 +104,17 @@ def start_of(trainer: Trainer, args: argparse.Namespace) -> dict[str, float]:
     return start
 
 
+class LatestCheckpointOnly(Trainer):
+    """Keeps only the latest checkpoint (SmolLM2's is 1.6 GB with its AdamW state; 12 runs would fill the disk)."""
+
+    def save_checkpoint(self) -> Path:
+        path = super().save_checkpoint()
+        for older in path.parent.glob("step_*"):  # ``latest`` names ``path`` by now: a kill leaves a complete one
+            if older.is_dir() and older.name != path.name:
+                shutil.rmtree(older)
+        return path
+
+
 def config_for(variant: str, seed: int, args: argparse.Namespace, resume: str | None) -> TrainConfig:
     return TrainConfig(
         model=args.model, task=TASK, estimator=variant, seed=seed, steps=args.steps, gamma=args.gamma,
@@ -124,7 +136,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     resume = str(output_dir) if any((output_dir / "checkpoints").glob("step_*")) else None
     print(f"\n=== {variant} (seed {seed}){' resumed' if resume else ''} ===", flush=True)
     started = time.perf_counter()
-    trainer = Trainer(config_for(variant, seed, args, resume))
+    trainer = LatestCheckpointOnly(config_for(variant, seed, args, resume))
     start = start_of(trainer, args)
     trainer.train()
     end = held_out(trainer, args.greedy)

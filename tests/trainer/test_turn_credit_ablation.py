@@ -1,14 +1,14 @@
 """examples/turn_credit_ablation.py at tiny sizes on the tiny agent (issue 47 item 5): a warm start on keydoor's
 demonstrations, two estimators in two processes, the held-out start measured once per seed, the table, the curves
-and the histories written; then a run cut off after its step-2 checkpoint (what a kill before the step-3 checkpoint
-leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run
-trains on from its last checkpoint when --steps grows; the warm start and the start's held-out rates are reused."""
+and the histories written, only the latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a
+kill before the step-3 checkpoint leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that
+checkpoint, and a finished run trains on from its last checkpoint when --steps grows; the warm start and the start's
+held-out rates are reused."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +22,7 @@ VARIANTS = ("reinforce_plus_plus", "gigpo")
 def ablation(out: Path, steps: int) -> str:
     command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--warm-start-steps", "2",
                "--warm-start-episodes", "8", "--warm-start-batch", "4", "--steps", str(steps), "--prompts-per-step", "2",
-               "--group-size", "2", "--eval-episodes", "2", "--save-every", "2", "--max-response-tokens", "384",
+               "--group-size", "2", "--eval-episodes", "2", "--save-every", "1", "--max-response-tokens", "384",
                "--greedy", "--variants", *VARIANTS, "--parallel", "2", "--threads", "1", "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -37,43 +37,46 @@ def steps_logged(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
     out = tmp_path / "ablation"
-    first = ablation(out, 3)
+    first = ablation(out, 2)
     assert "warm start: 2 steps on keydoor's demonstrations" in first
     assert (out / "warmstart" / "model" / "config.json").is_file()
     results = json.loads((out / "histories.json").read_text())
     assert [r["variant"] for r in results] == list(VARIANTS)
     start = json.loads((out / "start-seed0.json").read_text())
     for r in results:
-        assert [m["step"] for m in r["history"]] == [1, 2, 3]
+        assert [m["step"] for m in r["history"]] == [1, 2]
         assert r["held_out"]["start"] == start  # measured once per seed, the same start for every variant
         assert set(r["held_out"]["end"]) == set(start) == {"greedy", "sampled"}
         assert all(0.0 <= v <= 1.0 for v in r["held_out"]["end"].values())
         assert all("good_moves" in m and "success" in m for m in r["history"])
+        checkpoints = out / f"{r['variant']}-seed0" / "checkpoints"
+        assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000002"]  # saved at 1 and 2, latest kept
     table = (out / "results.md").read_text()
     for variant in VARIANTS:
         assert f"| {variant} | 1 |" in table and f"| {variant} | 0 |" in table  # the summary row and the run's
     assert "steps to 0.5" in table and "Command: `python examples/turn_credit_ablation.py" in table
     assert (out / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # cut off: step 3 logged, its checkpoint never renamed into place, no result.json
+    # cut off after step 3 was logged and before its checkpoint: no step_000003, no result.json
     run = out / "gigpo-seed0"
     before = steps_logged(run)
-    shutil.rmtree(run / "checkpoints" / "step_000003")
-    (run / "checkpoints" / "latest").write_text("step_000002")
+    cut = {**before[-1], "step": 3, "success": -1.0}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(cut) + "\n")
     (run / "result.json").unlink()
     finished = out / "reinforce_plus_plus-seed0"
     finished_before = steps_logged(finished)
 
-    second = ablation(out, 4)  # the cut run goes on from step 2, the finished one from step 3
+    second = ablation(out, 4)  # the cut run goes on from step 2; the finished one trains on to step 4
     assert "=== gigpo (seed 0) resumed ===" in second and "warm start:" not in second
     assert "=== reinforce_plus_plus (seed 0) resumed ===" in second
     after = steps_logged(run)
-    assert [m["step"] for m in after] == [1, 2, 3, 4]  # step 3 trimmed and trained again, logged once
-    assert after[:2] == before[:2]
-    assert steps_logged(finished)[:3] == finished_before
+    assert [m["step"] for m in after] == [1, 2, 3, 4]  # the cut step 3 trimmed, trained again, logged once
+    assert after[:2] == before and after[2]["success"] != -1.0
+    assert steps_logged(finished)[:2] == finished_before
     for folder in (run, finished):
         resumed = json.loads((folder / "result.json").read_text())
         assert resumed["resumed"] and [m["step"] for m in resumed["history"]] == [1, 2, 3, 4]
-        assert (folder / "checkpoints" / "step_000004").is_dir()
+        assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_000004"]
         assert resumed["held_out"]["start"] == start
     assert len(json.loads((out / "histories.json").read_text())) == 2
