@@ -189,3 +189,33 @@ def test_turn_gae_trains_with_the_value_head_gae_uses(tiny_mid, tmp_path):
     torch.testing.assert_close(batch.returns, returns)
     loss, stats = trainer.micro_batch_loss(batch.select(torch.arange(2)))
     assert torch.isfinite(loss) and torch.isfinite(stats["value_loss"])
+
+
+@pytest.mark.parametrize("states, message", [
+    (["a", "b"], "rooms's turn_states returned 2 keys for 1 assistant turns"),
+    ("a", "rooms's turn_states returned str 'a', not a list"),
+    ([{"room": 1}], r"rooms's turn_states\[turn 0\] is dict"),
+])
+def test_a_bad_turn_states_hook_ends_its_episode_as_an_error_naming_the_turn(tiny_tokenizer, states, message):
+    import asyncio
+
+    from agent_loop.backends.scripted import ScriptedBackend
+    from agent_loop.episode.loop import run_episode
+
+    class Bad(RoomsTask):
+        def make_episode(self, index, seed=0):
+            return Episode(messages=[{"role": "user", "content": "Say hi."}], tools=[])
+
+        def turn_states(self, episode, messages, tool_calls):
+            return states
+
+    backend = ScriptedBackend(lambda prompt: tiny_tokenizer.encode("hi", add_special_tokens=False))
+    t = asyncio.run(run_episode(Bad(), 0, backend, tiny_tokenizer))
+    assert t.finish_reason == "error" and "turn_states" not in t.info
+    assert re_search(message, t.metrics["error"]), t.metrics["error"]
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
