@@ -286,7 +286,7 @@ def open_backend(name: str, model: str, args):
             engine, ids = backend._engine, iter(range(10**9))
 
             async def exact(prompt, n, seed):  # on the engine's own loop: vLLM's AsyncLLM, no hop, no loop
-                params = VLLMSamplingParams(max_tokens=n, min_tokens=args.min_tokens and n, temperature=temperature, seed=seed,
+                params = VLLMSamplingParams(max_tokens=n, min_tokens=n if args.min_tokens else 0, temperature=temperature, seed=seed,
                                             ignore_eos=True, logprobs=0, detokenize=False,
                                             output_kind=RequestOutputKind.FINAL_ONLY)
                 (engine_input,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])
@@ -307,7 +307,7 @@ def open_backend(name: str, model: str, args):
             pooled = {}
 
             async def exact(prompt, n, seed):
-                payload = {"model": "policy", "prompt": prompt, "max_tokens": n, "min_tokens": args.min_tokens and n,
+                payload = {"model": "policy", "prompt": prompt, "max_tokens": n, "min_tokens": n if args.min_tokens else 0,
                            "ignore_eos": True,
                            "temperature": temperature, "seed": seed, "logprobs": 0, "return_token_ids": True}
                 async with pooled["http"].post(f"{url}/v1/completions", json=payload) as response:
