@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     base_model = args.model
     jobs = [(variant, seed) for seed in args.seeds for variant in args.variants]  # all variants of a seed together
+    failed: list[str] = []
     if args.collect:
         files = [out / f"{variant}-seed{seed}" / "result.json" for variant, seed in jobs]
         results = [json.loads(f.read_text()) for f in files if f.exists()]
@@ -293,7 +294,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
                 args.model = pool.submit(warm_started, args).result()
         with ProcessPoolExecutor(max_workers=args.parallel, mp_context=spawn, max_tasks_per_child=1) as pool:
-            results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
+            futures = {pool.submit(run, variant, seed, args): (variant, seed) for variant, seed in jobs}
+        results = []
+        for future, (variant, seed) in futures.items():  # a run that fails leaves the others' results
+            try:
+                results.append(future.result())
+            except Exception as error:
+                failed.append(f"{variant}-seed{seed}: {type(error).__name__}: {error}")
+        for line in failed:
+            print(f"run failed (the same command goes on from its latest checkpoint): {line}", file=sys.stderr)
     if not results:
         raise SystemExit(f"no finished runs under {out}")
     write_text(out / "histories.json", json.dumps(results))
@@ -309,6 +318,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     plot(results, out / "learning_curves.png", args.window, title)
     print("\n" + table)
     print(f"\nwrote {out / 'results.md'} and {out / 'learning_curves.png'}")
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(jobs)} runs failed")
     return results
 
 

@@ -80,3 +80,16 @@ def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
         assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_000004"]
         assert resumed["held_out"]["start"] == start
     assert len(json.loads((out / "histories.json").read_text())) == 2
+
+
+def test_an_unregistered_estimator_is_refused_before_any_work(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("turn_credit_ablation", ROOT / "examples" / "turn_credit_ablation.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit, match="estimators not registered: turn_nope"):
+        script.main(["--variants", "grpo", "turn_nope", "--warm-start-steps", "2", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "warmstart").exists()
+    with pytest.raises(SystemExit, match="no finished runs"):
+        script.main(["--collect", "--output-dir", str(tmp_path / "out")])
