@@ -92,7 +92,8 @@ def warm_started(args: argparse.Namespace) -> str:
         # no warm-up of the learning rate: a few steps are the whole warm start (its default 10 would make them ~0)
         config = WarmstartConfig(model=args.model, task=args.task, steps=args.warm_start_steps, lr=args.warm_start_lr,
                                  warmup_steps=0, episodes=args.warm_start_episodes, batch_size=args.warm_start_batch,
-                                 threads=args.threads, output_dir=str(folder), progress=False)
+                                 threads=args.threads, output_dir=str(folder), progress=False,
+                                 check_episodes=0)  # its own held-out evaluation follows
         result = warm_start(config)
         print(f"warm start: loss {result.history[0]['loss']:.3f} -> {result.history[-1]['loss']:.3f} in "
               f"{result.seconds:.0f} s", flush=True)

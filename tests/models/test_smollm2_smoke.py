@@ -86,7 +86,7 @@ def test_four_episodes_with_a_real_tool_round_trip(smollm2_dir, backend):
 def test_one_warm_start_step_then_one_lora_train_step(smollm2_dir, tmp_path, capsys):
     warm = tmp_path / "warm"
     assert main(["warmstart", "--model", "smollm2-135m", "--task", "arithmetic", "--steps", "1", "--batch-size", "2",
-                 "--output-dir", str(warm)]) == 0, capsys.readouterr().err
+                 "--check-episodes", "2", "--output-dir", str(warm)]) == 0, capsys.readouterr().err
     assert check_model_dir(warm / "model").tool_format == "hermes"
     run = tmp_path / "train"
     assert main(["train", "--model", str(warm / "model"), "--task", "arithmetic", "--lora-rank", "8", "--steps", "1",
