@@ -55,6 +55,9 @@ def check_world(config: TrainConfig, task=None) -> None:
             raise UsageError(f"--output-dir {config.output_dir}: {error}") from None
     if config.model is not None:
         preflight.check_model_dir(config.model, "hf", task=task)
+    if config.model is not None and config.backend == "vllm" and not config.server:  # asked for: vLLM must run it
+        preflight.check_model_dir(config.model, "vllm", task=task)
+        preflight.check_vllm_binding(config.threads)
     if config.resume is not None:
         preflight.check_resume(config.resume)
     preflight.check_output_dir(config.output_dir)

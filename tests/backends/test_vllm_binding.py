@@ -70,6 +70,17 @@ def test_rollout_with_the_vllm_engine_refuses_more_threads_than_cores(capsys, ti
     assert not (tmp_path / "r.jsonl").exists()
 
 
+@pytest.mark.skipif(not vllm_on_cpu(), reason="vLLM's CPU build binds threads to cores")
+def test_train_with_the_vllm_engine_refuses_more_threads_than_cores(capsys, tiny_agent_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    too_many = len(CORES) + 1
+    assert main(["train", "--backend", "vllm", "--model", str(tiny_agent_dir), "--threads", str(too_many),
+                 "--steps", "1", "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"--threads {too_many}: this process may use {len(CORES)} core(s)" in err[0], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_on_cpu(), reason="vLLM's CPU build binds threads to cores")
 def test_the_in_process_engine_binds_its_worker_to_the_threads_cores(tiny_agent_dir, monkeypatch):
