@@ -18,6 +18,7 @@ verl's ``agent_loop_config_path`` file (``- name: my_loop`` / ``_target_: ...ver
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -28,10 +29,11 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
 
+from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.contracts import TaskWrapper
-from agent_loop.episode.loop import formatter_for, run_episode
+from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tool_formats import TOOL_FORMATS
-from agent_loop.episode.tools import Tool, ToolExecutor, tools_from_schemas
+from agent_loop.episode.tools import Tool, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
 from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.tasks.base import Task, as_task
@@ -49,17 +51,32 @@ logger = logging.getLogger(__name__)
 def options_from(trainer_config, kwargs: dict) -> VerlLoopOptions:
     """The options of the trainer config's ``agent_loop`` section, overridden by ``kwargs`` (the keys of an
     ``agent_loop_config_path`` entry other than verl's ``name``)."""
+    return _options(_options_text(trainer_config, kwargs))
+
+
+def _options_text(trainer_config, kwargs: dict) -> str:
+    """:func:`options_from`'s options as sorted JSON (the key of the per-config caches)."""
     from omegaconf import OmegaConf
 
     section = trainer_config.get("agent_loop") if trainer_config is not None else None
     values = OmegaConf.to_container(section, resolve=True) if section is not None else {}
     given = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in kwargs.items()}
-    return _options(json.dumps({**values, **given}, sort_keys=True, default=str))
+    return json.dumps({**values, **given}, sort_keys=True, default=str)
 
 
 @functools.lru_cache(maxsize=64)
 def _options(text: str) -> VerlLoopOptions:  # verl makes an AgentLoop per row: parse each config once
     return VerlLoopOptions.from_mapping(json.loads(text))
+
+
+@functools.lru_cache(maxsize=64)
+def _loop_config(text: str, response_length: int, max_assistant_turns: int | None) -> LoopConfig:
+    """The LoopConfig of the options ``text`` (validated once per options and verl budget, not once per row)."""
+    options = _options(text)
+    config = options.loop_config(response_length)
+    if max_assistant_turns and "max_turns" not in options.loop:
+        config.max_turns = int(max_assistant_turns)
+    return config
 
 
 @functools.lru_cache(maxsize=16)
@@ -121,8 +138,13 @@ def verl_tool_functions(verl_tools: list, tools_kwargs: dict | None, tool_reward
             tool_rewards.append(float(reward))
         return response.text or ""
 
-    schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in verl_tools]
-    return tools_from_schemas(schemas, call_tool)
+    return tools_from_schemas(list(_verl_schemas(tuple(verl_tools))), call_tool)
+
+
+@functools.lru_cache(maxsize=16)
+def _verl_schemas(verl_tools: tuple) -> tuple[dict, ...]:
+    """The tools' schemas as dicts, once per tool list (verl gives every row the worker's same tools)."""
+    return tuple(tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in verl_tools)
 
 
 # --- the episode of a row ------------------------------------------------------------------------------
@@ -194,35 +216,33 @@ class AgentLoop(AgentLoopBase):
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k not in VERL_KWARGS}
         ours.pop("name", None)
         super().__init__(*args, **kwargs)
-        self.options = options_from(self.config, ours)
+        text = _options_text(self.config, ours)
+        self.options = _options(text)
         self.verl_tools = list(tools.tools) if tools is not None else []
         self.response_length = int(self.rollout_config.response_length)
         self.prompt_length = int(self.rollout_config.prompt_length)
-        self.loop_config = self.options.loop_config(self.response_length)
         turns = self.rollout_config.multi_turn.get("max_assistant_turns")
-        if turns and "max_turns" not in self.options.loop:
-            self.loop_config.max_turns = int(turns)
+        self.loop_config = copy.copy(_loop_config(text, self.response_length, int(turns) if turns else None))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         tool_rewards: list[float] = []
         task = episode_for_row(self.options, kwargs, verl_tool_functions(
             self.verl_tools, _plain(kwargs.get("tools_kwargs")), tool_rewards))
-        self._check_prompt(task.episode, task.episode.info["verl_index"])
         priority = int(_plain(kwargs.get("priority", 0)) or 0)
         request_id = f"det-{priority}" if self.rollout_config.get("full_determinism", False) else uuid4().hex
         backend = VerlServerBackend(self.server_manager, sampling_params, request_id)
-        trajectory = await run_episode(task, task.episode.info["verl_index"], backend, self.tokenizer,
-                                       self.loop_config, seed=self.options.seed)
+        index = task.episode.info["verl_index"]
+        trajectory = await run_episode(task, index, backend, self.tokenizer, self.loop_config, seed=self.options.seed,
+                                       prompt_check=functools.partial(self._check_prompt, index=index))
         if trajectory.metrics.get("backend_error"):  # as verl's own loops: a failed server fails the step
             raise RuntimeError(f"verl row with index {task.episode.info['verl_index']}: generation failed: "
                                f"{trajectory.metrics['backend_error']}")
         return self.output(trajectory, backend, tool_rewards)
 
-    def _check_prompt(self, episode: Episode, index: int) -> None:
+    def _check_prompt(self, prompt_ids: list[int], *, index: int) -> None:
         """A prompt longer than verl's ``prompt_length`` is an error before anything is generated (cutting it,
-        as verl's own loops do, would train on a context the model never saw)."""
-        formatter = formatter_for(self.tokenizer, ToolExecutor(episode.tools).schemas, self.loop_config.history_mode)
-        prompt_ids, _ = formatter.prompt([dict(m) for m in episode.messages])
+        as verl's own loops do, would train on a context the model never saw). The loop calls it with the prompt
+        it rendered (``run_episode(prompt_check=)``): the prompt is rendered once."""
         if len(prompt_ids) > self.prompt_length:
             raise ValueError(f"verl row with index {index}: the prompt has {len(prompt_ids)} tokens, more than "
                              f"rollout.prompt_length={self.prompt_length}; raise it or shorten the prompt")

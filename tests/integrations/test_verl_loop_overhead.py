@@ -30,3 +30,4 @@ def test_quick_run_both_loops_same_token_ids(tmp_path):
         assert r["same_ids"] is True, r
         for loop in ("tool_agent", "agent_loop"):
             assert 0 < r[loop]["loop_only_ms_per_turn"] <= r[loop]["ms_per_turn"], r
+            assert 0 < r[loop]["own_ms_per_turn"] < r[loop]["loop_only_ms_per_turn"], r  # hydra's instantiation out
