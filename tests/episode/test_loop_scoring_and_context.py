@@ -247,3 +247,23 @@ def test_a_2mb_prompt_is_an_error_before_generation_in_bounded_memory(short_mode
                                               "tokens leaves no room in the model's context of 256 tokens")
     assert len(got[0].prompt_ids) > 100_000 and grown_mib < 1024, grown_mib
     assert got[1].finish_reason == "length" and len(got[1].response_ids) == 8  # the next episode plays
+
+
+def test_prompt_check_sees_the_rendered_prompt_and_can_refuse_it(qwen_tokenizer):
+    """run_episode(prompt_check=) gets the first prompt as rendered (the trajectory's prompt_ids: the verl AgentLoop
+    checks verl's prompt_length on it without rendering it again); what it raises ends the call before any
+    generation."""
+    task = DatasetTask([{"prompt": "What is 2+2?", "answer": "4"}], reward="contains")
+    backend, seen = answering(qwen_tokenizer), []
+    trajectory = asyncio.run(run_episode(task, 0, backend, qwen_tokenizer, LoopConfig(max_turns=1),
+                                         prompt_check=seen.append))
+    assert seen == [trajectory.prompt_ids] and trajectory.reward == 1.0
+
+    def refuse(prompt_ids):
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens")
+
+    calls = []
+    backend = ScriptedBackend(lambda prompt: calls.append(prompt) or [])
+    with pytest.raises(ValueError, match=f"prompt of {len(trajectory.prompt_ids)} tokens"):
+        asyncio.run(run_episode(task, 0, backend, qwen_tokenizer, LoopConfig(max_turns=1), prompt_check=refuse))
+    assert calls == []
