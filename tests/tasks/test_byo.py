@@ -589,7 +589,7 @@ def test_config_values_are_checked_with_the_options_types(tmp_path, capsys):
     with pytest.raises(ConfigError, match="must be a mapping"):
         read_config(path, RolloutOptions)
     # values are checked by the same declarations as flags, before anything runs (exit 2, one line)
-    for text, message in (("backend: torch\n", "--backend torch: must be one of hf, vllm, http"),
+    for text, message in (("backend: torch\n", "--backend torch: must be one of auto, hf, vllm, http"),
                           ("max-turns: 2.5\n", "--max-turns 2.5"), ("max_turns: true\n", "--max-turns True: must be"),
                           ("reward: 3\n", "--reward")):
         path.write_text(text)
