@@ -37,7 +37,6 @@ import contextlib
 import cProfile
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,7 +45,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from real_model_rollout import agent_loop_serve  # noqa: E402  (benchmarks/real_model_rollout.py)
 
 from agent_loop.backends.base import Backend  # noqa: E402
 
@@ -232,24 +233,6 @@ def measure_level(name, backend, generate_exact, run_on_engine, task, tokenizer,
           f"{row['prompt_tokens']} prompt tokens of which {row['reusable']:.0%} a prefix cache can skip; "
           f"load {os.getloadavg()[0]:.1f})", flush=True)
     return row
-
-
-@contextlib.contextmanager
-def agent_loop_serve(model: str, threads: int, log_path: Path, startup_timeout_s: float = 600.0):
-    """``agent-loop serve`` on 127.0.0.1 and a free port, in its own process group; yields its URL, stops it after."""
-    from agent_loop.backends.vllm_server import free_port, stop_process_group, wait_healthy
-
-    port = free_port()
-    command = [sys.executable, "-m", "agent_loop.cli", "serve", "--model", model, "--port", str(port),
-               "--threads", str(threads), "--", "--disable-log-stats", "--disable-uvicorn-access-log"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, timeout_s=startup_timeout_s, name="agent-loop serve", log_path=log_path)
-        yield url
-    finally:
-        stop_process_group(process)
 
 
 @contextlib.contextmanager
