@@ -10,12 +10,14 @@ ignored keeps ignoring it; SIGTERM still stops it (``agent_loop.signals``).
 A stop by SIGTERM always ends within seconds: when the clean way has not ended the command after
 :data:`STOP_GRACE_S` (an event loop blocked by user code, such as an ``async def`` agent calling a synchronous
 client, never gets to cancel anything), a KeyboardInterrupt is raised in the main thread, wherever it waits; after
-as long again (a thread that the interpreter waits for at exit), the process prints its line and exits.
+as long again (a thread that the interpreter waits for at exit), the process stops the processes it started (a vLLM
+engine still loading its model, which no clean way could stop in time) and prints its line and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -54,18 +56,35 @@ def _stop_line(prog: str, args, number: int) -> str:
 def _force_stop(signum: int) -> None:
     """The watchdog of a stop by ``signum``: a KeyboardInterrupt in the main thread after :data:`STOP_GRACE_S`
     (it interrupts whatever the main thread waits on, even an event loop that user code blocks), then, if the
-    process is still there as long again and the command is the process (``owns_process``), its stop line and
-    ``os._exit``, whether the command still runs or returned (the interpreter may wait at exit for a thread that
-    never ends, such as an executor's worker stuck in user code)."""
+    process is still there as long again and the command is the process (``owns_process``), its child processes
+    stopped (:func:`_stop_children`), its stop line and ``os._exit``, whether the command still runs or returned
+    (the interpreter may wait at exit for a thread that never ends, such as an executor's worker stuck in user
+    code)."""
     main = threading.main_thread()
     time.sleep(STOP_GRACE_S)
     if _command["running"]:
         signal.pthread_kill(main.ident, signum)
     time.sleep(STOP_GRACE_S)
     if _command["owns_process"]:  # still stopping, or stuck in the interpreter's exit
+        _stop_children()  # os._exit runs no finally: an engine's processes would outlive the command
         if not _command["said"]:
             print(_stop_line(_command["prog"], _command["args"], signum), file=sys.stderr, flush=True)
         os._exit(128 + signum)
+
+
+def _stop_children(grace_s: float = 3.0) -> None:
+    """SIGTERM to every process this one started (children's children too), SIGKILL to those left after
+    ``grace_s``."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, left = psutil.wait_procs(children, timeout=grace_s)
+    for child in left:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def warning_line(prog: str, message, category) -> str:

@@ -89,9 +89,11 @@ def test_the_in_process_engine_binds_its_worker_to_the_threads_cores(tiny_agent_
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     expected = ",".join(map(str, CORES))
+    before = set(psutil.Process().children(recursive=True))  # an earlier test's engine may still run here
     with VLLMEngineBackend(tiny_agent_dir, seed=0, threads=len(CORES)) as backend:
         assert backend.cores == expected
-        children = psutil.Process().children(recursive=True)  # the engine's processes (and multiprocessing's tracker)
+        # the engine's processes (and multiprocessing's tracker)
+        children = set(psutil.Process().children(recursive=True)) - before
         bindings = {child.environ().get("VLLM_CPU_OMP_THREADS_BIND") for child in children} - {None}
         assert bindings == {expected}  # what its engine and worker processes read
         assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # set for the engine's start only

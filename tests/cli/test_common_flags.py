@@ -42,6 +42,8 @@ def test_rollout_no_progress_draws_no_bar(capsys, tmp_path, monkeypatch):
     from transformers.utils import logging
 
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)  # restored after
+    logging.enable_progress_bar()  # an earlier --no-progress in this process turned them off
+    enable_progress_bars()
     drawn = {}
     try:
         for progress in ("--progress", "--no-progress"):

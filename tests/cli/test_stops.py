@@ -103,3 +103,47 @@ def test_sigterm_stops_a_command_whose_event_loop_user_code_blocks(request, monk
     assert run_command("agent-loop rollout", command(lambda args: asyncio.run(blocked()))) == 128 + signal.SIGTERM
     assert time.monotonic() - started < 10
     assert capsys.readouterr().err == "agent-loop rollout: stopped by SIGTERM; it wrote what it wrote\n"
+
+
+def test_a_stuck_stop_ends_the_processes_the_command_started(tmp_path):
+    """The watchdog's last step is ``os._exit``, which runs no ``finally``: a vLLM engine still loading its model
+    (it cannot be stopped from outside before it has started) would outlive the command. The watchdog stops
+    the command's child processes first, one that ignores SIGTERM too."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import psutil
+
+    script = textwrap.dedent("""
+        import signal, subprocess, sys, time
+        from types import SimpleNamespace
+        import agent_loop.cli.stops as stops
+        stops.STOP_GRACE_S = 0.5
+
+        def run(args):
+            stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"
+            child = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)
+            child.stdout.readline()  # it ignores SIGTERM from now on
+            print(child.pid, flush=True)
+            while True:  # a clean stop that never ends: the KeyboardInterrupt is swallowed
+                try:
+                    time.sleep(60)
+                except KeyboardInterrupt:
+                    pass
+
+        sys.exit(stops.run_command("agent-loop rollout", SimpleNamespace(run=run), owns_process=True))
+    """)
+    popen = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    child = psutil.Process(int(popen.stdout.readline()))
+    popen.send_signal(signal.SIGTERM)
+    try:
+        _, err = popen.communicate(timeout=60)
+        assert popen.returncode == 128 + signal.SIGTERM, err
+        assert err.strip().endswith("agent-loop rollout: stopped by SIGTERM; nothing was written"), err
+        child.wait(timeout=10)  # gone, not only orphaned
+        assert not child.is_running()
+    finally:
+        if child.is_running():
+            child.kill()

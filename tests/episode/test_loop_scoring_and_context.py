@@ -137,12 +137,14 @@ def test_call_bounded_returns_raises_and_times_out():
     assert value == 42 and 0.2 <= waited < 0.2 + 1.0
 
 
-def test_call_bounded_reuses_idle_threads_but_never_a_hung_one():
+def test_call_bounded_reuses_idle_threads_but_never_a_hung_one(monkeypatch):
     """A finished call's thread runs the next call (no thread start, which blocks the event loop, per scored
     episode); a call that hangs keeps its thread, and later calls run on others."""
     import threading
 
     from agent_loop.episode import loop
+
+    monkeypatch.setattr(loop, "_THREADS", loop._DaemonThreads())  # none idle yet (earlier tests leave several)
 
     async def until_idle():
         for _ in range(500):  # the thread counts itself idle just after it answers
