@@ -1,20 +1,44 @@
-"""transformers backend: batches concurrent requests from many trajectories into one decode loop.
+"""transformers backend: continuous batching over a local causal LM, each episode's KV cache kept between its turns.
 
-Requests that arrive while a batch is running wait for the next batch. Sampling is done here (not by
-``model.generate``) so that each request has its own seeded generator, its own stop tokens and
-``max_tokens``, and its sampled tokens' logprobs come back without a second forward pass.
+One decode thread serves every request, from whatever event loop it comes. Between two decode steps it admits
+the requests waiting (at most ``max_batch_size`` rows decode together; requests issued in the same event-loop
+tick are admitted together), so a request never waits for the longest row of a batch:
+
+- **Kept caches.** A finished request's keys and values (its prompt and its sampled tokens but the last, which was
+  never fed) are kept under its ``session_id`` (one per episode: ``agent_loop.episode.sessions``). If the
+  session's next prompt extends exactly those tokens, only its new tokens are prefilled, on top of them; any other
+  prompt is prefilled from scratch. Kept caches are bounded (``kept_cache_bytes``, the least recently used
+  session dropped first) and all dropped by a weight update (they hold the old weights' keys) and by ``end_run``.
+- **Joining.** A request is prefilled alone (one row, no padding: the same computation as a request decoded
+  alone), samples its first token, then joins the running batch: the shorter cache is left-padded along time,
+  with attention mask 0 on the padding; position ids count a row's real tokens (the mask's cumsum), as if alone.
+  Each decode step feeds every row its last sampled token ``(b, 1)`` and samples the next; a finished row leaves
+  the batch at once and the columns no remaining row needs are cut.
+
+Weights change only between requests: ``update_weights`` stops admissions, waits for the running rows to finish,
+then loads under ``weights_lock`` (which every step holds) and drops the kept caches.
+
+Sampling is done here (not by ``model.generate``) so that each request has its own seeded generator, its own stop
+tokens and ``max_tokens``, and its sampled tokens' logprobs come back without a second forward pass. What is and
+is not bit-identical to a request decoded alone: :class:`TransformersBackend`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
+
+KEPT_CACHE_BYTES = 1 << 30  # default bound of the kept caches: 1 GiB (SmolLM2-135M: 46 KB a token, ~23k tokens)
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (b, heads, t, head_dim)
 
 
 @dataclass
@@ -22,9 +46,36 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    session_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    cancelled: bool = False  # the caller gave up (set on its event loop, read by the decode thread)
+
+
+@dataclass
+class _Kept:
+    """A session's kept cache: ``layers`` (1, heads, t, head_dim) hold the keys and values of ``ids`` (t tokens)."""
+
+    ids: list[int]
+    layers: Layers
+    nbytes: int
+
+
+@dataclass
+class _Batch:
+    """The rows decoding together. ``lengths[r]``: tokens in row r's cache, its last ``lengths[r]`` columns (no
+    holes: rows are left-padded only); ``attention`` (b, T) marks them; ``pending`` (b,) is each row's last sampled
+    token, not yet in the cache; ``cache`` holds (b, heads, T, head_dim) keys and values per layer (None: no rows).
+    The same cache object grows across decode steps; it is rebuilt only when rows leave or join."""
+
+    requests: list[_Request] = field(default_factory=list)
+    generators: list[torch.Generator] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    attention: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -40,27 +91,87 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+def _cache_of(layers: Layers | None) -> DynamicCache:
+    """A ``DynamicCache`` holding ``layers`` themselves, not copies (empty for None)."""
+    if layers is None:
+        return DynamicCache()
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in layers])  # no copy of the data
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.keys, layer.values = keys, values
+    return cache
+
+
+def _layers_of(cache: DynamicCache) -> Layers:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _pad_left(layers: Layers, length: int) -> Layers:
+    """Each (b, heads, t, head_dim) tensor left-padded with zeros along time to ``length``."""
+    return [(F.pad(k, (0, 0, length - k.shape[2], 0)), F.pad(v, (0, 0, length - v.shape[2], 0))) for k, v in layers]
+
+
+def _left_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """(b, width) long attention mask: 1 on each row's last ``lengths[r]`` columns, 0 on its left padding."""
+    starts = width - torch.tensor(lengths, device=device)
+    return (torch.arange(width, device=device)[None, :] >= starts[:, None]).long()
+
+
+def _deliver(request: _Request, result: GenerationResult | None, error: BaseException | None) -> None:
+    """Settle ``request``'s future on its own event loop (from the decode thread); nothing if that loop is gone."""
+    def settle() -> None:
+        if not request.future.done():  # a caller that cancelled (e.g. a closed producer) gets nothing
+            request.future.set_exception(error) if error is not None else request.future.set_result(result)
+
+    try:
+        request.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # its event loop has closed: nobody waits for it any more
+        pass
+
+
 class TransformersBackend(Backend):
     """``Backend`` over a local causal LM (CPU and float32 by default; ``device="cuda"``, ``dtype=torch.bfloat16``
     on a GPU; ``update_weights`` casts the pushed weights to ``dtype``).
 
     Logprobs are those of the model's own distribution (temperature 1, before top-k/top-p), which is
     what vLLM returns by default (``raw_logprobs``) and what the trainer recomputes.
+
+    Exactness. Each request has its own generator, seeded at admission and drawn once per sampled token, so its
+    draws depend only on its seed and its logits. A request decoded alone with no kept cache runs the same
+    operations as the static batches this backend ran before continuous batching (one row prefilled, then
+    ``(1, 1)`` steps): the same tokens and logprobs, bit for bit (tests/backends/test_hf_continuous.py). In a
+    batch with others, or on top of a kept cache, its logits can differ in the last float32 bits: matmuls over b
+    rows, attention over padded columns and an earlier turn's keys computed step by step round differently from
+    one row's (as a static batch's rows always did; 1e-5 on the tiny agent's logprobs). A draw that such a
+    difference flips can differ, so sampled tokens cannot be promised identical to any other batch composition.
+
+    Metrics: ``batch_sizes`` gets one entry per admission, the rows decoding together once the admitted joined (a
+    static batch's size before; a request that joins a running batch of 1 appends 2). ``stats``: ``decode_steps``
+    (batched decode forwards), ``prefilled_tokens`` (tokens run through the model in prefills) and
+    ``reused_tokens`` (prompt tokens taken from kept caches instead), ``evicted_sessions`` (kept caches dropped
+    for the bound).
     """
 
     def __init__(self, model, device: str | torch.device = "cpu", max_batch_size: int = 64, pad_token_id: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kept_cache_bytes: int = KEPT_CACHE_BYTES):
         if isinstance(model, str) or hasattr(model, "__fspath__"):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size
-        self.pad_token_id = pad_token_id
-        self._pending: list[_Request] = []
-        self._worker: asyncio.Task | None = None
-        self.weights_lock = threading.Lock()  # held while a batch decodes; a trainer takes it to swap weights
-        self.batch_sizes: list[int] = []  # size of every batch run, for metrics and tests
+        self.pad_token_id = pad_token_id  # unused since rows are never padded with tokens; kept for from_settings
+        self.kept_cache_bytes = kept_cache_bytes
+        self.weights_lock = threading.Lock()  # held by every decode step; update_weights takes it to swap weights
+        self.batch_sizes: list[int] = []  # rows decoding together after each admission, for metrics and tests
+        self.stats = {"decode_steps": 0, "prefilled_tokens": 0, "reused_tokens": 0, "evicted_sessions": 0}
+        self._state = threading.Condition()  # guards everything below; the decode thread waits on it
+        self._incoming: list[_Request] = []  # issued in this event-loop tick, not yet visible to the decode thread
+        self._queue: list[_Request] = []  # waiting for admission
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently used first
+        self._kept_bytes = 0
+        self._running = 0  # rows in the batch after the last step
+        self._swaps_waiting = 0
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "TransformersBackend":
@@ -74,83 +185,248 @@ class TransformersBackend(Backend):
         value = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
         return value if isinstance(value, int) and value > 0 else None
 
+    @property
+    def kept_sessions(self) -> list[str]:
+        """The sessions whose cache is kept, least recently used first."""
+        with self._state:
+            return list(self._kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._state:
+            return self._kept_bytes
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new policy weights (the trainer's push after each step); waits for a running batch."""
-        with self.weights_lock, torch.no_grad():
-            self.model.load_state_dict(state_dict)
+        """Load new policy weights (the trainer's push after each step). No request is admitted meanwhile; the
+        running rows finish on the old weights first; the kept caches (old weights' keys) are dropped."""
+        with self._state:
+            self._swaps_waiting += 1
+            self._state.wait_for(lambda: self._running == 0)
+        try:
+            with self.weights_lock, torch.no_grad():
+                self.model.load_state_dict(state_dict)
+                self._drop_kept()
+        finally:
+            with self._state:
+                self._swaps_waiting -= 1
+                self._state.notify_all()
+
+    async def end_run(self) -> None:
+        """A run of rollouts ended: its episodes' kept caches are of no further use."""
+        self._drop_kept()
+
+    def _drop_kept(self) -> None:
+        with self._state:
+            self._kept.clear()
+            self._kept_bytes = 0
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
     ) -> GenerationResult:
-        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future())
-        self._pending.append(request)
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._run_batches())
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        loop = asyncio.get_running_loop()
+        request = _Request(list(prompt_ids), sampling, loop.create_future(), loop, session_id)
+        request.future.add_done_callback(lambda future: setattr(request, "cancelled", future.cancelled()))
+        with self._state:
+            self._incoming.append(request)
+        loop.call_soon(self._hand_over)  # after the other requests of this tick: they are admitted together
         return await request.future
 
-    async def _run_batches(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0)  # let requests issued in the same tick join this batch
-            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+    def _hand_over(self) -> None:
+        """Make the requests issued so far visible to the decode thread; start it if it is not running."""
+        with self._state:
+            if not self._incoming:
+                return
+            self._queue.extend(self._incoming)
+            self._incoming.clear()
+            self._state.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="hf-decode", daemon=True)
+                self._thread.start()
+
+    # The decode thread.
+
+    def _serve(self) -> None:
+        """Admit, step, deliver, until no request is running or waiting (then the thread ends)."""
+        batch = _Batch()
+        while True:
+            admitted = self._admissions(len(batch.requests))
+            if admitted is None:
+                return
             try:
-                await asyncio.to_thread(self._decode, batch)
-            except Exception as error:  # surface to every waiting caller; the loop maps it to finish "error"
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(error)
-                continue
-            for request in batch:
-                if not request.future.done():  # a caller cancelled (e.g. a closed producer): the rest still get theirs
-                    request.future.set_result(
-                        GenerationResult(request.token_ids, request.logprobs, request.finish_reason)
-                    )
+                with self.weights_lock, torch.inference_mode():
+                    self._step(batch, admitted)
+            except Exception as error:  # surface to every caller in the batch; the loop maps it to finish "error"
+                for request in batch.requests + admitted:
+                    _deliver(request, None, error)
+                batch = _Batch()
+            with self._state:
+                self._running = len(batch.requests)
+                self._state.notify_all()
 
-    @torch.inference_mode()
-    def _decode(self, batch: list[_Request]) -> None:
-        with self.weights_lock:
-            self.batch_sizes.append(len(batch))
-            longest = max(len(r.prompt_ids) for r in batch)
-            input_ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
-            attention = torch.zeros((len(batch), longest), dtype=torch.long)
-            for row, request in enumerate(batch):  # left padding: every prompt ends at the same column
-                input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-                attention[row, longest - len(request.prompt_ids) :] = 1
-            generators = []
-            for request in batch:  # on the model's device: the draws stay there (no host round trip per row)
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else torch.seed())
-                generators.append(generator)
+    def _admissions(self, running: int) -> list[_Request] | None:
+        """The requests to admit now (none while a weight update waits, none past ``max_batch_size``); None: nothing
+        runs or waits, the thread ends."""
+        with self._state:
+            while True:
+                self._queue = [r for r in self._queue if not r.loop.is_closed()]  # cancelled: leave after a step
+                room = self.max_batch_size - running
+                if self._queue and room > 0 and not self._swaps_waiting:
+                    admitted, self._queue = self._queue[:room], self._queue[room:]
+                    self._running = running + len(admitted)  # from now on a weight update waits for them
+                    return admitted
+                if running:
+                    return []
+                if not self._queue:
+                    self._thread = None
+                    return None
+                self._state.wait()  # a weight update is under way
 
-            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-            cache = DynamicCache()
-            step_ids = input_ids
-            for _ in range(max(r.sampling.max_tokens for r in batch)):
-                position_ids = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-                out = self.model(  # logits of the last position only: a prompt's (p, vocab) logits would be GiBs
-                    input_ids=step_ids, attention_mask=attention, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1,
-                )
-                active = [row for row, request in enumerate(batch) if request.finish_reason is None]
-                logits = out.logits[active, -1, :].float()
-                tokens = sample_tokens(logits, [batch[row].sampling for row in active], [generators[row] for row in active])
-                chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
-                token_list, chosen_list = tokens.tolist(), chosen.tolist()  # the one host transfer of a decode step
-                if -1 in token_list:
-                    raise RuntimeError("probability tensor contains either inf or nan (the model's logits)")
-                next_ids = torch.full((len(batch),), self.pad_token_id, dtype=torch.long)
-                for row, token, logprob in zip(active, token_list, chosen_list):
-                    request = batch[row]
-                    next_ids[row] = token
-                    request.token_ids.append(token)
-                    request.logprobs.append(logprob)
-                    if token in request.sampling.stop_token_ids:
-                        request.finish_reason = "stop"
-                    elif len(request.token_ids) >= request.sampling.max_tokens:
-                        request.finish_reason = "length"
-                if all(r.finish_reason is not None for r in batch):
-                    break
-                step_ids = next_ids.unsqueeze(1).to(self.device)
-                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    def _step(self, batch: _Batch, admitted: list[_Request]) -> None:
+        """One decode step of the running rows, then the admitted requests prefilled and joined."""
+        self._drop_rows(batch, [r for r, request in enumerate(batch.requests) if request.cancelled])
+        if batch.requests:
+            self._decode(batch)
+            self._retire(batch)
+        joining = [self._prefill(request) for request in admitted]
+        for request, _, layers in joining:
+            if request.finish_reason is not None:  # its first token ended it
+                self._keep(request, layers)
+                _deliver(request, GenerationResult(request.token_ids, request.logprobs, request.finish_reason), None)
+        joining = [row for row in joining if row[0].finish_reason is None]
+        if joining:
+            self._join(batch, joining)
+        if admitted:
+            self.batch_sizes.append(len(batch.requests))
+
+    def _decode(self, batch: _Batch) -> None:
+        """Feed every row its pending token (b, 1); sample each row's next token."""
+        attention = torch.cat([batch.attention, torch.ones_like(batch.attention[:, :1])], dim=1)  # (b, T + 1)
+        position_ids = attention.sum(-1, keepdim=True) - 1  # (b, 1): the row's own position, padding not counted
+        out = self.model(input_ids=batch.pending[:, None], attention_mask=attention, position_ids=position_ids,
+                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1)  # the cache grows in place
+        self.stats["decode_steps"] += 1
+        batch.attention = attention
+        batch.lengths = [length + 1 for length in batch.lengths]
+        batch.pending = self._sample(batch.requests, batch.generators, out.logits[:, -1, :].float())
+
+    def _prefill(self, request: _Request) -> tuple[_Request, torch.Generator, Layers]:
+        """Run ``request``'s prompt as one row on top of its session's kept cache (if its prompt extends it) and
+        sample its first token. Returns the request, its generator and its cache (1, heads, len(prompt), head_dim)."""
+        generator = torch.Generator(device=self.device)  # on the model's device: the draws stay there
+        generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else torch.seed())
+        kept = self._take_kept(request)
+        reused = len(kept.ids) if kept is not None else 0
+        new = request.prompt_ids[reused:]  # at least one token: a kept cache is a strict prefix
+        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        attention = torch.ones((1, len(request.prompt_ids)), dtype=torch.long, device=self.device)
+        position_ids = torch.arange(reused, len(request.prompt_ids), device=self.device)[None, :]
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                         past_key_values=_cache_of(kept.layers if kept is not None else None), use_cache=True,
+                         logits_to_keep=1)  # the last position only: a prompt's (p, vocab) logits would be GiBs
+        self.stats["prefilled_tokens"] += len(new)
+        self.stats["reused_tokens"] += reused
+        self._sample([request], [generator], out.logits[:, -1, :].float())
+        return request, generator, _layers_of(out.past_key_values)
+
+    def _sample(self, requests: list[_Request], generators: list[torch.Generator], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token per row of ``logits`` (b, v) and record it, its logprob and any finish. Returns the
+        tokens (b,) on the model's device."""
+        tokens = sample_tokens(logits, [r.sampling for r in requests], generators)
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+        token_list, chosen_list = tokens.tolist(), chosen.tolist()  # the one host transfer of a decode step
+        if -1 in token_list:
+            raise RuntimeError("probability tensor contains either inf or nan (the model's logits)")
+        for request, token, logprob in zip(requests, token_list, chosen_list):
+            request.token_ids.append(token)
+            request.logprobs.append(logprob)
+            if token in request.sampling.stop_token_ids:
+                request.finish_reason = "stop"
+            elif len(request.token_ids) >= request.sampling.max_tokens:
+                request.finish_reason = "length"
+        return tokens.to(self.device)
+
+    def _retire(self, batch: _Batch) -> None:
+        """Deliver the finished rows' results, keep their caches, and take them out of the batch."""
+        done = [r for r, request in enumerate(batch.requests) if request.finish_reason is not None]
+        width, layers = batch.attention.shape[1], _layers_of(batch.cache)
+        for r in done:
+            request = batch.requests[r]
+            if self.kept_cache_bytes > 0 and request.session_id is not None:
+                start = width - batch.lengths[r]
+                self._keep(request, [(k[r : r + 1, :, start:].clone(), v[r : r + 1, :, start:].clone())
+                                     for k, v in layers])
+            _deliver(request, GenerationResult(request.token_ids, request.logprobs, request.finish_reason), None)
+        self._drop_rows(batch, done)
+
+    def _drop_rows(self, batch: _Batch, rows: list[int]) -> None:
+        """Take ``rows`` out of the batch and cut the columns that only they needed."""
+        if not rows:
+            return
+        leaving = set(rows)
+        keep = [r for r in range(len(batch.requests)) if r not in leaving]
+        for name in ("requests", "generators", "lengths"):
+            setattr(batch, name, [getattr(batch, name)[r] for r in keep])
+        if not keep:
+            batch.cache = batch.attention = batch.pending = None
+            return
+        width, index = max(batch.lengths), torch.tensor(keep, device=self.device)
+        batch.cache = _cache_of([(k[index, :, k.shape[2] - width :], v[index, :, v.shape[2] - width :])
+                                 for k, v in _layers_of(batch.cache)])
+        batch.attention = batch.attention[index, batch.attention.shape[1] - width :]
+        batch.pending = batch.pending[index]
+
+    def _join(self, batch: _Batch, joining: list[tuple[_Request, torch.Generator, Layers]]) -> None:
+        """Merge prefilled rows into the batch: every cache left-padded to the longest along time."""
+        lengths = batch.lengths + [len(request.prompt_ids) for request, _, _ in joining]
+        width = max(lengths)
+        parts = ([_pad_left(_layers_of(batch.cache), width)] if batch.cache is not None else []) + [
+            _pad_left(layers, width) for _, _, layers in joining]
+        batch.cache = _cache_of([(torch.cat([part[i][0] for part in parts]), torch.cat([part[i][1] for part in parts]))
+                                 for i in range(len(parts[0]))])
+        batch.attention = _left_mask(lengths, width, self.device)
+        pending = [torch.tensor([request.token_ids[-1]], device=self.device) for request, _, _ in joining]
+        batch.pending = torch.cat(([batch.pending] if batch.pending is not None else []) + pending)
+        batch.requests = batch.requests + [request for request, _, _ in joining]
+        batch.generators = batch.generators + [generator for _, generator, _ in joining]
+        batch.lengths = lengths
+
+    # Kept caches.
+
+    def _take_kept(self, request: _Request) -> _Kept | None:
+        """The session's kept cache if ``request``'s prompt strictly extends its tokens (it leaves the store: the
+        request's own cache replaces it when it ends); else None, and a cache that does not fit is dropped."""
+        if request.session_id is None:
+            return None
+        with self._state:
+            kept = self._kept.pop(request.session_id, None)
+            if kept is not None:
+                self._kept_bytes -= kept.nbytes
+        prompt = request.prompt_ids
+        if kept is None or len(kept.ids) >= len(prompt) or prompt[: len(kept.ids)] != kept.ids:
+            return None
+        return kept
+
+    def _keep(self, request: _Request, layers: Layers) -> None:
+        """Keep ``layers`` (1, heads, t, head_dim), the keys and values of ``request``'s prompt and its tokens but the
+        last, for its session's next turn; drop the least recently used sessions beyond ``kept_cache_bytes``."""
+        if self.kept_cache_bytes <= 0 or request.session_id is None or request.cancelled:
+            return
+        ids = request.prompt_ids + request.token_ids[:-1]
+        if layers[0][0].shape[2] != len(ids):  # the rows' bookkeeping is wrong: never reuse such a cache
+            raise RuntimeError(f"kept cache of {layers[0][0].shape[2]} positions for {len(ids)} tokens")
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if nbytes > self.kept_cache_bytes:
+            return
+        with self._state:
+            old = self._kept.pop(request.session_id, None)
+            self._kept_bytes += nbytes - (old.nbytes if old is not None else 0)
+            self._kept[request.session_id] = _Kept(ids, layers, nbytes)
+            while self._kept_bytes > self.kept_cache_bytes:
+                _, evicted = self._kept.popitem(last=False)
+                self._kept_bytes -= evicted.nbytes
+                self.stats["evicted_sessions"] += 1
 
 
 def sample_tokens(logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator], *,
