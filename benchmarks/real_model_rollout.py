@@ -10,6 +10,14 @@ Backends run one after the other (never two engines at once); each plays a short
 end in backend errors raises rather than report a dead engine's speed). The server is the command a user runs,
 ``agent-loop serve --model M --port P --threads N``, started here on 127.0.0.1 and stopped at the end.
 Ratios are against hf at the same concurrency. Training cost is benchmarks/train_memory.py's (``--lora``).
+
+The transformers backend before and after continuous batching and kept caches (issue 48 item 4), in one run:
+
+    nice -n 5 .venv/bin/python benchmarks/real_model_rollout.py --backends hf-static hf --threads 2
+
+``hf-static`` is the old static batches (tests/helpers/static_hf.py). With both, they share one loaded model and
+play each level in turns (static, then continuous), so that a change of machine load hits both alike; a second
+table gives continuous / static tokens/s and the share of prompt tokens taken from kept caches.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,13 +36,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from backends import print_table, sweep  # noqa: E402  (benchmarks/backends.py)
+from backends import measure, print_table, sweep  # noqa: E402  (benchmarks/backends.py)
 from train_memory import resolve_model  # noqa: E402
 
 from agent_loop.episode.config import LoopConfig  # noqa: E402
 from agent_loop.tasks.registry import get_task  # noqa: E402
 
-BACKENDS = ("hf", "vllm", "http")
+BACKENDS = ("hf", "vllm", "http", "hf-static")
 
 
 @contextlib.contextmanager
@@ -56,10 +65,11 @@ def agent_loop_serve(model: str, threads: int, log_path: Path, startup_timeout_s
 
 def run_backend(name: str, model: str, task, tokenizer, args, config) -> dict[int, dict]:
     """One backend's sweep over ``args.concurrency``."""
-    if name == "hf":
+    if name in ("hf", "hf-static"):
         from agent_loop.backends.hf import TransformersBackend
+        from tests.helpers.static_hf import StaticBatchBackend
 
-        backend = TransformersBackend(model, max_batch_size=max(args.concurrency))
+        backend = (TransformersBackend if name == "hf" else StaticBatchBackend)(model, max_batch_size=max(args.concurrency))
         return asyncio.run(sweep(task, backend, tokenizer, args, config))
     if name == "vllm":
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
@@ -74,6 +84,44 @@ def run_backend(name: str, model: str, task, tokenizer, args, config) -> dict[in
 
     with agent_loop_serve(model, args.threads, Path(tempfile.gettempdir()) / "real-model-serve.log") as url:
         return asyncio.run(over_http(url))
+
+
+def transformers_before_after(model: str, task, tokenizer, args, config) -> dict[str, dict[int, dict]]:
+    """``hf-static`` (the old static batches) and ``hf`` (continuous batching, kept caches) over one loaded model,
+    each level played by both in turns after one warm-up each. ``hf``'s rows also get ``reused``: the share of
+    prompt tokens taken from kept caches."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_loop.backends.hf import TransformersBackend
+    from tests.helpers.static_hf import StaticBatchBackend
+
+    weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    size = max(args.concurrency)
+    backends = {"hf-static": StaticBatchBackend(weights, max_batch_size=size),
+                "hf": TransformersBackend(weights, max_batch_size=size)}
+    for backend in backends.values():
+        asyncio.run(measure(task, backend, tokenizer, 4, 4, config))  # warm-up
+    results: dict[str, dict[int, dict]] = {name: {} for name in backends}
+    for c in args.concurrency:
+        for name, backend in backends.items():
+            before = dict(backend.stats)
+            r = results[name][c] = asyncio.run(measure(task, backend, tokenizer, max(args.episodes, c), c, config))
+            if name == "hf":
+                delta = {key: backend.stats[key] - before[key] for key in before}
+                r["reused"] = delta["reused_tokens"] / max(1, delta["reused_tokens"] + delta["prefilled_tokens"])
+            print(f"  {name} concurrency {c}: {r['tokens_per_s']:.1f} assistant tok/s ({r['seconds']:.1f} s), "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    return results
+
+
+def print_before_after(results: dict[str, dict[int, dict]], concurrency: list[int]) -> None:
+    print("| concurrency | static batches tok/s | continuous + kept caches tok/s | continuous / static | "
+          "prompt tokens from kept caches |")
+    print("|---|---|---|---|---|")
+    for c in concurrency:
+        old, new = results["hf-static"][c], results["hf"][c]
+        print(f"| {c} | {old['tokens_per_s']:.1f} | {new['tokens_per_s']:.1f} | "
+              f"{new['tokens_per_s'] / old['tokens_per_s']:.2f}x | {new['reused']:.0%} |")
 
 
 def main() -> None:
@@ -97,7 +145,14 @@ def main() -> None:
     task = get_task(args.task)
     config = LoopConfig(temperature=1.0, max_tokens=args.max_tokens)
     results, failed = {}, []
+    pair = {"hf", "hf-static"} <= set(args.backends)
+    load_before = os.getloadavg()
+    if pair:
+        print("hf-static and hf, level by level:", flush=True)
+        results.update(transformers_before_after(model, task, tokenizer, args, config))
     for name in args.backends:
+        if pair and name in results:
+            continue
         print(f"{name}:", flush=True)
         try:
             results[name] = run_backend(name, model, task, tokenizer, args, config)
@@ -105,8 +160,12 @@ def main() -> None:
             failed.append(f"{name}: failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
             print(failed[-1], flush=True)
     print(f"\nmodel {label} ({model}), task {args.task}, temperature 1.0, max_tokens {args.max_tokens}, "
-          f"{args.threads} thread(s)\n")
-    print_table({("transformers" if name == "hf" else name): r for name, r in results.items()}, args.concurrency)
+          f"{args.threads} thread(s), load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    names = {"hf": "transformers", "hf-static": "transformers (static batches)"}
+    print_table({names.get(name, name): r for name, r in results.items()}, args.concurrency)
+    if pair:
+        print()
+        print_before_after(results, args.concurrency)
     print("\n".join(failed))
 
 
