@@ -94,9 +94,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 class _GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views of buffers with room to grow along time: a decode step
-    writes its token in place, where ``DynamicLayer`` copies the whole layer (``torch.cat``: at 32 rows of 400
-    tokens, SmolLM2-135M's 60 such copies took about a second a step on this machine). Full buffers grow by a
-    quarter (at least ``ROOM`` positions); the views are what attention reads, as before."""
+    writes its token in place, where ``DynamicLayer`` copies the whole layer (``torch.cat``: every layer's keys
+    and values of every row, at every step). Full buffers grow by a quarter (at least ``ROOM`` positions, at least
+    what is written); the views are what attention reads, as before."""
 
     ROOM = 64
 
@@ -391,8 +391,7 @@ class TransformersBackend(Backend):
             request = batch.requests[r]
             if self.kept_cache_bytes > 0 and request.session_id is not None:
                 start = width - batch.lengths[r]
-                self._keep(request, [(k[r : r + 1, :, start:].clone(), v[r : r + 1, :, start:].clone())
-                                     for k, v in layers])
+                self._keep(request, [(k[r : r + 1, :, start:], v[r : r + 1, :, start:]) for k, v in layers])
             _deliver(request, GenerationResult(request.token_ids, request.logprobs, request.finish_reason), None)
         self._drop_rows(batch, done)
 
@@ -445,7 +444,7 @@ class TransformersBackend(Backend):
         return kept
 
     def _keep(self, request: _Request, layers: Layers) -> None:
-        """Keep ``layers`` (1, heads, t, head_dim), the keys and values of ``request``'s prompt and its tokens but the
+        """Keep a copy of ``layers`` (1, heads, t, head_dim), the keys and values of ``request``'s prompt and its tokens but the
         last, for its session's next turn; drop the least recently used sessions beyond ``kept_cache_bytes``."""
         if self.kept_cache_bytes <= 0 or request.session_id is None or request.cancelled:
             return
@@ -455,6 +454,7 @@ class TransformersBackend(Backend):
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.kept_cache_bytes:
             return
+        layers = [(k.clone(), v.clone()) for k, v in layers]  # its own memory, not a view of the batch's buffers
         with self._state:
             old = self._kept.pop(request.session_id, None)
             self._kept_bytes += nbytes - (old.nbytes if old is not None else 0)
