@@ -321,7 +321,8 @@ class TransformersBackend(Backend):
 
     def _step(self, batch: _Batch, admitted: list[_Request]) -> None:
         """One decode step of the running rows, then the admitted requests prefilled and joined."""
-        self._drop_rows(batch, [r for r, request in enumerate(batch.requests) if request.cancelled])
+        self._drop_rows(batch, [r for r, request in enumerate(batch.requests)
+                                if request.cancelled or request.loop.is_closed()])  # nobody waits for these
         if batch.requests:
             self._decode(batch)
             self._retire(batch)

@@ -177,6 +177,28 @@ def test_a_request_cancelled_mid_decode_leaves_the_batch_and_the_other_rows_go_o
     assert backend.kept_sessions == ["b"]  # nobody waits for A's next turn
 
 
+def test_an_error_reaches_every_caller_of_the_batch_and_the_backend_serves_on(model):
+    """A request whose prompt breaks the model (an id past the vocabulary) joins a running row: both callers get
+    the error (the batch's cache is gone with it); the next request is served as if nothing had happened."""
+    backend = TransformersBackend(model)
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=1)
+
+    async def a_bad_joiner():
+        pause = Pause(backend.model, at=2)
+        a = asyncio.ensure_future(backend.generate(PROMPTS[0], params, session_id="a"))
+        await pause.wait()
+        bad = asyncio.ensure_future(backend.generate([5, 10_000], params))
+        await let_the_loop_hand_over()
+        pause.release()
+        return await asyncio.gather(a, bad, return_exceptions=True)
+
+    results = run(a_bad_joiner())
+    assert all(isinstance(r, IndexError) for r in results), results
+    assert backend.kept_sessions == []
+    again = run(backend.generate(PROMPTS[0], params, session_id="a"))
+    assert again.token_ids == run(TransformersBackend(model).generate(PROMPTS[0], params)).token_ids
+
+
 def test_a_weight_update_waits_for_running_rows_admits_nothing_meanwhile_and_drops_kept_caches(
         tiny_agent_dir, tiny_mid):
     """update_weights during A's decoding: A ends on the old weights, C (issued while the update waits) runs on
