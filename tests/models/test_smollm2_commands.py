@@ -95,7 +95,7 @@ def test_one_full_fine_tuning_step_changes_every_weight_and_inspect_shows_the_ru
 def test_an_asynchronous_run_trains_on_episodes_at_most_one_step_stale(smollm2_dir, tmp_path, capsys):
     run = tmp_path / "async"
     assert main(["train", *SMALL_TRAIN, "--steps", "2", "--max-staleness", "1", "--mini-batches", "1",
-                 "--output-dir", str(run)]) == 0, capsys.readouterr().err
+                 "--backend", "hf", "--output-dir", str(run)]) == 0, capsys.readouterr().err
     steps = metrics_of(run)
     assert [m["step"] for m in steps] == [1, 2]
     for metrics in steps:

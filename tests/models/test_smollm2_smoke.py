@@ -91,6 +91,6 @@ def test_one_warm_start_step_then_one_lora_train_step(smollm2_dir, tmp_path, cap
     run = tmp_path / "train"
     assert main(["train", "--model", str(warm / "model"), "--task", "arithmetic", "--lora-rank", "8", "--steps", "1",
                  "--prompts-per-step", "2", "--group-size", "2", "--max-tokens", "24", "--max-turns", "2",
-                 "--output-dir", str(run)]) == 0, capsys.readouterr().err
+                 "--backend", "hf", "--output-dir", str(run)]) == 0, capsys.readouterr().err
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics and metrics[-1]["step"] == 1

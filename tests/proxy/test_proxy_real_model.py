@@ -35,7 +35,8 @@ def test_an_unchanged_agent_is_recorded_token_for_token_on_the_real_model(name, 
         pytest.fail(f"no Agents SDK side environment at {python}: build it with `bash scripts/side_env.sh openai-agents`")
     out = tmp_path / "episodes.jsonl"
     command = [str(python), "-m", "agent_loop.cli", "rollout", "--agent", agent, "--model", "smollm2-135m",
-               "--task", "arithmetic", "--episodes", "2", "--concurrency", "2", "--max-tokens", "48", "--out", str(out)]
+               "--task", "arithmetic", "--episodes", "2", "--concurrency", "2", "--max-tokens", "48", "--out", str(out),
+               "--backend", "hf"]  # the recording is the point, not the engine (the vLLM engine's: the test below)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
