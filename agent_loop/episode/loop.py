@@ -287,9 +287,10 @@ def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch
 
 def _final_checks(ctx: _Context, state: _EpisodeState) -> None:
     """A finished chat's one-go render: it starts with the last generation prompt, and shows the last turn as sampled."""
-    last = len(state.turn_tokens) - 1
-    _template_diff(ctx.config, state, last, ctx.formatter.final_mismatch(state.messages, state.seen))
-    rerender = ctx.formatter.final_rerender(state.messages, state.seen, *state.last_turn)
+    last, formatter = len(state.turn_tokens) - 1, ctx.formatter
+    fresh = formatter.render_text(state.messages)  # one render for both checks
+    _template_diff(ctx.config, state, last, formatter.final_mismatch(state.messages, state.seen, fresh=fresh))
+    rerender = formatter.final_rerender(state.messages, state.seen, *state.last_turn, fresh=fresh)
     if rerender is not None:
         state.rerender_diffs.append({"turn": last, **rerender})
 
