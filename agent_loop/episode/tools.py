@@ -48,6 +48,9 @@ def _checked_schema(fn: Callable) -> tuple[dict, jsonschema.Draft202012Validator
     given = getattr(fn, "json_schema", None)  # a schema given with the function (tools_from_schemas)
     code = getattr(fn, "__code__", None)
     if given is not None:
+        kept = getattr(fn, "_checked_of", None)  # (the given schema, its entry): no JSON dump of it per call
+        if kept is not None and kept[0] is given:
+            return kept[1]
         key = (json.dumps(given, sort_keys=True),)
     else:
         key = (code, fn.__doc__, repr(getattr(fn, "__annotations__", None))) if code else (fn,)
@@ -55,6 +58,11 @@ def _checked_schema(fn: Callable) -> tuple[dict, jsonschema.Draft202012Validator
         schema = given if given is not None else get_json_schema(fn)
         jsonschema.Draft202012Validator.check_schema(schema["function"]["parameters"])
         _CHECKED[key] = schema, jsonschema.Draft202012Validator(schema["function"]["parameters"])
+    if given is not None:
+        try:
+            fn._checked_of = (given, _CHECKED[key])
+        except (AttributeError, TypeError):  # a callable that takes no attributes: the JSON key every time
+            pass
     return _CHECKED[key]
 
 
