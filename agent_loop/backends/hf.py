@@ -278,7 +278,10 @@ class TransformersBackend(Backend):
             self._incoming.clear()
             self._state.notify_all()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="hf-decode", daemon=True)
+                # not a daemon: the interpreter's exit waits for its step (it ends once no request is left, and a
+                # cancelled one leaves at the next step); a daemon still computing while the interpreter tears
+                # torch down aborted a stopped train ("terminate called without an active exception")
+                self._thread = threading.Thread(target=self._serve, name="hf-decode")
                 self._thread.start()
 
     # The decode thread.
