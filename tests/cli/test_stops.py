@@ -108,7 +108,8 @@ def test_sigterm_stops_a_command_whose_event_loop_user_code_blocks(request, monk
 def test_a_stuck_stop_ends_the_processes_the_command_started(tmp_path):
     """The watchdog's last step is ``os._exit``, which runs no ``finally``: a vLLM engine still loading its model
     (it cannot be stopped from outside before it has started) would outlive the command. The watchdog stops
-    the command's child processes first, one that ignores SIGTERM too."""
+    the command's child processes first, one that ignores SIGTERM too. Stuck here: the clean stop returns, then
+    the interpreter's exit waits for a thread that never ends."""
     import subprocess
     import sys
     import textwrap
@@ -116,7 +117,7 @@ def test_a_stuck_stop_ends_the_processes_the_command_started(tmp_path):
     import psutil
 
     script = textwrap.dedent("""
-        import signal, subprocess, sys, time
+        import subprocess, sys, threading, time
         from types import SimpleNamespace
         import agent_loop.cli.stops as stops
         stops.STOP_GRACE_S = 0.5
@@ -125,23 +126,25 @@ def test_a_stuck_stop_ends_the_processes_the_command_started(tmp_path):
             stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"
             child = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)
             child.stdout.readline()  # it ignores SIGTERM from now on
+            threading.Thread(target=time.sleep, args=(600,)).start()  # the interpreter's exit would wait for it
             print(child.pid, flush=True)
-            while True:  # a clean stop that never ends: the KeyboardInterrupt is swallowed
-                try:
-                    time.sleep(60)
-                except KeyboardInterrupt:
-                    pass
+            time.sleep(600)  # SIGTERM ends this wait (the clean stop); the exit then waits on the thread
 
         sys.exit(stops.run_command("agent-loop rollout", SimpleNamespace(run=run), owns_process=True))
     """)
+
+    def default_signals():  # not the test worker's: a signal ignored there would be ignored in the command too
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     popen = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=tmp_path)
+                             cwd=tmp_path, preexec_fn=default_signals)
     child = psutil.Process(int(popen.stdout.readline()))
     popen.send_signal(signal.SIGTERM)
     try:
         _, err = popen.communicate(timeout=60)
         assert popen.returncode == 128 + signal.SIGTERM, err
-        assert err.strip().endswith("agent-loop rollout: stopped by SIGTERM; nothing was written"), err
+        assert err.splitlines()[-1] == "agent-loop rollout: stopped by SIGTERM; nothing was written", err
         child.wait(timeout=10)  # gone, not only orphaned
         assert not child.is_running()
     finally:

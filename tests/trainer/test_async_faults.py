@@ -106,7 +106,9 @@ def assert_async_run(out: Path, steps: int) -> list[dict]:
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     for metrics in lines:
         assert metrics["staleness/max"] <= 1 and metrics["staleness/k0"] + metrics["staleness/k1"] == 8
-        assert metrics["producer/episodes_per_s"] > 0 and "time/idle_s" in metrics
+        # 0 where nothing finished between two takes (the producer was a step ahead)
+        assert metrics["producer/episodes_per_s"] >= 0 and "time/idle_s" in metrics
+    assert sum(m["producer/episodes_per_s"] for m in lines) > 0
     assert (out / "checkpoints" / f"step_{steps:06d}").is_dir()  # the replicas were checked equal at each one
     return lines
 

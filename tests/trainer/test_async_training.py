@@ -407,8 +407,12 @@ def test_a_resumed_asynchronous_run_plays_the_same_questions_none_twice(tiny_mid
     finally:
         stopped.close_producer()
     state = torch.load(tmp_path / "stopped" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)
-    assert state["producer"]["next_group"] >= 12 and {0, 9, 10, 11} <= set(state["producer"]["pending"])
-    assert played_questions(tmp_path / "stopped") == [q for q in range(1, 9) for _ in range(2)]
+    # which 8 questions steps 1-2 trained on depends on which episodes the backend finished first (requests join
+    # and leave its batch as they come); question 0 was still in flight, whatever the order
+    pending, trained = set(state["producer"]["pending"]), played_questions(tmp_path / "stopped")
+    assert state["producer"]["next_group"] >= 12 and 0 in pending and len(pending) >= 4
+    assert sorted(trained) == [q for q in sorted(set(trained)) for _ in range(2)] and len(set(trained)) == 8
+    assert not pending & set(trained) and 0 not in trained
     resumed = Trainer(config(tmp_path / "stopped", resume=str(tmp_path / "stopped")))
     resumed.train()
     assert resumed.step == 4
