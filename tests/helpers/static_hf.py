@@ -1,8 +1,8 @@
 """The transformers backend's static batches as they were before continuous batching (agent_loop/backends/hf.py
 until 2026-12-06): requests that arrive while a batch decodes wait for the whole batch, the batch runs until its
 longest row ends, and every turn is prefilled from scratch. The baseline of benchmarks/real_model_rollout.py's
-``hf-static`` and the reference of tests/backends/test_hf_continuous.py; only ``generate`` differs (sampling is
-the backend's own ``sample_tokens``)."""
+``hf-static`` and the reference of tests/backends/test_hf_continuous.py; only the batching differs (each step's
+tokens are drawn and recorded by the backend's own ``_sample``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from agent_loop.backends.base import GenerationResult, SamplingParams
-from agent_loop.backends.hf import TransformersBackend, sample_tokens
+from agent_loop.backends.hf import TransformersBackend
 
 
 class _Request:
@@ -79,24 +79,11 @@ class StaticBatchBackend(TransformersBackend):
                 out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=position_ids,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
                 active = [row for row, request in enumerate(batch) if request.finish_reason is None]
-                logits = out.logits[active, -1, :].float()
-                tokens = sample_tokens(logits, [batch[row].sampling for row in active],
-                                       [generators[row] for row in active])
-                chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
-                token_list, chosen_list = tokens.tolist(), chosen.tolist()
-                if -1 in token_list:
-                    raise RuntimeError("probability tensor contains either inf or nan (the model's logits)")
-                next_ids = torch.full((len(batch),), self.pad_token_id, dtype=torch.long)
-                for row, token, logprob in zip(active, token_list, chosen_list):
-                    request = batch[row]
-                    next_ids[row] = token
-                    request.token_ids.append(token)
-                    request.logprobs.append(logprob)
-                    if token in request.sampling.stop_token_ids:
-                        request.finish_reason = "stop"
-                    elif len(request.token_ids) >= request.sampling.max_tokens:
-                        request.finish_reason = "length"
+                tokens = self._sample([batch[row] for row in active], [generators[row] for row in active],
+                                      out.logits[active, -1, :].float())  # drawn and recorded as the backend does
+                next_ids = torch.full((len(batch),), self.pad_token_id, dtype=torch.long, device=self.device)
+                next_ids[active] = tokens
                 if all(r.finish_reason is not None for r in batch):
                     break
-                step_ids = next_ids.unsqueeze(1).to(self.device)
+                step_ids = next_ids.unsqueeze(1)
                 attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
