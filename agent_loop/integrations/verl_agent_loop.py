@@ -51,17 +51,22 @@ logger = logging.getLogger(__name__)
 def options_from(trainer_config, kwargs: dict) -> VerlLoopOptions:
     """The options of the trainer config's ``agent_loop`` section, overridden by ``kwargs`` (the keys of an
     ``agent_loop_config_path`` entry other than verl's ``name``)."""
-    return _options(_options_text(trainer_config, kwargs))
+    return _options(_options_text(_agent_loop_section(trainer_config), kwargs))
 
 
-def _options_text(trainer_config, kwargs: dict, values: dict | None = None) -> str:
-    """:func:`options_from`'s options as sorted JSON (the key of the per-config caches); ``values``: the trainer
-    config's ``agent_loop`` section as a container, if the caller has it (:func:`_config_settings`)."""
+def _agent_loop_section(trainer_config) -> dict:
+    """The trainer config's ``agent_loop`` section as a container ({} when it has none)."""
     from omegaconf import OmegaConf
 
-    if values is None:
-        section = trainer_config.get("agent_loop") if trainer_config is not None else None
-        values = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+    section = trainer_config.get("agent_loop") if trainer_config is not None else None
+    return OmegaConf.to_container(section, resolve=True) if section is not None else {}
+
+
+def _options_text(values: dict, kwargs: dict) -> str:
+    """:func:`options_from`'s options as sorted JSON (the key of the per-config caches): the ``agent_loop``
+    section's ``values`` overridden by ``kwargs``."""
+    from omegaconf import OmegaConf
+
     given = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in kwargs.items()}
     return json.dumps({**values, **given}, sort_keys=True, default=str)
 
@@ -84,16 +89,12 @@ _SETTINGS: dict[int, tuple[Any, _ConfigSettings]] = {}  # id(trainer config) -> 
 def _config_settings(config) -> _ConfigSettings:
     """:class:`_ConfigSettings` of the trainer config ``config``, kept per config object (the entry holds the
     object, so its id is not reused while kept): OmegaConf reads and ``to_container`` cost ~0.1 ms a row."""
-    from omegaconf import OmegaConf
-
     kept = _SETTINGS.get(id(config))
     if kept is not None and kept[0] is config:
         return kept[1]
     rollout = config.actor_rollout_ref.rollout
-    section = config.get("agent_loop")
     turns = rollout.multi_turn.get("max_assistant_turns")
-    settings = _ConfigSettings(OmegaConf.to_container(section, resolve=True) if section is not None else {},
-                               int(rollout.response_length), int(rollout.prompt_length),
+    settings = _ConfigSettings(_agent_loop_section(config), int(rollout.response_length), int(rollout.prompt_length),
                                int(turns) if turns else None, bool(rollout.get("full_determinism", False)))
     if len(_SETTINGS) >= 16:
         _SETTINGS.clear()
@@ -254,7 +255,7 @@ class AgentLoop(AgentLoopBase):
         ours.pop("name", None)
         super().__init__(*args, **kwargs)
         settings = self.settings = _config_settings(self.config)
-        text = _options_text(self.config, ours, settings.values)
+        text = _options_text(settings.values, ours)
         self.options = _options(text)
         self.verl_tools = list(tools.tools) if tools is not None else []
         self.response_length, self.prompt_length = settings.response_length, settings.prompt_length
