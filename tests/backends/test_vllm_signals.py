@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.vllm_servers import crash_tracebacks
+
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("vllm")
 
@@ -108,7 +110,7 @@ def test_sigterm_while_playing_stops_the_engine_processes(tiny_agent_dir, tmp_pa
     popen, seen = rollout(tiny_agent_dir, out), set()
     wait_until(popen, seen, lambda: out.exists() and out.stat().st_size > 0)  # episodes are being written
     stderr = stop_and_check(popen, seen, "while playing")
-    assert popen.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert popen.returncode == 128 + signal.SIGTERM and "Traceback" not in crash_tracebacks(stderr), stderr[-3000:]
     assert out.read_text().endswith("\n") and len(out.read_text().splitlines()) >= 1
 
 
@@ -120,7 +122,7 @@ def test_sigterm_while_the_engine_starts_stops_its_processes(tiny_agent_dir, tmp
     wait_until(popen, seen, lambda: any(engine_core(p) for p in descendants(main)))
     time.sleep(1.0)  # the engine core is loading the model; no episode has started
     stderr = stop_and_check(popen, seen, "while the engine starts")
-    assert popen.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert popen.returncode == 128 + signal.SIGTERM and "Traceback" not in crash_tracebacks(stderr), stderr[-3000:]
     assert not out.exists() or out.read_text() == ""
 
 
@@ -147,3 +149,21 @@ def test_a_program_that_never_closes_the_engine_leaves_no_process(tiny_agent_dir
     while alive(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert seen and not alive(seen), alive(seen)
+
+
+def test_only_a_worker_exit_inside_a_finalizer_is_discounted():
+    ignored_exit = ("Exception ignored in: <function _Regex.__del__ at 0x7f0d6f993920>\n"
+                    "Traceback (most recent call last):\n"
+                    '  File "/x/regex/_regex_core.py", line 3150, in __del__\n'
+                    "    def __del__(self):\n"
+                    '  File "/x/vllm/v1/executor/multiproc_executor.py", line 878, in signal_handler\n'
+                    "    raise SystemExit()\n"
+                    "SystemExit: \n")
+    crash = ("Traceback (most recent call last):\n"
+             '  File "/x/agent_loop/cli/rollout.py", line 1, in main\n'
+             "    raise RuntimeError('boom')\n"
+             "RuntimeError: boom\n")
+    ignored_error = ignored_exit.replace("SystemExit: ", "KeyError: 3")
+    assert "Traceback" not in crash_tracebacks("before\n" + ignored_exit + "after\n")
+    assert "Traceback" in crash_tracebacks(ignored_exit + crash)
+    assert "Traceback" in crash_tracebacks(ignored_error)
