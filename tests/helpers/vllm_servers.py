@@ -19,7 +19,7 @@ def server_pid(url: str) -> int:
 # finalizer (`__del__`), Python prints "Exception ignored in: ..." with a traceback and goes on exiting. That
 # is the worker exiting as asked, not a crash; any other traceback in the command's stderr is one.
 IGNORED_EXIT_IN_FINALIZER = re.compile(
-    r"Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*SystemExit\b[^\n]*")
+    r"Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n(?:(?:[ \t][^\n]*)?\n)*SystemExit\b[^\n]*")
 
 
 def crash_tracebacks(stderr: str) -> str:
