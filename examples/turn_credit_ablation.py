@@ -1,9 +1,9 @@
 """Does credit per turn help? Outcome-level estimators against turn-level ones on the ``keydoor`` task (issue 47 item 5).
 
     python examples/turn_credit_ablation.py                       # the tiny agent, the defaults below
-    nice -n 19 .venv/bin/python examples/turn_credit_ablation.py --model smollm2-135m --warm-start-steps 3 \\
-        --warm-start-lr 1e-4 --seeds 0 1 2 --steps 8 --prompts-per-step 4 --group-size 4 --eval-episodes 32 \\
-        --parallel 2 --threads 1 --output-dir runs/turn_credit_ablation      # the 12 runs of docs/results
+    nice -n 10 .venv/bin/python examples/turn_credit_ablation.py --model smollm2-135m --warm-start-steps 4 \\
+        --warm-start-lr 1e-4 --seeds 0 1 2 --steps 8 --prompts-per-step 4 --group-size 4 --eval-episodes 24 \\
+        --save-every 2 --parallel 1 --threads 2 --output-dir runs/turn_credit_ablation_ws4   # docs/results' 12 runs
 
 The task (``agent_loop/tasks/keydoor.py``): a 4x4 grid of rooms, ``move``/``look`` tools, 3 to 5 moves via the
 key to the door, then "Done."; each call earns +0.1 (a move closer to done) or -0.1 (a failed call or a move that is
@@ -25,8 +25,10 @@ sampled success reaches ``--threshold``.
 
 A run whose ``result.json`` exists is not run again (with a larger ``--steps`` it trains on from its last
 checkpoint); an interrupted one goes on from its latest checkpoint (every ``--save-every`` steps; only the latest is
-kept), its history read from ``metrics.jsonl``; a finished warm start is reused: the same command fills the table over several sessions. ``--collect`` tabulates the finished runs only. Writes
-``<output-dir>/results.md`` (the table and one line per run), ``learning_curves.png`` and ``histories.json``.
+kept), its history read from ``metrics.jsonl``; a finished warm start is reused: the same command fills the table
+over several sessions. SIGTERM (``kill``, a scheduler's stop) stops the runs' processes too, each at once or, on
+vLLM, after closing its engine. ``--collect`` tabulates the finished runs only. Writes ``<output-dir>/results.md``
+(the table and one line per run), ``learning_curves.png`` and ``histories.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import argparse
 import json
 import multiprocessing
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +47,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import psutil  # noqa: E402
 
 from agent_loop.files import write_text  # noqa: E402
 from agent_loop.tasks.keydoor import MAX_TURNS  # noqa: E402
@@ -53,6 +57,19 @@ TASK = "keydoor"
 VARIANTS = ("reinforce_plus_plus", "grpo", "turn_rloo", "gigpo")  # registered estimator names (advantages)
 CURVES = (("success", "sampled success of the training episodes"),
           ("good_moves", "share of calls that brought the agent closer (keydoor's good_moves)"))
+
+
+def stop_runs_on_sigterm() -> None:
+    """On SIGTERM, pass it to this process's children (the runs; multiprocessing's resource tracker ignores it),
+    wait for them (the process pool's exit) and exit 143. Without it a run's process, whose parent is gone, would
+    go on training (and computing on the cores) until it finished."""
+    def stop(signum, frame):
+        for child in psutil.Process().children():
+            child.send_signal(signal.SIGTERM)
+        print("stopped by SIGTERM; the same command goes on from each run's latest checkpoint", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def check_variants(variants: list[str]) -> None:
@@ -288,6 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = [json.loads(f.read_text()) for f in files if f.exists()]
     else:
         check_variants(args.variants)
+        stop_runs_on_sigterm()
         spawn = multiprocessing.get_context("spawn")
         # the warm start and each run in a process of its own: its memory goes back when it ends
         if args.warm_start_steps:

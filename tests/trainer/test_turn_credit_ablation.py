@@ -7,10 +7,13 @@ held-out rates are reused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,46 @@ def test_an_unregistered_estimator_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "out" / "warmstart").exists()
     with pytest.raises(SystemExit, match="no finished runs"):
         script.main(["--collect", "--output-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sigterm_stops_the_runs_processes_too(tmp_path):
+    """A kill of the command (a scheduler's stop) reaches its runs: none goes on training, orphaned."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "ablation"
+    command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--steps", "500",
+               "--prompts-per-step", "2", "--group-size", "2", "--eval-episodes", "2", "--save-every", "1",
+               "--max-response-tokens", "384", "--variants", "reinforce_plus_plus", "--parallel", "1", "--threads", "1",
+               "--output-dir", str(out)]
+    popen = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    main, seen = psutil.Process(popen.pid), set()
+    metrics = out / "reinforce_plus_plus-seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):  # the run's process is training
+        seen |= set(main.children(recursive=True))
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            pytest.fail(f"no training step within 300 s: {popen.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    seen |= set(main.children(recursive=True))
+    popen.send_signal(signal.SIGTERM)
+    stderr = popen.communicate(timeout=120)[1]
+    deadline = time.monotonic() + 10.0  # a run that is exiting gets a few seconds
+
+    def alive(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    while time.monotonic() < deadline and any(alive(p) for p in seen):
+        time.sleep(0.2)
+    left = [p for p in seen if alive(p)]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert not left, f"{len(left)} processes outlived the command: {[' '.join(p.cmdline())[:80] for p in left]}"
+    assert popen.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in stderr, stderr[-3000:]
+    assert len(steps_logged(out / "reinforce_plus_plus-seed0")) < 500
