@@ -28,16 +28,17 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
+from verl.utils.ray_utils import get_event_loop
 
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.contracts import TaskWrapper
 from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tool_formats import TOOL_FORMATS
-from agent_loop.episode.tools import Tool, tools_from_schemas
+from agent_loop.episode.tools import Tool, tool, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
 from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.tasks.base import Task, as_task
-from agent_loop.tasks.dataset import DatasetTask
+from agent_loop.tasks.dataset import DatasetTask, load_prompts
 from agent_loop.types import Episode, Trajectory
 from masking.kinds import SpanKind
 
@@ -211,6 +212,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=16)
+def _dataset_task(reward: tuple[str, ...], reward_weights: tuple[float, ...] | None, system: str | None) -> DatasetTask:
+    """The ``DatasetTask`` of a config's options with a placeholder row: its reward terms (the reward functions'
+    signatures read once, not once per row) for :func:`_row_task`."""
+    rewards = _rewards(reward) if reward else (_no_reward,)
+    return DatasetTask([{"prompt": "placeholder"}], list(rewards), (), reward_weights=reward_weights, system=system,
+                       name="verl")
+
+
+def _row_task(options: VerlLoopOptions, data: dict, tools: list[Callable]) -> DatasetTask:
+    """``DatasetTask([data], rewards, tools, reward_weights=, system=, name="verl")`` of one verl row, built as a
+    copy of the config's :func:`_dataset_task` (shared: its reward terms, which scoring only reads) with the row's
+    own prompt rows and tools: the same task, without the reward-signature inspection per row."""
+    task = copy.copy(_dataset_task(tuple(options.reward), tuple(options.reward_weights)
+                                   if options.reward_weights is not None else None, options.system))
+    task.rows, task.skipped = load_prompts([data])  # one row: a bad one raises (as DatasetTask's would)
+    if any(task.demonstration_key in row["row"] for row in task.rows):
+        task.demonstrate = task._demonstration_of
+    task.tools = [tool(fn) for fn in tools]
+    return task
+
+
 def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Callable]) -> _Prepared:
     """The episode verl's row ``row`` (the AgentLoop's ``run`` kwargs) plays, with its task; ValueError naming
     the row's index for a row that cannot be played."""
@@ -227,9 +250,7 @@ def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Calla
         else:
             data = {"prompt": _plain(row.get("raw_prompt")), "answer": ground_truth,
                     **{k: _plain(row[k]) for k in ("data_source", "extra_info") if k in row}}
-            rewards = _rewards(tuple(options.reward)) if options.reward else [_no_reward]
-            task = DatasetTask([data], list(rewards), tools, reward_weights=options.reward_weights,
-                               system=options.system, name="verl")
+            task = _row_task(options, data, tools)
             episode = task.make_episode(0)
     except ValueError as error:
         raise ValueError(f"verl row with index {index}: {error}") from None
@@ -245,6 +266,33 @@ def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Calla
 # --- the AgentLoop -------------------------------------------------------------------------------------
 
 
+_BASES: dict[tuple, tuple[tuple, dict]] = {}  # ids of verl's arguments -> (those objects, the attributes they gave)
+
+
+def _init_verl_base(loop: AgentLoopBase, args: tuple, kwargs: dict) -> None:
+    """verl's ``AgentLoopBase.__init__`` of ``loop``, run once per set of verl's arguments: verl gives every row
+    of a worker the same config, server manager, tokenizer, processor and dataset class, and the base's
+    attributes (its Continuous Token builder, ~0.2 ms with a ``tokenizer.encode``, which our loop does not use;
+    configuration only) are the same for each; later rows take a copy of them (a fresh dict for each dict
+    attribute) and their own ``loop`` (the running event loop, as verl's ``__init__`` reads it). Positional
+    arguments or keys verl 0.9 does not pass: verl's ``__init__`` every time."""
+    if args or not set(kwargs) <= VERL_KWARGS:
+        AgentLoopBase.__init__(loop, *args, **kwargs)
+        return
+    objects = tuple(getattr(kwargs.get(k), "config", kwargs.get(k)) if k in ("trainer_config", "data_config")
+                    else kwargs.get(k) for k in sorted(VERL_KWARGS))
+    key = tuple(map(id, objects))
+    kept = _BASES.get(key)
+    if kept is not None and all(a is b for a, b in zip(kept[0], objects)):
+        loop.__dict__.update({k: dict(v) if type(v) is dict else v for k, v in kept[1].items()})
+        loop.loop = get_event_loop()
+        return
+    AgentLoopBase.__init__(loop, **kwargs)
+    if len(_BASES) >= 16:
+        _BASES.clear()
+    _BASES[key] = (objects, {k: dict(v) if type(v) is dict else v for k, v in vars(loop).items()})
+
+
 @register(AGENT_NAME)
 class AgentLoop(AgentLoopBase):
     """verl's agent loop that plays our episode loop (module docstring). verl makes one per row."""
@@ -253,7 +301,7 @@ class AgentLoop(AgentLoopBase):
         # what is not verl's (AgentLoopBase's arguments, an agent_loop_config_path entry's name) is ours
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k not in VERL_KWARGS}
         ours.pop("name", None)
-        super().__init__(*args, **kwargs)
+        _init_verl_base(self, args, kwargs)
         settings = self.settings = _config_settings(self.config)
         text = _options_text(settings.values, ours)
         self.options = _options(text)
