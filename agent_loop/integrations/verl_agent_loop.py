@@ -34,11 +34,11 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.contracts import TaskWrapper
 from agent_loop.episode.loop import run_episode
 from agent_loop.episode.tool_formats import TOOL_FORMATS
-from agent_loop.episode.tools import Tool, tool, tools_from_schemas
+from agent_loop.episode.tools import Tool, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
 from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.tasks.base import Task, as_task
-from agent_loop.tasks.dataset import DatasetTask, load_prompts
+from agent_loop.tasks.dataset import DatasetTask
 from agent_loop.types import Episode, Trajectory
 from masking.kinds import SpanKind
 
@@ -212,28 +212,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-@functools.lru_cache(maxsize=16)
-def _dataset_task(reward: tuple[str, ...], reward_weights: tuple[float, ...] | None, system: str | None) -> DatasetTask:
-    """The ``DatasetTask`` of a config's options with a placeholder row: its reward terms (the reward functions'
-    signatures read once, not once per row) for :func:`_row_task`."""
-    rewards = _rewards(reward) if reward else (_no_reward,)
-    return DatasetTask([{"prompt": "placeholder"}], list(rewards), (), reward_weights=reward_weights, system=system,
-                       name="verl")
-
-
-def _row_task(options: VerlLoopOptions, data: dict, tools: list[Callable]) -> DatasetTask:
-    """``DatasetTask([data], rewards, tools, reward_weights=, system=, name="verl")`` of one verl row, built as a
-    copy of the config's :func:`_dataset_task` (shared: its reward terms, which scoring only reads) with the row's
-    own prompt rows and tools: the same task, without the reward-signature inspection per row."""
-    task = copy.copy(_dataset_task(tuple(options.reward), tuple(options.reward_weights)
-                                   if options.reward_weights is not None else None, options.system))
-    task.rows, task.skipped = load_prompts([data])  # one row: a bad one raises (as DatasetTask's would)
-    if any(task.demonstration_key in row["row"] for row in task.rows):
-        task.demonstrate = task._demonstration_of
-    task.tools = [tool(fn) for fn in tools]
-    return task
-
-
 def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Callable]) -> _Prepared:
     """The episode verl's row ``row`` (the AgentLoop's ``run`` kwargs) plays, with its task; ValueError naming
     the row's index for a row that cannot be played."""
@@ -250,7 +228,9 @@ def episode_for_row(options: VerlLoopOptions, row: dict, extra_tools: list[Calla
         else:
             data = {"prompt": _plain(row.get("raw_prompt")), "answer": ground_truth,
                     **{k: _plain(row[k]) for k in ("data_source", "extra_info") if k in row}}
-            task = _row_task(options, data, tools)
+            rewards = _rewards(tuple(options.reward)) if options.reward else [_no_reward]
+            task = DatasetTask([data], list(rewards), tools, reward_weights=options.reward_weights,
+                               system=options.system, name="verl")
             episode = task.make_episode(0)
     except ValueError as error:
         raise ValueError(f"verl row with index {index}: {error}") from None

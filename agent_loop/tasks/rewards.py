@@ -11,11 +11,13 @@ drops it), never a crashed run. Rules by name (:func:`get_rule`): ``exact``, ``c
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
 import sysconfig
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -161,12 +163,25 @@ def get_rule(spec: str) -> Callable[..., float]:
 
 def argument_picker(fn: Callable, available: Sequence[str], what: str) -> Callable[[dict], dict]:
     """Check now that ``fn`` takes only names from ``available``; return a picker of its keyword arguments."""
+    # a plain function's signature is read once (verl's AgentLoop builds a task per row with the same rewards);
+    # a bound method or callable object is read each time, so the cache never keeps its instance alive
+    read = _argument_names if isinstance(fn, types.FunctionType) else _argument_names.__wrapped__
+    names = read(fn, tuple(available), what)
+    if names is None:
+        return lambda values: values
+    return lambda values: {name: values[name] for name in names}
+
+
+@functools.lru_cache(maxsize=256)
+def _argument_names(fn: Callable, available: tuple[str, ...], what: str) -> tuple[str, ...] | None:
+    """The names of ``available`` that ``fn`` takes (None: it takes ``**kwargs``, so all); TypeError for a
+    parameter that cannot be passed by one of those names."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         raise TypeError(f"{what} {fn!r} has no inspectable signature") from None
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return lambda values: values
+        return None
     names = []
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) or (p.name not in available and p.default is p.empty):
@@ -174,7 +189,7 @@ def argument_picker(fn: Callable, available: Sequence[str], what: str) -> Callab
                             f"it may take any of {', '.join(available)} (by name)")
         if p.name in available:
             names.append(p.name)
-    return lambda values: {name: values[name] for name in names}
+    return tuple(names)
 
 
 def function_name(fn: Callable) -> str:

@@ -711,3 +711,38 @@ def test_cli_rejects_a_bad_model_folder_before_writing_anything(tmp_path, qwen_d
     assert main(["rollout", "--model", str(folder), "--backend", "vllm", "--out", str(out)]) == 2
     assert "head size 16 is not supported by vLLM's CPU attention" in capsys.readouterr().err
     assert not out.parent.exists()
+
+
+def test_a_reward_functions_signature_is_read_once_and_a_bad_one_always_fails(monkeypatch):
+    """verl's AgentLoop builds a DatasetTask per row with the same reward functions: a plain function's signature
+    is read once; a bound method is read each time (the cache must not keep its instance alive); a signature
+    that cannot be served raises every time, not only the first."""
+    import inspect
+
+    from agent_loop.tasks.rewards import reward_terms
+
+    reads = []
+    real_signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn: reads.append(fn) or real_signature(fn))
+
+    def close_enough(completion, answer):
+        return float(completion == answer)
+
+    class Scorer:
+        def score(self, completion, row=None):
+            return 1.0
+
+    first, second = reward_terms(close_enough), reward_terms(close_enough)
+    assert reads.count(close_enough) == 1
+    assert first[0][3]({"completion": "4", "answer": "4", "row": {}}) == second[0][3](
+        {"completion": "4", "answer": "4", "row": {}}) == {"completion": "4", "answer": "4"}
+    scorer = Scorer()
+    reward_terms(scorer.score), reward_terms(scorer.score)
+    assert sum(getattr(fn, "__self__", None) is scorer for fn in reads) == 2
+
+    def needs_a_budget(completion, budget):
+        return 0.0
+
+    for _ in range(2):
+        with pytest.raises(TypeError, match="cannot pass its parameter 'budget'"):
+            reward_terms(needs_a_budget)
