@@ -136,7 +136,7 @@ def config_for(variant: str, seed: int, args: argparse.Namespace, resume: str | 
     return TrainConfig(
         model=args.model, task=TASK, estimator=variant, seed=seed, steps=args.steps, gamma=args.gamma,
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, mini_batches=args.mini_batches,
-        lr=args.lr, threads=args.threads, max_turns=MAX_TURNS, max_tokens=args.max_tokens,
+        lr=args.lr, threads=args.threads, backend=args.backend, max_turns=MAX_TURNS, max_tokens=args.max_tokens,
         max_response_tokens=args.max_response_tokens, eval_every=0, eval_episodes=args.eval_episodes,
         output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.save_every,
         save_rollouts_every=args.save_every, progress=False, resume=resume, overwrite=resume is None,
@@ -154,9 +154,14 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     print(f"\n=== {variant} (seed {seed}){' resumed' if resume else ''} ===", flush=True)
     started = time.perf_counter()
     trainer = LatestCheckpointOnly(config_for(variant, seed, args, resume))
-    start = start_of(trainer, args)
-    trainer.train()
-    end = held_out(trainer, args.greedy)
+    try:
+        start = start_of(trainer, args)
+        trainer.train()
+        end = held_out(trainer, args.greedy)
+    finally:
+        # A pool worker's exit joins its child processes without running atexit, so an engine left open (vLLM's
+        # engine-core process) would hold the worker, and every run after it, forever.
+        trainer.backend.close()
     # every step's metrics, those of earlier sessions included (train() returns only the steps it ran)
     history = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     result = {"variant": variant, "seed": seed, "history": history, "held_out": {"start": start, "end": end},
@@ -279,6 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-start-batch", type=int, default=8, help="demonstrations per warm-start step")
     parser.add_argument("--warm-start-lr", type=float, default=None, help="the warm start's learning rate")
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--backend", default=defaults.backend, help="rollout backend, as train's --backend (auto: "
+                        "vLLM in process for a real model, transformers for a small one)")
     parser.add_argument("--save-every", type=int, default=2, help="steps between checkpoints (an interrupted run "
                         "resumes from its latest)")
     parser.add_argument("--eval-episodes", type=int, default=32, help="held-out maps per check")
