@@ -1,8 +1,9 @@
 """examples/turn_credit_ablation.py at tiny sizes on the tiny agent (issue 47 item 5): a warm start on keydoor's
-demonstrations, two estimators one after the other on the vLLM engine, the held-out start measured once per seed, the table, the curves
-and the histories written, only the latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a
-kill before the step-3 checkpoint leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that
-checkpoint, and a finished run trains on from its last checkpoint when --steps grows; the warm start and the start's
+demonstrations, two estimators one after the other on the in-process vLLM engine (as SmolLM2's runs play: a
+finished run must close the engine's process, or the process slot's exit waits on it and the next run never
+starts), the held-out start measured once per seed, the table, the curves and the histories written, only the
+latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a kill before the step-3 checkpoint
+leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run trains on from its last checkpoint when --steps grows; the warm start and the start's
 held-out rates are reused."""
 
 from __future__ import annotations
@@ -20,16 +21,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("reinforce_plus_plus", "gigpo")
-# the runs in turn in one process slot, on the in-process vLLM engine (as SmolLM2's runs play): a finished run must
-# close the engine's process, or the slot's exit waits on it and the next run never starts (the timeout fails)
-ONE_AT_A_TIME_ON_VLLM = ("--backend", "vllm", "--parallel", "1")
 
 
-def ablation(out: Path, steps: int, *extra: str) -> str:
+def ablation(out: Path, steps: int) -> str:
     command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--warm-start-steps", "2",
                "--warm-start-episodes", "8", "--warm-start-batch", "4", "--steps", str(steps), "--prompts-per-step", "2",
                "--group-size", "2", "--eval-episodes", "2", "--save-every", "1", "--max-response-tokens", "384",
-               "--greedy", "--variants", *VARIANTS, "--parallel", "2", "--threads", "1", "--output-dir", str(out), *extra]
+               "--greedy", "--variants", *VARIANTS, "--backend", "vllm", "--parallel", "1", "--threads", "1",
+               "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -43,7 +42,7 @@ def steps_logged(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
     out = tmp_path / "ablation"
-    first = ablation(out, 2, *ONE_AT_A_TIME_ON_VLLM)
+    first = ablation(out, 2)
     assert "warm start: 2 steps on keydoor's demonstrations" in first
     assert (out / "warmstart" / "model" / "config.json").is_file()
     results = json.loads((out / "histories.json").read_text())
@@ -73,7 +72,7 @@ def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
     finished = out / "reinforce_plus_plus-seed0"
     finished_before = steps_logged(finished)
 
-    second = ablation(out, 4, *ONE_AT_A_TIME_ON_VLLM)  # the cut run goes on from step 2; the finished one to step 4
+    second = ablation(out, 4)  # the cut run goes on from step 2; the finished one trains on to step 4
     assert "=== gigpo (seed 0) resumed ===" in second and "warm start:" not in second
     assert "=== reinforce_plus_plus (seed 0) resumed ===" in second
     after = steps_logged(run)
