@@ -3,8 +3,8 @@ demonstrations, two estimators one after the other on the in-process vLLM engine
 finished run must close the engine's process, or the process slot's exit waits on it and the next run never
 starts), the held-out start measured once per seed, the table, the curves and the histories written, only the
 latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a kill before the step-3 checkpoint
-leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run trains on from its last checkpoint when --steps grows; the warm start and the start's
-held-out rates are reused."""
+leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run
+trains on from its last checkpoint when --steps grows; the warm start and the start's held-out rates are reused."""
 
 from __future__ import annotations
 
