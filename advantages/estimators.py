@@ -28,6 +28,7 @@ from advantages.returns import (
     whitened_discounted_returns,
 )
 from advantages.stats import accumulation_dtype, masked_whiten
+from masking.sessions import row_ids
 
 GRPO_EPS = 1e-6  # verl's default epsilon in the GRPO std normalisation
 
@@ -175,24 +176,9 @@ def group_ids(index, batch_size: int, device: torch.device | str = "cpu") -> tor
 
     Takes what verl passes: an integer tensor (kept as is, no host sync), or a numpy array / list /
     tuple of ints or strings (uids), numbered in order of first appearance. ValueError for a wrong
-    length, floats, bools or None.
+    length, floats, bools or None (:func:`masking.sessions.row_ids`).
     """
-    if isinstance(index, torch.Tensor):
-        if index.shape != (batch_size,) or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-            raise ValueError(
-                f"index must hold one integer group id per row, shape ({batch_size},); got a {index.dtype} tensor "
-                f"of shape {tuple(index.shape)}"
-            )
-        return index.to(device=device, dtype=torch.long)
-    values = index.tolist() if hasattr(index, "tolist") else index
-    if not isinstance(values, (list, tuple)) or len(values) != batch_size:
-        raise ValueError(f"index must hold one group id per row ({batch_size}); got {index!r}")
-    dense: dict = {}
-    for row, value in enumerate(values):
-        if isinstance(value, (bool, float)) or value is None or isinstance(value, (list, tuple)):
-            raise ValueError(f"index[{row}] is {value!r}; group ids are ints or strings (uids)")
-        dense.setdefault(value, len(dense))
-    return torch.tensor([dense[value] for value in values], dtype=torch.long, device=device)
+    return row_ids(index, batch_size, "index", device)
 
 
 def _scores(token_level_rewards, response_mask, index, spans, validate):

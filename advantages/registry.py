@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from advantages.sessions import estimate_by_session
+
 BATCH_ARGUMENTS = (
     "token_level_rewards", "response_mask", "values", "index", "spans", "validate",
     "turn_ids", "responses", "turn_states",  # the turn-level estimators' (advantages/turn_credit.py)
@@ -67,13 +69,26 @@ class Estimator:
         caller passes exactly the batch fields this estimator uses (``turn_ids``, ``responses``, ..)."""
         return tuple(p for p in inspect.signature(self.fn).parameters if p in BATCH_ARGUMENTS)
 
-    def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs):
-        """``fn(token_level_rewards=..., response_mask=..., **kwargs)`` after checking the needs."""
+    def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, session=None, segment=None,
+                 **kwargs):
+        """``fn(token_level_rewards=..., response_mask=..., **kwargs)`` after checking the needs.
+
+        Sessions (docs/design.md section 3, "Sessions"): with ``session`` and ``segment`` (``(b,)`` each:
+        ``Batch.session`` and ``Batch.segment`` from ``collate(sessions=..., segments=...)``), the rows
+        are segments of sessions and ``fn`` runs on the sessions, each joined into one row
+        (:func:`advantages.sessions.estimate_by_session`; ``spans`` is then required); the outputs are
+        ``(b, t)`` as always. ``session=None`` (the default): every row is its own episode, bit-exact
+        the call without sessions (on a batch of segments: the row-per-segment ablation, biased).
+        """
         for needed, key, what in ((self.needs_index, "index", "index=(b,) group ids"),
                                   (self.needs_values, "values", "values=(b, t) critic values")):
             if needed and kwargs.get(key) is None:
                 raise ValueError(f"the {self.name} estimator needs {what}")
-        return self.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)
+        if session is None and segment is None:
+            return self.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)
+        if session is None or segment is None:
+            raise ValueError("session and segment come together: (b,) session ids and segment numbers")
+        return estimate_by_session(self.fn, token_level_rewards, response_mask, session, segment, kwargs)
 
 
 ESTIMATORS: dict[str, Estimator] = {}

@@ -12,6 +12,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from masking.rewards import place_rewards
+from masking.sessions import check_segments, row_ids
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 from masking.validate import validate_spans
 
@@ -37,6 +38,9 @@ class Batch:
     # when a trainer replaces old_logprobs by its own (advantages.rollout_correction compares the two)
     # Filled in by the trainer after collation:
     index: torch.Tensor | None = None  # (b,) long, the prompt group of each row (group estimators)
+    session: torch.Tensor | None = None  # (b,) long, dense session id of each row (collate(sessions=...)); None:
+    # every row its own session. A session's rows are its segments (masking/sessions.py, docs/design.md section 3)
+    segment: torch.Tensor | None = None  # (b,) long, the row's segment number within its session: 0, 1, ..
     values: torch.Tensor | None = None  # (b, t) float, value estimates (GAE)
     turn_states: torch.Tensor | None = None  # (b, n_turns) long, an id per turn of the task's state key (gigpo's
     # anchor states, Task.turn_states; equal ids: equal keys), -1 past a row's last turn
@@ -126,6 +130,9 @@ def collate_rewards(
     rewards: Sequence[float],
     turn_rewards: Sequence[Sequence[float] | None] | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    sessions: Sequence | None = None,
+    segments: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad b trajectories' spans and turn ids and place their rewards: what the returns need.
 
@@ -135,27 +142,68 @@ def collate_rewards(
     ``spans`` int8 SpanKind (PAD on padding), ``turn_ids`` int16 (-1 on padding) and
     ``token_level_rewards`` in ``dtype`` (:func:`~masking.rewards.place_rewards`: the outcome
     reward on each row's last ASSISTANT token, per-turn rewards on each turn's). These are the
-    fields of :func:`collate`, which calls this.
+    fields of :func:`collate`, which calls this; ``sessions``/``segments`` as there (the outcome
+    reward then sits on the last segment of each session only).
 
     Raises ValueError (naming the row) when the lists disagree in rows or lengths, the spans are
     invalid, or a nonzero reward has no ASSISTANT token to sit on.
     """
     _check_row_counts("spans", len(spans), (("turn_ids", turn_ids), ("rewards", rewards)))
     _check_row_lengths("spans", spans, (("turn_ids", turn_ids),), spans)
-    return _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
+    session, segment = _sessions(len(spans), sessions, segments, rewards)
+    return _pad_and_place_rewards(spans, turn_ids, _outcomes(rewards, session, segment, dtype), turn_rewards, dtype)
 
 
-def _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`collate_rewards` on lists whose rows and lengths are already checked."""
+def _sessions(b: int, sessions, segments, rewards, index=None, tasks=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(b,)`` dense session ids and segment numbers (None, None without ``sessions``), checked: each
+    session's segments are numbered 0..n-1 and share one outcome reward, one ``index`` group and one
+    ``tasks`` entry (when given). ValueError naming the rows otherwise."""
+    if sessions is None and segments is None:
+        return None, None
+    if sessions is None or segments is None:
+        raise ValueError("sessions and segments come together: one session id and one segment number per row")
+    _check_row_counts("rewards", b, (("sessions", sessions), ("segments", segments)))
+    session = torch.unique(row_ids(sessions, b, "sessions", what="session id"), return_inverse=True)[1] if b else torch.zeros(0, dtype=torch.long)
+    segment = row_ids(segments, b, "segments", what="segment number")
+    check_segments(session, segment)
+    first = torch.full((b,), b, dtype=torch.long).scatter_reduce(0, session, torch.arange(b), "amin")[session]
+    named = [("outcome reward", torch.as_tensor(list(rewards), dtype=torch.float64))]
+    named += [(name, row_ids(values, b, name, what="key")) for name, values in (("index", index), ("tasks", tasks)) if values is not None]
+    for name, per_row in named:
+        differs = torch.nonzero(per_row != per_row[first])
+        if len(differs):
+            row = int(differs[0, 0])
+            raise ValueError(
+                f"rows {int(first[row])} and {row} are segments of one session but differ in {name}: "
+                f"{_show(name, per_row, rewards, int(first[row]))} vs {_show(name, per_row, rewards, row)}"
+            )
+    return session, segment
+
+
+def _show(name: str, per_row: torch.Tensor, rewards, row: int):
+    return rewards[row] if name == "outcome reward" else int(per_row[row])
+
+
+def _outcomes(rewards: Sequence[float], session: torch.Tensor | None, segment: torch.Tensor | None, dtype) -> torch.Tensor:
+    """``(b,)`` the outcome reward to place on each row: the row's own, or with sessions the session's on
+    its last segment and 0 on the others (a session is one sample with one return)."""
+    outcome = torch.as_tensor(list(rewards), dtype=dtype)
+    if session is None:
+        return outcome
+    count = torch.zeros(int(session.max()) + 1 if len(session) else 0, dtype=torch.long).index_add_(0, session, torch.ones_like(session))
+    return torch.where(segment == count[session] - 1, outcome, 0.0).to(dtype)
+
+
+def _pad_and_place_rewards(spans, turn_ids, outcome, turn_rewards, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`collate_rewards` on lists whose rows and lengths are already checked (``outcome``: the ``(b,)``
+    outcome reward to place on each row)."""
     span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
     validate_spans(span_tensor)
     turn_tensor = _pad(turn_ids, torch.int16, -1)
     per_turn = None
     if turn_rewards is not None and any(r is not None for r in turn_rewards):
         per_turn = _pad([r or [] for r in turn_rewards], dtype, 0.0)
-    token_level_rewards = place_rewards(
-        span_tensor, torch.as_tensor(list(rewards), dtype=dtype), turn_tensor, per_turn, dtype=dtype
-    )
+    token_level_rewards = place_rewards(span_tensor, outcome, turn_tensor, per_turn, dtype=dtype)
     return span_tensor, turn_tensor, token_level_rewards
 
 
@@ -175,6 +223,11 @@ def collate(
     turn_rewards: Sequence[Sequence[float] | None] | None = None,
     pad_token_id: int = 0,
     dtype: torch.dtype = torch.float32,
+    *,
+    sessions: Sequence | None = None,
+    segments: Sequence[int] | None = None,
+    index: Sequence | torch.Tensor | None = None,
+    tasks: Sequence | None = None,
 ) -> Batch:
     """Pad b trajectories into batch tensors.
 
@@ -186,12 +239,25 @@ def collate(
     and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` are built as
     :func:`collate_rewards` builds them (after this function's own checks of the lists).
 
-    Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid.
+    Sessions (keyword-only; docs/design.md section 3, "Sessions"): ``sessions`` (one session id per row,
+    ints or strings) and ``segments`` (the row's segment number in its session, 0, 1, ..) mark rows that are
+    segments of one episode whose history was rewritten. Then the batch carries ``session`` (b,) (dense ids
+    0..S-1) and ``segment`` (b,), and a session's outcome reward (every segment
+    carries the same one in ``rewards``) sits on the last ASSISTANT token of its LAST segment only; per-turn
+    rewards stay on their own turns. ``index`` (one group id per row, ints or strings; kept as ``index`` (b,)
+    long) and ``tasks`` (one task key per row, ints or strings, checked only) must agree within a session. Without ``sessions``
+    every row is its own session and ``session``/``segment`` stay None (the batch is what it always was).
+
+    Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid, and
+    (naming the rows) when a session's segments are not numbered 0..n-1 or differ in reward, index or task.
     """
     per_token = (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs))
     _check_row_counts("response_ids", len(response_ids), (("prompt_ids", prompt_ids), *per_token, ("rewards", rewards)))
     _check_row_lengths("response_ids", response_ids, per_token, spans)
-    span_tensor, turn_tensor, token_level_rewards = _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype)
+    session, segment = _sessions(len(response_ids), sessions, segments, rewards, index, tasks)
+    span_tensor, turn_tensor, token_level_rewards = _pad_and_place_rewards(
+        spans, turn_ids, _outcomes(rewards, session, segment, dtype), turn_rewards, dtype
+    )
     responses = _pad(response_ids, torch.long, pad_token_id)
     prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
     attention_mask = _attention_mask(prompt_ids, span_tensor)
@@ -208,6 +274,9 @@ def collate(
         attention_mask=attention_mask,
         position_ids=(torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
         rollout_logprobs=sampled.clone(),
+        index=None if index is None else row_ids(index, len(response_ids), "index"),
+        session=session,
+        segment=segment,
     )
 
 

@@ -1,0 +1,209 @@
+"""Sessions: one episode recorded as several rows (segments), joined end to end for the estimators
+(docs/design.md section 3, "Sessions"; issue 54).
+
+When an agent rewrites its history (a summary, a sliding window, reasoning stripped), the recording
+starts a new *segment*: a new row whose tokens are the context the model saw. The rows of one
+*session* are its segments ``0, 1, .., n-1`` in order. A session is one sample with one return: its
+outcome reward sits on the last ASSISTANT token of its last segment only (:func:`masking.batch.collate`),
+per-turn rewards on their own turns.
+
+:func:`session_join` lays each session's segments end to end (each segment's trailing PAD dropped)
+into one *joined* row ``(S, W)``; :func:`join_tokens` and :func:`join_turns` move ``(b, t)`` token
+tensors and ``(b, m)`` per-turn tensors there, :func:`split_tokens` moves a joined result back to the
+rows. Every estimator that runs on the joined rows (``advantages.registry.Estimator`` with
+``session=``) is then session-aware by construction: a session is one row, so it counts once in
+group statistics, its returns run across segment boundaries (the discount and the turn index carry
+on; OBSERVATION tokens opening a later segment cost nothing, as any OBSERVATION token) and GAE
+bootstraps the end of segment k from the value at segment k+1's first ASSISTANT token.
+
+Everything is scatter/gather over ``(b,)`` and ``(b, t)`` index tensors: no Python loop over rows,
+segments or sessions. The shape ``(S, W)`` is two Python ints, read from ``session`` and ``segment``
+(and, on the CPU, from the spans): free for CPU tensors; for accelerator tensors one host read of
+two ints per batch (keep ``session``/``segment`` on the CPU to make it free).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from masking.spans import SpanKind
+
+
+def row_ids(values, batch_size: int, name: str = "index", device: torch.device | str = "cpu", what: str = "group id") -> torch.Tensor:
+    """``values`` -> ``(b,)`` long ids on ``device`` (equal ids = same group / session).
+
+    Takes an integer tensor (kept as is, no host sync), or a numpy array / list / tuple of ints or
+    strings (uids), numbered in order of first appearance. ValueError (naming ``name``, the row and
+    ``what`` an entry is) for a wrong length, floats, bools or None.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.shape != (batch_size,) or values.dtype.is_floating_point or values.dtype.is_complex \
+                or values.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must hold one integer {what} per row, shape ({batch_size},); got a {values.dtype} tensor "
+                f"of shape {tuple(values.shape)}"
+            )
+        return values.to(device=device, dtype=torch.long)
+    items = values.tolist() if hasattr(values, "tolist") else values
+    if not isinstance(items, (list, tuple)) or len(items) != batch_size:
+        raise ValueError(f"{name} must hold one {what} per row ({batch_size}); got {values!r}")
+    return torch.tensor(number_keys(items, name, what), dtype=torch.long, device=device)
+
+
+def number_keys(keys: Sequence, name: str, what: str = "key") -> list[int]:
+    """Hashable keys (ints or strings) -> their numbers in order of first appearance (equal keys, equal
+    numbers). ValueError naming ``name[i]`` for floats, bools, None, lists or unhashable keys."""
+    dense: dict = {}
+    numbers = []
+    for i, key in enumerate(keys):
+        if isinstance(key, (bool, float)) or key is None or isinstance(key, (list, tuple)):
+            raise ValueError(f"{name}[{i}] is {key!r}; {what}s are ints or strings (uids)")
+        try:
+            numbers.append(dense.setdefault(key, len(dense)))
+        except TypeError:
+            raise ValueError(f"{name}[{i}]: key {key!r} is not hashable") from None
+    return numbers
+
+
+class SessionJoin(NamedTuple):
+    """Where each row's tokens and turns go in the joined ``(sessions, width)`` batch.
+
+    ``session`` ``(b,)`` long: the dense session (joined row) of each row, ``0..sessions-1``;
+    ``target`` ``(b, t)`` long: the flat index ``session * width + column`` of each non-PAD token in
+    the joined batch, ``sessions * width`` (a spare slot) on PAD; ``turn_offset`` ``(b,)`` long: the
+    turns of the session's earlier segments (add it to a row's turn ids); ``turn_count`` ``(b,)``
+    long: the row's own turns; ``first_row`` ``(sessions,)`` long: a row of each session (its
+    segment 0); ``sessions``, ``width``: the joined shape; ``segments``: the most segments of a session.
+    """
+
+    session: torch.Tensor
+    target: torch.Tensor
+    turn_offset: torch.Tensor
+    turn_count: torch.Tensor
+    first_row: torch.Tensor
+    sessions: int
+    width: int
+    segments: int
+
+
+def _exclusive_sums_in_session(amount: torch.Tensor, order: torch.Tensor, sorted_session: torch.Tensor, sessions: int):
+    """``(b,)`` the sum of ``amount`` over the earlier segments of each row's session (rows in
+    ``order`` are sorted by session, then segment), and ``(sessions,)`` each session's total."""
+    sorted_amount = amount[order]
+    before = sorted_amount.cumsum(0) - sorted_amount
+    start = torch.full((sessions,), torch.iinfo(torch.long).max, dtype=torch.long, device=amount.device)
+    start = start.scatter_reduce(0, sorted_session, before, reduce="amin")
+    total = torch.zeros(sessions, dtype=torch.long, device=amount.device).index_add_(0, sorted_session, sorted_amount)
+    return torch.empty_like(before).scatter_(0, order, before - start[sorted_session]), total
+
+
+def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -> SessionJoin:
+    """The joined layout of a batch whose rows are segments of sessions.
+
+    ``spans`` ``(b, t)`` SpanKind (PAD trails each row); ``session`` ``(b,)`` the session of each row
+    (ints, strings or a tensor: :func:`row_ids`); ``segment`` ``(b,)`` its segment number. Session
+    s's joined row holds its segments in segment order, each without its trailing PAD, then PAD.
+    A row's turns continue its session's earlier segments' turns (a row has ``1 + its largest turn
+    id`` turns, counted from its ASSISTANT runs). ``validate`` raises ValueError naming the rows
+    unless each session's segment numbers are exactly ``0..n-1``.
+    """
+    b, t = spans.shape
+    device = spans.device
+    sessions_cpu = row_ids(session, b, "session", what="session id").cpu()
+    segment_cpu = row_ids(segment, b, "segment", what="segment number").cpu()
+    dense_cpu = torch.unique(sessions_cpu, return_inverse=True)[1] if b else sessions_cpu
+    sessions = int(dense_cpu.max()) + 1 if b else 0
+    segments = int(segment_cpu.max()) + 1 if b else 0
+    if validate:
+        check_segments(dense_cpu, segment_cpu)
+    dense = dense_cpu.to(device)
+    order = torch.argsort(dense * max(segments, 1) + segment_cpu.to(device))
+    sorted_session = dense[order]
+    lengths = (spans != SpanKind.PAD).sum(1)
+    assistant = spans == SpanKind.ASSISTANT
+    starts = assistant.clone()
+    starts[:, 1:] &= ~assistant[:, :-1]
+    turn_count = starts.sum(1)
+    offset, total = _exclusive_sums_in_session(lengths, order, sorted_session, sessions)
+    turn_offset, _ = _exclusive_sums_in_session(turn_count, order, sorted_session, sessions)
+    width = (int(total.max()) if sessions else 0) if spans.is_cpu else t * segments
+    width = max(width, 1)
+    columns = torch.arange(t, device=device)
+    target = torch.where(columns < lengths.unsqueeze(1), (dense * width + offset).unsqueeze(1) + columns, sessions * width)
+    positions = torch.arange(b, device=device)
+    first = torch.full((sessions,), b, dtype=torch.long, device=device).scatter_reduce(0, sorted_session, positions, "amin")
+    return SessionJoin(dense, target, turn_offset, turn_count, order[first], sessions, width, segments)
+
+
+def check_segments(session: torch.Tensor, segment: torch.Tensor) -> None:
+    """ValueError naming the rows unless the ``(b,)`` segment numbers of each session (dense ``(b,)``
+    CPU ids) are exactly ``0, 1, .., n-1``: no duplicate, no gap, none negative."""
+    if bool((segment < 0).any()):
+        row = int(torch.nonzero(segment < 0)[0, 0])
+        raise ValueError(f"segment: row {row} has segment number {int(segment[row])}; segments are numbered 0, 1, ..")
+    order = torch.argsort(session * (int(segment.max()) + 1) + segment, stable=True) if len(segment) else segment
+    s, g = session[order], segment[order]
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[1:] = s[1:] != s[:-1]
+    position = torch.arange(len(s))
+    rank = position - torch.cummax(torch.where(first, position, 0), 0).values
+    bad = torch.nonzero(g != rank)
+    if len(bad):
+        i = int(bad[0, 0])
+        row = int(order[i])
+        same = order[s == s[i]].tolist()
+        if i > 0 and not first[i] and g[i] == g[i - 1]:
+            raise ValueError(f"session of rows {sorted(same)}: rows {int(order[i - 1])} and {row} are both segment {int(g[i])}")
+        raise ValueError(
+            f"session of rows {sorted(same)}: segments {sorted(segment[same].tolist())}, expected 0..{len(same) - 1} "
+            f"(row {row} is segment {int(g[i])} where segment {int(rank[i])} is missing)"
+        )
+
+
+def join_tokens(x: torch.Tensor, join: SessionJoin, fill=0) -> torch.Tensor:
+    """``(b, t)`` -> ``(sessions, width)``: each row's non-PAD tokens at their joined positions,
+    ``fill`` elsewhere (one scatter)."""
+    flat = torch.full((join.sessions * join.width + 1,), fill, dtype=x.dtype, device=x.device)
+    flat.scatter_(0, join.target.reshape(-1), x.reshape(-1))
+    return flat[:-1].reshape(join.sessions, join.width)
+
+
+def split_tokens(joined: torch.Tensor, join: SessionJoin) -> torch.Tensor:
+    """``(sessions, width)`` -> ``(b, t)``: each row's tokens read back from the joined batch, exactly 0
+    on PAD (one gather; the inverse of :func:`join_tokens` on non-PAD tokens)."""
+    flat = torch.cat([joined.reshape(-1), joined.new_zeros(1)])
+    return flat[join.target]
+
+
+def join_turn_ids(turn_ids: torch.Tensor, join: SessionJoin) -> torch.Tensor:
+    """``(b, t)`` turn ids (-1 on PAD and before a row's first turn) -> the joined rows' ``(sessions,
+    width)`` turn ids: each row's ids shifted by its session's earlier turns, -1 on PAD."""
+    shifted = turn_ids.long() + join.turn_offset.unsqueeze(1)
+    return join_tokens(shifted, join, -1)
+
+
+def join_turns(per_turn: torch.Tensor, join: SessionJoin, fill=-1) -> torch.Tensor:
+    """``(b, m)`` per-turn entries (turn k of each row in column k) -> ``(sessions, n)`` with each
+    row's turns after its session's earlier segments' turns; ``fill`` past a session's last turn.
+    ``n`` is the most turns of a session: read on the host for CPU tensors, else ``m`` times the
+    most segments (no sync)."""
+    b, m = per_turn.shape
+    device = per_turn.device
+    count = join.turn_count.to(device)
+    ends = join.turn_offset.to(device) + count
+    n = (int(ends.max()) if b else 0) if per_turn.is_cpu else m * join.segments
+    n = max(n, 1)
+    columns = torch.arange(m, device=device)
+    session = join.session.to(device)
+    target = torch.where(columns < count.unsqueeze(1), (session * n + join.turn_offset.to(device)).unsqueeze(1) + columns,
+                         join.sessions * n)
+    flat = torch.full((join.sessions * n + 1,), fill, dtype=per_turn.dtype, device=device)
+    flat.scatter_(0, target.reshape(-1), per_turn.reshape(-1))
+    return flat[:-1].reshape(join.sessions, n)
+
+
+def join_rows(per_row: torch.Tensor, join: SessionJoin) -> torch.Tensor:
+    """``(b,)`` -> ``(sessions,)``: the value of each session's segment-0 row (a gather)."""
+    return per_row[join.first_row]
