@@ -48,6 +48,7 @@ from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
 from agent_loop.runners.backend_choice import AUTO, choose_backend
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
+from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import run_rollouts
 from agent_loop.runners.producer import RolloutProducer, VersionedBackend, staleness_metrics
 from agent_loop.runners.stats import sampling_label
@@ -127,6 +128,7 @@ class Start:
     state: dict | None = None  # the checkpoint's trainer state (Trainer.state_dict), None: a fresh run
     folder: Path | None = None  # the checkpoint folder
     stream_position: dict | None = None  # an asynchronous run's question stream (RolloutProducer.position)
+    next_group: int | None = None  # a synchronous run's first question never played (None: step x prompts_per_step)
 
 
 class Trainer:
@@ -181,7 +183,8 @@ class Trainer:
         initial_model = state["initial_model"]
         return Start(step=state["step"], initial_model=initial_model, state=state, folder=folder,
                      policy_path=initial_model if config.lora_rank else str(folder / "model"),
-                     stream_position=state.get("producer"))  # None: synchronous (or an older checkpoint)
+                     stream_position=state.get("producer"),  # None: synchronous (or an older checkpoint)
+                     next_group=state.get("next_group"))  # None: asynchronous (or an older checkpoint)
 
     def _set_up_models(self, start: Start) -> None:
         """Tokenizer, policy (LoRA-wrapped), value head, frozen reference, the data-parallel model, AdamW; resumed:
@@ -231,6 +234,8 @@ class Trainer:
         self.transport = make_transport(destination, rollout_backend=self.rollout_backend, dp=self.dp)
         self.producer, self.asynchronous = None, False
         self.push_weights(start.step)
+        # the synchronous question stream: step x prompts_per_step, unless --filter-groups played extra rounds
+        self.next_group = start.step * config.prompts_per_step if start.next_group is None else start.next_group
         self.base_task = task if task is not None else config.load()
         self.task = GroupedTask(self.base_task, config.group_size, question_seed=config.seed)
         self.loop_config = LoopConfig(**pick(LoopConfig, config))
@@ -264,7 +269,8 @@ class Trainer:
             self.producer = RolloutProducer(
                 self.task, self.rollout_backend, self.tokenizer, self.loop_config, seed=config.seed,
                 concurrency=config.concurrency, group_size=config.group_size, groups_per_step=config.prompts_per_step,
-                max_staleness=max_staleness, first_step=self.step, last_step=config.steps, position=position)
+                max_staleness=max_staleness, first_step=self.step, last_step=config.steps, position=position,
+                filter_rounds=config.filter_groups_max_rounds if config.filter_groups else None)
         self.transport = make_transport(self.transport, rollout_backend=self.rollout_backend, dp=self.dp,
                                         asynchronous=True, producer=self.producer)
 
@@ -283,11 +289,16 @@ class Trainer:
     # --- one step ------------------------------------------------------------------------------------
 
     def rollouts(self, step: int):
-        """The episodes of ``step``: questions ``step * P ... (step + 1) * P - 1``, ``group_size`` samples each
-        (with several ranks, each plays its share and all get every episode, in order)."""
-        n = self.config.episodes_per_step
+        """The episodes of ``step`` without dynamic sampling: questions ``step * P ... (step + 1) * P - 1``."""
+        return self.play_groups(step * self.config.prompts_per_step)
+
+    def play_groups(self, first: int):
+        """The episodes of questions ``first ... first + P - 1`` (P: ``prompts_per_step``), ``group_size`` samples
+        each (with several ranks, each plays its share and all get every episode, in order)."""
+        n = self.config.group_size
         return self.dp.gather_trajectories(asyncio.run(self._play(
-            self.task, self.dp.shard(range(step * n, (step + 1) * n)), self.loop_config, self.config.seed)))
+            self.task, self.dp.shard(range(first * n, (first + self.config.prompts_per_step) * n)), self.loop_config,
+            self.config.seed)))
 
     async def _play(self, task, episodes, loop_config, seed):
         """``run_rollouts`` on the (versioned) backend, which ends the run on it (HTTP pools live in one event
@@ -301,19 +312,49 @@ class Trainer:
         return await run_rollouts(task, self.rollout_backend, self.tokenizer, episodes, loop_config, seed=seed,
                                   concurrency=self.config.concurrency, progress=False)
 
-    def step_episodes(self) -> tuple[list, dict[str, float], list]:
+    def step_episodes(self) -> tuple[list, dict[str, float], list, list]:
         """This step's episodes, how they were handed over (``time/idle_s``: the trainer waited for them,
         ``episodes/dropped_stale``, ``producer/episodes_per_s``; asynchronously also ``producer/in_flight``,
-        ``producer/waiting``) and the episodes dropped as stale (rank 0, for the step's rollouts file).
-        Synchronous: played now (``rollouts``); asynchronous: taken from the producer by rank 0 and broadcast."""
+        ``producer/waiting``; with ``filter_groups`` the step's ``filter_groups/*``), the episodes dropped as
+        stale (rank 0, for the step's rollouts file) and those dynamic sampling set aside (``info["filtered"]``).
+        Synchronous: played now (:meth:`play_next`); asynchronous: taken from the producer by rank 0 and broadcast."""
         if self.asynchronous:
-            taken, stale, metrics = self.producer.take(self.step) if self.dp.is_main else (None, [], None)
-            return *self.dp.broadcast_object((taken, metrics)), stale
+            taken, dropped, metrics = self.producer.take(self.step) if self.dp.is_main else (None, [], None)
+            stale = [t for t in dropped if "filtered" not in t.info]
+            filtered = [t for t in dropped if "filtered" in t.info] if self.dp.is_main else None
+            taken, metrics, filtered = self.dp.broadcast_object((taken, metrics, filtered))
+            return taken, metrics, stale, filtered
         started = time.perf_counter()
-        trajectories = self.rollouts(self.step)
+        if not self.config.filter_groups:
+            played = self.play_next()
+            return played, self._handed_over(played, started), [], []
+        # dynamic sampling: rounds of fresh questions until the batch holds prompts_per_step groups, or the bound
+        selection = GroupSelection(self.config.prompts_per_step, self.config.filter_groups_max_rounds)
+        while not selection.done:
+            groups = self._groups(self.play_next())
+            for group in sorted(groups):
+                selection.offer(groups[group])
+        kept = selection.trajectories()
+        return kept, self._handed_over(kept + selection.set_aside, started) | selection.metrics(), [], selection.set_aside
+
+    def play_next(self) -> list:
+        """The next ``prompts_per_step`` questions of the synchronous stream (:meth:`play_groups`)."""
+        first, self.next_group = self.next_group, self.next_group + self.config.prompts_per_step
+        return self.play_groups(first)
+
+    def _groups(self, trajectories) -> dict[int, list]:
+        """``trajectories`` by their question (group), each group's members in order."""
+        groups: dict[int, list] = defaultdict(list)
+        for trajectory in trajectories:
+            groups[group_of(trajectory, self.config.group_size)].append(trajectory)
+        return groups
+
+    @staticmethod
+    def _handed_over(played, started: float) -> dict[str, float]:
+        """A synchronous step's hand-over metrics: the trainer waited for every episode it played."""
         waited = time.perf_counter() - started
-        return trajectories, {"time/idle_s": waited, "time/rollout_s": waited, "episodes/dropped_stale": 0.0,
-                              "producer/episodes_per_s": len(trajectories) / max(waited, 1e-9)}, []
+        return {"time/idle_s": waited, "time/rollout_s": waited, "episodes/dropped_stale": 0.0,
+                "producer/episodes_per_s": len(played) / max(waited, 1e-9)}
 
     def make_batch(self, trajectories) -> Batch:
         """Collated tensors plus ``index`` (b,), the group id of each row."""
@@ -461,14 +502,15 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Run one step (rollouts, scoring, updates, weight push); return its metrics."""
         started = time.perf_counter()
-        trajectories, metrics, stale = self.step_episodes()
+        trajectories, metrics, stale, filtered = self.step_episodes()
+        played = trajectories + filtered  # every fresh episode, those --filter-groups set aside too
         rolled = time.perf_counter()
-        metrics.update(rollout_metrics(trajectories))  # over every episode: a failed one counts as a failure
+        metrics.update(rollout_metrics(played))  # over every episode played: a failed one counts as a failure
         kept, dropped = usable_episodes(trajectories, self.config.group_size, self.estimator.needs_index)
         metrics.update(dropped)
-        self._warn_errors(trajectories)
+        self._warn_errors(played)
         if not any(SpanKind.ASSISTANT in t.spans for t in kept):
-            return self._skip_step(metrics, trajectories + stale, started, rolled)
+            return self._skip_step(metrics, played + stale, started, rolled)
         metrics["skipped_steps"] = 0.0
         batch = self.make_batch(kept)
         # asynchronous: tokens sampled by older weights (each token's logprob is that of the weights that
@@ -477,7 +519,7 @@ class Trainer:
         metrics.update(self.score(batch, sampler_is_behaviour=metrics["staleness/max"] > 0))
         self._warn_no_signal(kept, metrics)
         metrics.update(self.update(batch, self.step))
-        self.save_rollouts(trajectories + stale, kept, batch)  # stale ones too (info["stale"]): no episode unrecorded
+        self.save_rollouts(played + stale, kept, batch)  # stale, filtered ones too (info): no episode unrecorded
         pushed = time.perf_counter()
         # no AdamW step taken: the weights did not change, only their version moves
         self.push_weights(self.step + 1, changed=metrics["skipped_updates"] < 1.0)
@@ -487,7 +529,7 @@ class Trainer:
         metrics["time/train_s"] = done - rolled
         metrics["time/step_s"] = done - started
         if not self.asynchronous:
-            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(trajectories) / (rolled - started)
+            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(played) / (rolled - started)
         return metrics
 
     def _warn_errors(self, trajectories) -> None:
@@ -517,9 +559,11 @@ class Trainer:
         next step plays new questions instead of failing on the same ones forever."""
         metrics["skipped_steps"], metrics["lr"] = 1.0, self.lr_at(self.step)
         first = next((t.metrics.get("error", "") for t in played if t.finish_reason == "error"), "")
+        filtered = sum("filtered" in t.info for t in played)
         warnings.warn(f"step {self.step + 1} skipped: none of its {len(played)} episodes can be trained on "
                       f"({metrics['episodes/dropped_failed']:.0f} failed, {metrics['episodes/dropped_lone']:.0f} "
-                      f"left alone in their group, the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""),
+                      f"left alone in their group, " + (f"{filtered} set aside by --filter-groups, " if filtered else "")
+                      + "the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""),
                       stacklevel=3)
         self.save_rollouts(played, [], None)
         self.push_weights(self.step + 1, changed=False)
@@ -652,6 +696,8 @@ class Trainer:
             "rng": checkpoint.rng_state(),
             # None: synchronous, or another rank; absent from older checkpoints (the stream restarts at step x P)
             "producer": self.producer.position() if self.producer is not None else None,
+            # synchronous: the first question never played (--filter-groups plays extra rounds); None: asynchronous
+            "next_group": None if self.asynchronous else self.next_group,
         }
 
     def load_state_dict(self, state: dict, *, source: str | Path | None = None) -> None:
