@@ -201,6 +201,16 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
     off_policy: Annotated[bool, Field(
         description="deprecated: the same as --max-staleness 1")] = False
 
+    # dynamic sampling (DAPO's filter_groups; agent_loop/runners/group_filter.py)
+    filter_groups: Annotated[bool, Field(
+        description="dynamic sampling (DAPO's filter_groups): drop the groups whose sessions' raw outcomes (the "
+                    "task's success, not the shaped reward) are all equal, and play fresh questions until the step "
+                    "holds --prompts-per-step groups, or --filter-groups-max-rounds extra rounds were played "
+                    "(metrics filter_groups/*; needs --group-size 2 or more)")] = False
+    filter_groups_max_rounds: _int(0, "--filter-groups: the extra rounds (each --prompts-per-step groups) a step may "
+                                      "play beyond its first before it trains on the groups it kept "
+                                      "(filter_groups/bound_hit 1); 9: verl's max_num_gen_batches 10 in all") = 9
+
     # sampler/trainer mismatch correction (advantages/rollout_correction.py; verl's algorithm.rollout_correction,
     # docs/verl.md): the ratio rho = exp(old_logprob - rollout_logprob) of the trainer's logprobs to the sampler's
     rollout_is: Annotated[Literal["off", "token", "sequence"], Field(
@@ -303,6 +313,9 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
                               f"= {self.prompts_per_step} x {self.group_size} = {self.episodes_per_step}",
                               self.mini_batches)
         check_group_estimator(self.estimator, self.group_size)
+        if self.filter_groups and self.group_size < 2:
+            raise OptionError("filter_groups", "compares the outcomes of a question's samples; needs {group_size} 2 "
+                              f"or more (got {self.group_size}: every group would be dropped)")
 
     @property
     def corrects_rollouts(self) -> bool:

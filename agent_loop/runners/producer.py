@@ -40,6 +40,11 @@ is the first group never started and the groups started but neither taken nor dr
 waiting). A resumed producer plays those first, then goes on from the first never started: every question
 is trained on or dropped once, as in a run that was never stopped.
 
+Dynamic sampling (``filter_rounds``, ``train --filter-groups``; ``agent_loop.runners.group_filter``): a take
+examines the complete groups in id order as they come, sets aside those whose sessions' outcomes do not differ
+(their places in the budget go to new groups, as a stale group's) and stops when ``prompts_per_step`` are kept
+or ``(1 + filter_rounds) x prompts_per_step`` were examined.
+
 Faults: a failed episode is a Trajectory with finish ``error`` (the step drops it, as in the synchronous
 step); the HTTP backend moves a dead server's sessions to a live one; an error that stops the producer
 (a fatal backend error: every server down past the deadline) is raised by the trainer's next
@@ -59,6 +64,7 @@ from typing import Callable, Sequence
 
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams, check_backend
 from agent_loop.episode.config import LoopConfig
+from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec
 from agent_loop.types import Trajectory
@@ -181,20 +187,22 @@ class RolloutProducer:
     started in id order from group ``first_step x groups_per_step``, or from ``position`` (a checkpoint's
     :meth:`position`: its pending groups first, then its ``next_group`` on); ``first_step`` is the steps
     already trained (the trainer's step) and ``backend.version`` the version the producer starts with;
-    ``last_step``: the run's last step (no group is started that no step up to it could take). ``counts``:
-    episodes started, finished, taken and dropped as stale, for the metrics and the no-episode-lost check
-    (started = finished + in flight; finished = taken + dropped + waiting)."""
+    ``last_step``: the run's last step (no group is started that no step up to it could take).
+    ``filter_rounds``: dynamic sampling (``agent_loop.runners.group_filter``; None: off): a step keeps only
+    groups whose sessions' outcomes differ, examining at most ``(1 + filter_rounds) x groups_per_step``.
+    ``counts``: episodes started, finished, taken, dropped as stale and filtered, for the metrics and the
+    no-episode-lost check (started = finished + in flight; finished = taken + dropped + filtered + waiting)."""
 
     def __init__(self, task, backend: VersionedBackend, tokenizer, config: LoopConfig, *, seed: int,
                  concurrency: int, group_size: int, groups_per_step: int, max_staleness: int, first_step: int = 0,
-                 last_step: int | None = None, position: dict | None = None):
+                 last_step: int | None = None, position: dict | None = None, filter_rounds: int | None = None):
         self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
         backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
         self.spec = RunSpec(task, tokenizer, (), config, seed, progress=False)
         self._sink = _Handover(self._file, info=self.spec.recorded())  # stamps info as every runner's sink does
         self._admitted: dict[int, int] = {}  # episode in flight -> the version it was admitted under
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
-        self.concurrency = concurrency
+        self.concurrency, self.filter_rounds = concurrency, filter_rounds
         self.last_step = last_step  # no group beyond what steps up to this one can train on is started
         position = position or {"next_group": first_step * groups_per_step, "pending": []}
         self._replay = deque(sorted(position["pending"]))  # started before a resume, never trained on: first
@@ -205,7 +213,7 @@ class RolloutProducer:
         self._finished: dict[int, list[Trajectory]] = {}  # group -> its finished members (waiting to complete)
         self._oldest: dict[int, int] = {}  # group -> the oldest version among its finished members
         self._complete: set[int] = set()  # groups whose every member finished: ready to take
-        self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0)
+        self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0, filtered=0)
         self._error: BaseException | None = None
         self._handover = threading.Condition()
         self._last_take = (time.perf_counter(), 0)  # (when, episodes finished then): the producer's throughput
@@ -314,27 +322,56 @@ class RolloutProducer:
         ones on the way; return their episodes in index order, the episodes dropped as stale (marked
         ``info["stale"]``), and the hand-over metrics: ``time/idle_s`` (the wait), ``episodes/dropped_stale``,
         ``producer/episodes_per_s`` (finished since the last take), ``producer/in_flight``,
-        ``producer/waiting`` (finished, not yet taken). Raises RolloutProducerError if the producer stopped."""
+        ``producer/waiting`` (finished, not yet taken). Raises RolloutProducerError if the producer stopped.
+
+        With ``filter_rounds`` (dynamic sampling) the complete groups are examined in id order as they come
+        (``GroupSelection``): a group without outcome variance is set aside (its place goes to a new group) and
+        returned with the stale ones (marked ``info["filtered"]``), until ``groups_per_step`` are kept or the
+        bound on groups examined is reached (a short step still spends a whole step's places in the budget);
+        the metrics add the step's ``filter_groups/*``."""
         started, dropped = time.perf_counter(), []
+        selection = None if self.filter_rounds is None else GroupSelection(self.groups_per_step, self.filter_rounds)
         with self._handover:
             while True:
                 if stale := self._drop_stale(version):
                     dropped += stale
                     self._wake()  # their places in the budget go to new groups (which this wait may need)
-                if len(self._complete) >= self.groups_per_step:
+                if self._ready(selection):
                     break
                 self._raise_if_stopped()
                 self._handover.wait(timeout=1.0)  # woken by each finished group; the timeout re-checks the thread
-            groups = sorted(self._complete)[: self.groups_per_step]
-            taken = []
-            for group in groups:
-                self._complete.discard(group)
-                self._open.discard(group)
-                del self._oldest[group]
-                taken += sorted(self._finished.pop(group), key=lambda t: t.info["index"])
+            metrics = {}
+            if selection is None:
+                taken = [t for group in sorted(self._complete)[: self.groups_per_step] for t in self._remove(group)]
+            else:
+                taken, metrics = selection.trajectories(), selection.metrics()
+                self._budget_used += self.groups_per_step - len(selection.kept)
             self.counts["taken"] += len(taken)
-            metrics = self._handover_metrics(time.perf_counter(), started, len(dropped))
-        return taken, dropped, metrics
+            metrics.update(self._handover_metrics(time.perf_counter(), started, len(dropped)))
+        return taken, dropped + (selection.set_aside if selection else []), metrics
+
+    def _ready(self, selection: GroupSelection | None) -> bool:
+        """Whether a step can be taken: ``groups_per_step`` complete groups; with dynamic sampling, the complete
+        groups not yet examined are offered to ``selection`` (in id order, until it is done) first. Caller holds
+        the hand-over lock."""
+        if selection is None:
+            return len(self._complete) >= self.groups_per_step
+        for group in sorted(self._complete):
+            if selection.done:
+                break
+            members = self._remove(group)
+            if not selection.offer(members):  # set aside: its place in the budget goes to a new group
+                self._budget_used -= 1
+                self.counts["filtered"] += len(members)
+                self._wake()
+        return selection.done
+
+    def _remove(self, group: int) -> list[Trajectory]:
+        """A complete group out of the table (neither in flight nor waiting any more): its members in index order."""
+        self._complete.discard(group)
+        self._open.discard(group)
+        del self._oldest[group]
+        return sorted(self._finished.pop(group), key=lambda t: t.info["index"])
 
     def _handover_metrics(self, now: float, started: float, dropped: int) -> dict[str, float]:
         when, finished = self._last_take
