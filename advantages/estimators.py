@@ -28,7 +28,7 @@ from advantages.returns import (
     whitened_discounted_returns,
 )
 from advantages.stats import accumulation_dtype, masked_whiten
-from masking.sessions import row_ids
+from masking.sessions import dense_ids, row_ids
 
 GRPO_EPS = 1e-6  # verl's default epsilon in the GRPO std normalisation
 
@@ -203,10 +203,7 @@ def _group_moments(scores: torch.Tensor, group: torch.Tensor):
     variance NaN (callers treat groups of one separately, as verl does). In the dtype of ``scores``
     (:func:`_scores` gives float32 for half precisions, as verl's group statistics).
     """
-    sorted_ids, order = torch.sort(group)
-    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
-    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    dense = torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
+    dense = dense_ids(group)
     zeros = torch.zeros_like(scores)
     count = zeros.index_add(0, dense, torch.ones_like(scores))[dense]
     mean = zeros.index_add(0, dense, scores)[dense] / count

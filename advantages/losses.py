@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from advantages.stats import masked_mean, masked_sum
+from masking.sessions import dense_ids
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_PENALTY_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
@@ -29,6 +30,8 @@ def aggregate_loss(
     batch_num_tokens: int | torch.Tensor | None = None,
     global_batch_size: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
+    *,
+    session: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a ``(b, t)`` per-token loss to a scalar over the masked tokens (verl's ``agg_loss``).
 
@@ -46,6 +49,13 @@ def aggregate_loss(
     mean over ranks is the full batch's loss (``token-sum`` is multiplied too, so that mean is the
     full sum). ``dp_size > 1`` without the global count raises ValueError, as verl.
 
+    Sessions (docs/design.md section 3, "Sessions"): with ``session`` ``(b,)`` (``Batch.session``: the
+    session id of each row, rows being segments), the ``seq-mean-*`` modes treat a session as one
+    sequence: its segments' tokens are summed (and, for ``seq-mean-token-mean``, averaged) together, and
+    ``global_batch_size`` counts sessions (default: this batch's sessions with a masked token). Pass all
+    of a session's segments in one call (a session split over micro-batches counts once in each).
+    The token modes need no sessions: a token is a token.
+
     Without any masked token every mean mode is 0/0 = NaN (as verl; the trainer skips such batches)
     and ``token-sum`` is 0.
     """
@@ -60,6 +70,8 @@ def aggregate_loss(
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     tokens = loss_mask.bool().sum(-1)
     per_row = masked_sum(loss_mat, loss_mask, dim=-1)
+    if session is not None:
+        tokens, per_row = _sum_by_session(session, tokens, per_row)
     if loss_agg_mode == "seq-mean-token-mean":
         per_row = per_row / tokens.clamp(min=1)  # rows without tokens sum to 0 and are not counted below
     if global_batch_size is None:
@@ -69,6 +81,16 @@ def aggregate_loss(
     if loss_agg_mode == "seq-mean-token-sum-norm":
         loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return loss
+
+
+def _sum_by_session(session: torch.Tensor, *per_row: torch.Tensor) -> list[torch.Tensor]:
+    """``(b,)`` per-row quantities -> their sums per session, ``(b,)`` (one slot per dense session id,
+    zeros past the last; a sort and ``index_add``, no host sync)."""
+    b = per_row[0].shape[0]
+    if session.shape != (b,):
+        raise ValueError(f"session must hold one session id per row, shape ({b},); got shape {tuple(session.shape)}")
+    dense = dense_ids(session.to(per_row[0].device))
+    return [torch.zeros_like(x).index_add_(0, dense, x) for x in per_row]
 
 
 def _check_local(dp_size: int, name: str) -> None:

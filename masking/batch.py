@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from masking.rewards import place_rewards
-from masking.sessions import check_segments, row_ids
+from masking.sessions import check_segments, dense_ids, row_ids, segment_numbers
 from masking.spans import SPAN_DTYPE, SpanKind, response_mask_from_spans
 from masking.validate import validate_spans
 
@@ -163,8 +163,8 @@ def _sessions(b: int, sessions, segments, rewards, index=None, tasks=None) -> tu
     if sessions is None or segments is None:
         raise ValueError("sessions and segments come together: one session id and one segment number per row")
     _check_row_counts("rewards", b, (("sessions", sessions), ("segments", segments)))
-    session = torch.unique(row_ids(sessions, b, "sessions", what="session id"), return_inverse=True)[1] if b else torch.zeros(0, dtype=torch.long)
-    segment = row_ids(segments, b, "segments", what="segment number")
+    session = dense_ids(row_ids(sessions, b, "sessions", what="session id"))
+    segment = segment_numbers(segments, b, "segments")
     check_segments(session, segment)
     first = torch.full((b,), b, dtype=torch.long).scatter_reduce(0, session, torch.arange(b), "amin")[session]
     named = [("outcome reward", torch.as_tensor(list(rewards), dtype=torch.float64))]

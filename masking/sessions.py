@@ -52,6 +52,17 @@ def row_ids(values, batch_size: int, name: str = "index", device: torch.device |
     return torch.tensor(number_keys(items, name, what), dtype=torch.long, device=device)
 
 
+def segment_numbers(segments, batch_size: int, name: str = "segment") -> torch.Tensor:
+    """``segments`` (a tensor, array or list of ints) -> ``(b,)`` long segment numbers, kept as given (not
+    renumbered). ValueError for a wrong length or non-integers."""
+    numbers = torch.as_tensor(segments.tolist() if hasattr(segments, "tolist") and not isinstance(segments, torch.Tensor)
+                              else segments)
+    if numbers.shape != (batch_size,) or numbers.dtype.is_floating_point or numbers.dtype.is_complex \
+            or numbers.dtype == torch.bool:
+        raise ValueError(f"{name} must hold one integer segment number per row ({batch_size}); got {segments!r}")
+    return numbers.long()
+
+
 def number_keys(keys: Sequence, name: str, what: str = "key") -> list[int]:
     """Hashable keys (ints or strings) -> their numbers in order of first appearance (equal keys, equal
     numbers). ValueError naming ``name[i]`` for floats, bools, None, lists or unhashable keys."""
@@ -65,6 +76,15 @@ def number_keys(keys: Sequence, name: str, what: str = "key") -> list[int]:
         except TypeError:
             raise ValueError(f"{name}[{i}]: key {key!r} is not hashable") from None
     return numbers
+
+
+def dense_ids(ids: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` integer ids -> ``(b,)`` long ids ``0..k-1`` (equal in, equal out; in sorted order of the
+    ids): a sort and a cumsum, no host sync."""
+    sorted_ids, order = torch.sort(ids)
+    starts = torch.ones_like(sorted_ids, dtype=torch.long)
+    starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
+    return torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
 
 
 class SessionJoin(NamedTuple):
@@ -112,8 +132,8 @@ def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -
     b, t = spans.shape
     device = spans.device
     sessions_cpu = row_ids(session, b, "session", what="session id").cpu()
-    segment_cpu = row_ids(segment, b, "segment", what="segment number").cpu()
-    dense_cpu = torch.unique(sessions_cpu, return_inverse=True)[1] if b else sessions_cpu
+    segment_cpu = segment_numbers(segment, b).cpu()
+    dense_cpu = dense_ids(sessions_cpu)
     sessions = int(dense_cpu.max()) + 1 if b else 0
     segments = int(segment_cpu.max()) + 1 if b else 0
     if validate:
