@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from agent_loop.episode.sessions import episode_session_id
 from masking.kinds import SpanKind
 
 # finish_reason values of a Trajectory (docs/design.md section 5)
@@ -176,6 +177,21 @@ class Trajectory:
         """Whether the task judged the episode a success (recorded by the loop; reward > 0 for old records)."""
         recorded = self.info.get("success")
         return bool(recorded) if recorded is not None else self.reward > 0
+
+    @property
+    def session_id(self) -> str:
+        """The session (one episode) this record is a segment of: ``info["session_id"]``, which the loop and the
+        proxy both record; for an older record, the loop's key of its episode (:func:`episode_session_id`)."""
+        recorded = self.info.get("session_id")
+        if recorded is not None:
+            return str(recorded)
+        return episode_session_id(self.info.get("task"), self.info.get("seed"), self.info.get("index"))
+
+    @property
+    def segment(self) -> int:
+        """This record's place in its session: 0, 1, ... (a session whose agent rewrote its history has a segment
+        per context the model saw; the loop's own episodes have one)."""
+        return int(self.info.get("segment", 0))
 
     def to_json(self) -> str:
         """The record as one line of strict JSON (:func:`strict_json`); what had to be replaced is counted in

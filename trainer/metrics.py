@@ -32,7 +32,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         # template exactness, in turns (docs/templates.md); mismatches are errors/template below, named once
         "template_drift": float(stats.template_drift_turns),
     }
-    metrics.update({f"finish_frac/{reason}": stats.finish_reasons[reason] / stats.episodes for reason in FINISH_REASONS})
+    metrics["segments"] = stats.segments / stats.episodes  # records per session: 1 unless an agent rewrote its history
+    metrics.update({f"finish_frac/{reason}": stats.finish_reasons[reason] / stats.segments for reason in FINISH_REASONS})
     metrics.update({f"tool_errors_count/{kind}": float(stats.tool_errors[kind]) for kind in TOOL_ERROR_KINDS})
     metrics.update({"errors/reward": float(stats.reward_errors), "errors/tool": float(sum(stats.tool_errors.values())),
                     "errors/template": float(stats.template_mismatch_turns)})

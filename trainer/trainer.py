@@ -43,6 +43,7 @@ from advantages import aggregate_loss, clipped_value_loss, get_estimator, kl_pen
 from advantages.rollout_correction import correct_rollouts
 from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.registry import make_backend
+from agent_loop.backends.vllm_engine import engine_log
 from agent_loop.config import checked, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
@@ -50,6 +51,7 @@ from agent_loop.runners.backend_choice import AUTO, choose_backend
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
 from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import run_rollouts
+from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.producer import RolloutProducer, VersionedBackend, staleness_metrics
 from agent_loop.runners.stats import sampling_label
 from agent_loop.tasks.grouping import GroupedTask
@@ -97,23 +99,25 @@ def group_of(trajectory, group_size: int) -> int:
 
 
 def usable_episodes(trajectories, group_size: int, grouped: bool) -> tuple[list, dict[str, float]]:
-    """The episodes a step trains on, and how many were dropped (``episodes/dropped_failed``,
+    """The records a step trains on, and how many episodes (sessions) were dropped (``episodes/dropped_failed``,
     ``episodes/dropped_lone``).
 
-    A failed episode (finish ``error``: its reward, the backend or the prompt raised) has no response and
-    no true reward: dropped. For a group-relative estimator (``grouped``) the other members of its group
-    are kept, their baseline taken over the survivors (mean, std and leave-one-out are defined for any
-    group of 2 or more); a member left *alone* by its group's failures is dropped too, since the
-    estimators' group-of-one rule would train on its raw score as if it had a baseline of 0.
+    A session counts once, whatever its number of segments (:attr:`Trajectory.session_id`). A failed one (a
+    record with finish ``error``: its reward, the backend or the prompt raised) has no true reward: every segment
+    of it is dropped. For a group-relative estimator (``grouped``) the other sessions of its group are kept, their
+    baseline taken over the survivors (mean, std and leave-one-out are defined for any group of 2 or more); a
+    session left *alone* by its group's failures is dropped too, since the estimators' group-of-one rule would
+    train on its raw score as if it had a baseline of 0.
     """
-    kept = [t for t in trajectories if t.finish_reason != "error"]
-    dropped = {"episodes/dropped_failed": float(len(trajectories) - len(kept)), "episodes/dropped_lone": 0.0}
+    failed = {t.session_id for t in trajectories if t.finish_reason == "error"}
+    kept = [t for t in trajectories if t.session_id not in failed]
+    dropped = {"episodes/dropped_failed": float(len(failed)), "episodes/dropped_lone": 0.0}
     if grouped and group_size > 1:
-        sizes: dict[int, int] = defaultdict(int)
+        sessions: dict[int, set[str]] = defaultdict(set)
         for t in kept:
-            sizes[group_of(t, group_size)] += 1
-        lone = [t for t in kept if sizes[group_of(t, group_size)] == 1]
-        kept = [t for t in kept if sizes[group_of(t, group_size)] > 1]
+            sessions[group_of(t, group_size)].add(t.session_id)
+        lone = {group for group, members in sessions.items() if len(members) == 1}
+        kept = [t for t in kept if group_of(t, group_size) not in lone]
         dropped["episodes/dropped_lone"] = float(len(lone))
     return kept, dropped
 
@@ -220,7 +224,9 @@ class Trainer:
         if servers:
             backend = make_backend("http", config.served_name(start.initial_model), BackendSettings.from_options(config))
         if backend is None and self.rollout_backend_name(start) == "vllm":  # the engine loads the policy's folder;
-            backend = make_backend("vllm", start.policy_path, BackendSettings(threads=self.threads))  # pushed below
+            log = engine_log(fresh_path(str(self.output_dir / "vllm.log")), verbose=config.verbose)  # its logs
+            backend = make_backend("vllm", start.policy_path, BackendSettings(  # pushed below
+                threads=self.threads, engine_log=log and str(log)))
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
                 device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,

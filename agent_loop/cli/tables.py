@@ -24,7 +24,8 @@ def summary_table(stats: RolloutStats, title: str) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("episodes", f"{stats.episodes}"),
+        ("episodes", f"{stats.episodes}" + (f" ({plural(stats.segments, 'segment')})"
+                                            if stats.segments != stats.episodes else "")),
         (f"success rate ({stats.sampling}, {plural(stats.episodes, 'episode')})", rate(stats.success_rate)),
         ("mean reward", f"{stats.mean('reward_sum'):.3f}"),
         ("mean turns", f"{stats.mean('turns'):.2f}"),

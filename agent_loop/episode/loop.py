@@ -600,7 +600,8 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
         metrics["error"] = state.env_error or score.error
     # steps: the environment's per-turn rewards, done/truncated and metadata, as it gave them
     info = episode_info(task.name, ctx.index, ctx.seed, success=score.success, tokenizer=ctx.tokenizer,
-                        identity={"answer": episode.answer},
+                        identity={"answer": episode.answer, "session_id": episode_session_id(task.name, ctx.seed, ctx.index),
+                                  "segment": 0},
                         extra={**episode.info, **({"steps": state.steps} if state.steps else {}),
                                **({"turn_states": score.turn_states} if score.turn_states is not None else {})})
     return Trajectory(

@@ -31,7 +31,7 @@ from agent_loop.runners.jsonl import MAX_LINE_BYTES, JsonlWriter, check_output, 
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.base import Task
-from agent_loop.types import Trajectory
+from agent_loop.types import Trajectory, episode_session_id
 
 
 def error_trajectory(task: Task, index: int, seed: int, error: BaseException | str, tokenizer=None) -> Trajectory:
@@ -42,10 +42,12 @@ def error_trajectory(task: Task, index: int, seed: int, error: BaseException | s
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     prompt_ids: list[int] = []
     messages: list[dict] = []
-    identity, extra = {}, {}  # the episode's answer and own info, as a played episode's record has them
+    # the episode's answer, session and own info, as a played episode's record has them
+    session = {"session_id": episode_session_id(task.name, seed, index), "segment": 0}
+    identity, extra = session, {}
     try:
         episode = task.make_episode(index, seed)
-        identity, extra = {"answer": episode.answer}, dict(episode.info)
+        identity, extra = {"answer": episode.answer, **session}, dict(episode.info)
         messages = [dict(m) for m in episode.messages]
         if tokenizer is not None:
             prompt_ids = formatter_for(tokenizer, ToolExecutor(episode.tools).schemas).prompt_ids(messages)

@@ -43,7 +43,8 @@ class RolloutStats:
     largest episode index seen.
     """
 
-    episodes: int = 0
+    episodes: int = 0  # sessions: a session whose agent rewrote its history is one episode of several segments
+    segments: int = 0  # records (rows): one per episode, more where a session has several segments
     successes: int = 0
     reward_sum: float = 0.0
     turns: int = 0
@@ -69,12 +70,16 @@ class RolloutStats:
     temperatures: Counter = field(default_factory=Counter)  # episodes per sampling temperature (info["options"])
 
     def add(self, trajectory: Trajectory, index: int | None = None) -> None:
-        """Count one episode (``index``: its number, default ``info["index"]``)."""
+        """Count one record (``index``: its episode's number, default ``info["index"]``). A session counts once, at
+        its first segment (every segment holds the session's reward and success); turns and tokens add up over
+        its segments, so per-episode means are per session."""
         index = trajectory.info.get("index") if index is None else index
         metrics = trajectory.metrics
-        self.episodes += 1
-        self.successes += trajectory.success
-        self.reward_sum += trajectory.reward
+        self.segments += 1
+        if trajectory.segment == 0:
+            self.episodes += 1
+            self.successes += trajectory.success
+            self.reward_sum += trajectory.reward
         self._add_tokens(trajectory)
         self.tool_calls += len(trajectory.tool_calls)
         self.tool_errors.update(c.error_kind for c in trajectory.tool_calls if c.error_kind)

@@ -1,6 +1,6 @@
 """A record's ``info`` (how its episode was made) is assembled by one function (agent_loop/episode/info.py): the
 loop's records, a failed episode's record and the proxy's records of the same episode carry the same keys (the
-proxy adds its session's), with the same values."""
+session id and segment number included), with the same values."""
 
 import asyncio
 
@@ -50,9 +50,11 @@ def test_the_loop_a_failed_episode_and_the_proxy_record_the_same_keys(qwen_token
     failed = [error_trajectory(task, i, 3, "RuntimeError: x", qwen_tokenizer) for i in (0, 1)]
     episode_keys = set(task.make_episode(0, 3).info)
     for loop, proxy, error in zip(played, proxied, failed):
-        assert set(loop.info) == {"task", "index", "seed", "answer", "success", "model_path", "options"} | episode_keys
+        assert set(loop.info) == {"task", "index", "seed", "answer", "session_id", "segment", "success", "model_path",
+                                  "options"} | episode_keys
         assert set(error.info) == set(loop.info) - {"options"}  # "options": the runner's, for every record it writes
-        assert set(proxy.info) == set(loop.info) | {"session_id", "segment"}
+        assert set(proxy.info) == set(loop.info)  # one session, one segment: the same session id as the loop's
+        assert (loop.session_id, loop.segment) == (proxy.session_id, proxy.segment) == (error.session_id, 0)
         for key in set(error.info) - {"success"}:
             assert loop.info[key] == error.info[key] == proxy.info[key], key
         assert not loop.info["success"] and not proxy.info["success"] and error.info["success"] is False
