@@ -120,11 +120,14 @@ def override_defaults(why: str | dict[str, str] = "", **defaults):
 
 @dataclass
 class ProgressOptions:
-    """Whether a command draws progress bars: with ``--threads``, an option every command takes (issue 49;
-    ``agent_loop.cli.options.CommonOptions``)."""
+    """Whether a command draws progress bars and shows the libraries' own logs: with ``--threads``, options every
+    command takes (issue 49; ``agent_loop.cli.options.CommonOptions``)."""
 
     progress: Annotated[bool, Field(description="progress bars on stderr (--no-progress: none, e.g. for logs); "
                                     "every command takes it, those that draw no bar too")] = True
+    verbose: Annotated[bool, Field(description="the libraries' own logs on the terminal too: a vLLM engine's "
+                                   "(by default in a file beside the run's output, which its ready line names; a "
+                                   "VLLM_LOGGING_LEVEL you set shows them too)")] = False
 
 
 def pick(cls, source) -> dict:

@@ -45,7 +45,7 @@ _OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.mul
                                 "numpy.core.multiarray._reconstruct"})
 _HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
-RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "threads", "save_every", "eval_every",
+RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "verbose", "threads", "save_every", "eval_every",
                                 "eval_episodes", "check_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite",
                                 # where the episodes are played, not what they are (ServerOptions): servers move
                                 "server", "served_model_name", "retry_deadline_s", "request_timeout_s"})

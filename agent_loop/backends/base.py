@@ -63,6 +63,7 @@ class BackendSettings:
     max_batch_size: int = 64  # hf: requests decoded together
     pad_token_id: int = 0  # hf
     threads: int | None = None  # vllm on CPU: the cores its threads are bound to (None: agent_loop.threads' rule)
+    engine_log: str | None = None  # vllm: the file its engine's logs go to (None: the terminal; vllm_engine.engine_log)
 
     @classmethod
     def from_options(cls, options, **overrides) -> "BackendSettings":

@@ -35,16 +35,18 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "fetch", False):
         return fetch_wheels()
     table = Table(title="built-in models (--model NAME)")
-    for column in ("name", "model", "parameters", "size", "sha256", "status"):
-        table.add_column(column, overflow="fold")
+    table.add_column("name", no_wrap=True)  # a name is never broken (issue 56): the free text gives way
+    table.add_column("params", no_wrap=True, justify="right")
+    for column in ("status", "size", "model"):  # words wrap; a word too long for the column is cut with …
+        table.add_column(column, ratio=3 if column == "model" else 2, min_width=6)
     rows = listing()
     for row in rows:
         parameters = f"{row['parameters'] / 1e6:.1f}M" if row["parameters"] else "-"
-        table.add_row(row["name"], row["model"], parameters, row["size"], row["sha256"], row["status"])
+        table.add_row(row["name"], parameters, row["status"], row["size"], row["model"])
     console = Console()
     console.print(table)
-    for row in rows:
-        console.print(f"{row['name']}: {row['folder']}", highlight=False, soft_wrap=True)
+    for row in rows:  # paths and digests whole, one line each (the terminal wraps them, never mid-table)
+        console.print(f"{row['name']}: {row['folder']} (sha256 {row['sha256']})", highlight=False, soft_wrap=True)
     return 0
 
 

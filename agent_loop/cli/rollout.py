@@ -231,9 +231,8 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
         save_options(saved)  # rerun with --config
     spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode,
                    progress=opts.progress, info=made_with(opts.gamma, opts.estimator, pick(TaskOptions, opts)))  # inspect reads them
-    started = time.perf_counter()
-    stats = _stream(opts, spec, path, out, total, argv)
-    if not report(opts, stats, tokenizer, time.perf_counter() - started, path, out, task.name):
+    stats, timing = _stream(opts, spec, path, out, total, argv)
+    if not report(opts, stats, tokenizer, timing, path, out, task.name):
         return 1
     from agent_loop.runners.local import error_status
 
@@ -243,26 +242,69 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     return status
 
 
+@dataclass
+class Timing:
+    """Where a run's time went (``time.perf_counter`` seconds): starting the backend (loading the model, starting
+    the engine), playing (from the first request to the last episode's end), stopping it."""
+
+    started: float
+    ready: float = 0.0
+    played: float = 0.0
+    stopped: float = 0.0
+
+    @property
+    def start_up_s(self) -> float:
+        return self.ready - self.started
+
+    @property
+    def playing_s(self) -> float:
+        return self.played - self.ready
+
+    @property
+    def stop_s(self) -> float:
+        return self.stopped - self.played
+
+
+def engine_log_of(opts: RolloutOptions, out: Path) -> str | None:
+    """Where ``--backend vllm``'s engine logs go: ``<out>.vllm.log`` beside the output (the first free name), or
+    the terminal (None) with ``--verbose`` or a ``VLLM_LOGGING_LEVEL`` of the user's."""
+    from agent_loop.backends.vllm_engine import engine_log
+    from agent_loop.runners.outputs import fresh_path
+
+    if opts.backend != "vllm":
+        return None
+    log = engine_log(fresh_path(str(out.with_name(out.stem + ".vllm.log"))), verbose=opts.verbose)
+    return None if log is None else str(log)
+
+
 def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: int, argv: list[str] | None):
+    """Start the backend, play, stop it: the stats and the :class:`Timing`."""
     from agent_loop.runners.jsonl import count_lines
     from agent_loop.runners.local import stream_rollouts
     from agent_loop.runners.outputs import is_write_failure
 
     threads = apply_threads(opts.threads)  # vllm on CPU: its engine's threads bound to as many cores
-    backend = make_backend(opts.backend, path, BackendSettings.from_options(opts, threads=threads))  # --server, deadlines
+    timing = Timing(started=time.perf_counter())
+    backend = make_backend(opts.backend, path, BackendSettings.from_options(  # --server, deadlines
+        opts, threads=threads, engine_log=engine_log_of(opts, out)))
+    timing.ready = time.perf_counter()
 
     async def play_all():
         try:
             if opts.agent:  # the user's own agent, through an in-process recording proxy (docs/agents.md)
                 from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
 
-                return await stream_agent_rollouts(spec, backend, load_agent(opts.agent), concurrency=opts.concurrency,
-                                                   sample_size=RETURNS_SAMPLE, total=total,
-                                                   timeout_s=opts.agent_timeout_s)
-            return await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE,
-                                         total=total)
+                played = await stream_agent_rollouts(spec, backend, load_agent(opts.agent), concurrency=opts.concurrency,
+                                                     sample_size=RETURNS_SAMPLE, total=total,
+                                                     timeout_s=opts.agent_timeout_s)
+            else:
+                played = await stream_rollouts(spec, backend, concurrency=opts.concurrency, sample_size=RETURNS_SAMPLE,
+                                               total=total)
+            timing.played = time.perf_counter()
+            return played
         finally:
             backend.close()  # vLLM: stop the engine now, not in a half-torn-down interpreter
+            timing.stopped = time.perf_counter()
 
     try:
         stats, _ = asyncio.run(play_all())
@@ -275,16 +317,25 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
                              f"{plural(count_lines(out), 'whole episode')}; "
                              f"make room (or raise the file size limit), then: {go_on(opts, argv)}") from None
         raise
-    return stats
+    return stats, timing
 
 
-def report(opts: RolloutOptions, stats, tokenizer, elapsed: float, path: str, out: Path, name: str) -> bool:
+def speed_line(stats, timing: Timing, opts: RolloutOptions, path: str) -> str:
+    """The warm generation speed (from the first request to the last episode's end) and, apart, the start-up
+    and stop times."""
+    playing = max(timing.playing_s, 1e-9)
+    return (f"{stats.episodes / playing:.2f} episodes/s, {stats.assistant_tokens / playing:.0f} assistant tokens/s "
+            f"warm ({timing.playing_s:.1f} s, first request to last episode's end); start-up {timing.start_up_s:.1f} s, "
+            f"stop {timing.stop_s:.1f} s (not counted); concurrency {opts.concurrency}, backend {opts.backend}, "
+            f"model {path}")
+
+
+def report(opts: RolloutOptions, stats, tokenizer, timing: Timing, path: str, out: Path, name: str) -> bool:
     """The summary, the speed, the returns table and where it went; False (and why, on stderr) when there was
     nothing to compute returns on."""
     console = Console()
     console.print(summary_table(stats, f"{name} rollout" + (", played by --resume" if opts.resume else "")))
-    console.print(f"{stats.episodes / elapsed:.2f} episodes/s, {stats.assistant_tokens / elapsed:.0f} assistant "
-                  f"tokens/s ({elapsed:.1f} s, concurrency {opts.concurrency}, backend {opts.backend}, model {path})")
+    console.print(speed_line(stats, timing, opts, path), highlight=False)
     problem = failure_summary(stats)
     if problem is None:
         sample = sorted(stats.sample, key=lambda t: t.info["index"])

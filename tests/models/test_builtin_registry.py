@@ -202,8 +202,9 @@ def test_models_command_lists_size_sha256_and_status(capsys, fake_model, monkeyp
     monkeypatch.setenv("COLUMNS", "400")
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "fake-model" in line)
-    assert fake_model.wheel_sha256 in row and "wheel present" in row and "wheel 0 MB (fake-pkg==0.0)" in row
+    row, folder = [line for line in out.splitlines() if "fake-model" in line]  # its table row, its folder's line
+    assert "wheel present" in row and "wheel 0 MB (fake-pkg==0.0)" in row
+    assert folder == f"fake-model: {fake_model.folder()} (sha256 {fake_model.wheel_sha256})"
     assert "smollm2-135m" in out and model_registry.SMOLLM2_135M.wheel_sha256 in out and "tiny-mid" in out
     fake_model.wheel_path().unlink()
     assert main(["models"]) == 0
