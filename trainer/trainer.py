@@ -363,9 +363,11 @@ class Trainer:
                 "producer/episodes_per_s": len(played) / max(waited, 1e-9)}
 
     def make_batch(self, trajectories) -> Batch:
-        """Collated tensors plus ``index`` (b,), the group id of each row."""
-        batch = trajectories_to_batch(trajectories, pad_token_id=self.pad_token_id)
-        batch.index = torch.tensor([group_of(t, self.config.group_size) for t in trajectories], dtype=torch.long)
+        """Collated tensors plus ``index`` (b,), the group id of each row (and, where an agent rewrote its history,
+        ``session``/``segment``: a session is one sample to the estimator)."""
+        groups = [group_of(t, self.config.group_size) for t in trajectories]
+        batch = trajectories_to_batch(trajectories, pad_token_id=self.pad_token_id, index=groups)
+        batch.index = torch.tensor(groups, dtype=torch.long)
         return batch.to(self.device)
 
     def autocast(self):

@@ -13,10 +13,16 @@ from masking.spans import SpanKind
 
 
 def trajectories_to_batch(
-    trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32
+    trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32, *,
+    index: Sequence[int] | None = None,
 ) -> Batch:
     """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``);
-    each is checked first (:meth:`Trajectory.check`), a ValueError naming its row."""
+    each is checked first (:meth:`Trajectory.check`), a ValueError naming its row.
+
+    Where a session has several segments (an agent rewrote its history), the batch carries ``session`` and
+    ``segment`` and collate checks each session's segments (numbered in order, one reward, one task row and,
+    given ``index`` (one group per row), one group; the batch's ``index`` is then set, renumbered); the estimators then treat each session as one sample. Where
+    every session has one segment, the batch is what it always was."""
     for row, trajectory in enumerate(trajectories):
         try:
             trajectory.check()
@@ -32,9 +38,19 @@ def trajectories_to_batch(
         turn_rewards=[t.turn_rewards for t in trajectories],
         pad_token_id=pad_token_id,
         dtype=dtype,
+        **_sessions(trajectories, index),
     )
     batch.turn_states = turn_state_ids(trajectories)
     return batch
+
+
+def _sessions(trajectories: Sequence[Trajectory], index: Sequence[int] | None) -> dict:
+    """collate's session arguments (``index`` checked per session) where some session has several segments."""
+    if not any(t.segment for t in trajectories):
+        return {}
+    return {"sessions": [t.session_id for t in trajectories], "segments": [t.segment for t in trajectories],
+            "tasks": [f"{t.info.get('task')}/{t.info.get('seed')}/{t.info.get('index')}" for t in trajectories],
+            **({} if index is None else {"index": index})}
 
 
 def turn_state_ids(trajectories: Sequence[Trajectory]) -> torch.Tensor | None:
@@ -71,4 +87,7 @@ def estimator_arguments(estimator, batch: Batch) -> dict[str, torch.Tensor]:
     those of :data:`ESTIMATOR_FIELDS` it names in ``batch_arguments`` and ``batch`` holds (a missing ``index`` or
     ``values`` it needs is the estimator's own ValueError)."""
     accepted = set(estimator.batch_arguments)
-    return {name: batch[name] for name in ESTIMATOR_FIELDS if name in accepted and name in batch}
+    fields = {name: batch[name] for name in ESTIMATOR_FIELDS if name in accepted and name in batch}
+    if batch.session is not None:  # segments of sessions: the estimator runs on each session's joined segments
+        fields.update(session=batch.session, segment=batch.segment, spans=batch.spans)
+    return fields
