@@ -78,7 +78,8 @@ def estimate_by_session(
         )
     except ValueError as error:
         raise ValueError(f"{error} (in the batch joined by session: row s is session s, its segments end to end)") from error
-    return split_tokens(advantages, join), split_tokens(returns, join)
+    advantages_rows = split_tokens(advantages, join)
+    return advantages_rows, advantages_rows if returns is advantages else split_tokens(returns, join)
 
 
 def _joined_index(index, join: SessionJoin, validate: bool) -> torch.Tensor:

@@ -16,19 +16,26 @@ group statistics, its returns run across segment boundaries (the discount and th
 on; OBSERVATION tokens opening a later segment cost nothing, as any OBSERVATION token) and GAE
 bootstraps the end of segment k from the value at segment k+1's first ASSISTANT token.
 
-Everything is scatter/gather over ``(b,)`` and ``(b, t)`` index tensors: no Python loop over rows,
-segments or sessions. The shape ``(S, W)`` is two Python ints, read from ``session`` and ``segment``
+On the CPU a row's tokens move as one ``memcpy`` (``native_join.c``, compiled by
+:func:`masking.native.load`); elsewhere (and without a compiler) by one scatter/gather over a ``(b, t)``
+index tensor. No Python loop over rows, segments or sessions. The shape ``(S, W)`` is two Python ints, read from ``session`` and ``segment``
 (and, on the CPU, from the spans): free for CPU tensors; for accelerator tensors one host read of
 two ints per batch (keep ``session``/``segment`` on the CPU to make it free).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import ctypes
+import functools
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
+import masking.native as native
 from masking.spans import SpanKind
+
+SOURCE = Path(__file__).with_name("native_join.c")
 
 
 def row_ids(values, batch_size: int, name: str = "index", device: torch.device | str = "cpu", what: str = "group id") -> torch.Tensor:
@@ -87,25 +94,41 @@ def dense_ids(ids: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
 
 
-class SessionJoin(NamedTuple):
+class SessionJoin:
     """Where each row's tokens and turns go in the joined ``(sessions, width)`` batch.
 
     ``session`` ``(b,)`` long: the dense session (joined row) of each row, ``0..sessions-1``;
-    ``target`` ``(b, t)`` long: the flat index ``session * width + column`` of each non-PAD token in
-    the joined batch, ``sessions * width`` (a spare slot) on PAD; ``turn_offset`` ``(b,)`` long: the
-    turns of the session's earlier segments (add it to a row's turn ids); ``turn_count`` ``(b,)``
-    long: the row's own turns; ``first_row`` ``(sessions,)`` long: a row of each session (its
-    segment 0); ``sessions``, ``width``: the joined shape; ``segments``: the most segments of a session.
+    ``length`` ``(b,)`` long: the row's non-PAD tokens; ``offset`` ``(b,)`` long: the flat index
+    (``session * width + column``) of the row's first token in the joined batch; ``total``
+    ``(sessions,)`` long: each session's joined length; ``first_row`` ``(sessions,)`` long: each
+    session's segment-0 row; ``sessions``, ``width``: the joined shape; ``segments``: the most segments
+    of a session. ``turn_count``/``turn_offset`` ``(b,)`` (the row's own turns, and its session's
+    earlier segments' turns) and ``target`` ``(b, t)`` (the flat joined index of every token, the spare
+    slot ``sessions * width`` on PAD: the torch path's scatter/gather index) are computed when first read.
     """
 
-    session: torch.Tensor
-    target: torch.Tensor
-    turn_offset: torch.Tensor
-    turn_count: torch.Tensor
-    first_row: torch.Tensor
-    sessions: int
-    width: int
-    segments: int
+    def __init__(self, spans, session, length, offset, total, first_row, sessions: int, width: int, segments: int, order):
+        self.spans, self.session, self.length, self.offset, self.total = spans, session, length, offset, total
+        self.first_row, self.sessions, self.width, self.segments, self._order = first_row, sessions, width, segments, order
+
+    @functools.cached_property
+    def target(self) -> torch.Tensor:
+        columns = torch.arange(self.spans.shape[1], device=self.spans.device)
+        return torch.where(columns < self.length.unsqueeze(1), self.offset.unsqueeze(1) + columns, self.sessions * self.width)
+
+    @functools.cached_property
+    def turn_count(self) -> torch.Tensor:
+        lib = _compiled() if native.on_cpu(self.spans) and self.spans.dtype == torch.int8 else None
+        if lib is None:
+            assistant = self.spans == SpanKind.ASSISTANT
+            return (assistant[:, 1:] & ~assistant[:, :-1]).sum(1) + assistant[:, :1].sum(1)
+        out = torch.empty(self.spans.shape[0], dtype=torch.long)
+        lib.row_turns(self.spans.data_ptr(), *self.spans.shape, self.length.data_ptr(), out.data_ptr())
+        return out
+
+    @functools.cached_property
+    def turn_offset(self) -> torch.Tensor:
+        return _exclusive_sums_in_session(self.turn_count, self._order, self.session[self._order], self.sessions)[0]
 
 
 def _exclusive_sums_in_session(amount: torch.Tensor, order: torch.Tensor, sorted_session: torch.Tensor, sessions: int):
@@ -125,9 +148,10 @@ def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -
     ``spans`` ``(b, t)`` SpanKind (PAD trails each row); ``session`` ``(b,)`` the session of each row
     (ints, strings or a tensor: :func:`row_ids`); ``segment`` ``(b,)`` its segment number. Session
     s's joined row holds its segments in segment order, each without its trailing PAD, then PAD.
-    A row's turns continue its session's earlier segments' turns (a row has ``1 + its largest turn
-    id`` turns, counted from its ASSISTANT runs). ``validate`` raises ValueError naming the rows
-    unless each session's segment numbers are exactly ``0..n-1``.
+    A row's turns continue its session's earlier segments' turns (a row has as many turns as
+    ASSISTANT runs). ``validate`` raises ValueError naming the rows unless each session's segment
+    numbers are exactly ``0..n-1``. The width is the longest session on the CPU, else ``t`` times
+    the most segments (no sync).
     """
     b, t = spans.shape
     device = spans.device
@@ -141,20 +165,12 @@ def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -
     dense = dense_cpu.to(device)
     order = torch.argsort(dense * max(segments, 1) + segment_cpu.to(device))
     sorted_session = dense[order]
-    lengths = (spans != SpanKind.PAD).sum(1)
-    assistant = spans == SpanKind.ASSISTANT
-    starts = assistant.clone()
-    starts[:, 1:] &= ~assistant[:, :-1]
-    turn_count = starts.sum(1)
-    offset, total = _exclusive_sums_in_session(lengths, order, sorted_session, sessions)
-    turn_offset, _ = _exclusive_sums_in_session(turn_count, order, sorted_session, sessions)
-    width = (int(total.max()) if sessions else 0) if spans.is_cpu else t * segments
-    width = max(width, 1)
-    columns = torch.arange(t, device=device)
-    target = torch.where(columns < lengths.unsqueeze(1), (dense * width + offset).unsqueeze(1) + columns, sessions * width)
+    length = _lengths(spans)
+    offset, total = _exclusive_sums_in_session(length, order, sorted_session, sessions)
+    width = max((int(total.max()) if sessions else 0) if spans.is_cpu else t * segments, 1)
     positions = torch.arange(b, device=device)
     first = torch.full((sessions,), b, dtype=torch.long, device=device).scatter_reduce(0, sorted_session, positions, "amin")
-    return SessionJoin(dense, target, turn_offset, turn_count, order[first], sessions, width, segments)
+    return SessionJoin(spans, dense, length, dense * width + offset, total, order[first], sessions, width, segments, order)
 
 
 def check_segments(session: torch.Tensor, segment: torch.Tensor) -> None:
@@ -184,24 +200,73 @@ def check_segments(session: torch.Tensor, segment: torch.Tensor) -> None:
 
 def join_tokens(x: torch.Tensor, join: SessionJoin, fill=0) -> torch.Tensor:
     """``(b, t)`` -> ``(sessions, width)``: each row's non-PAD tokens at their joined positions,
-    ``fill`` elsewhere (one scatter)."""
-    flat = torch.full((join.sessions * join.width + 1,), fill, dtype=x.dtype, device=x.device)
-    flat.scatter_(0, join.target.reshape(-1), x.reshape(-1))
-    return flat[:-1].reshape(join.sessions, join.width)
+    ``fill`` (0, or -1 for integers) elsewhere: one copy per row on the CPU (``native_join.c``), else one scatter."""
+    lib = _compiled() if native.on_cpu(x) and fill in (0, -1) and not (fill and x.dtype.is_floating_point) else None
+    if lib is None:
+        flat = torch.full((join.sessions * join.width + 1,), fill, dtype=x.dtype, device=x.device)
+        flat.scatter_(0, join.target.reshape(-1), x.reshape(-1))
+        return flat[:-1].reshape(join.sessions, join.width)
+    out = torch.empty(join.sessions, join.width, dtype=x.dtype)
+    lib.join_rows(x.data_ptr(), out.data_ptr(), x.element_size(), *x.shape, *_pointers(join.length, join.offset),
+                  join.sessions, join.width, join.total.data_ptr(), 0xFF if fill else 0)
+    return out
 
 
 def split_tokens(joined: torch.Tensor, join: SessionJoin) -> torch.Tensor:
     """``(sessions, width)`` -> ``(b, t)``: each row's tokens read back from the joined batch, exactly 0
-    on PAD (one gather; the inverse of :func:`join_tokens` on non-PAD tokens)."""
-    flat = torch.cat([joined.reshape(-1), joined.new_zeros(1)])
-    return flat[join.target]
+    on PAD (the inverse of :func:`join_tokens` on non-PAD tokens): one copy per row on the CPU, else one gather."""
+    b, t = join.spans.shape
+    lib = _compiled() if native.on_cpu(joined) else None
+    if lib is None:
+        flat = torch.cat([joined.reshape(-1), joined.new_zeros(1)])
+        return flat[join.target]
+    out = torch.empty(b, t, dtype=joined.dtype)
+    lib.split_rows(joined.data_ptr(), out.data_ptr(), joined.element_size(), b, t, *_pointers(join.length, join.offset))
+    return out
 
 
 def join_turn_ids(turn_ids: torch.Tensor, join: SessionJoin) -> torch.Tensor:
     """``(b, t)`` turn ids (-1 on PAD and before a row's first turn) -> the joined rows' ``(sessions,
     width)`` turn ids: each row's ids shifted by its session's earlier turns, -1 on PAD."""
-    shifted = turn_ids.long() + join.turn_offset.unsqueeze(1)
-    return join_tokens(shifted, join, -1)
+    lib = _compiled() if native.on_cpu(turn_ids) and turn_ids.dtype in (torch.int16, torch.int64) else None
+    if lib is None:
+        return join_tokens(turn_ids.long() + join.turn_offset.unsqueeze(1), join, -1)
+    out = torch.empty(join.sessions, join.width, dtype=turn_ids.dtype)
+    lib.join_turn_ids(turn_ids.data_ptr(), out.data_ptr(), turn_ids.element_size(), *turn_ids.shape,
+                      *_pointers(join.length, join.offset, join.turn_offset), join.sessions, join.width, join.total.data_ptr())
+    return out
+
+
+def _lengths(spans: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` long: each row's tokens before its trailing PAD (read from the row's end in C on the CPU)."""
+    lib = _compiled() if native.on_cpu(spans) and spans.dtype == torch.int8 else None
+    if lib is None:
+        return (spans != SpanKind.PAD).sum(1)
+    out = torch.empty(spans.shape[0], dtype=torch.long)
+    lib.row_lengths(spans.data_ptr(), *spans.shape, out.data_ptr())
+    return out
+
+
+def _pointers(*tensors: torch.Tensor) -> list[int]:
+    """The data pointers of contiguous int64 CPU tensors (the C loops' per-row arguments)."""
+    return [x.data_ptr() for x in tensors]
+
+
+@functools.cache
+def _compiled():
+    """``native_join.c`` compiled (:func:`masking.native.load`), or None (no compiler: the torch path)."""
+    lib = native.load(SOURCE)
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.join_rows.argtypes = [p, p, i64, i64, i64, p, p, i64, i64, p, i32]
+    lib.join_turn_ids.argtypes = [p, p, i32, i64, i64, p, p, p, i64, i64, p]
+    lib.split_rows.argtypes = [p, p, i64, i64, i64, p, p]
+    lib.row_lengths.argtypes = [p, i64, i64, p]
+    lib.row_turns.argtypes = [p, i64, i64, p, p]
+    for function in (lib.join_rows, lib.join_turn_ids, lib.split_rows, lib.row_lengths, lib.row_turns):
+        function.restype = None
+    return lib
 
 
 def join_turns(per_turn: torch.Tensor, join: SessionJoin, fill=-1) -> torch.Tensor:
