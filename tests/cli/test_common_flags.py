@@ -1,4 +1,4 @@
-"""Every command takes the same common flags (``--threads``, ``--progress/--no-progress``) and says what ``--model``
+"""Every command takes the same common flags (``--threads``, ``--progress/--no-progress``, ``--verbose``) and says what ``--model``
 takes, the built-in names from the registry (issue 49 items 9 and 11)."""
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ def commands() -> dict:
 
 def common_flags() -> set[str]:
     flags = {flag(f.name) for f in dataclasses.fields(CommonOptions)}
-    return flags | {f"--no-{f[2:]}" for f in flags if f == "--progress"}
+    return flags | {f"--no-{f[2:]}" for f in flags if f in ("--progress", "--verbose")}
 
 
 def test_every_command_takes_the_common_flags():
     parsers = commands()
     assert len(parsers) == len(COMMANDS) >= 9
-    assert common_flags() == {"--threads", "--progress", "--no-progress"}
+    assert common_flags() == {"--threads", "--progress", "--no-progress", "--verbose", "--no-verbose"}
     missing = {name: sorted(common_flags() - set(parser._option_string_actions))
                for name, parser in parsers.items()}
     assert {name: lacks for name, lacks in missing.items() if lacks} == {}
     for name, parser in parsers.items():  # parsed the same way everywhere
-        assert parser.parse_args(["--no-progress", "--threads", "2"] + (["x.jsonl"] if name == "inspect" else [])
-                                 ).progress is False
+        parsed = parser.parse_args(["--no-progress", "--threads", "2", "--verbose"]
+                                   + (["x.jsonl"] if name == "inspect" else []))
+        assert parsed.progress is False and parsed.verbose is True
 
 
 @pytest.mark.slow
