@@ -2,13 +2,16 @@
 
 Each session's reward is fixed by the agent, so the session-level values are known: under RLOO with groups of
 two, every ASSISTANT token of every segment of session i gets R_i - R_j (j: the other session of its group), and
-the step counts sessions (episodes) with their segments beside them.
+under GRPO (R_i - mean) / (std + eps) of the group's two sessions (Bessel-corrected, as verl); and the step counts
+sessions (episodes) with their segments beside them.
 """
 
 import json
+import statistics
 
 import pytest
 
+from advantages.estimators import GRPO_EPS
 from tests.helpers.summarising_agent import session_reward
 from tests.helpers.trainer_config import small_config
 from trainer import Trainer
@@ -18,8 +21,16 @@ pytestmark = pytest.mark.slow
 ASSISTANT = 1
 
 
-def test_every_segment_gets_its_sessions_rloo_advantage(tiny_mid, tmp_path):
-    config = small_config(tiny_mid, tmp_path, steps=1, estimator="rloo", kl_coef=0.0, group_size=2,
+def session_value(estimator: str, own: float, other: float) -> float:
+    """The session-level advantage of a group of two sessions, serially."""
+    if estimator == "rloo":
+        return own - other
+    return (own - statistics.mean([own, other])) / (statistics.stdev([own, other]) + GRPO_EPS)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_every_segment_gets_its_sessions_advantage(tiny_mid, tmp_path, estimator):
+    config = small_config(tiny_mid, tmp_path, steps=1, estimator=estimator, kl_coef=0.0, group_size=2,
                           prompts_per_step=4, agent="tests/helpers/summarising_agent.py:agent", concurrency=4)
     trainer = Trainer(config)
     metrics = trainer.train_step()
@@ -33,7 +44,7 @@ def test_every_segment_gets_its_sessions_rloo_advantage(tiny_mid, tmp_path):
     for segments in sessions.values():
         index = segments[0]["info"]["index"]
         partner = index + 1 if index % 2 == 0 else index - 1  # GroupedTask: episodes 2g and 2g+1 share question g
-        expected = session_reward(index) - session_reward(partner)
+        expected = session_value(estimator, session_reward(index), session_reward(partner))
         assert [s["info"]["segment"] for s in segments] == list(range(len(segments)))
         assert len(segments) == (2 if index % 2 == 0 else 1)
         for segment in segments:
