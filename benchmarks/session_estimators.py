@@ -120,7 +120,7 @@ def main():
     print(f"{args.sessions} sessions x {args.segments} segments x {args.tokens} tokens ({assistant:,} ASSISTANT), "
           f"groups of {args.group_size}, {args.threads} thread(s), {'wall' if args.wall else 'process CPU'} time, "
           f"median of {args.repeats}")
-    print(f"| estimator | validate | session-free (s) | session-aware (s) | ratio |\n|---|---|---:|---:|---:|")
+    print("| estimator | validate | session-free (s) | session-aware (s) | ratio |\n|---|---|---:|---:|---:|")
     for name in args.only or sorted(ESTIMATORS):
         for validate in (False, True) if args.validate else (False,):
             free = timed(call(name, batch, False, validate), args.repeats, clock)
