@@ -52,7 +52,8 @@ def estimate_by_session(
 
     ``session``, ``segment``: ``(b,)`` the session of each row (ints, strings or a tensor) and its
     segment number (0..n-1 per session). ``kwargs`` are ``fn``'s other arguments; ``spans`` ``(b, t)``
-    is required (it says where each segment's PAD starts). ``index`` must be one group per session
+    is required (it says where each segment's PAD starts). With ``validate=False`` the mask is taken to be
+    ``spans == ASSISTANT``, as every Batch's is (``validate=True`` checks the one given). ``index`` must be one group per session
     (checked with ``validate``). Outputs are exactly 0 on PAD, as every estimator's.
     """
     spans = kwargs.get("spans")
@@ -60,7 +61,8 @@ def estimate_by_session(
         raise ValueError("session-aware estimation needs spans=(b, t): they mark where each segment's PAD starts")
     validate = kwargs.get("validate", True)
     join = session_join(spans, session, segment, validate=validate)
-    joined = dict(kwargs, spans=join_tokens(spans, join, SpanKind.PAD))
+    joined_spans = join_tokens(spans, join, SpanKind.PAD)
+    joined = dict(kwargs, spans=joined_spans)
     for name in _TOKEN_FIELDS:
         if kwargs.get(name) is not None:
             joined[name] = join_tokens(kwargs[name], join)
@@ -73,7 +75,9 @@ def estimate_by_session(
     try:
         advantages, returns = fn(
             token_level_rewards=join_tokens(token_level_rewards, join),
-            response_mask=join_tokens(response_mask, join),
+            # the mask is spans == ASSISTANT (section 2): read from the joined spans (a bool, a quarter of a float's
+            # bytes) unless validating, which checks the caller's mask against the spans
+            response_mask=join_tokens(response_mask, join) if validate else joined_spans == SpanKind.ASSISTANT,
             **joined,
         )
     except ValueError as error:
