@@ -12,10 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "python_api.md"
 
 
-def blocks() -> list[tuple[str, int, str]]:
-    """(the section heading, the line the block starts on, its code) of each ```python block of the page."""
+def blocks(page: Path = PAGE) -> list[tuple[str, int, str]]:
+    """(the section heading, the line the block starts on, its code) of each ```python block of ``page``."""
     out, heading = [], ""
-    lines = PAGE.read_text(encoding="utf-8").splitlines()
+    lines = page.read_text(encoding="utf-8").splitlines()
     k = 0
     while k < len(lines):
         line = lines[k]
