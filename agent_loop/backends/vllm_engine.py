@@ -10,6 +10,12 @@ Its processes (EngineCore, workers) never outlive the program: `close()` stops t
 without `close()` (`atexit`) and SIGTERM (routed to SIGINT's path, as schedulers stop jobs with it: the
 KeyboardInterrupt or `asyncio.run`'s cancellation unwinds the caller's `finally` and `with` blocks), also
 while the engine is still starting.
+
+Its logs (its configuration, Triton and eager-mode warnings, the engine core's lines) go to the file ``log``
+names when one is given (the commands: ``runs/rollouts.vllm.log`` beside the run's output, :func:`engine_log`),
+from this process and from the processes it starts, which inherit the file as their stdout and stderr; one
+line of ours says the engine is ready, its settings and where its log is. A start that fails prints the
+end of that log.
 """
 
 from __future__ import annotations
@@ -18,10 +24,14 @@ import asyncio
 import atexit
 import contextlib
 import itertools
+import logging
 import os
+import sys
 import tempfile
 import threading
+import time
 import weakref
+from pathlib import Path
 
 from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
 from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, omp_threads_bind, vllm_on_cpu
@@ -54,6 +64,56 @@ def _environment(values: dict[str, str | None]):
                 os.environ[name] = value
 
 
+LOG_TAIL_LINES = 30  # what a failed start prints of the engine's log
+
+
+def engine_log(path: str | Path, *, verbose: bool = False) -> Path | None:
+    """Where a command's engine writes its logs: ``path`` (the caller picks a free name beside its output), or
+    None, the terminal: with ``--verbose``, or a ``VLLM_LOGGING_LEVEL`` the user set."""
+    return None if verbose or os.environ.get("VLLM_LOGGING_LEVEL") else Path(path)
+
+
+@contextlib.contextmanager
+def _output_to(log: Path):
+    """This process's file descriptors 1 and 2 on ``log`` (appended to, never emptied) inside the block: what
+    the engine prints while it starts, and every process it starts (they inherit the descriptors)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(target)
+
+
+def _vllm_logs_to(log: Path) -> list[logging.Handler]:
+    """vLLM's logger in this process writes to ``log`` from now on (it wrote to the stdout of the moment, the
+    terminal's after the start); its old handlers."""
+    logger = logging.getLogger("vllm")
+    old = list(logger.handlers)
+    handler = logging.FileHandler(log, encoding="utf-8")
+    handler.setFormatter(old[0].formatter if old else logging.Formatter("%(levelname)s %(message)s"))
+    logger.handlers = [handler]
+    return old
+
+
+def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of ``log`` ('' when it cannot be read)."""
+    try:
+        return "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def _close_at_exit(ref: weakref.ref) -> None:
     backend = ref()
     if backend is not None:
@@ -73,8 +133,11 @@ class VLLMEngineBackend(Backend):
     Use as a context manager, or call `close()`, to shut the engine process down.
     """
 
-    def __init__(self, model_path: str, *, threads: int | None = None, **engine_kwargs):
+    def __init__(self, model_path: str, *, threads: int | None = None, log: str | Path | None = None,
+                 **engine_kwargs):
         kwargs = {"disable_log_stats": True}
+        self.log = None if log is None else Path(log)  # None: vLLM's logs go where vLLM puts them
+        self._vllm_handlers = None
         self._bind = None
         if vllm_on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
@@ -87,12 +150,51 @@ class VLLMEngineBackend(Backend):
         self._engine_kwargs = kwargs
         self._engine = None
         route_sigterm()  # SIGTERM unwinds the code that owns the engine, which closes it (no orphaned processes)
-        self._start()
+        self._start_logged()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
-        return cls(model, threads=settings.threads)
+        return cls(model, threads=settings.threads, log=settings.engine_log)
+
+    def _start_logged(self) -> None:
+        """:meth:`_start`, its output in ``self.log`` when set; then our one line (stderr): the engine is ready,
+        its settings, where its log is. A start that fails prints the end of its log first."""
+        started = time.perf_counter()
+        if self.log is None:
+            self._start()
+        else:
+            try:
+                with _output_to(self.log):
+                    self._start()
+                    self._vllm_handlers = _vllm_logs_to(self.log)  # after the start: it configures vLLM's logger
+            except BaseException as error:  # a failed start, or a stop while it starts (nothing to print then)
+                self._restore_logs()
+                if isinstance(error, Exception):
+                    print(f"the vLLM engine failed to start; the end of its log {self.log}:\n{log_tail(self.log)}",
+                          file=sys.stderr, flush=True)
+                raise
+        print(f"vLLM engine ready in {time.perf_counter() - started:.1f} s ({self.describe()}); its log: "
+              f"{self.log or 'on the terminal'}", file=sys.stderr, flush=True)
+
+    def describe(self) -> str:
+        """The running engine's settings in a few words."""
+        config = getattr(self._engine, "model_config", None)
+        words = [str(getattr(config, "dtype", self._engine_kwargs.get("dtype", "auto"))).replace("torch.", ""),
+                 f"max_model_len {self.context_length}"]
+        if self._engine_kwargs.get("enforce_eager"):
+            words.append("eager")
+        if self._bind is not None:
+            words.append(f"CPU cores {self._bind}, KV cache {os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB")
+        return ", ".join(words)
+
+    def _restore_logs(self) -> None:
+        """vLLM's logger back on its own handlers (after :func:`_vllm_logs_to`)."""
+        if self._vllm_handlers is not None:
+            logger = logging.getLogger("vllm")
+            for handler in logger.handlers:
+                handler.close()
+            logger.handlers, self._vllm_handlers = self._vllm_handlers, None
 
     @property
     def cores(self) -> str | None:
@@ -212,6 +314,7 @@ class VLLMEngineBackend(Backend):
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
         self._engine = None
         self._stop_loop()
+        self._restore_logs()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
