@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
@@ -23,7 +24,7 @@ from agent_loop.backends.server_options import ServerOptions, server_url
 from agent_loop.config import OptionError, ProgressOptions, closest, integer, number, one_of, override_defaults
 from agent_loop.episode.config import LoopConfig
 from agent_loop.proxy import AgentOptions
-from agent_loop.runners.backend_choice import BackendOptions
+from agent_loop.runners.backend_choice import AUTO, BackendOptions
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import EstimatorOptions, ResumeOptions, RunOptions, check_group_estimator
 from agent_loop.tasks.registry import TaskOptions
@@ -301,6 +302,7 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
             raise OptionError(None, "{resume} and {overwrite} exclude each other: {resume} continues the run")
         if self.resume is True:  # --resume alone: the run in --output-dir (unset: the default run folder)
             self.resume = self.output_dir or self.DEFAULT_OUTPUT_DIR
+        self.correct_other_precision()
         self.check_rollout_correction()
         try:  # --rollout-servers (the old name) gives URLs unchecked
             self.server = [server_url(url) for url in self.server]
@@ -326,6 +328,16 @@ class TrainConfig(AgentOptions, ThreadOptions, DeviceOptions, OutputOptions, Opt
         """The keywords of ``advantages.correct_rollouts`` these settings give."""
         names = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_lower", "rollout_rs_upper")
         return {name: getattr(self, name) for name in names}
+
+    def correct_other_precision(self) -> None:
+        """A sampler in another precision than the trainer's (``--rollout-dtype``) gets the field's correction,
+        token-level truncated importance sampling at threshold 2 (verl's ``rollout_corr`` default; TRL, slime,
+        prime-rl), unless ``--rollout-is``/``--rollout-rs`` already choose one; one line says so."""
+        if self.rollout_dtype in (AUTO, self.dtype) or self.corrects_rollouts:
+            return
+        self.rollout_is = "token"
+        print(f"note: rollouts sampled in {self.rollout_dtype}, trained in {self.dtype}: their mismatch is corrected "
+              f"with --rollout-is token (threshold {self.rollout_is_threshold:g}); metrics mismatch/*", file=sys.stderr)
 
     def check_rollout_correction(self) -> None:
         if self.rollout_rs_lower > self.rollout_rs_upper:

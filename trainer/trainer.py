@@ -226,10 +226,10 @@ class Trainer:
         if backend is None and self.rollout_backend_name(start) == "vllm":  # the engine loads the policy's folder;
             log = engine_log(fresh_path(str(self.output_dir / "vllm.log")), verbose=config.verbose)  # its logs
             backend = make_backend("vllm", start.policy_path, BackendSettings(  # pushed below
-                threads=self.threads, engine_log=log and str(log)))
+                threads=self.threads, engine_log=log and str(log), dtype=config.rollout_torch_dtype(config.dtype)))
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
-                device=str(self.device), dtype=DTYPES[config.dtype], max_batch_size=config.concurrency,
+                device=str(self.device), dtype=config.rollout_torch_dtype(config.dtype), max_batch_size=config.concurrency,
                 pad_token_id=self.pad_token_id))
         self.backend = backend
         self.rollout_backend = VersionedBackend(backend, version=start.step)  # stamps each token with its weights' version

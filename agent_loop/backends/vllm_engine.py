@@ -155,7 +155,8 @@ class VLLMEngineBackend(Backend):
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
-        return cls(model, threads=settings.threads, log=settings.engine_log)
+        precision = {} if settings.dtype is None else {"dtype": settings.dtype}  # over CPU_ENGINE_DEFAULTS' fp32
+        return cls(model, threads=settings.threads, log=settings.engine_log, **precision)
 
     def _start_logged(self) -> None:
         """:meth:`_start`, its output in ``self.log`` when set; then our one line (stderr): the engine is ready,

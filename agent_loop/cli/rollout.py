@@ -286,7 +286,7 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
     threads = apply_threads(opts.threads)  # vllm on CPU: its engine's threads bound to as many cores
     timing = Timing(started=time.perf_counter())
     backend = make_backend(opts.backend, path, BackendSettings.from_options(  # --server, deadlines
-        opts, threads=threads, engine_log=engine_log_of(opts, out)))
+        opts, threads=threads, engine_log=engine_log_of(opts, out), dtype=opts.rollout_torch_dtype()))
     timing.ready = time.perf_counter()
 
     async def play_all():

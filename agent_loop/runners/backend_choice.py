@@ -28,6 +28,7 @@ from pydantic import Field
 from agent_loop.backends.registry import BACKENDS
 
 AUTO = "auto"
+ROLLOUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --rollout-dtype -> the torch dtype name backends take
 REAL_MODEL_BYTES = 100 * 2**20  # weights on disk: SmolLM2-135M fp32 is 538 MB, the tiny agent 9 MB
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -43,6 +44,15 @@ class BackendOptions:
                     "(agent_loop/runners/backend_choice.py); hf: transformers in process; vllm: the vLLM engine "
                     "in process (train pushes the weights into it in place after each step); http: the "
                     "OpenAI-compatible server(s) given by --server")] = AUTO
+    rollout_dtype: Annotated[Literal[(AUTO, *ROLLOUT_DTYPES)], Field(
+        description="the precision episodes are sampled in, on the hf and vllm backends (http: the server's own); "
+                    "auto: fp32 (train: its --dtype). train corrects a sampler in another precision than its own "
+                    "with token-level truncated importance sampling (--rollout-is token, threshold 2: verl's "
+                    "rollout_corr default) unless --rollout-is/--rollout-rs say otherwise")] = AUTO
+
+    def rollout_torch_dtype(self, default: str = "fp32") -> str:
+        """The torch dtype name the backend samples in: ``rollout_dtype``, ``auto`` being ``default``."""
+        return ROLLOUT_DTYPES[default if self.rollout_dtype == AUTO else self.rollout_dtype]
 
 
 def weight_bytes(folder: str | Path) -> int:
