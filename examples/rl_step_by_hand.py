@@ -51,7 +51,7 @@ def rl_step(policy, tokenizer, optimizer, seed: int = SEED) -> dict[str, float]:
     # 1. Rollouts: the sampler holds a copy of the current weights and plays every episode to its end
     #    (model turns, tool calls, tool results), recording each token and whether the model wrote it.
     sampler = TransformersBackend(copy.deepcopy(policy), max_batch_size=EPISODES, pad_token_id=tokenizer.pad_token_id)
-    trajectories = rollout(TASK, model=model_path(MODEL), episodes=EPISODES, backend=sampler, seed=seed,
+    trajectories = rollout(TASK, model=MODEL, episodes=EPISODES, backend=sampler, seed=seed,
                            concurrency=EPISODES, progress=False, **LOOP)
 
     # 2. Batch: right-padded (b, t) tensors. spans say who wrote each response token (ASSISTANT: the model,
