@@ -5,10 +5,14 @@ weights in place between requests (``update_weights``: vLLM's ``reload_weights``
 step files: every ASSISTANT token records a version, nothing older than K is trained on, some episodes span a
 push (partial rollouts), and every token's sampling logprob is that of the weights its version names (a
 serial transformers forward with those weights), not of the other version's: the pushed weights reached the
-engine, and the recorded versions are the ones that sampled.
+engine, and the recorded versions are the ones that sampled. An episode spans the first push on any machine's
+speed: the second step's tool calls wait for that push (:class:`ToolsAfterTheFirstPush`).
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import pytest
 import torch
@@ -23,6 +27,33 @@ pytest.importorskip("vllm")
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (needs vllm)
 
 LOGPROB_ATOL = 2e-3  # vLLM's float32 kernels against a transformers forward (tests/backends/test_vllm_backend.py)
+WAIT_S = 300.0  # the longest wait for the first push, or for a call before it (a training step on a slow CPU)
+
+
+class ToolsAfterTheFirstPush(SlowTools):
+    """The arithmetic task whose tool calls, in questions ``first_questions`` and later, set ``calling`` and wait
+    until ``pushed`` is set; the test pushes the first new weights only once such a call waits, then sets
+    ``pushed``. That episode has sampled with version 0 before its call and samples with version 1 after it,
+    whatever the machine's speed. The first step's questions never wait (the first push follows their training),
+    and the staleness bound admits no question beyond the second step's before that push."""
+
+    def __init__(self, first_questions: int):
+        super().__init__(0.0)
+        self.first_questions, self.calling, self.pushed = first_questions, threading.Event(), threading.Event()
+
+    def make_episode(self, index, seed=0):
+        episode = self.task.make_episode(index, seed)  # index: the question (the trainer's groups)
+        if index >= self.first_questions:
+            episode.tools = [self.after_push(tool) for tool in episode.tools]
+        return episode
+
+    def after_push(self, tool):
+        @functools.wraps(tool)
+        def waiting(*args, **kwargs):
+            self.calling.set()
+            self.pushed.wait(WAIT_S)
+            return tool(*args, **kwargs)
+        return waiting
 
 
 @pytest.mark.slow
@@ -32,15 +63,20 @@ def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_
     from transformers import AutoModelForCausalLM
 
     config = small_config(tiny_mid, tmp_path / "run", steps=3, max_staleness=1, lr=1e-3, warmup_steps=0,
-                          mini_batches=1)
+                          mini_batches=1, tool_timeout_s=2 * WAIT_S)
+    task = ToolsAfterTheFirstPush(config.prompts_per_step)
     with VLLMEngineBackend(tiny_mid, seed=0) as engine:
-        trainer = Trainer(config, backend=engine, task=SlowTools(0.3))
+        trainer = Trainer(config, backend=engine, task=task)
         states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}
         push = trainer.producer.push
 
         def recording(load, version):
             states[version] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+            if version >= 1 and not task.pushed.is_set():
+                task.calling.wait(WAIT_S)  # a second-step episode has sampled with version 0 and calls a tool
             push(load, version)
+            if version >= 1:
+                task.pushed.set()  # its call goes on, and its next turn samples with the new weights
 
         trainer.producer.push = recording
         history = trainer.train()
@@ -70,7 +106,7 @@ def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_
                 model.load_state_dict(states[1 - min(version, 1)])  # the other side of the first push
                 others.append((token_logprobs(model, trajectory)[mine] - sampled[mine]).abs())
     assert pushed > 100, "too few tokens sampled after a push to test that the weights reached the engine"
-    assert partial > 0, "no episode ran across a weight update: the tool delay is too short to test it"
+    assert partial > 0, "no episode ran across a weight update: no second-step episode called a tool"
     own, others = torch.cat(own), torch.cat(others)
     print(f"vLLM engine, K = 1: {own.numel()} tokens ({pushed} after a push, {partial} partial episodes); |sampled - "
           f"own version's| max {own.max():.1e}, mean {own.mean():.1e}; other version's mean {others.mean():.1e}")
