@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -37,17 +38,21 @@ def run(args: argparse.Namespace) -> int:
         with build_lock(target):
             build(target, progress=getattr(args, "progress", True))
     record = build_record()
-    table = Table(title=f"tiny agent {record['recipe']} at {target}")
-    for column in ("stage", "step", "task", "decoding", "episodes", "well-formed", "right args", "success"):
-        table.add_column(column)
+    steps = ", ".join(f"{stage} = step {info['step']}" for stage, info in record["stages"].items())
+    # 60 columns hold it whole (issue 56): no vertical rules, names never wrapped, headers wrap at words
+    table = Table(title=f"tiny agent {record['recipe']}: {steps} (n: episodes)", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
+    for column in ("stage", "task", "decoding"):
+        table.add_column(column, no_wrap=True)
+    for column in ("n", "well formed", "right args", "success"):
+        table.add_column(column, justify="right")
     for stage, info in record["stages"].items():
         for row in info["eval"]:
-            table.add_row(
-                stage, str(info["step"]), row["task"], "greedy" if row["greedy"] else "T=1.0", str(row["episodes"]),
-                rate(row["well_formed"]), rate(row["right_arguments"]), rate(row["success"]),
-            )
+            table.add_row(stage, row["task"], "greedy" if row["greedy"] else "T=1.0", str(row["episodes"]),
+                          rate(row["well_formed"]), rate(row["right_arguments"]), rate(row["success"]))
     console = Console()
     console.print(table)
+    console.print(f"at {target}", highlight=False, soft_wrap=True)
     shipped = target / "shipped.txt"
     origin = f"shipped ({shipped.read_text().strip()}); built in" if shipped.exists() else "built here in"
     console.print(f"{origin} {record['build_seconds']:.0f} s (evaluation {record['eval_seconds']:.0f} s), "

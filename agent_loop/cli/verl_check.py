@@ -49,8 +49,8 @@ def print_table(rows, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("status", "max diff", "tolerance", "check", "note"):
-        table.add_column(column, overflow="fold")
+    for column in ("status", "max diff", "tolerance", "check", "note"):  # names whole; the note wraps at words
+        table.add_column(column, no_wrap=column != "note")
     styles = {"ok": "green", "expected": "yellow", "FAIL": "bold red"}
     for row in rows:
         table.add_row(f"[{styles[row.status]}]{row.status}[/]", f"{row.worst:.2e}", f"{row.tolerance:.0e}",
