@@ -8,8 +8,9 @@ account of random groups (kept, set aside, rounds, the bound). Bad flag values a
 The real thing, on the tiny agent with a task whose reward is shaped apart from its outcome: synchronous steps
 train on exactly the first ``prompts_per_step`` mixed groups of whole rounds of fresh questions (the batch
 held; the question stream goes on without a question twice, across a resume too); a run whose every group
-fails reports the bound (``filter_groups/bound_hit``) and skips the step; asynchronous steps (``--max-staleness
-1``) keep only mixed groups, hold the batch, lose no episode, and report the bound the same way.
+fails reports the bound (``filter_groups/bound_hit``) and skips the step; ``--agent`` sessions split into two
+segments are judged as one member each; asynchronous steps (``--max-staleness 1``) keep only mixed groups, hold
+the batch, lose no episode, and report the bound the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections import defaultdict
 import pytest
 
 from agent_loop.cli import main
+from agent_loop.cli.options import UsageError
+from agent_loop.cli.train import options_from
 from agent_loop.runners.group_filter import GroupSelection, outcome_kind, session_outcomes
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import oldest_version
@@ -157,6 +160,14 @@ def test_bad_filter_flags_are_refused_in_one_line(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_the_options_reach_the_config_and_a_config_file_is_checked_the_same():
+    config = options_from({"filter_groups": True, "filter_groups_max_rounds": 3, "group_size": 2}, keys=True)
+    assert config.filter_groups and config.filter_groups_max_rounds == 3
+    assert options_from({}, keys=True).filter_groups is False and options_from({}, keys=True).filter_groups_max_rounds == 9
+    with pytest.raises(UsageError, match=r"^filter_groups: compares the outcomes .* needs group_size 2 or more"):
+        options_from({"filter_groups": True}, keys=True)
+
+
 # -- the real thing: the tiny agent ----------------------------------------------------------------------------
 
 
@@ -256,6 +267,47 @@ def test_a_step_whose_groups_all_fail_reports_the_bound_and_trains_on_nothing(ti
     assert not any(t.info["trained"] for t in rows)
     logged = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "filter_groups" in line]
     assert len(logged) == 1 and '"filter_groups/bound_hit": 1.0' in logged[0]
+
+
+class ThresholdSuccess(Task):
+    """The arithmetic task whose success is a reward above 0.3 (the summarising agent's rewards, 0.1 + 0.077 x
+    index, split only question 1: episode 2 fails with 0.254, episode 3 succeeds with 0.331)."""
+
+    name = "arithmetic"
+
+    def __init__(self):
+        self.task = get_task("arithmetic")
+
+    def make_episode(self, index, seed=0):
+        return self.task.make_episode(index, seed)
+
+    def reward(self, episode, messages, tool_calls):
+        return self.task.reward(episode, messages, tool_calls)
+
+    def success(self, episode, reward):
+        return reward > 0.3
+
+
+@pytest.mark.slow
+def test_agent_sessions_of_two_segments_are_one_member_each(tiny_mid, tmp_path):
+    config = filter_config(tiny_mid, tmp_path, steps=2, prompts_per_step=1, mini_batches=1, concurrency=2,
+                           filter_groups_max_rounds=1, agent="tests/helpers/summarising_agent.py:agent")
+    trainer = Trainer(config, task=ThresholdSuccess())
+    with pytest.warns(UserWarning, match="set aside by --filter-groups"):
+        first, second = trainer.train()
+    groups = groups_in(step_file(tmp_path, 1))
+    # question 0: sessions 0 (two segments, 0.1) and 1 (0.177) both fail, their rewards differ: set aside;
+    # question 1: sessions 2 (two segments, 0.254: fails) and 3 (0.331: succeeds): kept, one extra round
+    assert sorted(groups) == [0, 1] and [len(groups[g]) for g in (0, 1)] == [3, 3]
+    assert [len({t.session_id for t in groups[g]}) for g in (0, 1)] == [2, 2]
+    assert {t.info["filtered"] for t in groups[0]} == {"all_failed"} and not any(t.info["trained"] for t in groups[0])
+    assert all(t.info["trained"] for t in groups[1])
+    assert first["filter_groups/kept"] == 1.0 and first["filter_groups/examined"] == 2.0
+    assert first["filter_groups/extra_rounds"] == 1.0 and first["filter_groups/bound_hit"] == 0.0
+    # questions 2 and 3 both succeed: the bound (1 extra round) ends step 2 with nothing kept
+    assert sorted(groups_in(step_file(tmp_path, 2))) == [2, 3]
+    assert second["filter_groups/all_success"] == 2.0 and second["filter_groups/bound_hit"] == 1.0
+    assert second["skipped_steps"] == 1.0
 
 
 @pytest.mark.slow
