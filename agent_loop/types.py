@@ -17,7 +17,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from agent_loop.episode.sessions import episode_session_id
 from masking.kinds import SpanKind
 
 # finish_reason values of a Trajectory (docs/design.md section 5)
@@ -25,6 +24,19 @@ FINISH_REASONS = ("stop", "max_turns", "length", "observation_overflow", "error"
 
 # error kinds of a tool call, each counted in Trajectory.metrics["tool_errors"]
 TOOL_ERROR_KINDS = ("malformed_json", "unknown_tool", "invalid_arguments", "exception", "timeout")
+
+
+
+def episode_session_id(task_name: str, seed: int, index: int) -> str:
+    """The session id of episode ``index`` of task ``task_name`` under ``seed`` (``"name:seed:index"``): the one
+    key the loop sends with each of an episode's requests and records in ``info["session_id"]``.
+
+    Backends key per-episode state by it: the HTTP backend keeps an episode on one server, and the warm start's
+    replay backend (:class:`trainer.warmstart.ReplayBackend`) answers an episode's k-th request with its
+    demonstration's k-th turn. Everyone who needs an episode's key calls this, so a change here changes them all.
+    """
+    return f"{task_name}:{seed}:{index}"
+
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

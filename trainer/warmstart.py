@@ -47,7 +47,6 @@ from agent_loop.episode.chat import ChatFormatter
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import formatter_for, model_limits
 from agent_loop.episode.parsers import ParsedCall
-from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tools import ToolExecutor, tool_messages
 from agent_loop.models import model_path
 from agent_loop.runners.batch import trajectories_to_batch
@@ -55,7 +54,7 @@ from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.base import Task, as_task, episode_rng
 from agent_loop.tasks.rewards import final_answer
 from agent_loop.threads import apply_threads
-from agent_loop.types import Episode, Trajectory
+from agent_loop.types import Episode, Trajectory, episode_session_id
 from masking.batch import Batch
 from masking.kinds import SpanKind
 from trainer.distributed import resolve_device
@@ -206,7 +205,7 @@ async def prepare(task: Task, index: int, seed: int, tokenizer) -> Demonstration
 class ReplayBackend(Backend):
     """Answers an episode's k-th request with its demonstration's k-th assistant turn (ids fixed in advance,
     logprob 0): the agent loop plays the demonstration as if a model had written it. ``turns`` is keyed by the
-    loop's session id of each episode (``agent_loop.episode.sessions.episode_session_id``, the loop's own)."""
+    loop's session id of each episode (``agent_loop.types.episode_session_id``, the loop's own)."""
 
     retries_itself = True  # a replay that fails does not get better by asking again
 

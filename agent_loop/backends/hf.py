@@ -5,7 +5,7 @@ the requests waiting (at most ``max_batch_size`` rows decode together; requests 
 tick are admitted together), so a request never waits for the longest row of a batch:
 
 - **Kept caches.** A finished request's keys and values (its prompt and its sampled tokens but the last, which was
-  never fed) are kept under its ``session_id`` (one per episode: ``agent_loop.episode.sessions``). If the
+  never fed) are kept under its ``session_id`` (one per episode: ``agent_loop.types.episode_session_id``). If the
   session's next prompt extends exactly those tokens, only its new tokens are prefilled, on top of them; any other
   prompt is prefilled from scratch. Kept caches are bounded (``kept_cache_bytes``, the least recently used
   session dropped first) and all dropped by a weight update (they hold the old weights' keys) and by ``end_run``.

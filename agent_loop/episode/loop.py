@@ -49,10 +49,9 @@ from agent_loop.episode.contracts import (
     turn_state_keys,
 )
 from agent_loop.episode.info import episode_info, recorded_model_path  # noqa: F401  (its old home)
-from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
-from agent_loop.types import Episode, ToolCallRecord, Trajectory
+from agent_loop.types import Episode, ToolCallRecord, Trajectory, episode_session_id
 from masking.kinds import SpanKind
 
 # A tool result is cut to this many characters per observation token before it is tokenized, so

@@ -28,7 +28,6 @@ from typing import Callable
 
 from agent_loop.backends.base import Backend
 from agent_loop.episode.loop import call_bounded, slow_reward_notice
-from agent_loop.episode.sessions import episode_session_id
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.proxy import check_agent_spec
 from agent_loop.proxy.core import Proxy, ProxySettings
@@ -38,7 +37,7 @@ from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.plugins import import_module
 from agent_loop.tasks.rewards import as_reward
-from agent_loop.types import Trajectory
+from agent_loop.types import Trajectory, episode_session_id
 
 AGENT_ARGUMENTS = ("client", "base_url", "model", "session_id", "row")
 

@@ -117,7 +117,7 @@ def test_a_replayed_demonstration_is_what_the_loop_records_for_a_model_writing_i
 def test_the_replay_is_keyed_by_the_session_ids_the_loop_sends(tiny_tokenizer):
     """ReplayBackend's keys come from the loop's own function: each episode's requests arrive under its key, once
     per demonstrated turn, and no request arrives under another."""
-    from agent_loop.episode.sessions import episode_session_id
+    from agent_loop.types import episode_session_id
     from trainer.warmstart import ReplayBackend, prepare
 
     task = as_task(Quadruple())
