@@ -18,7 +18,14 @@ import json
 
 from agent_loop.config import plural, rate
 from agent_loop.inspect.tokens import show_whitespace, turns, versions_note
-from agent_loop.inspect.view import InspectView, row_values_note
+from agent_loop.inspect.view import (
+    InspectView,
+    carried_on,
+    continues_note,
+    episodes_text,
+    row_values_note,
+    segment_note,
+)
 from masking.spans import SpanKind
 
 CSS = """
@@ -34,6 +41,7 @@ th,td{border:1px solid #e1e5ea;padding:2px 8px;text-align:right;vertical-align:t
 th{background:#f0f2f5}
 td.l,th.l{text-align:left}
 .grid{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
+.session{color:#7a1f8a;font-weight:600}
 .badge{display:inline-block;border-radius:10px;padding:0 8px;font-size:12px;color:#fff}
 .ok{background:#2e8540}.fail{background:#c62828}
 .warn{color:#8a5300;background:#fff4e0;border-color:#f0c36d}
@@ -76,10 +84,11 @@ document.querySelectorAll('section.episode').forEach(el=>{
 });
 function fmt(v){return v===undefined||v===null?'':(+v).toPrecision(4).replace(/\.?0+(e|$)/,'$1');}
 function isA(d,k){return d.spans[k]==='1';}
-function carried(d,key){ // the value held across each observation run: at the next assistant token (0 after the last)
+function carried(d,key){ // the value held across each observation run: at the next assistant token (after the last:
+  // d.tail, the next segment's first return where the session goes on, else 0)
   const out=[]; let k=0; const n=d.spans.length;
   while(k<n){ if(isA(d,k)){k++;continue;} let e=k; while(e<n&&!isA(d,e))e++;
-    out.push([k,e,key==='reset'?0:(e<n?d[key][e]:0)]); k=e; }
+    out.push([k,e,key==='reset'?0:(e<n?d[key][e]:(key==='ret'&&d.tail)||0)]); k=e; }
   return out;
 }
 function chart(row){
@@ -231,6 +240,8 @@ def row_data(view: InspectView, row: int, compare: bool) -> dict:
             "ret": numbers(v.returns[row, :n]), "adv": numbers(v.advantages[row, :n])}
     if traj.policy_versions is not None:
         data["ver"] = traj.policy_versions
+    if (tail := carried_on(view, row)) is not None:
+        data["tail"] = numbers([tail])[0]
     if compare:
         data["reset"] = numbers(v.compare["reset-at-observation"][row, :n])
         data["ignore"] = numbers(v.compare["ignore-mask"][row, :n])
@@ -249,7 +260,11 @@ def episode_head(view: InspectView, row: int) -> str:
     n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
     ok = traj.success
     why = f' · <i>{esc(view.reasons[row])}</i>' if view.reasons[row] else ""
-    return (f'<h2>episode {view.ids[row]} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
+    segment = segment_note(view, row)
+    session = (f'<div class="session">episode {view.ids[row]}: one session of {view.segments[row]} segments (its agent '
+               "rewrote its history), shown in order; its returns run across them</div>"
+               if segment and traj.segment == 0 else "")
+    return (session + f'<h2>episode {view.ids[row]}{f" · {segment}" if segment else ""} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
             f"reward {traj.reward:g} · finish {esc(traj.finish_reason)}{' (truncated)' if traj.truncated else ''} · "
             f"{plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} "
             f"observation tokens · line {view.lines[row]}{why}"
@@ -259,7 +274,7 @@ def episode_head(view: InspectView, row: int) -> str:
 
 def episode(view: InspectView, row: int) -> str:
     traj = view.trajectories[row]
-    parts = [f'<section class="card episode" id="ep-{view.ids[row]}" {episode_attrs(view, row)}>', episode_head(view, row),
+    parts = [f'<section class="card episode" id="{anchor(view, row)}" {episode_attrs(view, row)}>', episode_head(view, row),
              f"<details><summary>prompt ({plural(len(traj.prompt_ids), 'token')})</summary><pre>{esc(view.prompts[row])}</pre></details>"]
     for turn, segs in turns(traj):
         parts.append(f'<div class="turn"><div class="turn-label">turn {turn}</div><div class="tokens">')
@@ -270,20 +285,29 @@ def episode(view: InspectView, row: int) -> str:
     if traj.reward == 0 and not any(traj.turn_rewards or []):
         parts.append('<div class="err">every return of this episode is 0 (reward 0); its advantages only '
                      "reflect the file's mean</div>")
+    if note := continues_note(view, row):
+        parts.append(f'<div class="session">↳ {esc(note)}</div>')
     parts.append('<div class="chart-slot"></div></section>')
     return "".join(parts)
+
+
+def anchor(view: InspectView, row: int) -> str:
+    """The page anchor of a row: ``ep-7``, and ``ep-7-s1`` for segment 1 of session 7."""
+    segment = view.trajectories[row].segment
+    return f"ep-{view.ids[row]}" + (f"-s{segment}" if segment else "")
 
 
 def overview(view: InspectView, compare: bool) -> str:
     s, n = view.summary, max(view.summary.episodes, 1)
     summary = (f"<table><tr><th>episodes</th><th>success rate</th><th>mean reward</th><th>mean turns</th><th>tool calls</th>"
                f"<th>tool errors</th><th>reward errors</th><th>template mismatches</th></tr>"
-               f"<tr><td>{s.episodes}</td><td>{rate(s.successes / n)}</td>"
+               f"<tr><td>{esc(episodes_text(s))}</td><td>{rate(s.successes / n)}</td>"
                f"<td>{s.reward_sum / n:.3f}</td><td>{s.turns / n:.2f}</td><td>{s.tool_calls}</td>"
                f"<td>{sum(s.tool_errors.values())}</td><td class=\"{'err' if s.reward_errors else ''}\">{s.reward_errors}</td>"
                f"<td class=\"{'err' if s.template_mismatches else ''}\">{s.template_mismatches}</td></tr></table>"
                + problems_html(view))
-    finish_table = ('<table><tr><th class="l">finish reason</th><th>episodes</th></tr>'
+    records = "segments" if s.segments != s.episodes else "episodes"  # a finish reason is a segment's own
+    finish_table = (f'<table><tr><th class="l">finish reason</th><th>{records}</th></tr>'
                     + "".join(f'<tr><td class="l">{esc(k)}</td><td>{c}</td></tr>' for k, c in s.finish_reasons.most_common())
                     + "".join(f'<tr><td class="l err">tool error: {esc(k)}</td><td>{c}</td></tr>'
                               for k, c in s.tool_errors.most_common())
@@ -296,16 +320,18 @@ def overview(view: InspectView, compare: bool) -> str:
     trajs = view.trajectories
     index = ('<table><tr><th>episode</th><th>line</th><th>reward</th><th class="l">finish</th><th>turns</th>'
              "<th>tokens</th></tr>"
-             + "".join(f'<tr data-ep="ep-{view.ids[r]}"><td><a href="#ep-{view.ids[r]}">{view.ids[r]}</a></td>'
+             + "".join(f'<tr data-ep="{anchor(view, r)}"><td><a href="#{anchor(view, r)}">{view.ids[r]}</a>'
+                       f"{esc(' · ' + segment_note(view, r)) if segment_note(view, r) else ''}</td>"
                        f"<td>{view.lines[r]}</td><td>{trajs[r].reward:g}</td>"
                        f'<td class="l">{esc(trajs[r].finish_reason)}</td><td>{len(set(trajs[r].turn_ids))}</td>'
                        f"<td>{len(trajs[r].response_ids)}</td></tr>" for r in range(len(trajs)))
              + "</table>")
-    held = (f"this page holds {len(trajs)} of the {view.matching} episodes that match the selection"
+    episodes = view.episode_count()
+    held = (f"this page holds {episodes} of the {view.matching} episodes that match the selection"
             + (" (the first ones in file order; --max-episodes, --episode, --worst, --failed choose others)"
-               if len(trajs) < view.matching else ""))
-    parts = [f'<section class="card"><h2>file: {plural(s.episodes, "episode")}</h2><div class="grid">', summary, finish_table,
-             turn_table, f'</div><h2>episodes in this page</h2><p class="{"err" if len(trajs) < view.matching else ""}">'
+               if episodes < view.matching else ""))
+    parts = [f'<section class="card"><h2>file: {esc(episodes_text(s))}</h2><div class="grid">', summary, finish_table,
+             turn_table, f'</div><h2>episodes in this page</h2><p class="{"err" if episodes < view.matching else ""}">'
              f"{esc(held)}</p>", f"<details{' open' if len(trajs) <= 12 else ''}><summary>index of the episodes in this page"
              f"</summary>{index}</details>"]
     if compare:

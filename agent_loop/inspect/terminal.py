@@ -14,7 +14,14 @@ from agent_loop.inspect.tokens import Segment, show_whitespace, turns, versions_
 from agent_loop.inspect.turn_view import turn_advantage_of, turn_rows
 from agent_loop.inspect.values import COMPARED
 from agent_loop.inspect.values import carried as carried_runs
-from agent_loop.inspect.view import InspectView, row_values_note
+from agent_loop.inspect.view import (
+    InspectView,
+    carried_on,
+    continues_note,
+    episodes_text,
+    row_values_note,
+    segment_note,
+)
 from masking.spans import SpanKind
 
 # two shades per span so that neighbouring tokens stay distinguishable
@@ -67,8 +74,9 @@ def episode_header(view: InspectView, row: int) -> Text:
     traj = view.trajectories[row]
     n_assistant = sum(1 for s in traj.spans if s == SpanKind.ASSISTANT)
     status = Text("success", style="bold green") if traj.success else Text("failed", style="bold red")
+    segment = segment_note(view, row)
     header = Text.assemble(
-        (f"episode {view.ids[row]}", "bold"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
+        (f"episode {view.ids[row]}", "bold"), (f" · {segment}" if segment else "", "bold magenta"), f" · line {view.lines[row]} · reward {traj.reward:g} · ", status,
         f" · finish {traj.finish_reason}{' (truncated)' if traj.truncated else ''}",
         f" · {plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} observation tokens",
     )
@@ -123,7 +131,7 @@ def value_table(view: InspectView, row: int, turn: int, segs: list[Segment]) -> 
         table.add_column(name, justify="left" if name == "token" else "right", no_wrap=True, overflow="ellipsis",
                          ratio=3 if name == "token" else None)
     ids = view.trajectories[row].response_ids
-    held = {start: r for start, _, r in carried_runs(v.returns[row], view.trajectories[row].spans)}
+    held = {start: r for start, _, r in carried_runs(v.returns[row], view.trajectories[row].spans, carried_on(view, row))}
     for seg in segs:
         if seg.span != SpanKind.ASSISTANT:
             carried = held[seg.start]
@@ -163,7 +171,11 @@ def episode(view: InspectView, row: int, values: bool = False, color_by: str = "
     prompt = view.prompts[row].replace("\n", "↵")
     if len(prompt) > PROMPT_CHARS:
         prompt = "…" + prompt[-PROMPT_CHARS:]
-    parts: list = [Rule(style="bold"), episode_header(view, row),
+    parts: list = [Rule(style="bold")]
+    if view.segments[row] > 1 and traj.segment == 0:
+        parts.append(Text(f"episode {view.ids[row]}: one session of {view.segments[row]} segments (its agent rewrote "
+                          "its history), shown in order; its returns run across them", style="bold magenta"))
+    parts += [episode_header(view, row),
                    Text(f"prompt ({plural(len(traj.prompt_ids), 'token')}): ", style="bold").append(prompt, style="dim")]
     for turn, segs in turns(traj):
         parts.append(Rule(f"turn {turn}", style="cyan", align="left"))
@@ -180,6 +192,8 @@ def episode(view: InspectView, row: int, values: bool = False, color_by: str = "
         parts.append(Text(f"turn rewards: {traj.turn_rewards}"))
     if turns_view and view.values is not None:
         parts.append(turn_table(view, row))
+    if note := continues_note(view, row):
+        parts.append(Text(f"↳ {note}", style="magenta"))
     return Group(*parts)
 
 
@@ -231,7 +245,7 @@ def batch_summary(view: InspectView, shown: str, width: int = 80) -> Group:
     table.add_column("value", no_wrap=True, overflow="ellipsis", max_width=max(width - names - 7, 8))  # 7: borders
     for name, value in rows:
         table.add_row(name, value)
-    return Group(Text(f"{view.source}: {plural(s.episodes, 'episode')}", style="bold"), table, *problem_lines(view))
+    return Group(Text(f"{view.source}: {episodes_text(s)}", style="bold"), table, *problem_lines(view))
 
 
 def estimator_table(view: InspectView) -> Table:
@@ -271,7 +285,7 @@ def compare_table(view: InspectView, row: int) -> Table:
 
 
 def shown_line(view: InspectView, all_mode: bool) -> str:
-    n, matching = len(view.selected), view.matching
+    n, matching = view.episode_count(view.selected), view.matching
     if matching == 0:
         return "none: no episode matches the selection"
     if n == matching:

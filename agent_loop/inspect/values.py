@@ -13,6 +13,7 @@ import torch
 
 import advantages
 from agent_loop.inspect.choices import COMPARED, REGISTERED
+from agent_loop.inspect.sessions import value_rows
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.types import Trajectory
 from masking.batch import collate_rewards
@@ -23,12 +24,16 @@ DIFFERS = 1e-6  # a return further than this from carry-through counts as differ
 
 def token_values(batch, name: str, gamma: float) -> torch.Tensor:
     """(b, t) discounted returns of ``batch["token_level_rewards"]`` under estimator ``name`` (a key
-    of COMPARED), with ``batch["spans"]`` telling ASSISTANT from OBSERVATION tokens."""
+    of COMPARED), with ``batch["spans"]`` telling ASSISTANT from OBSERVATION tokens. A batch with
+    ``session``/``segment`` (rows that are segments of sessions) gets each session's returns running across
+    its segments (the estimator joins them: ``advantages.sessions``)."""
     if name not in REGISTERED:
         raise ValueError(f"unknown estimator {name!r}; expected one of {sorted(COMPARED)}")
     rewards, spans = batch["token_level_rewards"], batch["spans"]
     mask = response_mask_from_spans(spans, rewards.dtype)
-    return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False)[1]
+    sessions = {"session": batch["session"], "segment": batch["segment"]} if batch.get("session") is not None else {}
+    return advantages.get_estimator(REGISTERED[name])(rewards, mask, spans=spans, gamma=gamma, whiten=False,
+                                                      **sessions)[1]
 
 
 @dataclass
@@ -69,12 +74,18 @@ class EstimatorSummary:
     mean_abs_diff: float
 
 
-def reward_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+def reward_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor | list]:
     """Just the (b, t) ``spans`` and ``token_level_rewards`` of :func:`trajectories_to_batch` (the same
-    padding and reward placement, ``masking.collate_rewards``, without the prompt and id tensors)."""
+    padding and reward placement, ``masking.collate_rewards``, without the prompt and id tensors), and where
+    a session has several segments its rows' ``session`` ids and ``segment`` numbers (``trajectories`` as
+    :func:`~agent_loop.inspect.sessions.value_rows` gives them)."""
+    sessions = ({"sessions": [t.session_id for t in trajectories], "segments": [t.segment for t in trajectories]}
+                if any(t.segment for t in trajectories) else {})
     spans, _, rewards = collate_rewards([t.spans for t in trajectories], [t.turn_ids for t in trajectories],
-                                        [t.reward for t in trajectories], [t.turn_rewards for t in trajectories])
-    return {"spans": spans, "token_level_rewards": rewards}
+                                        [t.reward for t in trajectories], [t.turn_rewards for t in trajectories],
+                                        **sessions)
+    return {"spans": spans, "token_level_rewards": rewards,
+            **({"session": sessions["sessions"], "segment": sessions["segments"]} if sessions else {})}
 
 
 @dataclass
@@ -88,7 +99,8 @@ class FileStats:
     sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of returns, differing, sum |diff|]
 
     def add(self, trajectories: list[Trajectory]) -> None:
-        batch = reward_tensors(trajectories)
+        """Add whole sessions (every segment of each; a session cut in two would be two)."""
+        batch = reward_tensors(value_rows(trajectories))
         assistant = batch["spans"] == SpanKind.ASSISTANT
         compared = COMPARED if self.compare else (self.estimator,)
         returns = {name: token_values(batch, name, self.gamma) for name in {"carry-through", *compared}}
@@ -121,6 +133,9 @@ class BatchValues:
     compare: dict[str, torch.Tensor]  # COMPARED name -> discounted returns under that estimator
     gamma: float
     recorded: list[bool] = field(default_factory=list)  # per row: returns/advantages as the trainer recorded them
+    # per row: the return at the first ASSISTANT token of the next segment of its session, which the row's end
+    # continues from (None: the session's last segment, or the next is not among the rows)
+    carried_on: list[float | None] = field(default_factory=list)
 
     @property
     def token_level_rewards(self) -> torch.Tensor:
@@ -135,12 +150,16 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
                    pad_token_id: int = 0, estimator: str = "carry-through") -> BatchValues:
     """Rewards, returns (every estimator) and advantages of ``trajectories``.
 
+    The rows of a session whose agent rewrote its history are its segments: their returns run across
+    them (each segment's end continues from the next one's first ASSISTANT token, ``carried_on``), computed
+    on the joined session (:func:`~agent_loop.inspect.sessions.value_rows`, ``advantages.sessions``).
     Advantages are ``estimator``'s returns whitened over ASSISTANT tokens, ``(R - mean) /
     sqrt(var + eps)`` as ``advantages.reinforce_plus_plus``; ``returns_moments`` gives the mean and
     variance of the whole file (default: of these trajectories). Too few ASSISTANT tokens in all to
     whiten (``advantages.whitenable``): the advantages are the raw returns.
     """
-    batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
+    rows = value_rows(trajectories)
+    batch = trajectories_to_batch(rows, pad_token_id=pad_token_id)
     assistant = batch["spans"] == SpanKind.ASSISTANT
     compare = {name: token_values(batch, name, gamma) for name in COMPARED}
     returns = compare[estimator]
@@ -158,7 +177,20 @@ def compute_values(trajectories: list[Trajectory], gamma: float = 1.0, returns_m
             n = len(t.response_ids)
             returns[row, :n] = torch.tensor(t.returns, dtype=returns.dtype)
             advantage[row, :n] = torch.tensor(t.advantages, dtype=advantage.dtype)
-    return BatchValues(batch, returns, advantage, compare, gamma, recorded)
+    return BatchValues(batch, returns, advantage, compare, gamma, recorded, continued_from(rows, returns))
+
+
+def continued_from(rows: list[Trajectory], returns: torch.Tensor) -> list[float | None]:
+    """Per row of :func:`~agent_loop.inspect.sessions.value_rows`: the return at the first ASSISTANT token of
+    the next segment of its session (None where there is none among the rows, or it has no ASSISTANT token)."""
+    at = {(t.session_id, t.segment): row for row, t in enumerate(rows)}
+    out: list[float | None] = []
+    for t in rows:
+        after = at.get((t.session_id, t.segment + 1))
+        first = None if after is None else next(
+            (p for p, s in enumerate(rows[after].spans) if s == SpanKind.ASSISTANT), None)
+        out.append(None if first is None else float(returns[after, first]))
+    return out
 
 
 def has_recorded_values(traj: Trajectory) -> bool:
@@ -166,9 +198,10 @@ def has_recorded_values(traj: Trajectory) -> bool:
     return traj.returns is not None and traj.advantages is not None
 
 
-def carried(values: torch.Tensor, spans: list[int]) -> list[tuple[int, int, float]]:
+def carried(values: torch.Tensor, spans: list[int], tail: float | None = None) -> list[tuple[int, int, float]]:
     """The running return held across each OBSERVATION run of one row: ``(start, end, R)`` per run
-    [start, end), R being the value at the first ASSISTANT token after the run (0 after the last one).
+    [start, end), R being the value at the first ASSISTANT token after the run; after the last one, ``tail``
+    (the value the row's session continues from, :attr:`BatchValues.carried_on`), else 0.
 
     ``values`` are one row's carry-through returns: this R is what the scan carries unchanged through
     the run (docs/design.md section 3). (Reset-at-observation carries 0 instead, by definition.)"""
@@ -181,6 +214,6 @@ def carried(values: torch.Tensor, spans: list[int]) -> list[tuple[int, int, floa
         while end < n and spans[end] == SpanKind.OBSERVATION:
             end += 1
         after = next((p for p in range(end, n) if spans[p] == SpanKind.ASSISTANT), None)
-        out.append((pos, end, float(values[after]) if after is not None else 0.0))
+        out.append((pos, end, float(values[after]) if after is not None else tail or 0.0))
         pos = end
     return out

@@ -1,6 +1,9 @@
 """One streaming pass over a rollouts file: the summary of every episode, and the few episodes kept
 to be shown (memory grows with those, not with the file). Then what every renderer gets: the kept
 episodes with their per-token values (whitened with the whole file's statistics) and text.
+
+An episode is a session (:mod:`~agent_loop.inspect.sessions`): a session whose agent rewrote its history is
+chosen, kept and shown whole, its segments in order, one row each, with returns running across them.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent_loop.config import plural
 from agent_loop.inspect.choices import INFORMATIVE, LABEL
 from agent_loop.inspect.load import Problems, Record, iter_records
+from agent_loop.inspect.sessions import Session, SessionGrouper, sessions_of
 from agent_loop.inspect.tokens import TokenText
 from agent_loop.inspect.values import BatchValues, FileStats, compute_values, has_recorded_values
 from agent_loop.runners.stats import RolloutStats
@@ -28,15 +33,15 @@ def episode_id(traj: Trajectory, ordinal: int) -> int:
     return index if isinstance(index, int) else ordinal
 
 
-def has_tool_error(traj: Trajectory) -> bool:
-    return any(c.error_kind for c in traj.tool_calls)
+def has_tool_error(session: Session) -> bool:
+    return any(c.error_kind for t in session.trajectories for c in t.tool_calls)
 
 
 @dataclass
 class Selection:
-    """Which episodes to keep. ``mode``: ``informative`` (a few, chosen for what they show), ``all``
-    (in file order, at most ``limit``), ``worst`` (the ``limit`` lowest rewards) or ``ids`` (the
-    episodes whose number is in ``ids``). ``failed`` keeps only failures."""
+    """Which episodes (sessions, every segment of each) to keep. ``mode``: ``informative`` (a few, chosen
+    for what they show), ``all`` (in file order, at most ``limit``), ``worst`` (the ``limit`` lowest
+    rewards) or ``ids`` (the episodes whose number is in ``ids``). ``failed`` keeps only failures."""
 
     mode: str = "informative"
     limit: int = INFORMATIVE
@@ -44,71 +49,72 @@ class Selection:
     failed: bool = False
     keep_first: int = 0  # informative mode: also keep the first N matching episodes (for the HTML page)
 
-    def matches(self, traj: Trajectory, eid: int) -> bool:
-        if self.failed and traj.success and traj.finish_reason != "error":
+    def matches(self, session: Session, eid: int) -> bool:
+        if self.failed and session.first.success and session.last.finish_reason != "error":
             return False
         return self.mode != "ids" or eid in self.ids
 
 
 class Keeper:
-    """Keeps the episodes a :class:`Selection` asks for while the file streams by."""
+    """Keeps the episodes (sessions) a :class:`Selection` asks for while the file streams by."""
 
     def __init__(self, selection: Selection):
         self.selection = selection
-        self.kept: list[tuple[Record, int]] = []  # (record, episode id), all/ids modes
-        self.heap: list[tuple[float, int, int, Record]] = []  # worst mode: (-reward, -seq, id, record)
-        self.picks: dict[str, tuple[tuple, Record, int]] = {}  # informative mode: why -> (rank key, record, id)
+        self.kept: list[tuple[Session, int]] = []  # (session, episode id), all/ids modes
+        self.heap: list[tuple[float, int, int, Session]] = []  # worst mode: (-reward, -seq, id, session)
+        self.picks: dict[str, tuple[tuple, Session, int]] = {}  # informative mode: why -> (rank key, session, id)
         self.seq = 0
-        self.first: list[tuple[Record, int]] = []  # informative mode: fill-ins when the picks coincide
+        self.first: list[tuple[Session, int]] = []  # informative mode: fill-ins when the picks coincide
 
-    def offer(self, record: Record, eid: int) -> None:
-        sel, traj = self.selection, record.trajectory
+    def offer(self, session: Session, eid: int) -> None:
+        sel, traj = self.selection, session.first
         self.seq += 1
         if sel.mode in ("all", "ids") or len(self.kept) < sel.keep_first:
             if sel.mode == "informative" or len(self.kept) < sel.limit:
-                self.kept.append((record, eid))
+                self.kept.append((session, eid))
         if sel.mode in ("all", "ids"):
             return
         if sel.mode == "worst":
-            item = (-traj.reward, -self.seq, eid, record)
+            item = (-traj.reward, -self.seq, eid, session)
             if len(self.heap) < sel.limit:
                 heapq.heappush(self.heap, item)
             elif item > self.heap[0]:
                 heapq.heapreplace(self.heap, item)
         else:
             if len(self.first) < sel.limit:
-                self.first.append((record, eid))
-            turns = len(set(traj.turn_ids))
+                self.first.append((session, eid))
+            turns = session.turns
             candidates = {
                 "the lowest-reward failure": ((traj.reward, self.seq),) if not traj.success else None,
-                "a tool error": ((self.seq,),) if has_tool_error(traj) else None,
-                "an unusual finish": ((self.seq,),) if traj.finish_reason != "stop" else None,
+                "a tool error": ((self.seq,),) if has_tool_error(session) else None,
+                "an unusual finish": ((self.seq,),) if session.last.finish_reason != "stop" else None,
                 "the success with the most turns": ((-turns, -traj.reward, self.seq),) if traj.success else None,
-                "the shortest success": ((len(traj.response_ids), self.seq),) if traj.success else None,
+                "the shortest success": ((session.tokens, self.seq),) if traj.success else None,
             }
             for why, key in candidates.items():
                 if key is not None and (why not in self.picks or key < self.picks[why][0]):
-                    self.picks[why] = (key, record, eid)
+                    self.picks[why] = (key, session, eid)
 
-    def result(self) -> tuple[list[tuple[Record, int, str]], list[int]]:
-        """The kept (record, episode id, why shown) in display order, and the indices of those to show
+    def result(self) -> tuple[list[tuple[Session, int, str]], list[int]]:
+        """The kept (session, episode id, why shown) in display order, and the indices of those to show
         in the terminal and the PNG (informative mode: the picks; else all)."""
         mode = self.selection.mode
-        if mode in ("all", "ids"):
-            return [(r, e, "") for r, e in self.kept], list(range(len(self.kept)))
+        if mode in ("all", "ids"):  # in file order (a session completes at its last segment)
+            kept = sorted(self.kept, key=lambda k: k[0].records[0].line)
+            return [(r, e, "") for r, e in kept], list(range(len(kept)))
         if mode == "worst":
             kept = [(r, e, "") for _, _, e, r in sorted(self.heap, key=lambda i: (-i[0], -i[1]))]
             return kept, list(range(len(kept)))
         kept = [(r, e, "") for r, e in self.kept]  # keep_first: the page's episodes, in file order
-        at = {r.line: i for i, (r, _, _) in enumerate(kept)}
+        at = {r.records[0].line: i for i, (r, _, _) in enumerate(kept)}
         shown: list[int] = []
-        fill = [(None, record, eid) for record, eid in self.first]
-        for why, (_, record, eid) in [(w, self.picks[w]) for w in WHY if w in self.picks] + [
+        fill = [(None, session, eid) for session, eid in self.first]
+        for why, (_, session, eid) in [(w, self.picks[w]) for w in WHY if w in self.picks] + [
                 ("one more, from the start of the file", f) for f in fill]:
-            if record.line not in at:
-                at[record.line] = len(kept)
-                kept.append((record, eid, ""))
-            i = at[record.line]
+            if session.records[0].line not in at:
+                at[session.records[0].line] = len(kept)
+                kept.append((session, eid, ""))
+            i = at[session.records[0].line]
             if i in shown:
                 kept[i] = (kept[i][0], kept[i][1], kept[i][2] + " · " + why)
             elif len(shown) < self.selection.limit:
@@ -127,7 +133,7 @@ class Scan:
     summary: RolloutStats  # every good line of the file
     matching: int  # episodes that pass the selection's filters
     stats: FileStats
-    kept: list[tuple[Record, int, str]]  # (record, episode id, why shown)
+    kept: list[tuple[Record, int, str]]  # (record, episode id, why shown): a session's segments in order
     shown: list[int]  # indices into kept for the terminal and the PNG
     problems: Problems
     gamma_note: str  # where the gamma came from
@@ -149,7 +155,7 @@ class Trained:
     def add(self, traj: Trajectory) -> None:
         if not has_recorded_values(traj):
             return
-        self.episodes += 1
+        self.episodes += traj.segment == 0  # a session counts once
         for name, into in (("step", self.steps), ("estimator", self.estimators), ("lam", self.lams)):
             if traj.info.get(name) is not None:
                 into.add(traj.info[name])
@@ -237,8 +243,28 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
     problems = problems if problems is not None else Problems()
     summary, keeper, matching = RolloutStats(), Keeper(selection), 0
     stats, note, chunk, seen_ids, trained, how = None, "", [], set(), Trained(), "default"
-    recorded = Recorded()
-    for ordinal, record in enumerate(iter_records(path, problems)):
+    recorded, grouper, ordinal = Recorded(), SessionGrouper(), 0
+
+    def take(sessions: list[Session]) -> None:  # each session once it is whole
+        nonlocal chunk, matching, ordinal
+        for session in sessions:
+            if session.problem:
+                problems.add(f"{path}:{session.records[0].line}: {session.problem}; its segments' values are "
+                             "computed each on its own")
+            eid = episode_id(session.first, ordinal)
+            ordinal += 1
+            for traj in session.counted():
+                summary.add(traj, index=eid)
+            if selection.matches(session, eid):
+                matching += 1
+                seen_ids.add(eid)
+                keeper.offer(session, eid)
+            chunk += session.trajectories
+            if len(chunk) >= CHUNK:
+                stats.add(chunk)
+                chunk = []
+
+    for record in iter_records(path, problems):
         traj = record.trajectory
         if stats is None:
             resolved, note = resolve_gamma(gamma, traj)
@@ -246,25 +272,27 @@ def scan(path: str | Path, selection: Selection | None = None, gamma: float | No
             stats = FileStats(resolved, compare, name)
         trained.add(traj)
         recorded.add(traj)
-        eid = episode_id(traj, ordinal)
-        summary.add(traj, index=eid)
-        if selection.matches(traj, eid):
-            matching += 1
-            seen_ids.add(eid)
-            keeper.offer(record, eid)
-        chunk.append(traj)
-        if len(chunk) == CHUNK:
-            stats.add(chunk)
-            chunk = []
+        take(grouper.add(record))
     if stats is None:
         stats = FileStats(1.0 if gamma is None else gamma, compare, LABEL.get(estimator, estimator or "carry-through"))
+    take(grouper.flush())
     if chunk:
         stats.add(chunk)
     missing = [i for i in selection.ids if i not in seen_ids] if selection.mode == "ids" else []
-    kept, shown = keeper.result()
+    kept, shown = rows_of(*keeper.result())
     note, how = recorded.mixed(note, recorded.gammas, "gamma"), recorded.mixed(how, recorded.estimators, "estimator")
     return Scan(path, summary, matching, stats, kept, shown, problems, note, missing, how,
                 trained if trained.episodes else None)
+
+
+def rows_of(sessions: list[tuple[Session, int, str]], shown: list[int]) -> tuple[list[tuple[Record, int, str]], list[int]]:
+    """Kept sessions -> kept rows: every segment of each, in order, with its session's id and reason; the
+    shown sessions -> the indices of all their rows."""
+    rows, first = [], []
+    for session, eid, why in sessions:
+        first.append(len(rows))
+        rows += [(record, eid, why) for record in session.records]
+    return rows, [first[i] + k for i in shown for k in range(len(sessions[i][0].records))]
 
 
 @dataclass
@@ -272,7 +300,8 @@ class InspectView:
     """The kept episodes with their values and text; ``selected`` are the rows the terminal and PNG show."""
 
     source: str
-    trajectories: list[Trajectory]
+    trajectories: list[Trajectory]  # a session's segments are consecutive rows, in segment order
+    segments: list[int]  # the segments of each row's session (1: an episode of one record)
     lines: list[int]  # 1-based line of each trajectory in the source file
     ids: list[int]  # each trajectory's episode number (info["index"])
     reasons: list[str]  # why each was kept (informative mode), else ""
@@ -288,6 +317,11 @@ class InspectView:
     estimator_note: str = ""
     trained_note: str = ""  # "as trained at step N, estimator E (...)" when episodes carry a step's values
 
+    def episode_count(self, rows: list[int] | None = None) -> int:
+        """The episodes (sessions) among ``rows`` (default: all rows)."""
+        starts = session_starts(self.trajectories)
+        return len(starts) if rows is None else len(set(starts) & set(rows))
+
 
 def row_values_note(view: InspectView, row: int) -> str:
     """Where one row's returns and advantages come from: the training step's record, or computed here."""
@@ -298,10 +332,49 @@ def row_values_note(view: InspectView, row: int) -> str:
     return f"computed: {view.stats.estimator}, gamma {view.stats.gamma:g}"
 
 
+def session_starts(trajectories: list[Trajectory]) -> list[int]:
+    """The rows where a session starts (a session's segments are consecutive rows, in segment order)."""
+    return [k for k, t in enumerate(trajectories) if k == 0 or t.session_id != trajectories[k - 1].session_id
+            or t.segment <= trajectories[k - 1].segment]
+
+
+def session_sizes(trajectories: list[Trajectory]) -> list[int]:
+    """Per row: how many rows its session has."""
+    starts = session_starts(trajectories)
+    return [end - start for start, end in zip(starts, starts[1:] + [len(trajectories)]) for _ in range(start, end)]
+
+
+def episodes_text(summary: RolloutStats) -> str:
+    """``"3 episodes"``, or ``"1 episode (2 segments)"`` where sessions have several segments."""
+    segments = f" ({plural(summary.segments, 'segment')})" if summary.segments != summary.episodes else ""
+    return plural(summary.episodes, "episode") + segments
+
+
+def segment_note(view: "InspectView", row: int) -> str:
+    """``"segment 1 of 2"`` for a row of a session of several segments, else ""."""
+    n = view.segments[row]
+    return f"segment {view.trajectories[row].segment} of {n}" if n > 1 else ""
+
+
+def carried_on(view: "InspectView", row: int) -> float | None:
+    """The return the end of a row continues from (the next segment's first ASSISTANT token's), or None."""
+    return view.values.carried_on[row] if view.values is not None and view.values.carried_on else None
+
+
+def continues_note(view: "InspectView", row: int) -> str:
+    """What the end of a segment's returns continues from: the next segment's first ASSISTANT return, or ""."""
+    after = carried_on(view, row)
+    if after is None:
+        return ""
+    return (f"returns continue into segment {view.trajectories[row].segment + 1}: "
+            f"R = {after:.4g} at its first assistant token")
+
+
 def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, selected: list[int] | None = None,
                ids: list[int] | None = None, lines: list[int] | None = None, scanned: Scan | None = None,
                reasons: list[str] | None = None) -> InspectView:
-    """Values and token text for ``source``: a :class:`Scan` (its kept episodes) or a list of trajectories."""
+    """Values and token text for ``source``: a :class:`Scan` (its kept episodes) or a list of trajectories (each
+    session's segments then put together, in segment order: ``ids``/``lines`` given are of that order)."""
     if isinstance(source, Scan):
         scanned = source
         trajectories = [r.trajectory for r, _, _ in source.kept]
@@ -312,24 +385,27 @@ def build_view(source, gamma: float = 1.0, tokenizer_dir: str | None = None, sel
         name, problems = str(source.path), source.problems.lines()
         selected = source.shown if selected is None else selected
     else:
-        trajectories = list(source)
-        name, problems = "(trajectories)", []
+        sessions = sessions_of(source)
+        trajectories = [t for session in sessions for t in session.trajectories]
+        ids = ids or [episode_id(session.first, k) for k, session in enumerate(sessions) for _ in session.records]
+        name, problems = "(trajectories)", [session.problem for session in sessions if session.problem]
         summary, stats = RolloutStats(), FileStats(gamma, compare=True)
-        for t in trajectories:
-            summary.add(t)
+        for session in sessions:
+            for t in session.counted():
+                summary.add(t)
         if trajectories:
             stats.add(trajectories)
         trained = Trained()
         for t in trajectories:
             trained.add(t)
-        scanned = Scan(Path(name), summary, len(trajectories), stats, [], [], Problems(), "given", [], "given",
+        scanned = Scan(Path(name), summary, len(sessions), stats, [], [], Problems(), "given", [], "given",
                        trained if trained.episodes else None)
     lines = lines or list(range(1, len(trajectories) + 1))
-    ids = ids or [episode_id(t, i) for i, t in enumerate(trajectories)]
     text = TokenText(tokenizer_dir)
     return InspectView(
         source=name,
         trajectories=trajectories,
+        segments=session_sizes(trajectories),
         lines=lines,
         ids=ids,
         reasons=reasons or [""] * len(trajectories),
