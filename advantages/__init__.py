@@ -46,6 +46,7 @@ from advantages.rollout_correction import (
     masked_quantiles,
     mismatch_metrics,
 )
+from advantages.sessions import estimate_by_session
 from advantages.stats import (
     MIN_WHITEN_TOKENS,
     WHITEN_EPS,
@@ -86,6 +87,7 @@ __all__ = [
     "discounted_returns",
     "entropy_from_logits",
     "entropy_loss",
+    "estimate_by_session",
     "gae",
     "get_adv_estimator_fn",
     "get_estimator",

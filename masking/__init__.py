@@ -14,6 +14,8 @@ _LAZY = {
     "last_assistant_index": "masking.rewards", "last_assistant_index_per_turn": "masking.rewards",
     "place_rewards": "masking.rewards", "relocate_observation_rewards": "masking.rewards",
     "OBSERVATION_REWARD_POLICIES": "masking.rewards",
+    "SessionJoin": "masking.sessions", "session_join": "masking.sessions", "join_tokens": "masking.sessions",
+    "split_tokens": "masking.sessions",
     "SPAN_DTYPE": "masking.spans", "response_mask_from_spans": "masking.spans", "spans_from_response_mask": "masking.spans",
     "check_same_shape": "masking.validate", "validate_response_mask": "masking.validate",
     "validate_batch": "masking.validate", "validate_spans": "masking.validate",

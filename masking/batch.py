@@ -151,7 +151,7 @@ def collate_rewards(
     _check_row_counts("spans", len(spans), (("turn_ids", turn_ids), ("rewards", rewards)))
     _check_row_lengths("spans", spans, (("turn_ids", turn_ids),), spans)
     session, segment = _sessions(len(spans), sessions, segments, rewards)
-    return _pad_and_place_rewards(spans, turn_ids, _outcomes(rewards, session, segment, dtype), turn_rewards, dtype)
+    return _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype, session, segment)
 
 
 def _sessions(b: int, sessions, segments, rewards, index=None, tasks=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -194,15 +194,16 @@ def _outcomes(rewards: Sequence[float], session: torch.Tensor | None, segment: t
     return torch.where(segment == count[session] - 1, outcome, 0.0).to(dtype)
 
 
-def _pad_and_place_rewards(spans, turn_ids, outcome, turn_rewards, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`collate_rewards` on lists whose rows and lengths are already checked (``outcome``: the ``(b,)``
-    outcome reward to place on each row)."""
+def _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype, session=None, segment=None):
+    """:func:`collate_rewards` on lists whose rows and lengths are already checked (``session``, ``segment``:
+    ``(b,)`` tensors from :func:`_sessions`, or None)."""
     span_tensor = _pad(spans, SPAN_DTYPE, SpanKind.PAD)
     validate_spans(span_tensor)
     turn_tensor = _pad(turn_ids, torch.int16, -1)
     per_turn = None
     if turn_rewards is not None and any(r is not None for r in turn_rewards):
         per_turn = _pad([r or [] for r in turn_rewards], dtype, 0.0)
+    outcome = _outcomes(rewards, session, segment, dtype)
     token_level_rewards = place_rewards(span_tensor, outcome, turn_tensor, per_turn, dtype=dtype)
     return span_tensor, turn_tensor, token_level_rewards
 
@@ -239,25 +240,21 @@ def collate(
     and ``position_ids`` (b, p + t). ``spans``, ``turn_ids`` and ``token_level_rewards`` are built as
     :func:`collate_rewards` builds them (after this function's own checks of the lists).
 
-    Sessions (keyword-only; docs/design.md section 3, "Sessions"): ``sessions`` (one session id per row,
-    ints or strings) and ``segments`` (the row's segment number in its session, 0, 1, ..) mark rows that are
-    segments of one episode whose history was rewritten. Then the batch carries ``session`` (b,) (dense ids
-    0..S-1) and ``segment`` (b,), and a session's outcome reward (every segment
-    carries the same one in ``rewards``) sits on the last ASSISTANT token of its LAST segment only; per-turn
-    rewards stay on their own turns. ``index`` (one group id per row, ints or strings; kept as ``index`` (b,)
-    long) and ``tasks`` (one task key per row, ints or strings, checked only) must agree within a session. Without ``sessions``
-    every row is its own session and ``session``/``segment`` stay None (the batch is what it always was).
+    Sessions (design.md section 3): ``sessions`` (an id per row) and ``segments`` (0, 1, .. in the session)
+    give ``session`` (b,) (dense ids) and ``segment`` (b,); a session's outcome (each segment carries it in
+    ``rewards``) sits on the last ASSISTANT token of its LAST segment only, per-turn rewards on their turns.
+    ``index`` (group ids, kept) and ``tasks`` (checked only) must agree within a session. Without
+    ``sessions`` every row is its own session (``session``/``segment`` None: the batch as it always was).
 
-    Raises ValueError (naming the row) when a row's lists disagree in length or its spans are invalid, and
-    (naming the rows) when a session's segments are not numbered 0..n-1 or differ in reward, index or task.
+    Raises ValueError naming the row(s) when a row's lists disagree in length, its spans are invalid, or a
+    session's segments are not numbered 0..n-1 or differ in reward, index or task.
     """
     per_token = (("spans", spans), ("turn_ids", turn_ids), ("logprobs", logprobs))
     _check_row_counts("response_ids", len(response_ids), (("prompt_ids", prompt_ids), *per_token, ("rewards", rewards)))
     _check_row_lengths("response_ids", response_ids, per_token, spans)
     session, segment = _sessions(len(response_ids), sessions, segments, rewards, index, tasks)
-    span_tensor, turn_tensor, token_level_rewards = _pad_and_place_rewards(
-        spans, turn_ids, _outcomes(rewards, session, segment, dtype), turn_rewards, dtype
-    )
+    span_tensor, turn_tensor, token_level_rewards = _pad_and_place_rewards(spans, turn_ids, rewards, turn_rewards, dtype,
+                                                                           session, segment)
     responses = _pad(response_ids, torch.long, pad_token_id)
     prompts = _pad(prompt_ids, torch.long, pad_token_id, side="left")
     attention_mask = _attention_mask(prompt_ids, span_tensor)
@@ -275,8 +272,7 @@ def collate(
         position_ids=(torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0),
         rollout_logprobs=sampled.clone(),
         index=None if index is None else row_ids(index, len(response_ids), "index"),
-        session=session,
-        segment=segment,
+        session=session, segment=segment,
     )
 
 

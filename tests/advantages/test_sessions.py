@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import advantages.turn_credit as turn_credit
+import masking.sessions as masking_sessions
 from advantages import ESTIMATORS, aggregate_loss, get_estimator
 from masking.batch import collate
 from masking.kinds import SpanKind
@@ -317,3 +318,16 @@ def test_seq_mean_loss_treats_a_session_as_one_sequence(mode):
     assert float(aggregate_loss(loss, mask, mode, session=torch.arange(7))) == pytest.approx(float(rows), abs=1e-12)
     with pytest.raises(ValueError, match=r"session must hold one session id per row, shape \(7,\)"):
         aggregate_loss(loss, mask, mode, session=session[:3])
+
+
+@pytest.mark.parametrize("name", ["gae", "grpo", "turn_rloo", "gigpo", "reinforce_plus_plus"])
+def test_the_torch_join_without_a_compiler(name, monkeypatch):
+    """The scatter/gather join (CUDA, no C compiler) gives what the compiled copies give."""
+    split, whole, (split_at, whole_at) = _split_and_whole(5, True)
+    want = _call(name, whole)
+    native = _call(name, split, session=split.session, segment=split.segment)
+    monkeypatch.setattr(masking_sessions, "_compiled", lambda: None)
+    got = _call(name, split, session=split.session, segment=split.segment)
+    for w, n, g in zip(want, native, got):
+        torch.testing.assert_close(g[split_at], w[whole_at], rtol=0, atol=1e-12)
+        torch.testing.assert_close(g, n, rtol=0, atol=1e-12)
