@@ -35,6 +35,10 @@ import jinja2
 from agent_loop.episode.config import HISTORY_MODES
 from agent_loop.episode.tool_formats import default_call_id, find_tool_format
 
+# the formatter's modes: the loop's history modes, and "new_segment" (LoopConfig.context="drop_reasoning"), which runs
+# a template that rewrites earlier turns like keep_seen, silently: the loop starts a new segment where it rewrites
+FORMATTER_MODES = (*HISTORY_MODES, "new_segment")
+
 # Synthetic text used only to probe the template; the reasoning block keeps templates that render
 # reasoning only when it is non-empty (Qwen3) on the same branch before and after the delta.
 _SYNTHETIC_SYSTEM = "You are a helpful assistant."
@@ -153,14 +157,15 @@ class ChatFormatter:
 
     ``tools`` are JSON schemas (``transformers.utils.get_json_schema`` output) passed to the template;
     ``chat_template`` overrides the tokenizer's; ``history_mode`` is ``"strict"`` (refuse templates that
-    are not append-only) or ``"keep_seen"`` (run them, recording the drift); ``template_kwargs`` are
+    are not append-only), ``"keep_seen"`` (run them, recording the drift) or ``"new_segment"`` (run them without a
+    warning: the caller starts a new context where one rewrites, :data:`FORMATTER_MODES`); ``template_kwargs`` are
     extra template variables (e.g. ``enable_thinking=False``).
     """
 
     def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None, *,
                  history_mode: str = "strict", **template_kwargs):
-        if history_mode not in HISTORY_MODES:
-            raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
+        if history_mode not in FORMATTER_MODES:
+            raise ValueError(f"history_mode must be one of {FORMATTER_MODES}, got {history_mode!r}")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.chat_template = chat_template
@@ -430,7 +435,7 @@ class ChatFormatter:
             return
         if self.history_mode == "strict":
             raise error
-        if not self.warned:
+        if not self.warned and self.history_mode == "keep_seen":
             self.warned = True
             warnings.warn(f"history_mode='keep_seen': {error.args[0].split('. ')[0]}; episodes keep the tokens the "
                           "model saw and record the drift from a fresh render (Trajectory.metrics['template_drift'])",

@@ -16,6 +16,8 @@ from agent_loop.config import integer as _count  # a whole-number option: (help,
 
 HISTORY_MODES = ("strict", "keep_seen")
 MISMATCH_POLICIES = ("record", "error")
+# how the loop manages a history that outgrows its context (docs/design.md section 5, "Context policies")
+CONTEXT_POLICIES = ("keep", "drop_reasoning", "window", "summarize")
 
 
 @dataclass
@@ -47,9 +49,28 @@ class LoopConfig:
     on_template_mismatch: Annotated[Literal[MISMATCH_POLICIES], Field(
         description="a turn whose tokens differ from a fresh one-go render of the episode's messages: record it in "
                     "the trajectory's metrics, or end the episode with an error")] = "record"
+    context: Annotated[Literal[CONTEXT_POLICIES], Field(
+        description="when the history changes: keep (one context per episode; past the budget the episode ends in "
+                    "observation_overflow), drop_reasoning (render the history as the template does at inference, "
+                    "earlier reasoning dropped), window (keep the system prompt, the task and the last "
+                    "--context-window turns), summarize (at --context-budget a summary replaces the turns so far); "
+                    "each rewrite starts a new segment of the episode's session (docs/design.md section 5)")] = "keep"
+    context_window: _count("turns (an assistant turn and its observation) --context window keeps") = 2
+    context_budget: _count("tokens of prompt and response at which --context summarize rewrites the history; 0 = "
+                           "only where the next observation would not fit (observation_overflow)", low=0) = 0
+    summarizer: Annotated[str | None, Field(
+        description="module:function that turns the messages being replaced into the summary text for --context "
+                    "summarize (messages -> str); default: a digest of the tool results so far")] = None
 
     def __post_init__(self):  # the choices hold for configs built in code too
         if self.history_mode not in HISTORY_MODES:
             raise ValueError(f"history_mode must be 'strict' or 'keep_seen', got {self.history_mode!r}")
         if self.on_template_mismatch not in MISMATCH_POLICIES:
             raise ValueError(f"on_template_mismatch must be 'record' or 'error', got {self.on_template_mismatch!r}")
+        if self.context not in CONTEXT_POLICIES:
+            raise ValueError(f"context must be one of {', '.join(CONTEXT_POLICIES)}, got {self.context!r}")
+        if self.context == "drop_reasoning" and self.history_mode != "strict":
+            raise ValueError("context='drop_reasoning' starts a new segment where the template rewrites earlier turns; "
+                             "history_mode='keep_seen' (run on with the drift recorded) is the other answer: pick one")
+        if self.summarizer is not None and self.context != "summarize":
+            raise ValueError(f"summarizer is for context='summarize', not context={self.context!r}")

@@ -12,6 +12,8 @@ follow the model's end-of-turn token counted as OBSERVATION, whichever environme
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -37,6 +39,7 @@ from agent_loop.backends.base import (
 from agent_loop.backends.retry import backoff_delay
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
 from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.context import load_summarizer, summarized, windowed
 from agent_loop.episode.contracts import (
     AssistantTurn,
     StepLimits,
@@ -70,7 +73,8 @@ _FORMATTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def formatter_for(tokenizer, schemas: list[dict], history_mode: str = "strict") -> ChatFormatter:
-    """The shared formatter of ``tokenizer`` with these tool schemas (its template probes are cached)."""
+    """The shared formatter of ``tokenizer`` with these tool schemas in ``history_mode`` (one of
+    :data:`~agent_loop.episode.chat.FORMATTER_MODES`; its template probes are cached)."""
     by_schemas = _FORMATTERS.setdefault(tokenizer, {})
     key = (json.dumps(schemas, sort_keys=True), history_mode)
     if key not in by_schemas:
@@ -225,9 +229,17 @@ def _fit_observation(formatter: ChatFormatter, state: "_EpisodeState", messages:
 
 @dataclass
 class _EpisodeState:
-    """What an episode has built so far: the response tokens with their spans, turns and logprobs."""
+    """What an episode has built so far: the current segment's context (its prompt and messages) and the response
+    tokens with their spans, turns and logprobs; the session's turns, tool calls and whole chat; the segments
+    closed before the current one (:func:`_new_segment`: snapshots of this state)."""
 
-    messages: list[dict]
+    messages: list[dict]  # the current segment's context: what its prompt and tokens render
+    prompt_ids: list[int] = field(default_factory=list)
+    chat: list[dict] = field(default_factory=list)  # the session's every message, in order (what the task scores)
+    first_turn: int = 0  # the session's turn that opens the current segment (its turn 0)
+    first_record: int = 0  # where the current segment's tool calls start in ``records``
+    started: float = 0.0  # when the current segment started (perf_counter)
+    closed: list["_EpisodeState"] = field(default_factory=list)  # the segments before the current one
     response_ids: list[int] = field(default_factory=list)
     spans: list[int] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
@@ -251,7 +263,7 @@ class _EpisodeState:
                version: int | None = None) -> None:
         self.response_ids += ids
         self.spans += [int(kind)] * len(ids)
-        self.turn_ids += [turn] * len(ids)
+        self.turn_ids += [turn - self.first_turn] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.policy_versions += [-1 if version is None else version] * len(ids)
 
@@ -266,12 +278,12 @@ class _Context:
     parser: object
     env: TurnEnvironment
     config: LoopConfig
-    prompt_ids: list[int]
     session_id: str
     seed: int
     index: int
     vocab_size: int | None = None  # the model's (model_limits): a sampled id must be below it
     context_length: int | None = None  # the model's, when the backend does not know its own
+    summarize: object = None  # context="summarize": the summarizer (messages -> text)
 
 
 def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
@@ -281,17 +293,18 @@ def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch
     if config.on_template_mismatch == "error" and config.history_mode == "strict":
         raise TemplateError(f"turn {turn}: the chat template's one-go render of this episode differs from the "
                             f"tokens the model saw: {mismatch}")
-    state.template_diffs.append({"turn": turn, **mismatch})
+    state.template_diffs.append({"turn": turn - state.first_turn, **mismatch})
 
 
 def _final_checks(ctx: _Context, state: _EpisodeState) -> None:
     """A finished chat's one-go render: it starts with the last generation prompt, and shows the last turn as sampled."""
     last, formatter = len(state.turn_tokens) - 1, ctx.formatter
     fresh = formatter.render_text(state.messages)  # one render for both checks
-    _template_diff(ctx.config, state, last, formatter.final_mismatch(state.messages, state.seen, fresh=fresh))
+    if ctx.config.context != "drop_reasoning":  # there, a render that rewrites the last turn would start a segment
+        _template_diff(ctx.config, state, last, formatter.final_mismatch(state.messages, state.seen, fresh=fresh))
     rerender = formatter.final_rerender(state.messages, state.seen, *state.last_turn, fresh=fresh)
     if rerender is not None:
-        state.rerender_diffs.append({"turn": last, **rerender})
+        state.rerender_diffs.append({"turn": last - state.first_turn, **rerender})
 
 
 async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tuple[GenerationResult | None, SamplingParams]:
@@ -300,7 +313,7 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
     The prompt must leave room in the model's context (else an error before anything is generated, however
     long the prompt: no backend builds tensors for it), and a turn asks for no more tokens than that room."""
     config, formatter = ctx.config, ctx.formatter
-    prompt = ctx.prompt_ids + state.response_ids
+    prompt = state.prompt_ids + state.response_ids
     room = config.max_tokens
     context = ctx.backend.context_length or ctx.context_length
     if context is not None:
@@ -310,7 +323,7 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
         stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(ctx.seed, ctx.index, turn),
     )
-    if room < 1:  # only the first turn's prompt can (later ones end in observation_overflow first)
+    if room < 1:  # only a segment's first prompt can (later ones end in observation_overflow first)
         state.error = (f"ContextLengthError: turn {turn}: the prompt of {len(prompt)} tokens leaves no room in the "
                        f"model's context of {context} tokens")
         return None, sampling
@@ -366,10 +379,12 @@ def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, f
     ids += [formatter.call_id("", state.calls_made + len(ids) + i) for i in range(len(parsed.errors))]
     state.calls_made += len(ids)
     if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
-        state.messages.append(formatter.assistant_message(text))
+        message = formatter.assistant_message(text)
     else:
         calls = [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)]
-        state.messages.append(formatter.assistant_message(parsed.content, calls or None, reasoning=parsed.reasoning))
+        message = formatter.assistant_message(parsed.content, calls or None, reasoning=parsed.reasoning)
+    state.messages.append(message)
+    state.chat.append(message)
     final = finish_reason == "length" or turn == ctx.config.max_turns - 1
     return AssistantTurn(turn, text, parsed.content, parsed.calls + parsed.errors, ids, final, finish_reason)
 
@@ -404,22 +419,61 @@ async def _step(ctx: _Context, state: _EpisodeState, turn: AssistantTurn) -> Ste
 def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict], stop_id: int | None,
              text: str) -> str | None:
     """Append the observation of ``messages`` (rendered by the chat template after the episode so far, checked
-    against a fresh one-go render, cut to the observation budget); "observation_overflow" if it does not fit."""
+    against a fresh one-go render, cut to the observation budget); "observation_overflow" if it does not fit.
+    Where the context policy rewrites the history (:func:`_rewritten`), a new segment starts instead."""
     config, formatter = ctx.config, ctx.formatter
     obs, new_messages, cut = _fit_observation(formatter, state, messages, stop_id, text, config.max_observation_tokens)
     state.observation_truncations += cut
+    context = ctx.backend.context_length or ctx.context_length
+    room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(state.prompt_ids))
+    overflow = len(state.response_ids) + len(obs.ids) >= room
+    if (kept := _rewritten(ctx, state, obs, new_messages, overflow)) is not None:
+        state.chat += new_messages
+        _new_segment(ctx, state, kept)
+        return None
     state.messages += new_messages
+    state.chat += new_messages
     _template_diff(config, state, turn, obs.mismatch)
     if obs.rerender is not None:
-        state.rerender_diffs.append({"turn": turn, **obs.rerender})
+        state.rerender_diffs.append({"turn": turn - state.first_turn, **obs.rerender})
     state.seen = obs.rendered
-    context = ctx.backend.context_length or ctx.context_length
-    room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(ctx.prompt_ids))
-    if len(state.response_ids) + len(obs.ids) >= room:
+    if overflow:
         return "observation_overflow"  # no room left (budget or model context) for the observation and a next turn
     state.append(obs.ids, SpanKind.OBSERVATION, turn)
     state.turn_tokens[-1]["observation"] = len(obs.ids)
     return None
+
+
+def _rewritten(ctx: _Context, state: _EpisodeState, obs: Observation, new_messages: list[dict],
+               overflow: bool) -> list[dict] | None:
+    """The messages of the next segment's context where the context policy rewrites the history after this
+    observation (``obs`` of ``new_messages``; ``overflow``: it does not fit), else None (docs/design.md section 5):
+    ``window``: the head and the last ``context_window`` turns, once there are more; ``drop_reasoning``: every
+    message, where the template's one-go render rewrites what the model saw; ``summarize``: the head with a
+    summary of the turns, where the observation does not fit or the context would pass ``context_budget``."""
+    config, messages = ctx.config, state.messages + new_messages
+    if config.context == "window":
+        return windowed(messages, config.context_window)
+    if config.context == "drop_reasoning":
+        return messages if obs.mismatch is not None else None
+    if config.context == "summarize":
+        size = len(state.prompt_ids) + len(state.response_ids) + len(obs.ids)
+        if overflow or (config.context_budget and size > config.context_budget):
+            return summarized(messages, ctx.summarize)
+    return None
+
+
+def _new_segment(ctx: _Context, state: _EpisodeState, messages: list[dict]) -> None:
+    """Close the current segment (a snapshot of ``state`` joins ``state.closed``) and start the next one on a fresh
+    render of ``messages``: its own prompt, tokens, template checks and timings; the session's turns, tool calls,
+    rewards and chat go on. A snapshot keeps the lists it had: they are replaced here, never emptied."""
+    state.closed.append(copy.copy(state))
+    state.messages = [dict(m) for m in messages]
+    state.prompt_ids, state.seen = ctx.formatter.prompt(state.messages)
+    state.response_ids, state.spans, state.turn_ids, state.logprobs, state.policy_versions = [], [], [], [], []
+    state.template_diffs, state.rerender_diffs, state.observation_truncations = [], [], 0
+    state.timings, state.started = Counter(), time.perf_counter()
+    state.first_turn, state.first_record = len(state.turn_tokens), len(state.records)
 
 
 def environment_of(episode: Episode) -> TurnEnvironment:
@@ -460,7 +514,30 @@ async def run_episode(
     *,
     prompt_check=None,
 ) -> Trajectory:
-    """Play episode ``index`` of ``task`` against ``backend`` and return its Trajectory.
+    """Play episode ``index`` of ``task`` against ``backend`` and return its Trajectory: :func:`run_session` for a
+    caller that takes one record per episode. An episode whose context policy rewrote its history (several
+    segments) is a ValueError saying so: its segments train as one sample only where sessions are carried."""
+    segments = await run_session(task, index, backend, tokenizer, config, seed, prompt_check=prompt_check)
+    if len(segments) > 1:
+        raise ValueError(f"episode {index} of {as_task(task).name}: context={(config or LoopConfig()).context!r} "
+                         f"rewrote its history into {len(segments)} segments, and this caller takes one Trajectory per "
+                         "episode (run_episode): it does not carry sessions; use run_session (the local runner and "
+                         "the trainer's synchronous rollouts do) or context='keep'")
+    return segments[0]
+
+
+async def run_session(
+    task: Task,
+    index: int,
+    backend: Backend,
+    tokenizer,
+    config: LoopConfig | None = None,
+    seed: int = 0,
+    *,
+    prompt_check=None,
+) -> list[Trajectory]:
+    """Play episode ``index`` of ``task`` against ``backend`` and return its session: one Trajectory per segment
+    (one, unless ``config.context`` rewrote the history: docs/design.md section 5), in segment order.
 
     ``prompt_check(prompt_ids)``, if given, sees the first prompt as soon as it is rendered, before anything is
     generated; what it raises ends the call (the verl AgentLoop refuses a prompt longer than verl's
@@ -472,7 +549,7 @@ async def run_episode(
     try:
         ctx, state = _begin(task, episode, env, index, backend, tokenizer, config, seed)
         if prompt_check is not None:
-            prompt_check(ctx.prompt_ids)
+            prompt_check(state.prompt_ids)
         finish_reason = "max_turns"
         for turn in range(config.max_turns):
             if (ended := await _play_turn(ctx, state, turn)) is not None:
@@ -495,18 +572,19 @@ async def run_episode(
 def _begin(task: Task, episode: Episode, env: TurnEnvironment, index: int, backend: Backend, tokenizer,
            config: LoopConfig, seed: int) -> tuple[_Context, _EpisodeState]:
     """The episode's fixed parts and its state before the first turn (the prompt rendered once)."""
-    formatter = formatter_for(tokenizer, env.tool_schemas, config.history_mode)
+    formatter = formatter_for(tokenizer, env.tool_schemas,
+                              "new_segment" if config.context == "drop_reasoning" else config.history_mode)
     # a task (or the verl AgentLoop's tool_format option) may fix the format; else the template's
     episode.tool_format = episode.tool_format or formatter.tool_format or (
         NO_TOOLS if not env.tool_schemas else tool_format_for_template(formatter.template_text))
-    state = _EpisodeState(messages=[dict(m) for m in episode.messages])
-    prompt_ids, state.seen = formatter.prompt(state.messages)
+    state = _EpisodeState(messages=[dict(m) for m in episode.messages], started=time.perf_counter())
+    state.chat = list(state.messages)
+    state.prompt_ids, state.seen = formatter.prompt(state.messages)
     ctx = _Context(
         backend=backend, tokenizer=tokenizer, formatter=formatter,
-        parser=episode.tool_format.parser_for(env.tool_schemas), env=env,
-        config=config, prompt_ids=prompt_ids,
+        parser=episode.tool_format.parser_for(env.tool_schemas), env=env, config=config,
         session_id=episode_session_id(task.name, seed, index),  # one per episode: multi-server backends keep it on one server
-        seed=seed, index=index,
+        seed=seed, index=index, summarize=load_summarizer(config.summarizer) if config.context == "summarize" else None,
     )
     ctx.vocab_size, ctx.context_length = model_limits(tokenizer)
     return ctx, state
@@ -546,14 +624,14 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
     it, and after a few seconds a warning names the episode, ``where``); a hook that raises or times out gives
     the error and a zero reward."""
     def score() -> _Score:  # a reward that is NaN, infinite or not a number fails like one that raises
-        reward = as_reward(task.reward(episode, state.messages, state.records), f"{task.name}'s reward")
-        turns = task.turn_rewards(episode, state.messages, state.records)
+        reward = as_reward(task.reward(episode, state.chat, state.records), f"{task.name}'s reward")
+        turns = task.turn_rewards(episode, state.chat, state.records)
         reward, turns = with_step_rewards(reward, turns and [as_reward(r, f"{task.name}'s turn reward") for r in turns],
                                           state.step_rewards)
-        assistant_turns = len({t for t, s in zip(state.turn_ids, state.spans) if s == SpanKind.ASSISTANT})
-        states = turn_state_keys(task.turn_states(episode, state.messages, state.records), assistant_turns,
+        assistant_turns = sum(t["assistant"] > 0 for t in state.turn_tokens)
+        states = turn_state_keys(task.turn_states(episode, state.chat, state.records), assistant_turns,
                                  f"{task.name}'s turn_states")
-        return _Score(reward, turns, task.episode_metrics(episode, state.messages, state.records) or {},
+        return _Score(reward, turns, task.episode_metrics(episode, state.chat, state.records) or {},
                       bool(task.success(episode, reward)), turn_states=states)
 
     try:
@@ -566,47 +644,75 @@ async def _score(task: Task, episode: Episode, state: _EpisodeState, timeout_s: 
 
 
 def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, finish_reason: str, score: _Score,
-            elapsed_s: float) -> Trajectory:
-    """Assemble the episode's Trajectory record."""
-    reward, turn_rewards, task_metrics = score.reward, score.turn_rewards, score.task_metrics
+            elapsed_s: float) -> list[Trajectory]:
+    """Assemble the episode's records: one Trajectory per segment, in order. Every segment holds the session's
+    reward, success and episode info (the session is scored once, on its whole chat); its own turns' turn
+    rewards, turn states, steps, tool calls and token counts (turns numbered from 0 in each segment, as the
+    proxy's are); the last one the session's finish reason, earlier ones "history_rewrite"."""
+    segments = [*state.closed, state]
+    ends = [(s.first_turn, s.first_record, s.started) for s in segments[1:]]
+    ends.append((len(state.turn_tokens), len(state.records), None))
+    out, earlier_s = [], 0.0
+    for n, (seg, (end_turn, end_record, next_started)) in enumerate(zip(segments, ends)):
+        last = seg is state
+        total_s = elapsed_s - earlier_s if last else next_started - seg.started
+        earlier_s += total_s
+        out.append(_segment_record(task, episode, ctx, seg, n, len(segments), score, end_turn, end_record,
+                                   finish_reason if last else "history_rewrite", total_s, last))
+    return out
+
+
+def _segment_record(task: Task, episode: Episode, ctx: _Context, seg: _EpisodeState, n: int, count: int, score: _Score,
+                    end_turn: int, end_record: int, finish_reason: str, total_s: float, last: bool) -> Trajectory:
+    """Segment ``n`` of ``count`` (``seg``: its state; its turns end at the session's turn ``end_turn``, its tool
+    calls at ``end_record``) as a Trajectory: what :func:`_finish` says it holds."""
+    first = seg.first_turn
+    turn_tokens = seg.turn_tokens[first:end_turn]
+    records = seg.records[seg.first_record:end_record]
+    if first:
+        records = [dataclasses.replace(r, turn=r.turn - first) for r in records]
+    task_metrics = score.task_metrics if last else None  # the session's: counted once
     metrics = {
-        "turns": len(state.turn_tokens),
-        "turn_tokens": state.turn_tokens,
-        "assistant_tokens": sum(t["assistant"] for t in state.turn_tokens),
-        "observation_tokens": sum(t["observation"] for t in state.turn_tokens),
-        "tool_calls": len(state.records),
-        "tool_errors": dict(Counter(r.error_kind for r in state.records if r.error_kind)),
-        "observation_truncations": state.observation_truncations,
-        "generate_s": state.timings["generate_s"],
-        "tools_s": state.timings["tools_s"],
-        "total_s": elapsed_s,
+        "turns": len(turn_tokens),
+        "turn_tokens": turn_tokens,
+        "assistant_tokens": sum(t["assistant"] for t in turn_tokens),
+        "observation_tokens": sum(t["observation"] for t in turn_tokens),
+        "tool_calls": len(records),
+        "tool_errors": dict(Counter(r.error_kind for r in records if r.error_kind)),
+        "observation_truncations": seg.observation_truncations,
+        "generate_s": seg.timings["generate_s"],
+        "tools_s": seg.timings["tools_s"],
+        "total_s": total_s,
         # template exactness (docs/templates.md): did every observation extend a fresh one-go render of the
         # episode's messages? Counted as mismatches (strict) or drift (history_mode="keep_seen").
-        "template_exact": not state.template_diffs,
-        "template_mismatch": 0 if ctx.config.history_mode == "keep_seen" else len(state.template_diffs),
-        "template_drift": len(state.template_diffs) if ctx.config.history_mode == "keep_seen" else 0,
-        "template_first_diff": state.template_diffs[0] if state.template_diffs else None,
+        "template_exact": not seg.template_diffs,
+        "template_mismatch": 0 if ctx.config.history_mode == "keep_seen" else len(seg.template_diffs),
+        "template_drift": len(seg.template_diffs) if ctx.config.history_mode == "keep_seen" else 0,
+        "template_first_diff": seg.template_diffs[0] if seg.template_diffs else None,
         # assistant turns whose recorded message the template renders otherwise than the model sampled them (what a
         # trainer rendering the messages again would see): {"turn", "char", "sampled", "rendered"} of the first
-        "template_rerender_diffs": len(state.rerender_diffs),
-        "template_rerender_first": state.rerender_diffs[0] if state.rerender_diffs else None,
+        "template_rerender_diffs": len(seg.rerender_diffs),
+        "template_rerender_first": seg.rerender_diffs[0] if seg.rerender_diffs else None,
     }
     if task_metrics:  # the task's own numbers about the episode, averaged by the trainer
         metrics["task"] = task_metrics
-    if state.error:
-        metrics["backend_error"] = state.error
-    if state.env_error or score.error:
-        metrics["error"] = state.env_error or score.error
+    if last and seg.error:
+        metrics["backend_error"] = seg.error
+    if last and (seg.env_error or score.error):
+        metrics["error"] = seg.env_error or score.error
+    if ctx.config.context != "keep":  # how the session's history was managed (docs/design.md section 5)
+        metrics["context"] = {"policy": ctx.config.context, "segment": n, "segments": count}
     # steps: the environment's per-turn rewards, done/truncated and metadata, as it gave them
+    steps = [{**s, "turn": s["turn"] - first} for s in seg.steps if first <= s["turn"] < end_turn]
+    turn_states = score.turn_states[first:end_turn] if score.turn_states is not None else None
     info = episode_info(task.name, ctx.index, ctx.seed, success=score.success, tokenizer=ctx.tokenizer,
-                        identity={"answer": episode.answer, "session_id": episode_session_id(task.name, ctx.seed, ctx.index),
-                                  "segment": 0},
-                        extra={**episode.info, **({"steps": state.steps} if state.steps else {}),
-                               **({"turn_states": score.turn_states} if score.turn_states is not None else {})})
+                        identity={"answer": episode.answer, "session_id": ctx.session_id, "segment": n},
+                        extra={**episode.info, **({"steps": steps} if steps else {}),
+                               **({"turn_states": turn_states} if turn_states is not None else {})})
     return Trajectory(
-        prompt_ids=ctx.prompt_ids, response_ids=state.response_ids, spans=state.spans, turn_ids=state.turn_ids,
-        logprobs=state.logprobs, messages=state.messages, tool_calls=state.records, reward=reward,
-        turn_rewards=turn_rewards, finish_reason=finish_reason, truncated=finish_reason == "length",
-        metrics=metrics, info=info,
-        policy_versions=state.policy_versions if any(v >= 0 for v in state.policy_versions) else None,
+        prompt_ids=seg.prompt_ids, response_ids=seg.response_ids, spans=seg.spans, turn_ids=seg.turn_ids,
+        logprobs=seg.logprobs, messages=seg.messages, tool_calls=records, reward=score.reward,
+        turn_rewards=score.turn_rewards[first:end_turn] if score.turn_rewards is not None else None,
+        finish_reason=finish_reason, truncated=finish_reason == "length", metrics=metrics, info=info,
+        policy_versions=seg.policy_versions if any(v >= 0 for v in seg.policy_versions) else None,
     )

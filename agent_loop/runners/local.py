@@ -25,7 +25,7 @@ from agent_loop.backends.base import Backend, check_backend, is_fatal
 from agent_loop.config import rate
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.info import episode_info
-from agent_loop.episode.loop import formatter_for, run_episode
+from agent_loop.episode.loop import formatter_for, run_session
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.runners.jsonl import MAX_LINE_BYTES, JsonlWriter, check_output, iter_lines, written_episodes
 from agent_loop.runners.spec import RunSpec
@@ -63,16 +63,17 @@ def error_trajectory(task: Task, index: int, seed: int, error: BaseException | s
 
 
 async def play_episode(task: Task, index: int, backend: Backend, tokenizer, config: LoopConfig | None = None,
-                       seed: int = 0) -> Trajectory:
-    """``run_episode``, with any non-fatal exception turned into an :func:`error_trajectory`."""
+                       seed: int = 0) -> list[Trajectory]:
+    """``run_session`` (the episode's segments: one, unless its context policy rewrote its history), with any
+    non-fatal exception turned into an :func:`error_trajectory`."""
     try:
-        return await run_episode(task, index, backend, tokenizer, config, seed)
+        return await run_session(task, index, backend, tokenizer, config, seed)
     except Exception as error:
         if is_fatal(error):
             raise
         trajectory = error_trajectory(task, index, seed, error, tokenizer)
         trajectory.metrics["traceback"] = "".join(traceback.format_exception(error)[-3:])[-2000:]
-        return trajectory
+        return [trajectory]
 
 
 class TrajectorySink:
@@ -89,7 +90,7 @@ class TrajectorySink:
                  output_mode: str = "new", *, keep: bool = False, stats: RolloutStats | None = None,
                  info: dict | None = None):
         self.info = info or {}
-        self.results: dict[int, Trajectory] | None = {} if keep else None
+        self.results: dict[int, list[Trajectory]] | None = {} if keep else None  # index -> its segments
         self.stats = stats if stats is not None else RolloutStats()
         self.file = JsonlWriter(output_path, output_mode) if output_path else None
         self.bar = tqdm(total=total, desc=description, unit="ep", disable=not progress)
@@ -97,7 +98,7 @@ class TrajectorySink:
     def add(self, trajectory: Trajectory) -> None:
         trajectory.info.update({k: dict(v) if isinstance(v, dict) else v for k, v in self.info.items()})
         if self.results is not None:
-            self.results[trajectory.info["index"]] = trajectory
+            self.results.setdefault(trajectory.info["index"], []).append(trajectory)
         self.stats.add(trajectory)
         if self.file:
             self.file.write_line(trajectory.to_json())
@@ -108,7 +109,7 @@ class TrajectorySink:
     def in_order(self, indices: list[int]) -> list[Trajectory]:
         if self.results is None:
             raise RuntimeError("TrajectorySink(keep=False) keeps no trajectories; pass keep=True to get them back")
-        return [self.results[i] for i in indices]
+        return [t for i in indices for t in sorted(self.results[i], key=lambda t: t.segment)]
 
     def __enter__(self) -> "TrajectorySink":
         return self
@@ -170,7 +171,8 @@ async def play_pool(spec: RunSpec, backend: Backend, sink: TrajectorySink, next_
     cancellation) stops the other workers, then is raised."""
     async def worker() -> None:
         while (index := await next_index()) is not None:
-            sink.add(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
+            for trajectory in await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed):
+                sink.add(trajectory)
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
     try:

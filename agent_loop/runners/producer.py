@@ -196,6 +196,10 @@ class RolloutProducer:
     def __init__(self, task, backend: VersionedBackend, tokenizer, config: LoopConfig, *, seed: int,
                  concurrency: int, group_size: int, groups_per_step: int, max_staleness: int, first_step: int = 0,
                  last_step: int | None = None, position: dict | None = None, filter_rounds: int | None = None):
+        if config.context != "keep":
+            raise ValueError(f"--context {config.context}: the asynchronous producer files one record per episode into "
+                             "its group and does not carry sessions of several segments yet; use --context keep or "
+                             "synchronous rollouts (--max-staleness 0)")
         self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
         backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
         self.spec = RunSpec(task, tokenizer, (), config, seed, progress=False)

@@ -47,7 +47,7 @@ class RolloutWorker:
         self.spec = spec
         self.backend = backend_factory()
 
-    async def play(self, index: int) -> Trajectory:
+    async def play(self, index: int) -> list[Trajectory]:  # the episode's segments
         spec = self.spec
         return await play_episode(spec.task, index, self.backend, spec.tokenizer, spec.config, spec.seed)
 
@@ -127,10 +127,11 @@ class _ActorPool:
             cause = getattr(error, "cause", None) or error
             if is_fatal(cause):
                 raise cause from None
-            self._written(sink, index, error_trajectory(self.spec.task, index, self.spec.seed, cause, self.spec.tokenizer))
+            self._written(sink, index, [error_trajectory(self.spec.task, index, self.spec.seed, cause, self.spec.tokenizer)])
 
-    def _written(self, sink: TrajectorySink, index: int, trajectory: Trajectory) -> None:
-        sink.add(trajectory)
+    def _written(self, sink: TrajectorySink, index: int, trajectories: list[Trajectory]) -> None:
+        for trajectory in trajectories:
+            sink.add(trajectory)
         self.attempts.pop(index, None)
         self.left -= 1
 
@@ -146,8 +147,8 @@ class _ActorPool:
                           + ("replaced it, replaying its episodes" if replaced else "no replacements left"), stacklevel=4)
         if self.attempts[index] >= self.max_attempts:
             spec = self.spec
-            self._written(sink, index, error_trajectory(spec.task, index, spec.seed, f"lost with {self.attempts[index]} "
-                                                        f"dead actors: {error}", spec.tokenizer))
+            self._written(sink, index, [error_trajectory(spec.task, index, spec.seed, f"lost with {self.attempts[index]} "
+                                                         f"dead actors: {error}", spec.tokenizer)])
         else:
             self.replays.appendleft(index)
 

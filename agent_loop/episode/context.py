@@ -1,0 +1,93 @@
+"""Context policies: what the loop keeps of an episode's history when it rewrites it (docs/design.md section 5,
+"Context policies"; ``LoopConfig.context``).
+
+Each function here takes the episode's current context (its messages: the head -- system prompt and task --
+then turns, an assistant message and the observation messages after it) and returns the messages of the next
+context. The loop renders them afresh as the prompt of a new *segment* of the episode's session; nothing here
+touches tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from agent_loop.tasks.plugins import import_object
+
+SUMMARY_HEADER = "Summary of your earlier turns:"
+SUMMARY_CHARS = 4096  # the default digest keeps its most recent lines within this many characters
+
+
+def head_length(messages: list[dict]) -> int:
+    """How many messages open the chat before its first turn: up to and including the first user message (the
+    task), with any system message before it."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        raise ValueError("the episode's messages have no user message (the task): a context policy keeps the "
+                         "system prompt and the task, and needs one")
+    return first_user + 1
+
+
+def turn_starts(messages: list[dict]) -> list[int]:
+    """The index of each turn's assistant message after the head (a turn: the assistant message and the
+    observation messages after it, up to the next assistant message)."""
+    head = head_length(messages)
+    return [i for i in range(head, len(messages)) if messages[i].get("role") == "assistant"]
+
+
+def windowed(messages: list[dict], turns: int) -> list[dict] | None:
+    """The head and the last ``turns`` turns of ``messages``; None when they hold no more turns than that (nothing
+    to cut)."""
+    starts = turn_starts(messages)
+    if len(starts) <= turns:
+        return None
+    return messages[: head_length(messages)] + messages[starts[-turns]:]
+
+
+def digest(messages: list[dict], max_chars: int = SUMMARY_CHARS) -> str:
+    """The default summary: one line per tool call and result of ``messages``, in order (``name(arguments) ->
+    result``), the most recent kept within ``max_chars`` (a first line says how many earlier ones were left out).
+    Deterministic: the same messages give the same text."""
+    calls = {c.get("id"): c["function"] for m in messages for c in m.get("tool_calls") or []}
+    lines = []
+    for m in messages:
+        if m.get("role") != "tool":
+            continue
+        call = calls.get(m.get("tool_call_id"), {"name": m.get("name", "tool"), "arguments": {}})
+        arguments = call["arguments"] if isinstance(call["arguments"], str) else json.dumps(call["arguments"],
+                                                                                             sort_keys=True)
+        lines.append(f"- {call['name']}({arguments}) -> {m.get('content')}")
+    kept, size = [], 0
+    for line in reversed(lines):
+        if size + len(line) + 1 > max_chars:
+            break
+        kept.append(line)
+        size += len(line) + 1
+    left_out = len(lines) - len(kept)
+    return "\n".join(([f"({left_out} earlier results left out)"] if left_out else []) + kept[::-1]) or "(no tool results)"
+
+
+def summarized(messages: list[dict], summarize: Callable[[list[dict]], str]) -> list[dict]:
+    """The head of ``messages`` with the summary of every turn after it (``summarize(turns)``) appended to the task
+    (the first user message) under :data:`SUMMARY_HEADER`: a chat of the system prompt and one user message, which
+    every template renders (a second user message in a row is not)."""
+    head = head_length(messages)
+    summary = summarize([dict(m) for m in messages[head:]])
+    if not isinstance(summary, str):
+        raise TypeError(f"the summarizer returned {type(summary).__name__}, not the summary text (str)")
+    kept = [dict(m) for m in messages[:head]]
+    kept[-1]["content"] = f"{kept[-1].get('content') or ''}\n\n{SUMMARY_HEADER}\n{summary}"
+    return kept
+
+
+def load_summarizer(spec: str | None) -> Callable[[list[dict]], str]:
+    """``--summarizer module:function`` (None: :func:`digest`), checked to be callable."""
+    if spec is None:
+        return digest
+    if ":" not in spec:
+        raise ValueError(f"--summarizer {spec!r}: expected module:function (a function of the messages that returns "
+                         "the summary text)")
+    _, function = import_object(spec, "--summarizer")
+    if not callable(function):
+        raise ValueError(f"--summarizer {spec!r} is not a function ({type(function).__name__})")
+    return function
