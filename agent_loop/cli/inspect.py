@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="JSON Lines file, one Trajectory per line; give two files to compare two runs; "
                              "or a training run's folder (OUTPUT_DIR of agent-loop train) to see it over its steps")
     parser.add_argument("--episode", type=int_at_least(0), action="append", metavar="N",
-                        help="show the episode whose info.index is N; repeatable")
+                        help="show the episode whose info.index is N (a session: every segment, in order); "
+                             "repeatable")
     parser.add_argument("--worst", type=int_at_least(1), nargs="?", const=1, metavar="K",
                         help="show the K lowest-reward episodes with their values per token (as --values; default K: 1)")
     parser.add_argument("--failed", action="store_true", help="only failed episodes")

@@ -1,6 +1,6 @@
 """``agent-loop inspect A.jsonl B.jsonl``: two runs of the same episodes side by side.
 
-Episodes are matched by ``info.index`` and ``info.seed`` (``match="index"``), or by prompt (``match="prompt"``:
+Episodes are matched by ``info.index`` and ``info.seed`` (``match="index"``; a session's segment k with segment k), or by prompt (``match="prompt"``:
 the k-th episode of a prompt in A with the k-th of the same prompt in B), which is the default for two
 step files of a training run, whose steps play new indices. One pass over each file keeps a small
 record per episode (line, offset, outcome, a digest of its tokens); only the pairs shown are read
@@ -53,10 +53,12 @@ class Brief:
     values: str = ""  # digest of the recorded returns and advantages ("" when the episode carries none)
     prompt: str = ""  # digest of the prompt's token ids
     step: object = None  # info["step"]: the training step of a step file's episode
+    segment: int = 0  # its place in its session (a session whose agent rewrote its history has several)
 
     @property
     def key(self) -> tuple:
-        return (self.index, self.seed)
+        """What pairs it with the other run's: a session's segment k with segment k of the same episode."""
+        return (self.index, self.seed, self.segment)
 
 
 MATCHES = {"index": "(info.index, info.seed)", "prompt": "prompt"}  # how episodes are matched -> as it is said
@@ -74,7 +76,7 @@ def briefs(path: str | Path, problems: Problems) -> tuple[list[Brief], RolloutSt
         prompt = hashlib.blake2b(repr(t.prompt_ids).encode(), digest_size=8).hexdigest()
         out.append(Brief(record.line, record.offset, episode_id(t, ordinal), t.info.get("seed"), t.success,
                          t.reward, len(set(t.turn_ids)), t.finish_reason, len(t.response_ids), digest, values,
-                         prompt, t.info.get("step")))
+                         prompt, t.info.get("step"), t.segment))
         summary.add(t, index=out[-1].index)
     return out, summary
 
@@ -215,7 +217,8 @@ def named(values: list, cap: int = NAMED) -> str:
 
 def stats(summary: RolloutStats) -> dict[str, str]:
     """A run's summary as the rows of the comparison table."""
-    return {"episodes": str(summary.episodes), "success rate": rate(summary.success_rate),
+    segments = f" ({plural(summary.segments, 'segment')})" if summary.segments != summary.episodes else ""
+    return {"episodes": f"{summary.episodes}{segments}", "success rate": rate(summary.success_rate),
             "mean reward": f"{summary.mean('reward_sum'):.3f}", "mean turns": f"{summary.mean('turns'):.2f}",
             "mean tokens": f"{summary.mean('assistant_tokens') + summary.mean('observation_tokens'):.1f}"}
 

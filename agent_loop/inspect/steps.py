@@ -89,14 +89,17 @@ def from_metrics(line: dict) -> StepRow:
 
 
 def from_step_file(step: int, path: Path, problems: Problems) -> StepRow:
-    """A step's row from its step file: one pass, the recorded advantages of its trained episodes."""
-    row, n, calls, errors = StepRow(step, source="step file"), 0, 0, 0
+    """A step's row from its step file: one pass, the recorded advantages of its trained episodes. An episode
+    is a session: counted once (at its segment 0) in the means; the finish mix is over its records (segments)."""
+    row, n, records, calls, errors = StepRow(step, source="step file"), 0, 0, 0, 0
     success = reward = turns = 0.0
     finish: dict[str, int] = {}
     advantages = []
     for record in iter_records(path, problems):
         t = record.trajectory
-        n, success, reward = n + 1, success + t.success, reward + t.reward
+        records += 1
+        if t.segment == 0:
+            n, success, reward = n + 1, success + t.success, reward + t.reward
         turns += len(set(t.turn_ids))
         calls += len(t.tool_calls)
         errors += sum(1 for c in t.tool_calls if c.error_kind)
@@ -107,7 +110,7 @@ def from_step_file(step: int, path: Path, problems: Problems) -> StepRow:
     row.episodes = n
     if n:
         row.success, row.reward, row.turns, row.tool_calls = success / n, reward / n, turns / n, calls / n
-        row.tool_errors, row.finish = float(errors), {k: v / n for k, v in finish.items()}
+        row.tool_errors, row.finish = float(errors), {k: v / records for k, v in finish.items()}
     values = np.concatenate(advantages) if advantages else np.zeros(0)
     if values.size:
         row.advantage = (float(values.mean()), float(values.std()), float(values.min()), float(values.max()))

@@ -15,7 +15,7 @@ import torch
 
 from agent_loop.cli.inspect import add_arguments, main, selection_of
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.inspect import html, terminal
+from agent_loop.inspect import html, runs, steps, terminal
 from agent_loop.inspect.load import Problems
 from agent_loop.inspect.sessions import sessions_of
 from agent_loop.inspect.values import carried, compute_values
@@ -258,3 +258,18 @@ def test_a_repeated_session_id_starts_a_new_session(two_segments):
     assert all(not s.problem for s in grouped)
     values = compute_values([*two_segments, *two_segments], gamma=GAMMA)
     assert torch.equal(values.returns[:2], values.returns[2:])
+
+
+def test_two_runs_pair_a_session_segment_by_segment_and_count_it_once(session_file):
+    c = runs.compare(session_file, session_file)
+    assert [(p.a.index, p.a.segment, p.b.segment) for p in c.pairs] == [(7, 0, 0), (7, 1, 1)]
+    assert not c.problems and not any(p.differs for p in c.pairs)
+    assert runs.stats(c.summaries[0])["episodes"] == "1 (2 segments)"
+
+
+def test_a_step_file_counts_sessions_and_its_finish_mix_over_segments(mixed_file):
+    row = steps.from_step_file(1, mixed_file, Problems())
+    assert row.episodes == 3
+    assert row.success == pytest.approx(2 / 3) and row.reward == pytest.approx(1.5 / 3)
+    assert row.turns == pytest.approx((2 + 2 + 1 + 2) / 3)
+    assert row.finish == pytest.approx({"stop": 3 / 4, "history_rewrite": 1 / 4})
