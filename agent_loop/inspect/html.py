@@ -22,6 +22,7 @@ from agent_loop.inspect.view import (
     InspectView,
     carried_on,
     continues_note,
+    episode_label,
     episodes_text,
     row_values_note,
     segment_note,
@@ -264,7 +265,7 @@ def episode_head(view: InspectView, row: int) -> str:
     session = (f'<div class="session">episode {view.ids[row]}: one session of {view.segments[row]} segments (its agent '
                "rewrote its history), shown in order; its returns run across them</div>"
                if segment and traj.segment == 0 else "")
-    return (session + f'<h2>episode {view.ids[row]}{f" · {segment}" if segment else ""} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
+    return (session + f'<h2>{esc(episode_label(view, row))} <span class="badge {"ok" if ok else "fail"}">{"success" if ok else "failed"}</span> '
             f"reward {traj.reward:g} · finish {esc(traj.finish_reason)}{' (truncated)' if traj.truncated else ''} · "
             f"{plural(len(set(traj.turn_ids)), 'turn')} · {n_assistant} assistant / {len(traj.spans) - n_assistant} "
             f"observation tokens · line {view.lines[row]}{why}"

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from agent_loop.inspect.tokens import segments  # noqa: E402
 from agent_loop.inspect.values import carried  # noqa: E402
-from agent_loop.inspect.view import InspectView, carried_on, segment_note  # noqa: E402
+from agent_loop.inspect.view import InspectView, carried_on, episode_label  # noqa: E402
 from masking.spans import SpanKind  # noqa: E402
 
 MAX_EPISODE_PLOTS = 8
@@ -83,8 +83,7 @@ def episode_axes(ax, view: InspectView, row: int, compare: bool) -> None:
     ax.axhline(0, color="#888", lw=0.5)
     ax.set_xlim(-0.5, max(n, 1) - 0.5)
     ok = traj.success
-    segment = f", {segment_note(view, row)}" if segment_note(view, row) else ""
-    ax.set_title(f"episode {view.ids[row]}{segment} (line {view.lines[row]}): {'success' if ok else 'FAILED'}, "
+    ax.set_title(f"{episode_label(view, row)} (line {view.lines[row]}): {'success' if ok else 'FAILED'}, "
                  f"reward {traj.reward:g}, finish {traj.finish_reason}", fontsize=9, loc="left",
                  color="black" if ok else "#b00020")
     assistant = np.asarray(spans) == SpanKind.ASSISTANT

@@ -18,6 +18,7 @@ from agent_loop.inspect.view import (
     InspectView,
     carried_on,
     continues_note,
+    episode_label,
     episodes_text,
     row_values_note,
     segment_note,
@@ -152,7 +153,7 @@ def turn_table(view: InspectView, row: int) -> Table:
     """One row per assistant turn (:func:`~agent_loop.inspect.turn_view.turn_rows`): tokens, reward, return,
     advantage, and the anchor-state group it joined (gigpo, as trained) or the task's state key."""
     rows = turn_rows(view, row)
-    table = Table(title=f"episode {view.ids[row]}: per turn ({row_values_note(view, row)})", title_justify="left")
+    table = Table(title=f"{episode_label(view, row)}: per turn ({row_values_note(view, row)})", title_justify="left")
     for name in ("turn", "tokens", "reward", "return", "advantage", "anchor group", "state"):
         table.add_column(name, justify="left" if name in ("anchor group", "state") else "right", no_wrap=True,
                          overflow="ellipsis")
@@ -265,9 +266,9 @@ def estimator_table(view: InspectView) -> Table:
 
 
 def compare_table(view: InspectView, row: int) -> Table:
-    """Per segment of the episode: the return at its first and last token under each estimator."""
+    """Per run of tokens of one turn and span: the return at its first and last token under each estimator."""
     v = view.values
-    table = Table(title=f"episode {view.ids[row]}: returns per segment (first → last token)", title_justify="left")
+    table = Table(title=f"{episode_label(view, row)}: returns per span run (first → last token)", title_justify="left")
     for name in ("turn", "span", "positions"):
         table.add_column(name, no_wrap=True)
     for name in COMPARED:

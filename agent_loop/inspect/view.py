@@ -356,6 +356,12 @@ def segment_note(view: "InspectView", row: int) -> str:
     return f"segment {view.trajectories[row].segment} of {n}" if n > 1 else ""
 
 
+def episode_label(view: "InspectView", row: int) -> str:
+    """``"episode 7"``, or ``"episode 7 · segment 1 of 2"`` for a row of a session of several segments."""
+    segment = segment_note(view, row)
+    return f"episode {view.ids[row]}" + (f" · {segment}" if segment else "")
+
+
 def carried_on(view: "InspectView", row: int) -> float | None:
     """The return the end of a row continues from (the next segment's first ASSISTANT token's), or None."""
     return view.values.carried_on[row] if view.values is not None and view.values.carried_on else None

@@ -12,10 +12,11 @@ import re
 
 import pytest
 import torch
+from rich.console import Console
 
 from agent_loop.cli.inspect import add_arguments, main, selection_of
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.inspect import html, runs, steps, terminal
+from agent_loop.inspect import html, plots, runs, steps, terminal
 from agent_loop.inspect.load import Problems
 from agent_loop.inspect.sessions import sessions_of
 from agent_loop.inspect.values import carried, compute_values
@@ -273,3 +274,16 @@ def test_a_step_file_counts_sessions_and_its_finish_mix_over_segments(mixed_file
     assert row.success == pytest.approx(2 / 3) and row.reward == pytest.approx(1.5 / 3)
     assert row.turns == pytest.approx((2 + 2 + 1 + 2) / 3)
     assert row.finish == pytest.approx({"stop": 3 / 4, "history_rewrite": 1 / 4})
+
+
+def test_the_per_turn_and_compare_tables_and_the_png_name_the_segment(session_file):
+    view = build_view(scan(session_file, Selection("all", 100), gamma=GAMMA, compare=True))
+    console = Console(width=200, record=True)
+    terminal.render(view, console, compare=True, turns_view=True)
+    out = console.export_text()
+    for k in (0, 1):
+        assert f"episode 7 · segment {k} of 2: per turn" in out
+        assert f"episode 7 · segment {k} of 2: returns per span run" in out
+    titles = [ax.get_title(loc="left") for ax in plots.figure(view).axes]
+    assert [t.split(" (line")[0] for t in titles if t.startswith("episode")] == [
+        "episode 7 · segment 0 of 2", "episode 7 · segment 1 of 2"]
