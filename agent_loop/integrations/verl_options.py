@@ -46,6 +46,9 @@ def _loop_fields(fields: dict) -> dict:
     except ValidationError as error:
         problem = error.errors(include_url=False)[0]
         raise ValueError(f"{'.'.join(map(str, problem['loc']))}={problem.get('input')!r}: {problem['msg']}") from None
+    if fields.get("context", "keep") != "keep":  # never trained as independent rows (issue 54)
+        raise ValueError(f"context={fields['context']!r} splits an episode into segments of one session, and verl's "
+                         "AgentLoop returns one row per sample with no session field to join them by: use context 'keep'")
     return dict(fields)
 
 

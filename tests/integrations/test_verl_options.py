@@ -59,6 +59,8 @@ def test_verl_config_shapes_give_the_options_and_the_loop_config():
     ({"loop": {"max_turn": 1}}, "agent_loop.loop={'max_turn': 1}: unknown key(s) ['max_turn']; did you mean max_turns?"),
     ({"loop": {"max_turns": 0}}, "agent_loop.loop={'max_turns': 0}: max_turns=0: Input should be greater than or equal to 1"),
     ({"seed": -1}, "agent_loop.seed=-1: Input should be greater than or equal to 0"),
+    ({"loop": {"context": "window"}}, "agent_loop.loop={'context': 'window'}: context='window' splits an episode into "
+                                      "segments of one session, and verl's AgentLoop returns one row per sample"),
     ({"task": "arithmetic", "reward": "number"}, "give either agent_loop.task (it brings its reward) or agent_loop.reward"),
     ({"reward_source": "agent_loop"}, "agent_loop.reward_source agent_loop: needs agent_loop.task or agent_loop.reward"),
 ])
