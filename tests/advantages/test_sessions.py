@@ -16,7 +16,7 @@ import torch
 
 import advantages.turn_credit as turn_credit
 import masking.sessions as masking_sessions
-from advantages import ESTIMATORS, aggregate_loss, get_estimator
+from advantages import ESTIMATORS, aggregate_loss, get_estimator, ppo_clip_policy_loss
 from masking.batch import collate
 from masking.kinds import SpanKind
 
@@ -331,3 +331,19 @@ def test_the_torch_join_without_a_compiler(name, monkeypatch):
     for w, n, g in zip(want, native, got):
         torch.testing.assert_close(g[split_at], w[whole_at], rtol=0, atol=1e-12)
         torch.testing.assert_close(g, n, rtol=0, atol=1e-12)
+
+
+def test_a_policy_loss_aggregates_by_session_through_global_batch_info():
+    """The trainer's PPO loss reaches the session-aware seq-mean through ``global_batch_info``."""
+    g = torch.Generator().manual_seed(1)
+    old, new, adv = (torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(5, 4, dtype=torch.bool)
+    mask[:, 3] = False
+    session = torch.tensor([0, 0, 1, 2, 2])
+    loss, _ = ppo_clip_policy_loss(old, new, adv, mask, "seq-mean-token-mean", global_batch_info={"session": session})
+    per_token, _ = ppo_clip_policy_loss(old, new, adv, mask, "token-sum")  # the per-token losses, summed
+    ratio = (new - old).exp()
+    token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    token = torch.where(adv < 0, torch.minimum(token, -adv * 3.0), token)
+    assert float(per_token) == pytest.approx(float(token[mask].sum()), abs=1e-12)
+    assert float(loss) == pytest.approx(_serial_seq_mean(token, mask, session, "seq-mean-token-mean"), abs=1e-12)
