@@ -142,6 +142,24 @@ def _exclusive_sums_in_session(amount: torch.Tensor, order: torch.Tensor, sorted
     return torch.empty_like(before).scatter_(0, order, before - start[sorted_session]), total
 
 
+def _sync_free(x: torch.Tensor) -> bool:
+    """Whether reading a tensor's values on the host would stall an accelerator (then the joined width is
+    an upper bound read from the shapes instead)."""
+    return not x.is_cpu
+
+
+def host_layout(session, segment, b: int, validate: bool) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """What :func:`session_join` reads on the host: ``(b,)`` dense session ids and segment numbers on the CPU,
+    the number of sessions and the most segments of one (free for CPU tensors, one read otherwise);
+    ``validate``: :func:`check_segments`."""
+    sessions_cpu = row_ids(session, b, "session", what="session id").cpu()
+    segment_cpu = segment_numbers(segment, b).cpu()
+    dense_cpu = dense_ids(sessions_cpu)
+    if validate:
+        check_segments(dense_cpu, segment_cpu)
+    return dense_cpu, segment_cpu, int(dense_cpu.max()) + 1 if b else 0, int(segment_cpu.max()) + 1 if b else 0
+
+
 def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -> SessionJoin:
     """The joined layout of a batch whose rows are segments of sessions.
 
@@ -155,19 +173,13 @@ def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -
     """
     b, t = spans.shape
     device = spans.device
-    sessions_cpu = row_ids(session, b, "session", what="session id").cpu()
-    segment_cpu = segment_numbers(segment, b).cpu()
-    dense_cpu = dense_ids(sessions_cpu)
-    sessions = int(dense_cpu.max()) + 1 if b else 0
-    segments = int(segment_cpu.max()) + 1 if b else 0
-    if validate:
-        check_segments(dense_cpu, segment_cpu)
+    dense_cpu, segment_cpu, sessions, segments = host_layout(session, segment, b, validate)
     dense = dense_cpu.to(device)
     order = torch.argsort(dense * max(segments, 1) + segment_cpu.to(device))
     sorted_session = dense[order]
     length = _lengths(spans)
     offset, total = _exclusive_sums_in_session(length, order, sorted_session, sessions)
-    width = max((int(total.max()) if sessions else 0) if spans.is_cpu else t * segments, 1)
+    width = max((int(total.max()) if sessions else 0) if not _sync_free(spans) else t * segments, 1)
     positions = torch.arange(b, device=device)
     first = torch.full((sessions,), b, dtype=torch.long, device=device).scatter_reduce(0, sorted_session, positions, "amin")
     return SessionJoin(spans, dense, length, dense * width + offset, total, order[first], sessions, width, segments, order)
@@ -278,7 +290,7 @@ def join_turns(per_turn: torch.Tensor, join: SessionJoin, fill=-1) -> torch.Tens
     device = per_turn.device
     count = join.turn_count.to(device)
     ends = join.turn_offset.to(device) + count
-    n = (int(ends.max()) if b else 0) if per_turn.is_cpu else m * join.segments
+    n = (int(ends.max()) if b else 0) if not _sync_free(per_turn) else m * join.segments
     n = max(n, 1)
     columns = torch.arange(m, device=device)
     session = join.session.to(device)

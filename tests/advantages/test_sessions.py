@@ -19,6 +19,7 @@ import masking.sessions as masking_sessions
 from advantages import ESTIMATORS, aggregate_loss, get_estimator, ppo_clip_policy_loss
 from masking.batch import collate
 from masking.kinds import SpanKind
+from tests.helpers.host_syncs import HostSyncs
 
 A, O = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION)
 SETTINGS = {"gamma": 0.9, "lam": 0.8}  # a discount and a GAE lambda: returns carry across the cut
@@ -89,7 +90,7 @@ def _call(name: str, batch, session=None, segment=None, drop=(), **settings):
     entry = get_estimator(name)
     fields = {k: batch[k] for k in entry.batch_arguments
               if k in batch and k not in ("token_level_rewards", "response_mask", *drop)}
-    settings = {k: v for k, v in {**SETTINGS, **settings}.items() if k in entry.hyperparameters}
+    settings = {k: v for k, v in {**SETTINGS, **settings}.items() if k in entry.hyperparameters or k == "validate"}
     return entry(batch.token_level_rewards, batch.response_mask, **fields, **settings, session=session, segment=segment)
 
 
@@ -347,3 +348,23 @@ def test_a_policy_loss_aggregates_by_session_through_global_batch_info():
     token = torch.where(adv < 0, torch.minimum(token, -adv * 3.0), token)
     assert float(per_token) == pytest.approx(float(token[mask].sum()), abs=1e-12)
     assert float(loss) == pytest.approx(_serial_seq_mean(token, mask, session, "seq-mean-token-mean"), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "turn_rloo", "gigpo", "turn_gae", "turn_returns"])
+def test_the_accelerator_path_reads_only_the_session_ids_on_the_host(name, monkeypatch):
+    """On an accelerator without validation, the only host read is of the (b,) session and segment ids
+    (free where they are CPU tensors): the rest of the join, the estimate and the split record no host sync.
+    Here on the CPU's torch paths with the accelerator's layout forced (widths from shapes, not values)."""
+    split, whole, (split_at, whole_at) = _split_and_whole(6, True)
+    want = _call(name, whole, validate=False)
+    layout = masking_sessions.host_layout(split.session, split.segment, split.batch_size, False)
+    monkeypatch.setattr(masking_sessions, "host_layout", lambda *args: layout)
+    monkeypatch.setattr(masking_sessions, "_compiled", lambda: None)
+    monkeypatch.setattr(masking_sessions, "_sync_free", lambda x: True)
+    monkeypatch.setattr(turn_credit, "native_turn_tables", lambda *args, **kwargs: None)
+    monkeypatch.setattr(turn_credit, "_sync_free", lambda x: True)
+    with HostSyncs() as recorder:
+        got = _call(name, split, session=split.session, segment=split.segment, validate=False)
+    assert recorder.seen == [], recorder.seen
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g[split_at], w[whole_at], rtol=0, atol=1e-12)
