@@ -10,7 +10,7 @@ stays cheap:
   :func:`tools_from_schemas` (MCP-style schemas + implementations);
 - rewards: callables taking ``completion``, ``answer``, ... by name, or rules in :data:`RULES`
   (``exact``, ``contains``, ``number``, ``regex:PATTERN``);
-- running: :func:`rollout` (one call), :func:`run_rollouts` / :func:`run_episode` (asyncio),
+- running: :func:`rollout` (one call), :func:`run_rollouts` / :func:`run_episode` / :func:`run_session` (asyncio),
   :class:`LoopConfig`, :func:`read_trajectories`; records :class:`Episode`, :class:`Trajectory`;
 - backends: :class:`Backend` (the contract), :class:`TransformersBackend`, :class:`VLLMEngineBackend`,
   :class:`OpenAIHTTPBackend`, :func:`make_backend`; :func:`check_model_dir` checks a model folder before
@@ -38,6 +38,7 @@ _EXPORTS = {
     "make_backend": "agent_loop.backends.registry",
     "LoopConfig": "agent_loop.episode.config",
     "run_episode": "agent_loop.episode.loop",
+    "run_session": "agent_loop.episode.loop",
     "run_rollouts": "agent_loop.runners.local",
     "read_trajectories": "agent_loop.runners.local",
     "TransformersBackend": "agent_loop.backends.hf",

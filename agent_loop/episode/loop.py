@@ -24,6 +24,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,7 +284,7 @@ class _Context:
     index: int
     vocab_size: int | None = None  # the model's (model_limits): a sampled id must be below it
     context_length: int | None = None  # the model's, when the backend does not know its own
-    summarize: object = None  # context="summarize": the summarizer (messages -> text)
+    summarize: Callable[[list[dict]], str] | None = None  # context="summarize": the summarizer (messages -> text)
 
 
 def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
