@@ -76,3 +76,18 @@ def test_a_failed_start_prints_the_end_of_its_log(tmp_path):
     cause = "Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE"
     assert cause in log.read_text() and cause in tail  # the cause, from the log's last lines
     assert "vLLM engine ready" not in done.stderr
+
+
+def test_train_keeps_the_engine_s_logs_in_its_output_folder(tmp_path):
+    """train starts the same engine (and pushes weights into it): its logs go to <output_dir>/vllm.log."""
+    folder = tmp_path / "run"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    done = subprocess.run([sys.executable, "-m", "agent_loop.cli", "train", "--backend", "vllm", "--steps", "1",
+                           "--prompts-per-step", "2", "--group-size", "2", "--output-dir", str(folder),
+                           "--no-progress"], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**environment, "PYTHONPATH": str(REPO), "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert vllm_lines(done.stdout) == [] and vllm_lines(done.stderr) == [], done.stderr[-3000:]
+    (_, _, where), = READY.findall(done.stderr)
+    assert where == str(folder / "vllm.log") and re.search(r"\(EngineCore[^)]*pid=", (folder / "vllm.log").read_text())
+    assert "step    1" in done.stdout
