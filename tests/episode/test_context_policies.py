@@ -17,6 +17,7 @@ from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.chat import TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.context import SUMMARY_HEADER, digest, load_summarizer, windowed
+from agent_loop.episode.contracts import StepResult, TurnEnvironment
 from agent_loop.episode.loop import run_episode, run_session
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.runners.local import run_rollouts
@@ -279,3 +280,45 @@ def test_the_asynchronous_producer_refuses_a_context_policy_in_one_line():
     with pytest.raises(ValueError, match="--context window: the asynchronous producer .* does not carry sessions"):
         RolloutProducer(None, None, None, LoopConfig(context="window"), seed=0, concurrency=1, group_size=2,
                         groups_per_step=1, max_staleness=1)
+
+
+class Guessing(TurnEnvironment):
+    """A game that answers each guess with a user message: "higher" until the second guess."""
+
+    def __init__(self):
+        self.guesses = 0
+
+    def step(self, turn, limits):
+        self.guesses += 1
+        return StepResult(observations=[{"role": "user", "content": "higher"}], done=self.guesses == 2)
+
+
+class GuessTask(EchoThrice):
+    name = "guess"
+
+    def make_episode(self, index, seed=0):
+        return Episode(messages=[{"role": "user", "content": "Guess my number."}], tools=[], environment=Guessing(), answer="2")
+
+    def reward(self, episode, messages, tool_calls):
+        return float(sum(m["role"] == "assistant" for m in messages) == 2)
+
+
+def test_drop_reasoning_runs_qwen3_as_served_where_a_user_turn_drops_the_reasoning_before_it():
+    """Qwen3 renders an assistant turn's reasoning only after the last user message: once the environment answers
+    with a user message, the turn's reasoning is gone from the render. drop_reasoning starts the next segment on
+    that render (strict refuses the template for user observations, keep_seen would train turn 1 on a context
+    with reasoning that the served model never sees)."""
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    tok.chat_template = read_template("qwen3-0.6b.jinja")
+    replies = ["<think>\nlow first\n</think>\n\n1<|im_end|>", "<think>\nthen two\n</think>\n\n2<|im_end|>"]
+    with pytest.raises(TemplateError, match="rewrites the earlier text"):
+        session(tok, LoopConfig(), replies, GuessTask())
+    segments = session(tok, LoopConfig(context="drop_reasoning"), replies, GuessTask())
+    assert [s.finish_reason for s in segments] == ["history_rewrite", "stop"]
+    assert [s.reward for s in segments] == [1.0, 1.0] and [s.turn_rewards for s in segments] == [[0.1], [0.2]]
+    second = tok.decode(segments[1].prompt_ids)
+    assert "low first" not in second and second.endswith("higher<|im_end|>\n<|im_start|>assistant\n")
+    assert segments[1].prompt_ids == tok(tok.apply_chat_template(segments[1].messages[:-1], tokenize=False,
+                                                                 add_generation_prompt=True),
+                                         add_special_tokens=False)["input_ids"]
+    assert all(s.metrics["template_exact"] for s in segments)
