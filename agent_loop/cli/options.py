@@ -239,6 +239,8 @@ def validate(cls, values: dict[str, Any], *, keys: bool = False):
 def _problem(cls, error: ValidationError, name_of) -> str:
     """The first problem pydantic found, as ``--option value: what is allowed``."""
     problem = error.errors(include_url=False)[0]
+    if isinstance(cause := problem.get("ctx", {}).get("error"), OptionError):  # a rule of __post_init__
+        return cause.render(name_of)
     name = str(problem["loc"][0]) if problem["loc"] else "?"
     value = problem.get("input")
     if isinstance(value, list):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from agent_loop.config import STRICT_NUMBERS
+from agent_loop.config import STRICT_NUMBERS, OptionError
 from agent_loop.config import integer as _count  # a whole-number option: (help, lowest value)
 
 HISTORY_MODES = ("strict", "keep_seen")
@@ -70,7 +70,11 @@ class LoopConfig:
         if self.context not in CONTEXT_POLICIES:
             raise ValueError(f"context must be one of {', '.join(CONTEXT_POLICIES)}, got {self.context!r}")
         if self.context == "drop_reasoning" and self.history_mode != "strict":
-            raise ValueError("context='drop_reasoning' starts a new segment where the template rewrites earlier turns; "
-                             "history_mode='keep_seen' (run on with the drift recorded) is the other answer: pick one")
-        if self.summarizer is not None and self.context != "summarize":
-            raise ValueError(f"summarizer is for context='summarize', not context={self.context!r}")
+            raise OptionError("context", "starts a new segment where the template rewrites earlier turns; {history_mode} "
+                              "keep_seen (run on with the drift recorded) is the other answer: pick one", self.context)
+        for name in ("summarizer", "context_budget"):
+            if getattr(self, name) and self.context != "summarize":
+                raise OptionError(name, f"is for {{context}} summarize, not {self.context}", getattr(self, name))
+        if self.summarizer is not None and ":" not in self.summarizer:
+            raise OptionError("summarizer", "expected module:function (a function of the messages being replaced "
+                              "that returns the summary text)", self.summarizer)

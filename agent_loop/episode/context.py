@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from agent_loop.tasks.plugins import import_object
+from agent_loop.tasks.plugins import PluginError, import_object
 
 SUMMARY_HEADER = "Summary of your earlier turns:"
 SUMMARY_CHARS = 4096  # the default digest keeps its most recent lines within this many characters
@@ -81,13 +81,11 @@ def summarized(messages: list[dict], summarize: Callable[[list[dict]], str]) -> 
 
 
 def load_summarizer(spec: str | None) -> Callable[[list[dict]], str]:
-    """``--summarizer module:function`` (None: :func:`digest`), checked to be callable."""
+    """``--summarizer module:function`` (None: :func:`digest`; its form is checked by ``LoopConfig``), checked to be
+    callable; PluginError saying why not."""
     if spec is None:
         return digest
-    if ":" not in spec:
-        raise ValueError(f"--summarizer {spec!r}: expected module:function (a function of the messages that returns "
-                         "the summary text)")
     _, function = import_object(spec, "--summarizer")
     if not callable(function):
-        raise ValueError(f"--summarizer {spec!r} is not a function ({type(function).__name__})")
+        raise PluginError(f"--summarizer {spec!r} is not a function ({type(function).__name__})")
     return function

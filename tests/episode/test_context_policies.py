@@ -14,6 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
+from agent_loop.cli.options import UsageError, validate
+from agent_loop.cli.rollout import RolloutOptions
+from agent_loop.config import OptionError
 from agent_loop.episode.chat import TemplateError
 from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.context import SUMMARY_HEADER, digest, load_summarizer, windowed
@@ -201,15 +204,20 @@ def test_summarize_with_a_user_summarizer_and_a_token_budget(tiny_tokenizer):
 
 
 def test_summarizer_and_policy_options_are_checked():
-    with pytest.raises(ValueError, match="module:function"):
-        load_summarizer("no_colon")
+    with pytest.raises(OptionError, match="summarizer no_colon: expected module:function"):
+        LoopConfig(context="summarize", summarizer="no_colon")
     with pytest.raises(PluginError, match="no 'nothing'"):
         load_summarizer("tests.episode.test_context_policies:nothing")
-    with pytest.raises(ValueError, match="summarizer is for context='summarize'"):
+    with pytest.raises(PluginError, match="is not a function"):
+        load_summarizer("tests.episode.test_context_policies:WORDS")
+    with pytest.raises(OptionError, match="summarizer tests.episode.test_context_policies:short_summary: is for "
+                                          "context summarize, not keep"):
         LoopConfig(summarizer="tests.episode.test_context_policies:short_summary")
+    with pytest.raises(OptionError, match="context_budget 100: is for context summarize, not window"):
+        LoopConfig(context="window", context_budget=100)
     with pytest.raises(ValueError, match="context must be one of"):
         LoopConfig(context="fold")
-    with pytest.raises(ValueError, match="pick one"):
+    with pytest.raises(OptionError, match="context drop_reasoning: .*history_mode keep_seen .* pick one"):
         LoopConfig(context="drop_reasoning", history_mode="keep_seen")
     with pytest.raises(ValueError, match="no user message"):
         windowed([{"role": "system", "content": "s"}], 1)
@@ -322,3 +330,11 @@ def test_drop_reasoning_runs_qwen3_as_served_where_a_user_turn_drops_the_reasoni
                                                                  add_generation_prompt=True),
                                          add_special_tokens=False)["input_ids"]
     assert all(s.metrics["template_exact"] for s in segments)
+
+
+def test_the_commands_name_a_broken_context_rule_as_flags():
+    with pytest.raises(UsageError, match="^--context-budget 5: is for --context summarize, not window$"):
+        validate(RolloutOptions, {"context": "window", "context_budget": "5"})
+    with pytest.raises(UsageError, match="^--summarizer nomodule: expected module:function"):
+        validate(RolloutOptions, {"context": "summarize", "summarizer": "nomodule"})
+    assert validate(RolloutOptions, {"context": "window", "context_window": "1"}).context_window == 1
