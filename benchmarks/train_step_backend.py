@@ -4,6 +4,10 @@ process) against the new one (``--backend auto``: the vLLM engine in process for
 
     .venv/bin/python benchmarks/train_step_backend.py --model smollm2-135m
     .venv/bin/python benchmarks/train_step_backend.py --model smollm2-135m --steps 3 --prompts-per-step 8
+    .venv/bin/python benchmarks/train_step_backend.py --model tiny --backends hf vllm --lora-rank 8
+
+``--lora-rank R``: LoRA runs (issue 57 item 3): transformers gets the merged weights, the vLLM engine the adapter
+alone (trainer/transports/engine_lora.py).
 
 Each backend runs ``agent-loop train`` as a user would (a fresh process, its own output folder), one after the other;
 the table gives the median over the steps after the first (the first pays for warm-up) of ``time/rollout_s``,
@@ -35,6 +39,8 @@ def run(backend: str, args, folder: Path) -> dict:
                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--max-turns",
                str(args.max_turns), "--threads", str(args.threads), "--mini-batches", "1", "--no-progress",
                "--no-tensorboard", "--output-dir", str(folder / backend)]
+    if args.lora_rank:
+        command += ["--lora-rank", str(args.lora_rank)]
     load = os.getloadavg()[0]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -62,6 +68,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA runs of this rank (0: whole weights)")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     rows = {}
@@ -70,7 +77,8 @@ def main() -> None:
             rows[backend] = run(backend, args, Path(folder))
     base = rows.get("hf")
     print(f"\nmodel {args.model}, task {args.task}, {args.prompts_per_step} x {args.group_size} episodes per step, "
-          f"max_tokens {args.max_tokens}, max_turns {args.max_turns}, {args.threads} threads; medians of steps "
+          f"max_tokens {args.max_tokens}, max_turns {args.max_turns}, {args.threads} threads, LoRA rank "
+          f"{args.lora_rank or '-'}; medians of steps "
           f"2-{args.steps}\n")
     print("| backend | rollout s | train s | weight push s | step s | step vs hf | process s | load start/end |")
     print("|---|---|---|---|---|---|---|---|")

@@ -2,11 +2,12 @@
 
 ``--lora-rank R`` (> 0) wraps the policy in a ``peft`` LoRA model on ``--lora-target-modules`` (default
 every linear layer of the decoder; not the output head or the embeddings). Only the adapter matrices
-get gradients and AdamW state. In-process rollout backends and checkpoints get the *merged* weights
+get gradients and AdamW state. The transformers rollout backend and checkpoints get the *merged* weights
 ``W + (alpha / r) B A``, computed without touching ``W`` (no merge/unmerge round trip that would
 drift the frozen base in float rounding): a checkpoint's ``model/`` is a plain transformers model,
-and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``). vLLM rollout
-servers get the adapter alone (``trainer.transports.vllm_servers.VLLMServerLoRASync``).
+and ``adapter/`` holds the adapter alone (``PeftModel.from_pretrained(base, adapter)``). vLLM gets the
+adapter alone: the in-process engine (``trainer.transports.engine_lora.EngineLoRASync``) and rollout
+servers (``trainer.transports.vllm_servers.VLLMServerLoRASync``).
 """
 
 from __future__ import annotations

@@ -225,8 +225,9 @@ class Trainer:
             backend = make_backend("http", config.served_name(start.initial_model), BackendSettings.from_options(config))
         if backend is None and self.rollout_backend_name(start) == "vllm":  # the engine loads the policy's folder;
             log = engine_log(fresh_path(str(self.output_dir / "vllm.log")), verbose=config.verbose)  # its logs
-            backend = make_backend("vllm", start.policy_path, BackendSettings(  # pushed below
-                threads=self.threads, engine_log=log and str(log), dtype=config.rollout_torch_dtype(config.dtype)))
+            backend = make_backend("vllm", start.policy_path, BackendSettings(  # pushed below (LoRA: the base, the
+                threads=self.threads, engine_log=log and str(log), dtype=config.rollout_torch_dtype(config.dtype),
+                lora_rank=config.lora_rank))  # adapter pushed alone: trainer.transports.engine_lora)
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(
                 device=str(self.device), dtype=config.rollout_torch_dtype(config.dtype), max_batch_size=config.concurrency,
@@ -257,7 +258,7 @@ class Trainer:
         real model falls back to transformers or plays on vLLM)."""
         if self.config.backend != AUTO:
             return self.config.backend
-        name, note = choose_backend(start.policy_path, lora=bool(self.config.lora_rank),
+        name, note = choose_backend(start.policy_path, lora_rank=self.config.lora_rank,
                                     processes=self.dp.world_size, device=str(self.device))
         if note and self.dp.is_main:
             print(f"agent-loop train: {note}", file=sys.stderr, flush=True)
@@ -596,7 +597,8 @@ class Trainer:
         producer). ``changed=False``: the weights are those already pushed (an update skipped), only the version
         moves. Every rank waits. A failed push raises (the next rollouts would otherwise sample a stale policy)."""
         version = self.step if version is None else version
-        weights = merged_state_dict(self.policy) if changed else None  # every rank: FSDP gathers
+        merge = changed and self.transport.takes_weights  # not for a LoRA adapter pushed alone (it reads the policy)
+        weights = merged_state_dict(self.policy) if merge else ({} if changed else None)  # every rank: FSDP gathers
         self.transport.push(weights, version=version)
         self.dp.barrier()
 

@@ -64,6 +64,7 @@ class BackendSettings:
     pad_token_id: int = 0  # hf
     threads: int | None = None  # vllm on CPU: the cores its threads are bound to (None: agent_loop.threads' rule)
     engine_log: str | None = None  # vllm: the file its engine's logs go to (None: the terminal; vllm_engine.engine_log)
+    lora_rank: int = 0  # vllm: serve one LoRA adapter of up to this rank, pushed by the trainer (0: none)
 
     @classmethod
     def from_options(cls, options, **overrides) -> "BackendSettings":

@@ -33,7 +33,7 @@ import time
 import weakref
 from pathlib import Path
 
-from agent_loop.backends.base import Backend, BackendSettings, GenerationResult, SamplingParams
+from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
 from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, omp_threads_bind, vllm_on_cpu
 from agent_loop.backends.weight_files import WEIGHTS_FILE, WeightSyncError, save_weights  # noqa: F401  (their old home)
 from agent_loop.signals import freeze, kill, resume, route_sigterm, spawned_processes
@@ -47,6 +47,15 @@ from agent_loop.threads import resolve_threads
 CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def lora_engine_args(rank: int) -> dict:
+    """The engine arguments that serve one LoRA adapter of rank ``rank`` at a time (``max_lora_rank``: the
+    smallest value vLLM accepts that holds it); ValueError above vLLM's largest."""
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank), "max_loras": 1}
 
 
 @contextlib.contextmanager
@@ -130,12 +139,20 @@ class VLLMEngineBackend(Backend):
     Generation stops only on `sampling.stop_token_ids` or `sampling.max_tokens` (the model's own
     EOS is ignored unless listed), so every backend stops on the same tokens.
 
+    `lora_rank` > 0: the engine serves LoRA adapters (`load_adapter`, the trainer's pushes) on the base model
+    `model_path`; every request then runs on the adapter loaded last and reports its version
+    (`GenerationResult.policy_version`); a request before any adapter is refused (it would sample the base
+    model).
+
     Use as a context manager, or call `close()`, to shut the engine process down.
     """
 
     def __init__(self, model_path: str, *, threads: int | None = None, log: str | Path | None = None,
-                 **engine_kwargs):
-        kwargs = {"disable_log_stats": True}
+                 lora_rank: int = 0, **engine_kwargs):
+        kwargs = {"disable_log_stats": True, **(lora_engine_args(lora_rank) if lora_rank else {})}
+        self.lora_rank = lora_rank
+        self._adapter = None  # (vllm.lora.request.LoRARequest, the policy version it holds): what requests run on
+        self._adapter_ids = itertools.count(1)  # a new id per adapter: vLLM never serves a cached older one
         self.log = None if log is None else Path(log)  # None: vLLM's logs go where vLLM puts them
         self._vllm_handlers = None
         self._bind = None
@@ -156,7 +173,8 @@ class VLLMEngineBackend(Backend):
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "VLLMEngineBackend":
         precision = {} if settings.dtype is None else {"dtype": settings.dtype}  # over CPU_ENGINE_DEFAULTS' fp32
-        return cls(model, threads=settings.threads, log=settings.engine_log, **precision)
+        return cls(model, threads=settings.threads, log=settings.engine_log, lora_rank=settings.lora_rank,
+                   **precision)
 
     def _start_logged(self) -> None:
         """:meth:`_start`, its output in ``self.log`` when set; then our one line (stderr): the engine is ready,
@@ -185,6 +203,8 @@ class VLLMEngineBackend(Backend):
                  f"max_model_len {self.context_length}"]
         if self._engine_kwargs.get("enforce_eager"):
             words.append("eager")
+        if self.lora_rank:
+            words.append(f"LoRA up to rank {self._engine_kwargs['max_lora_rank']}")
         if self._bind is not None:
             words.append(f"CPU cores {self._bind}, KV cache {os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB")
         return ", ".join(words)
@@ -277,16 +297,51 @@ class VLLMEngineBackend(Backend):
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        adapter, version = self._adapter or (None, None)  # the adapter as the request starts: pushes swap it whole
+        if self.lora_rank and adapter is None:
+            raise FatalBackendError("the LoRA engine has no adapter loaded: the request would sample the base model")
         (engine_input,) = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt_ids)])
         final = None
-        async for final in self._engine.generate(engine_input, params, request_id=f"agent-loop-{next(self._request_ids)}"):
+        async for final in self._engine.generate(engine_input, params, request_id=f"agent-loop-{next(self._request_ids)}",
+                                                 lora_request=adapter):
             pass
         completion = final.outputs[0]
         if completion.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
         token_ids = list(completion.token_ids)
         logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
-        return GenerationResult(token_ids, logprobs, completion.finish_reason)
+        return GenerationResult(token_ids, logprobs, completion.finish_reason, policy_version=version)
+
+    def load_adapter(self, folder: str | Path, *, version: int) -> None:
+        """Serve the peft adapter saved in ``folder`` (``save_pretrained``) as policy ``version`` from the next
+        request on: loaded under a new id (no cached adapter of an earlier push is reused, nor prefix-cache
+        blocks, which vLLM keys by it), then the previous one removed. Between rollouts (not during one).
+        Raises ``WeightSyncError`` if the engine did not take it; the previous adapter stays then."""
+        from vllm.lora.request import LoRARequest
+
+        if self._engine is None or not self.lora_rank:
+            raise WeightSyncError("the vLLM engine backend is closed" if self._engine is None else
+                                  "this vLLM engine serves no LoRA adapters (started without lora_rank)")
+        adapter_id = next(self._adapter_ids)
+        adapter = LoRARequest(f"policy-v{version}-{adapter_id}", adapter_id, str(folder))
+        previous = self._adapter
+
+        async def swap():
+            if not await self._engine.add_lora(adapter):
+                raise RuntimeError("add_lora returned False")
+            if previous is not None:
+                await self._engine.remove_lora(previous[0].lora_int_id)
+
+        try:
+            asyncio.run_coroutine_threadsafe(swap(), self._loop).result()
+        except Exception as error:
+            raise WeightSyncError(f"the vLLM engine did not load the adapter {folder}: {error}") from error
+        self._adapter = (adapter, version)
+
+    def relabel_adapter(self, version: int) -> None:
+        """The adapter loaded is also policy ``version`` (a step that did not change the weights)."""
+        if self._adapter is not None:
+            self._adapter = (self._adapter[0], version)
 
     def update_weights(self, state_dict: dict) -> None:
         """Load new policy weights in place, between rollouts (not during one): vLLM's ``reload_weights`` on

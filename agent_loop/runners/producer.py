@@ -62,7 +62,7 @@ import time
 from collections import Counter, deque
 from typing import Callable, Sequence
 
-from agent_loop.backends.base import Backend, GenerationResult, SamplingParams, check_backend
+from agent_loop.backends.base import Backend, FatalBackendError, GenerationResult, SamplingParams, check_backend
 from agent_loop.episode.config import LoopConfig
 from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
@@ -94,7 +94,9 @@ def staleness_metrics(trajectories: Sequence[Trajectory], version: int, max_stal
 
 class VersionedBackend(Backend):
     """``inner`` with a weights version: every generation is stamped with the version it ran on, and weights
-    change only between requests (:meth:`swap`: new requests wait, those in flight finish first).
+    change only between requests (:meth:`swap`: new requests wait, those in flight finish first). A backend
+    that reports the version it ran on (the vLLM engine's LoRA adapter) must report this one, else the request
+    raises ``FatalBackendError`` (a stale adapter is never trained on as the current policy).
 
     Used by the trainer in both modes: synchronously it just sets ``version`` between runs (no request is in
     flight then); the producer swaps through the gate while episodes play. The gate's asyncio primitives are
@@ -136,6 +138,9 @@ class VersionedBackend(Backend):
             async with gate:
                 self._in_flight -= 1
                 gate.notify_all()
+        if result.policy_version is not None and result.policy_version != version:  # a backend that knows (LoRA)
+            raise FatalBackendError(f"the request ran on weights version {result.policy_version}, the policy is "
+                                    f"version {version}: a stale adapter")
         return result._replace(policy_version=version)
 
     async def swap(self, load: Callable[[], object] | None, version: int) -> None:

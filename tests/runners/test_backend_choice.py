@@ -39,7 +39,7 @@ def test_a_real_model_plays_on_vllm_when_it_is_installed_and_runs_it(real_sized,
 
 @pytest.mark.parametrize("kwargs, why", [
     ({}, "vLLM is not installed"),
-    ({"lora": True}, "--lora-rank trains adapters"),
+    ({"lora_rank": 1024}, "--lora-rank 1024: vLLM serves adapters up to rank 512"),
     ({"processes": 2}, "2 training processes would each start an engine"),
     ({"device": "cuda"}, "--device cuda: the trainer and an in-process engine would share"),
 ])
@@ -100,7 +100,9 @@ def test_train_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
     monkeypatch.setattr(choice, "vllm_installed", lambda: True)
     assert Trainer.rollout_backend_name(trainer(), start) == "vllm"
     assert capsys.readouterr().err.startswith("agent-loop train: backend vllm")
-    assert Trainer.rollout_backend_name(trainer(lora_rank=8), start) == "hf"
-    assert capsys.readouterr().err.startswith("agent-loop train: backend hf (transformers): --lora-rank")
+    assert Trainer.rollout_backend_name(trainer(lora_rank=8), start) == "vllm"  # the adapter pushed alone
+    assert capsys.readouterr().err.startswith("agent-loop train: backend vllm")
+    assert Trainer.rollout_backend_name(trainer(lora_rank=1024), start) == "hf"
+    assert capsys.readouterr().err.startswith("agent-loop train: backend hf (transformers): --lora-rank 1024")
     assert Trainer.rollout_backend_name(trainer(backend="hf"), start) == "hf"  # asked for: no line
     assert capsys.readouterr().err == ""

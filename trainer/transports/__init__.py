@@ -3,7 +3,8 @@
 
 Where the weights go (:func:`make_destination`):
 
-- ``in_process``: this rank's own backend (transformers, the in-process vLLM engine);
+- ``in_process``: this rank's own backend (transformers, the in-process vLLM engine), the merged weights;
+- ``engine_lora``: a LoRA policy's adapter alone into this rank's in-process vLLM engine (started with ``lora_rank``);
 - ``vllm_servers``: running vLLM servers, in place (full weights, or a LoRA policy's adapter alone).
 
 When they go (:func:`make_transport`):
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.transports.base import WeightTransport
+from trainer.transports.engine_lora import EngineLoRASync
 from trainer.transports.in_process import BackendTransport, LegacyPusher
 from trainer.transports.producer import ThroughProducer
 from trainer.transports.synchronous import BetweenRuns
@@ -31,7 +33,8 @@ def make_destination(*, backend, given=None, servers=(), lora_policy=None, folde
                      served_name: str = "policy") -> WeightTransport:
     """Where the weights go: ``given`` (a ``WeightTransport``, or an older pusher with ``update_weights``);
     else the rollout ``servers`` (with ``lora_policy``: its adapter alone, named ``SERVED-lora-...``), writing
-    into ``folder``; else the in-process ``backend``."""
+    into ``folder``; else the in-process ``backend``: ``lora_policy``'s adapter alone if it serves adapters (the
+    vLLM engine with ``lora_rank``), else the merged weights."""
     if given is not None:
         return given if isinstance(given, WeightTransport) else LegacyPusher(given)
     if servers:
@@ -40,6 +43,8 @@ def make_destination(*, backend, given=None, servers=(), lora_policy=None, folde
         if lora_policy is not None:
             return VLLMServerLoRASync(servers, lora_policy, adapters_dir=folder, name=f"{served_name}-lora")
         return VLLMServerWeightSync(servers, weights_dir=folder)
+    if lora_policy is not None and getattr(backend, "lora_rank", 0):
+        return EngineLoRASync(backend, lora_policy)  # a temporary folder: each rank's engine its own
     return BackendTransport(backend)
 
 

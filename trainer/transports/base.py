@@ -7,6 +7,8 @@ A transport takes the policy's new weights after a step, ``push(weights, *, vers
 - ``version``: the weights after ``version`` trainer steps (what the rollouts stamp on each token).
 
 ``shared``: one destination for every rank (rollout servers): rank 0 pushes, the others wait.
+``takes_weights``: False for a destination that reads what it sends from the policy itself (a LoRA adapter
+pushed alone): ``push`` then gets ``{}`` for changed weights, and the trainer does not merge them.
 ``served_model``: after a push, the model name the rollouts must request (a LoRA adapter's new name), or
 None (the name does not change). A failed push raises (``WeightSyncError`` for vLLM): the next rollouts
 would otherwise sample from a stale policy.
@@ -21,6 +23,7 @@ class WeightTransport(ABC):
     """Pushes a trainer's new weights to where the rollouts are played (see the module docstring)."""
 
     shared: bool = False
+    takes_weights: bool = True
     served_model: str | None = None
 
     @abstractmethod

@@ -14,7 +14,7 @@ class ThroughProducer(WeightTransport):
 
     def __init__(self, inner: WeightTransport, *, producer, backend):
         self.inner, self.producer, self.backend = inner, producer, backend
-        self.shared = inner.shared
+        self.shared, self.takes_weights = inner.shared, inner.takes_weights
 
     @property
     def served_model(self) -> str | None:
@@ -25,8 +25,8 @@ class ThroughProducer(WeightTransport):
             self.inner.push(weights, version=version)
             follow(self.backend, self.inner.served_model)
 
-        if self.producer is not None:
-            self.producer.push(None if weights is None else load, version)
+        if self.producer is not None:  # unchanged weights too: a destination may label them (the engine's adapter)
+            self.producer.push(load, version)
 
     def close(self) -> None:
         self.inner.close()

@@ -13,14 +13,14 @@ class BetweenRuns(WeightTransport):
 
     def __init__(self, inner: WeightTransport, *, rollout_backend, dp):
         self.inner, self.rollout_backend, self.dp = inner, rollout_backend, dp
-        self.shared = inner.shared
+        self.shared, self.takes_weights = inner.shared, inner.takes_weights
 
     @property
     def served_model(self) -> str | None:
         return self.inner.served_model
 
     def push(self, weights: dict | None, *, version: int) -> None:
-        if weights is not None and (not self.inner.shared or self.dp.is_main):
+        if not self.inner.shared or self.dp.is_main:  # unchanged weights too: a destination may label them
             self.inner.push(weights, version=version)
         if weights is not None and self.inner.shared:  # every rank's backend asks for what rank 0 pushed
             follow(self.rollout_backend.inner, self.dp.broadcast_object(self.inner.served_model))

@@ -37,8 +37,6 @@ raises ``WeightSyncError``: the next rollouts would otherwise sample from a stal
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +48,7 @@ import torch
 
 from agent_loop.backends.weight_files import WeightSyncError, save_weights
 from trainer.transports.base import WeightTransport
+from trainer.transports.folders import PushFolders
 
 
 def _post(url: str, body: dict | None, timeout_s: float) -> dict:
@@ -75,8 +74,9 @@ def _send(request: urllib.request.Request, timeout_s: float) -> dict:
 
 class _ServerPush(WeightTransport):
     """What the two server pushers share: the servers, a folder every server can read (a temporary one by
-    default) and the record of the pushes. ``push(weights, version=...)`` pushes unless ``weights`` is None
-    (unchanged); ``version`` here counts this pusher's pushes (the servers' weight labels)."""
+    default; :class:`~trainer.transports.folders.PushFolders`) and the record of the pushes.
+    ``push(weights, version=...)`` pushes unless ``weights`` is None (unchanged); ``version`` here counts this
+    pusher's pushes (the servers' weight labels)."""
 
     shared = True
 
@@ -86,33 +86,21 @@ class _ServerPush(WeightTransport):
         if not urls:
             raise ValueError(f"{type(self).__name__} needs at least one server URL")
         self.base_urls = [url.rstrip("/") for url in urls]
-        self._temporary = None
-        if folder is None:
-            self._temporary = tempfile.TemporaryDirectory(prefix=temporary_prefix)
-            folder = self._temporary.name
-        self.folder = Path(folder)  # each push writes a fresh subfolder here
+        self.folders = PushFolders(folder, temporary_prefix=temporary_prefix)  # a fresh subfolder per push
         self.timeout_s = timeout_s
-        self.version = 0
         self.run_id = uuid.uuid4().hex[:8]  # weight-version labels and adapter names are unique to this pusher
-        self.current: Path | None = None
         self.timings: list[float] = []
 
-    def _next_folder(self) -> tuple[int, Path]:
-        """The next push's version and its fresh, empty subfolder (a leftover of an interrupted push is removed)."""
-        version = self.version + 1
-        folder = self.folder / f"v{version:06d}"
-        if folder.exists():
-            shutil.rmtree(folder)
-        return version, folder
+    @property
+    def version(self) -> int:
+        return self.folders.count
 
     def push(self, weights: dict | None, *, version: int) -> None:
         if weights is not None:
             self.update_weights(weights)
 
     def close(self) -> None:
-        if self._temporary is not None:
-            self._temporary.cleanup()
-            self._temporary = None
+        self.folders.close()
 
 
 class VLLMServerWeightSync(_ServerPush):
@@ -137,13 +125,11 @@ class VLLMServerWeightSync(_ServerPush):
         """Write ``state_dict``, have every server reload it, reset their prefix caches and check their
         weight version; returns the seconds it took. Raises ``WeightSyncError`` if any server did not take it."""
         started = time.perf_counter()
-        version, folder = self._next_folder()
+        folder, label = self.folders.next(), f"agent-loop-{self.run_id}-v{self.version + 1}"
         save_weights(state_dict, folder, self.dtype)
         with ThreadPoolExecutor(len(self.base_urls)) as pool:
-            list(pool.map(lambda url: self._reload(url, folder, f"agent-loop-{self.run_id}-v{version}"), self.base_urls))
-        previous, self.current, self.version = self.current, folder, version
-        if previous is not None and previous != folder:
-            shutil.rmtree(previous, ignore_errors=True)
+            list(pool.map(lambda url: self._reload(url, folder, label), self.base_urls))
+        self.folders.took(folder)
         elapsed = time.perf_counter() - started
         self.timings.append(elapsed)
         return elapsed
@@ -182,6 +168,7 @@ class VLLMServerLoRASync(_ServerPush):
     def __init__(self, base_urls: list[str] | str, policy, *, adapters_dir: str | Path | None = None,
                  name: str = "policy-lora", timeout_s: float = 600.0):
         super().__init__(base_urls, adapters_dir, temporary_prefix="agent-loop-lora-", timeout_s=timeout_s)
+        self.takes_weights = False  # the adapter is read from the policy
         self.policy = policy
         self.name = name
         self.served_model: str | None = None
@@ -189,15 +176,13 @@ class VLLMServerLoRASync(_ServerPush):
     def update_weights(self, state_dict=None) -> float:
         """Save the policy's adapter, load it into every server under a new name, unload the previous one."""
         started = time.perf_counter()
-        version, folder = self._next_folder()
+        folder, name = self.folders.next(), f"{self.name}-{self.run_id}-v{self.version + 1}"
         self.policy.save_pretrained(str(folder))
-        name = f"{self.name}-{self.run_id}-v{version}"
         self._on_every_server("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-        previous, previous_folder = self.served_model, self.current
-        self.served_model, self.current, self.version = name, folder, version
+        previous, self.served_model = self.served_model, name
         if previous is not None:
             self._on_every_server("unload_lora_adapter", {"lora_name": previous})
-            shutil.rmtree(previous_folder, ignore_errors=True)
+        self.folders.took(folder)  # the previous adapter's folder goes once the servers unloaded it
         elapsed = time.perf_counter() - started
         self.timings.append(elapsed)
         return elapsed
