@@ -76,20 +76,17 @@ def sample(backend, prompt_ids) -> list:
     return asyncio.run(together())
 
 
-def logprobs_under(model, prompt_ids, results) -> list[torch.Tensor]:
-    """Each result's sampled tokens' logprobs under ``model`` (one teacher-forced forward each)."""
-    out = []
+def teacher_forced(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """``response_ids``' logprobs under ``model`` after ``prompt_ids`` (one forward over both)."""
     with torch.no_grad():
-        for prompt, result in zip(prompt_ids, results):
-            logits = model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1:-1].float()
-            out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(result.token_ids)[:, None])[:, 0])
-    return out
+        logits = model(torch.tensor([prompt_ids + response_ids])).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids)[:, None])[:, 0]
 
 
 def gap(model, prompt_ids, results) -> float:
     """The largest |engine logprob - ``model``'s| over every sampled token."""
-    reference = logprobs_under(model, prompt_ids, results)
-    return max(float((torch.tensor(r.logprobs) - ref).abs().max()) for r, ref in zip(results, reference))
+    return max(float((torch.tensor(r.logprobs) - teacher_forced(model, p, r.token_ids)).abs().max())
+               for p, r in zip(prompt_ids, results))
 
 
 def test_requests_run_on_the_adapter_pushed_last_never_the_base_or_a_stale_one(engine, tiny_agent_dir,
@@ -131,10 +128,25 @@ def test_requests_run_on_the_adapter_pushed_last_never_the_base_or_a_stale_one(e
     with pytest.raises(WeightSyncError, match="did not load the adapter"):
         too_big.push({}, version=4)
     assert too_big.folders.count == 0
+    with pytest.raises(WeightSyncError, match="push the adapter"):  # merged weights would add the delta twice
+        engine.update_weights(base.state_dict())
     kept = sample(versioned, prompt_ids)
     assert all(r.policy_version == 3 for r in kept) and gap(policy, prompt_ids, kept) < LOGPROB_ATOL
     sync.close()
     too_big.close()
+
+
+def lora_train_config(model, output_dir, **overrides) -> TrainConfig:
+    settings = dict(model=str(model), steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
+                    micro_batch_size=8, lr=5e-2, entropy_coef=0.01, lora_rank=RANK, threads=2,
+                    output_dir=str(output_dir), progress=False)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def sampling_gap(model, trajectory, positions: torch.Tensor) -> float:
+    """The largest |sampling logprob - ``model``'s| over the response ``positions`` (a mask) of ``trajectory``."""
+    reference = teacher_forced(model, trajectory.prompt_ids, trajectory.response_ids)
+    return float((torch.tensor(trajectory.logprobs) - reference)[positions].abs().max())
 
 
 def test_a_lora_trainer_samples_from_the_adapter_it_just_pushed(engine, tiny_agent_dir, tiny_tokenizer, tmp_path):
@@ -142,10 +154,8 @@ def test_a_lora_trainer_samples_from_the_adapter_it_just_pushed(engine, tiny_age
     episodes were sampled by step 1's adapter (every ASSISTANT token stamped 1, its sampling logprob equal to
     the step-1 peft model's, unlike the base model's), and afterwards the engine samples like the trained
     peft model."""
-    config = TrainConfig(model=str(tiny_agent_dir), steps=2,  # the engine's base model prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
-                         micro_batch_size=8, lr=5e-2, entropy_coef=0.01, lora_rank=RANK, threads=2,
-                         recompute_old_logprobs=True, output_dir=str(tmp_path / "run"), progress=False)
-    trainer = Trainer(config, backend=engine)
+    trainer = Trainer(lora_train_config(tiny_agent_dir, tmp_path / "run", recompute_old_logprobs=True),
+                      backend=engine)  # the engine's base model
     assert isinstance(trainer.transport.inner, EngineLoRASync)
     trainer.train_step()
     after_step_one = copy.deepcopy(trainer.policy).eval()
@@ -153,22 +163,38 @@ def test_a_lora_trainer_samples_from_the_adapter_it_just_pushed(engine, tiny_age
     assert trainer.transport.inner.folders.count == 3  # at the start and after each step
     assert second["mismatch/kl_k3"] < 1e-5, second  # the sampler is the policy the trainer recomputed with
 
-    played = read_trajectories(tmp_path / "run" / "rollouts" / "step_000002.jsonl")
     base = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
     worst = {"step 1": 0.0, "base": 0.0}
-    for trajectory in played:
+    for trajectory in read_trajectories(tmp_path / "run" / "rollouts" / "step_000002.jsonl"):
         assistant = torch.tensor(trajectory.spans) == SpanKind.ASSISTANT
-        assert {v for v, a in zip(trajectory.policy_versions, assistant) if a} == {1}
-        sampled = torch.tensor(trajectory.logprobs)[assistant]
-        context = torch.tensor([trajectory.prompt_ids + trajectory.response_ids])
-        for name, model in (("step 1", after_step_one), ("base", base)):
-            with torch.no_grad():
-                logits = model(context).logits[0, len(trajectory.prompt_ids) - 1:-1].float()
-            reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(trajectory.response_ids)[:, None])[:, 0]
-            worst[name] = max(worst[name], float((sampled - reference[assistant]).abs().max()))
+        assert set(torch.tensor(trajectory.policy_versions)[assistant].tolist()) == {1}
+        worst["step 1"] = max(worst["step 1"], sampling_gap(after_step_one, trajectory, assistant))
+        worst["base"] = max(worst["base"], sampling_gap(base, trajectory, assistant))
     assert worst["step 1"] < LOGPROB_ATOL and worst["base"] > 5 * LOGPROB_ATOL, worst
 
     trainer.policy.eval()
     prompt_ids = prompts(tiny_tokenizer)
     after = sample(VersionedBackend(engine, version=2), prompt_ids)
     assert all(r.policy_version == 2 for r in after) and gap(trainer.policy, prompt_ids, after) < LOGPROB_ATOL
+
+
+def test_asynchronous_lora_tokens_carry_the_adapter_that_sampled_them(engine, tiny_agent_dir, tmp_path):
+    """``--max-staleness 1``: adapters are pushed through the producer's gate while episodes play; every
+    ASSISTANT token's sampling logprob equals that of the peft model of the version it is stamped with."""
+    trainer = Trainer(lora_train_config(tiny_agent_dir, tmp_path / "run", max_staleness=1, steps=3), backend=engine)
+    policies = {0: copy.deepcopy(trainer.policy).eval()}
+    try:
+        for step in (1, 2, 3):
+            trainer.train_step()
+            policies[step] = copy.deepcopy(trainer.policy).eval()
+    finally:
+        trainer.close_producer()
+    seen, worst = set(), 0.0
+    for step in (1, 2, 3):
+        for trajectory in read_trajectories(tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl"):
+            versions = torch.tensor(trajectory.policy_versions)
+            assistant = torch.tensor(trajectory.spans) == SpanKind.ASSISTANT
+            for version in set(versions[assistant].tolist()):
+                seen.add(version)
+                worst = max(worst, sampling_gap(policies[version], trajectory, assistant & (versions == version)))
+    assert worst < LOGPROB_ATOL and len(seen) >= 2, (worst, seen)
