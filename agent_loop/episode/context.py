@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from agent_loop.tasks.plugins import PluginError, import_object
+from agent_loop.episode.plugin_import import PluginError, import_object
 
 SUMMARY_HEADER = "Summary of your earlier turns:"
 SUMMARY_CHARS = 4096  # the default digest keeps its most recent lines within this many characters

@@ -15,7 +15,7 @@ raises, or plays longer than ``--agent-timeout-s``, ends its episode with finish
 A plain function (``openai.OpenAI``, LangChain's ``.invoke``, a requests loop: it blocks) runs on a daemon thread
 of its own, so the event loop that serves the in-process proxy it calls goes on serving, and a stop (SIGINT,
 SIGTERM) never waits for it; an ``async def`` runs on that event loop. A file named by ``--agent`` imports as
-``--task`` files do: the modules beside it import (:func:`agent_loop.tasks.plugins.import_module`).
+``--task`` files do: the modules beside it import (:func:`agent_loop.episode.plugin_import.import_module`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Callable
 
 from agent_loop.backends.base import Backend
 from agent_loop.episode.loop import call_bounded, slow_reward_notice
+from agent_loop.episode.plugin_import import import_module
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.proxy import check_agent_spec
 from agent_loop.proxy.core import Proxy, ProxySettings
@@ -35,7 +36,6 @@ from agent_loop.proxy.server import ProxyServer
 from agent_loop.runners.local import TrajectorySink, error_trajectory
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
-from agent_loop.tasks.plugins import import_module
 from agent_loop.tasks.rewards import as_reward
 from agent_loop.types import Trajectory, episode_session_id
 
