@@ -4,7 +4,8 @@ finished run must close the engine's process, or the process slot's exit waits o
 starts), the held-out start measured once per seed, the table, the curves and the histories written, only the
 latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a kill before the step-3 checkpoint
 leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run
-trains on from its last checkpoint when --steps grows; the warm start and the start's held-out rates are reused."""
+trains on from its last checkpoint when --steps grows (to 3: one step more shows both); the warm start and the
+start's held-out rates are reused."""
 
 from __future__ import annotations
 
@@ -72,17 +73,17 @@ def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
     finished = out / "reinforce_plus_plus-seed0"
     finished_before = steps_logged(finished)
 
-    second = ablation(out, 4)  # the cut run goes on from step 2; the finished one trains on to step 4
+    second = ablation(out, 3)  # the cut run goes on from step 2; the finished one trains on to step 3
     assert "=== gigpo (seed 0) resumed ===" in second and "warm start:" not in second
     assert "=== reinforce_plus_plus (seed 0) resumed ===" in second
     after = steps_logged(run)
-    assert [m["step"] for m in after] == [1, 2, 3, 4]  # the cut step 3 trimmed, trained again, logged once
+    assert [m["step"] for m in after] == [1, 2, 3]  # the cut step 3 trimmed, trained again, logged once
     assert after[:2] == before and after[2]["success"] != -1.0
     assert steps_logged(finished)[:2] == finished_before
     for folder in (run, finished):
         resumed = json.loads((folder / "result.json").read_text())
-        assert resumed["resumed"] and [m["step"] for m in resumed["history"]] == [1, 2, 3, 4]
-        assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_000004"]
+        assert resumed["resumed"] and [m["step"] for m in resumed["history"]] == [1, 2, 3]
+        assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_000003"]
         assert resumed["held_out"]["start"] == start
     assert len(json.loads((out / "histories.json").read_text())) == 2
 
