@@ -352,7 +352,26 @@ class ChatFormatter:
         if not fresh.startswith(seen):
             return None
         marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
-        return turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)])
+        return (self._stop_difference(fresh, len(seen), stop_id)
+                or turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)]))
+
+    def _stop_difference(self, fresh: str, lo: int, stop_id: int | None) -> dict | None:
+        """Where the episode's last assistant turn, starting at ``fresh[lo]``, ended with the stop token ``stop_id``
+        but the template closes it with another marker in the history (a final answer sampled with ``<|flush|>`` or
+        harmony's ``<|return|>``, rendered with ``<|end|>``): refused in strict mode, as a :func:`turn_difference`
+        otherwise."""
+        sampled = self._stop_texts.get(stop_id)
+        found = [(i, t) for t in self._stop_texts.values() if t and (i := fresh.find(t, lo)) >= 0]
+        if sampled is None or not found or (rendered := min(found)[1]) == sampled:
+            return None
+        if self.history_mode == "strict":
+            raise TemplateError(
+                f"the model ended its turn with {sampled!r}, which this chat template renders as {rendered!r} once the "
+                "turn is in the history: the episode's tokens would differ from a render of its messages. pass "
+                "history_mode='keep_seen' (LoopConfig.history_mode) to train on the tokens the model saw with the "
+                "difference recorded, or stop generation only on the template's own end-of-turn marker")
+        pos = min(found)[0] - lo
+        return {"char": pos, "sampled": sampled, "rendered": rendered}
 
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
         """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
@@ -565,6 +584,18 @@ class ChatFormatter:
                 break
         return run, set(before[1:])
 
+    def _check_eos_text(self, text: str, end: int, run: list[int]) -> None:
+        """Refuse a template that closes an assistant turn with its ``eos_token`` text (``</s>``) where this tokenizer
+        does not encode that text as a special token: generation cannot stop on it, and the next special token
+        (``[TOOL_RESULTS]``) would be taken for the end of the turn, with the text before it lost or repeated."""
+        eos = self.template_kwargs.get("eos_token", self.tokenizer.eos_token)
+        gap = text[end: text.find(self.tokenizer.decode(run[:1]), end) if run else len(text)]
+        if isinstance(eos, str) and eos and eos in gap:
+            raise TemplateError(
+                f"this chat template ends an assistant turn with its eos_token {eos!r}, which this tokenizer does not "
+                f"encode as one special token (its eos_token is {self.tokenizer.eos_token!r}), so generation cannot "
+                "stop on it; use the model's own tokenizer, or add that marker with tokenizer.add_special_tokens")
+
     def _find_end_of_turn_ids(self) -> list[int]:
         """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
         ``<|eom_id|>``); for families that write none, the tokens that open the next user or tool turn."""
@@ -573,6 +604,7 @@ class ChatFormatter:
         text = self.render_text(head + [assistant])
         end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
         run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
+        self._check_eos_text(text, end, run)
         # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
         # the next turn (a token that also opened this one after the user's closing token, e.g.
         # <|eot_id|><|start_header_id|> from templates that always add the header)

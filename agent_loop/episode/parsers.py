@@ -4,19 +4,23 @@ One parser per tool-call format that vLLM serves (written here, matched to the f
 chat templates render; see docs/templates.md for which template gets which):
 
 - ``hermes``: Hermes/Qwen2.5/Qwen3 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-- ``qwen3_xml``: Qwen3-Coder/Qwen3.5 ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``
+- ``qwen3_xml``: Qwen3-Coder/Qwen3.5 ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``;
+  ``seed_oss``: the same inside ``<seed:tool_call>...</seed:tool_call>``
 - ``glm45``: GLM-4.5+ ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``
 - ``llama3_json``: Llama 3.x/4 ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated)
-- ``pythonic``: Llama 3.2/4, Gemma 3, ToolACE ``[f(a=1, b="x"), g()]``
+- ``pythonic``: Llama 3.2/4, Gemma 3, ToolACE ``[f(a=1, b="x"), g()]``; ``lfm2``: the same list inside
+  ``<|tool_call_start|>...<|tool_call_end|>``, after any text
 - ``mistral``: ``[TOOL_CALLS][{...}, ...]`` (JSON list) and ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` forms
 - ``deepseek``: DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME`` + a fenced JSON block) and V3.1 (``NAME<｜tool▁sep｜>{...}``)
 - ``kimi_k2``: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``
 - ``granite``: ``<|tool_call|>[{...}]``; ``granite_20b_fc``: ``<function_call> {...}``
 - ``command_r``: ``Action: ```json [{"tool_name": ..., "parameters": {...}}] ````
 - ``nemotron``: ``<TOOLCALL>[{...}]</TOOLCALL>``
-- ``functools``: FireFunction / Phi-4-mini ``functools[{...}]``; ``functionary``: ``NAME\\n{...}>>>NAME\\n{...}``
+- ``functools``: FireFunction / Phi-4-mini ``functools[{...}]``; ``functionary``: ``NAME\\n{...}>>>NAME\\n{...}``;
+  ``functionary_v31``: ``<function=NAME>{...}</function>``
 - ``internlm2``: ``<|action_start|><|plugin|>{...}<|action_end|>``; ``tool_calls_block``: Hunyuan/MiniMax
   ``<tool_calls>[...]</tool_calls>``; ``apertus``: ``<|tools_prefix|>[{"NAME": {...}}]<|tools_suffix|>``
+- ``solar_open``: ``<|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>``
 - ``harmony``: gpt-oss ``to=functions.NAME<|channel|>commentary json<|message|>{...}``
 - ``gemma``: Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`` and FunctionGemma ``<start_function_call>...``
 - ``xlam``: a bare JSON list ``[{"name": ..., "arguments": {...}}]``
@@ -193,13 +197,8 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOT
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
-def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
-    """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
-
-    Values of string-typed parameters (per the tool ``schemas``) are kept as written; other values are JSON
-    where they parse (numbers, booleans, objects, lists), else strings, as vLLM's parser does.
-    """
-    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
+def _xml_calls(bodies: list[str], schemas: list[dict] | None) -> list[Item]:
+    """Calls in the Qwen3-Coder XML form, one per block body: ``<function=NAME><parameter=K>V</parameter></function>``."""
     items: list[Item] = []
     for body in bodies:
         m = _XML_FUNCTION.search(body)
@@ -210,7 +209,25 @@ def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
         strings = _string_params(schemas, name)
         items.append(ParsedCall(name, {k.strip(): v if k.strip() in strings else _value(v)
                                        for k, v in _XML_PARAMETER.findall(m.group(2))}))
-    return _turn(content, items)
+    return items
+
+
+def parse_qwen3_xml(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """Qwen3-Coder/Qwen3.5: ``<tool_call><function=NAME><parameter=K>\\nV\\n</parameter></function></tool_call>``.
+
+    Values of string-typed parameters (per the tool ``schemas``) are kept as written; other values are JSON
+    where they parse (numbers, booleans, objects, lists), else strings, as vLLM's parser does.
+    """
+    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
+    return _turn(content, _xml_calls(bodies, schemas))
+
+
+def parse_seed_oss(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """Seed-OSS: the Qwen3-Coder XML form inside the family's own tag,
+    ``<seed:tool_call><function=NAME><parameter=K>V</parameter></function></seed:tool_call>`` (values typed as in
+    :func:`parse_qwen3_xml`)."""
+    bodies, content = _blocks(text, "<seed:tool_call>", "</seed:tool_call>")
+    return _turn(content, _xml_calls(bodies, schemas))
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -247,14 +264,33 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     return _turn("", _json_sequence(body, "parameters"))
 
 
+_JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON literals some templates write inside Python calls
+
+
+class _JsonLiterals(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return ast.Constant(_JSON_NAMES[node.id]) if node.id in _JSON_NAMES else node
+
+
 def _python_call(node: ast.expr, raw: str) -> Item:
     if not isinstance(node, ast.Call) or node.args:
         return ParseError(raw, "each pythonic tool call must be NAME(keyword=value, ...)")
     name = ast.unparse(node.func)
     try:
-        return ParsedCall(name, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+        return ParsedCall(name, {kw.arg: ast.literal_eval(_JsonLiterals().visit(kw.value)) for kw in node.keywords})
     except (ValueError, SyntaxError, TypeError) as e:
         return ParseError(raw, f"tool call arguments must be Python literals: {e}")
+
+
+def _python_calls(body: str) -> list[Item]:
+    """The calls of a pythonic call list ``[f(a=1, b="x"), g()]`` (JSON ``true``/``false``/``null`` read as literals)."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except SyntaxError as e:
+        return [ParseError(body, f"malformed pythonic tool calls: {e.msg}")]
+    if not isinstance(tree, ast.List):
+        return [ParseError(body, "pythonic tool calls must be a list [f(...), ...]")]
+    return [_python_call(node, body) for node in tree.elts]
 
 
 def parse_pythonic(text: str) -> ParsedTurn:
@@ -263,13 +299,14 @@ def parse_pythonic(text: str) -> ParsedTurn:
     body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
     if not body.startswith("["):
         return ParsedTurn(text.strip())
-    try:
-        tree = ast.parse(body, mode="eval").body
-    except SyntaxError as e:
-        return _turn("", [ParseError(body, f"malformed pythonic tool calls: {e.msg}")])
-    if not isinstance(tree, ast.List):
-        return _turn("", [ParseError(body, "pythonic tool calls must be a list [f(...), ...]")])
-    return _turn("", [_python_call(node, body) for node in tree.elts])
+    return _turn("", _python_calls(body))
+
+
+def parse_lfm2(text: str) -> ParsedTurn:
+    """LFM2/LFM2.5: a pythonic call list between ``<|tool_call_start|>`` and ``<|tool_call_end|>``, after any text
+    (``Let me check.<|tool_call_start|>[f(a=1)]<|tool_call_end|>``); string values quoted, objects as JSON."""
+    bodies, content = _blocks(text, "<|tool_call_start|>", "<|tool_call_end|>")
+    return _turn(content, [item for body in bodies for item in _python_calls(body)])
 
 
 _MISTRAL_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)$", re.DOTALL)
@@ -430,6 +467,22 @@ def parse_apertus(text: str) -> ParsedTurn:
     return _turn(content, items)
 
 
+_SOLAR_CALL = re.compile(r"^([^<]*)<\|tool_call:name\|>([^<]+)<\|tool_call:args\|>(.*)$", re.DOTALL)
+
+
+def parse_solar_open(text: str) -> ParsedTurn:
+    """Solar Open: ``<|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>``
+    per call (the turn then ends with ``<|calls|>``); the text before ``<|tool_calls|>`` is the content."""
+    content, _, calls = text.partition("<|tool_calls|>")
+    bodies, rest = _blocks(calls, "<|tool_call:begin|>", "<|tool_call:end|>")
+    items: list[Item] = []
+    for body in bodies:
+        m = _SOLAR_CALL.match(body)
+        items.append(_arguments(body, m.group(2).strip(), m.group(3).strip()) if m else
+                     ParseError(body, "a tool call must be ID<|tool_call:name|>NAME<|tool_call:args|>{...}"))
+    return _turn(content + rest.removesuffix("<|calls|>"), items)
+
+
 _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?<\|message\|>(.*?)(?=<\|call\|>|<\|end\|>|<\|start\|>|$)",
                            re.DOTALL)
 _HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
@@ -440,6 +493,15 @@ def parse_harmony(text: str) -> ParsedTurn:
     items = [_arguments(m.group(0), m.group(1), m.group(2).strip()) for m in _HARMONY_CALL.finditer(text)]
     final = _HARMONY_FINAL.findall(text)
     return _turn("".join(final) if final or items else text, items)
+
+
+_FUNCTIONARY_V31 = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+
+
+def parse_functionary_v31(text: str) -> ParsedTurn:
+    """Functionary v3.1 (Llama 3.1): each call is ``<function=NAME>{json}</function>``."""
+    items = [_arguments(m.group(0), m.group(1).strip(), m.group(2).strip()) for m in _FUNCTIONARY_V31.finditer(text)]
+    return _turn(_FUNCTIONARY_V31.sub("", text), items)
 
 
 def parse_functionary(text: str) -> ParsedTurn:
