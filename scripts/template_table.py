@@ -55,7 +55,9 @@ def _keep_seen_run(formatter, messages) -> str:
     _, seen = formatter.prompt(messages[:first])
     drift, i, turn = [], first, 0
     while (nxt := next((j for j in range(i + 1, len(messages)) if messages[j]["role"] == "assistant"), None)) is not None:
-        obs = formatter.observation(messages[: i + 1], seen, messages[i + 1: nxt], formatter.end_of_turn_ids[0])
+        alone = formatter.render_text(messages[: i + 1])  # the model stops on the marker that ends its turn there
+        ends = sorted((alone.find(t, len(seen)), k) for k, t in formatter._stop_texts.items() if t in alone[len(seen):])
+        obs = formatter.observation(messages[: i + 1], seen, messages[i + 1: nxt], ends[0][1] if ends else None)
         assert all(str(m["content"]) in formatter.tokenizer.decode(obs.ids) for m in messages[i + 1: nxt])
         if obs.mismatch is not None:
             drift.append(turn)
@@ -85,7 +87,7 @@ def rows(tokenizer) -> list[tuple[str, ...]]:
         try:
             formatter = make_formatter(tokenizer, name, template)
             messages = conversation_for(name, template, formatter)
-            formatter.observation_ids(_first_observation(messages))
+            formatter.history_dependence(_first_observation(messages))  # the probe: refuses what is not append-only
             *_, mismatches, _ = build_token_by_token(formatter, messages)
             strict = "exact" if all(m is None for m in mismatches) else f"mismatch recorded at turns {mismatches}"
         except TemplateError as e:
