@@ -313,6 +313,11 @@ class ChatFormatter:
         mismatch, before, rerender = None, seen, None
         if fresh.startswith(seen):
             marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+            at = len(seen) + len(sampled) if sampled is not None and fresh.startswith(sampled, len(seen)) else None
+            if at is not None and (other := self._rendered_stop(fresh, at, stop_id)) is not None:
+                marker = (at, at + len(other))  # the turn ends here, with the marker the template writes
+                mismatch = {"char": at, "token": len(self.encode(fresh[:at])), "seen": self._stop_texts[stop_id],
+                            "fresh": other}
             if marker is not None and sampled is not None:
                 rerender = turn_difference(sampled, fresh[len(seen): marker[0]])
             if marker is not None and fresh[len(seen): marker[0]] != sampled:
@@ -352,26 +357,24 @@ class ChatFormatter:
         if not fresh.startswith(seen):
             return None
         marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
-        return (self._stop_difference(fresh, len(seen), stop_id)
-                or turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)]))
+        at = len(seen) + len(sampled)
+        if fresh.startswith(sampled, len(seen)) and (rendered := self._rendered_stop(fresh, at, stop_id)) is not None:
+            if self.history_mode == "strict":  # a final answer sampled with <|flush|> (harmony: <|return|>), rendered <|end|>
+                raise TemplateError(
+                    f"the model ended its turn with {self._stop_texts[stop_id]!r}, which this chat template renders as "
+                    f"{rendered!r} once the turn is in the history: the episode's tokens would differ from a render of "
+                    "its messages. pass history_mode='keep_seen' (LoopConfig.history_mode) to train on the tokens the "
+                    "model saw with the difference recorded, or stop generation only on the template's own end-of-turn "
+                    "marker")
+            return {"char": len(sampled), "sampled": self._stop_texts[stop_id], "rendered": rendered}
+        return turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)])
 
-    def _stop_difference(self, fresh: str, lo: int, stop_id: int | None) -> dict | None:
-        """Where the episode's last assistant turn, starting at ``fresh[lo]``, ended with the stop token ``stop_id``
-        but the template closes it with another marker in the history (a final answer sampled with ``<|flush|>`` or
-        harmony's ``<|return|>``, rendered with ``<|end|>``): refused in strict mode, as a :func:`turn_difference`
-        otherwise."""
+    def _rendered_stop(self, text: str, at: int, stop_id: int | None) -> str | None:
+        """The end-of-turn marker the template writes at ``text[at]``, where a turn ended with the stop token
+        ``stop_id``, if it is another marker than that token (a mismatch: the model's context holds its own)."""
         sampled = self._stop_texts.get(stop_id)
-        found = [(i, t) for t in self._stop_texts.values() if t and (i := fresh.find(t, lo)) >= 0]
-        if sampled is None or not found or (rendered := min(found)[1]) == sampled:
-            return None
-        if self.history_mode == "strict":
-            raise TemplateError(
-                f"the model ended its turn with {sampled!r}, which this chat template renders as {rendered!r} once the "
-                "turn is in the history: the episode's tokens would differ from a render of its messages. pass "
-                "history_mode='keep_seen' (LoopConfig.history_mode) to train on the tokens the model saw with the "
-                "difference recorded, or stop generation only on the template's own end-of-turn marker")
-        pos = min(found)[0] - lo
-        return {"char": pos, "sampled": sampled, "rendered": rendered}
+        rendered = next((t for t in self._stop_texts.values() if t and text.startswith(t, at)), None)
+        return rendered if sampled is not None and rendered is not None and rendered != sampled else None
 
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
         """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).

@@ -107,3 +107,19 @@ def test_final_answer_with_another_end_marker_is_recorded_in_keep_seen(tokenizer
     formatter, messages, seen, flush, _ = _solar(tokenizer, "keep_seen")
     diff = formatter.final_rerender(messages, seen, ANSWER, flush)
     assert diff == {"char": len(ANSWER), "sampled": "<|flush|>", "rendered": "<|end|>"}
+
+
+def test_tool_call_turn_stopped_on_another_marker_keeps_its_results_and_records_the_mismatch(tokenizer):  # noqa: F811
+    """A Solar Open call turn that the model ends with ``<|end|>`` (the template writes ``<|calls|>``): the observation
+    starts after the turn's own end, so the results stay in the context, and the mismatch is recorded."""
+    formatter, messages, seen, _, end = _solar(tokenizer, "keep_seen")
+    call = {"id": "call00000", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+    history = messages[:1] + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    sampled = ('<|tool_calls|><|tool_call:begin|>call00000<|tool_call:name|>calculator<|tool_call:args|>'
+               '{"expression": "2+3"}<|tool_call:end|>')
+    assert formatter.render_text(history).startswith(seen + sampled + "<|calls|>")
+    result = {"role": "tool", "name": "calculator", "tool_call_id": "call00000", "content": "5"}
+    obs = formatter.observation(history, seen, [result], end, sampled)
+    assert obs.mismatch is not None and (obs.mismatch["seen"], obs.mismatch["fresh"]) == ("<|end|>", "<|calls|>")
+    text = formatter.tokenizer.decode(obs.ids)
+    assert text.startswith("<|begin|>tool<|tool_response|><|tool_response:begin|>call00000") and "result|>5<" in text
