@@ -12,6 +12,8 @@ chat templates render; see docs/templates.md for which template gets which):
   ``<|tool_call_start|>...<|tool_call_end|>``, after any text
 - ``mistral``: ``[TOOL_CALLS][{...}, ...]`` (JSON list) and ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` forms
 - ``deepseek``: DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME`` + a fenced JSON block) and V3.1 (``NAME<｜tool▁sep｜>{...}``)
+- ``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter></invoke>``;
+  ``deepseek_v32``: the same with ``<｜DSML｜...>`` tags
 - ``kimi_k2``: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``
 - ``granite``: ``<|tool_call|>[{...}]``; ``granite_20b_fc``: ``<function_call> {...}``
 - ``command_r``: ``Action: ```json [{"tool_name": ..., "parameters": {...}}] ````
@@ -228,6 +230,32 @@ def parse_seed_oss(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
     :func:`parse_qwen3_xml`)."""
     bodies, content = _blocks(text, "<seed:tool_call>", "</seed:tool_call>")
     return _turn(content, _xml_calls(bodies, schemas))
+
+
+def _invoke_parser(name: str, block: str, prefix: str = ""):
+    """A parser for ``<{block}><{prefix}invoke name="NAME"><{prefix}parameter name="K">V</{prefix}parameter>...`` calls
+    (values typed as in :func:`parse_qwen3_xml`; a ``string="true"`` attribute keeps a value as written)."""
+    close = block.replace("<", "</", 1)
+    invoke = re.compile(rf'<{prefix}invoke name="([^"]+)">(.*?)(?:</{prefix}invoke>|$)', re.DOTALL)
+    param = re.compile(rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>', re.DOTALL)
+
+    def parse(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+        bodies, content = _blocks(text, block, close)
+        items: list[Item] = []
+        for body in bodies:
+            calls = list(invoke.finditer(body))
+            items += [ParsedCall(m.group(1), {k: v if as_string == "true" or k in _string_params(schemas, m.group(1))
+                                              else _value(v) for k, as_string, v in param.findall(m.group(2))})
+                      for m in calls] or [ParseError(body, f'a tool call must be <{prefix}invoke name="NAME">...')]
+        return _turn(content, items)
+    parse.__name__ = parse.__qualname__ = name
+    return parse
+
+
+parse_minimax_m2 = _invoke_parser("parse_minimax_m2", "<minimax:tool_call>")
+parse_minimax_m2.__doc__ = "MiniMax-M2: ``<minimax:tool_call><invoke name=\"NAME\"><parameter name=\"K\">V</parameter></invoke>``."
+parse_deepseek_v32 = _invoke_parser("parse_deepseek_v32", "<｜DSML｜function_calls>", "｜DSML｜")
+parse_deepseek_v32.__doc__ = "DeepSeek V3.2: the same form with ``<｜DSML｜...>`` tags (DSML)."
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)

@@ -51,6 +51,10 @@ TOOL_FORMATS: list[ToolFormat] = [
                ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
                call_id="functions.{name}:{index}"),  # vLLM's Kimi parser reads the name from the id
     ToolFormat("deepseek", (("<｜tool▁call▁begin｜>",),), p.parse_deepseek, ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")),
+    ToolFormat("minimax_m2", (("<minimax:tool_call>",),), p.parse_minimax_m2, ("<minimax:tool_call>", "<invoke name="),
+               schema_typed=True),
+    ToolFormat("deepseek_v32", (("｜DSML｜", "function_calls>"),), p.parse_deepseek_v32,
+               ("<｜DSML｜function_calls>", "<｜DSML｜invoke"), schema_typed=True),
     ToolFormat("seed_oss", (("<seed:tool_call>",),), p.parse_seed_oss, ("<seed:tool_call>", "<function="), schema_typed=True),
     ToolFormat("qwen3_xml", (("<function=", "<parameter="),), p.parse_qwen3_xml, ("<tool_call>", "<function="),
                schema_typed=True),

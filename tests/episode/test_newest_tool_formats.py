@@ -123,3 +123,15 @@ def test_tool_call_turn_stopped_on_another_marker_keeps_its_results_and_records_
     assert obs.mismatch is not None and (obs.mismatch["seen"], obs.mismatch["fresh"]) == ("<|end|>", "<|calls|>")
     text = formatter.tokenizer.decode(obs.ids)
     assert text.startswith("<|begin|>tool<|tool_response|><|tool_response:begin|>call00000") and "result|>5<" in text
+
+
+@pytest.mark.parametrize("name, prefix, block", [("minimax-m2.jinja", "", "minimax:tool_call"),
+                                                 ("deepseek-v3.2.jinja", "｜DSML｜", "｜DSML｜function_calls")])
+def test_invoke_calls_are_read_with_string_and_typed_values(name, prefix, block):
+    parse = parser_for_template(read_template(name), [CALCULATOR])
+    turn = parse(f'Let me check.\n\n<{block}>\n<{prefix}invoke name="calculator">\n<{prefix}parameter name="expression">'
+                 f'12</{prefix}parameter>\n<{prefix}parameter name="n">3</{prefix}parameter>\n</{prefix}invoke>\n</{block}>')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "12", "n": 3})]
+    assert turn.content == "Let me check." and not turn.errors
+    broken = parse(f"<{block}>\n<{prefix}invoke calculator>\n</{block}>")
+    assert not broken.calls and "invoke name=" in broken.errors[0].error

@@ -41,8 +41,7 @@ LOSSY = {
 }
 # Templates whose call format no parser reads: parser_for_template refuses them (ValueError) instead of choosing a
 # parser that would read their calls as no call; the value is the format's own call marker in the template.
-UNPARSED = {"deepseek-v3.2.jinja": "function_calls>", "gigachat3-10b-a1.8b.jinja": "render_function_call",
-            "minimax-m2.jinja": "<minimax:tool_call>"}
+UNPARSED = {"gigachat3-10b-a1.8b.jinja": "render_function_call"}
 
 
 def _calls(formatter, pairs, string_args: bool):
