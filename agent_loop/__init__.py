@@ -58,38 +58,39 @@ def __getattr__(name: str):
     return value
 
 
-def rollout(task, model: str | None = None, episodes: int = 16, backend="hf", seed: int = 0, concurrency: int = 16,
+def rollout(task, model: str | None = None, episodes: int = 16, backend="auto", seed: int = 0, concurrency: int = 16,
             output_path=None, progress: bool = True, *, gamma: float | None = None, estimator: str | None = None,
             **loop_options) -> list:
     """Play ``episodes`` episodes of ``task`` and return their Trajectories (index order). Blocking.
 
     ``task``: a task object or a name for :func:`load_task`. ``model``: a model folder (checked first with
-    :func:`check_model_dir`; default: the built-in tiny agent). ``backend``: a name of the backend
-    registry ("hf", "vllm") or a backend object. ``loop_options``: :class:`LoopConfig` fields
+    :func:`check_model_dir`; default: the built-in tiny agent). ``backend``: "auto" (as the CLI's ``--backend
+    auto``: :func:`~agent_loop.runners.backend_choice.choose_backend`, one line on stderr when a real model plays on
+    vLLM or falls back), a name of the backend registry ("hf", "vllm") or a backend object. ``loop_options``: :class:`LoopConfig` fields
     (``max_turns=3``, ``temperature=0.0``, ...). ``output_path``: also write each episode there as it
     finishes (JSON Lines; an existing non-empty file is refused). ``gamma``, ``estimator``: recorded in each
     episode's ``info`` (as ``agent-loop rollout --gamma --estimator`` does), so ``agent-loop inspect`` of the
     file computes with them; they change nothing in the episodes.
     """
     import asyncio
-
-    from transformers import AutoTokenizer
+    import sys
 
     from agent_loop.backends.registry import make_backend
     from agent_loop.episode.config import LoopConfig
     from agent_loop.models import check_model_dir, model_path
+    from agent_loop.runners.backend_choice import AUTO, choose_backend
     from agent_loop.runners.local import run_rollouts
     from agent_loop.runners.spec import made_with
     from agent_loop.tasks.registry import load_task
 
     task = load_task(task) if isinstance(task, str) else task
     config = LoopConfig(**loop_options)  # TypeError names an unknown option before anything loads
-    if model is None:
-        model = model_path(None)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    else:
-        model = model_path(model)  # a built-in model's name: its folder
-        tokenizer = check_model_dir(model, backend if isinstance(backend, str) else "hf").tokenizer
+    model = model_path(model)  # None: the built-in tiny agent; a built-in model's name: its folder
+    if backend == AUTO:  # the one rule the CLI and the trainer use
+        backend, note = choose_backend(model)
+        if note:
+            print(note, file=sys.stderr)
+    tokenizer = check_model_dir(model, backend if isinstance(backend, str) else "hf").tokenizer
     if isinstance(backend, str):
         backend = make_backend(backend, model)
     return asyncio.run(run_rollouts(task, backend, tokenizer, range(episodes), config, seed=seed,

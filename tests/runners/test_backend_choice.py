@@ -106,3 +106,17 @@ def test_train_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("agent-loop train: backend hf (transformers): --lora-rank 1024")
     assert Trainer.rollout_backend_name(trainer(backend="hf"), start) == "hf"  # asked for: no line
     assert capsys.readouterr().err == ""
+
+
+def test_the_python_api_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
+    """``agent_loop.rollout()``'s default is the CLI's ``auto`` (issue 55 item 3): a real model without vLLM falls
+    back with the same line, and plays."""
+    import inspect
+
+    from agent_loop import rollout
+    from agent_loop.runners.backend_choice import AUTO, BackendOptions
+
+    assert inspect.signature(rollout).parameters["backend"].default == AUTO == BackendOptions().backend
+    monkeypatch.setattr(choice, "vllm_installed", lambda: False)
+    played = rollout("arithmetic", model=str(real_sized), episodes=1, progress=False, max_tokens=8, max_turns=1)
+    assert len(played) == 1 and capsys.readouterr().err.startswith("backend hf (transformers): vLLM is not installed")
