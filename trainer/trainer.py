@@ -538,7 +538,8 @@ class Trainer:
         metrics["time/train_s"] = done - rolled
         metrics["time/step_s"] = done - started
         if not self.asynchronous:
-            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * len(played) / (rolled - started)
+            metrics["assistant_tokens_per_s"] = (  # a per-session mean times the sessions
+                metrics["assistant_tokens"] * len({t.session_id for t in played}) / (rolled - started))
         return metrics
 
     def _warn_errors(self, trajectories) -> None:
