@@ -226,7 +226,7 @@ class Trainer:
         if backend is None and self.rollout_backend_name(start) == "vllm":  # the engine loads the policy's folder;
             log = engine_log(fresh_path(str(self.output_dir / "vllm.log")), verbose=config.verbose)  # its logs
             backend = make_backend("vllm", start.policy_path, BackendSettings(  # pushed below (LoRA: the base, the
-                threads=self.threads, engine_log=log and str(log), dtype=config.rollout_torch_dtype(config.dtype),
+                threads=self.threads, engine_log=log and str(log), dtype=config.rollout_torch_dtype(),
                 lora_rank=config.lora_rank))  # adapter pushed alone: trainer.transports.engine_lora)
         if backend is None:
             backend = make_backend("hf", plain_copy(self.policy), BackendSettings(

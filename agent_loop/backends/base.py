@@ -59,7 +59,8 @@ class BackendSettings:
     retry_deadline_s: float = RETRY_DEADLINE_S  # http: the whole wait of one request (all its attempts)
     request_timeout_s: float = REQUEST_TIMEOUT_S  # http: one attempt
     device: str = "cpu"  # hf
-    dtype: str = "float32"  # hf and vllm: a torch dtype name (vllm on a GPU: None is vLLM's own default)
+    dtype: str | None = None  # hf and vllm: a torch dtype name; None: the backend's own (hf: float32; vllm: float32
+    # on a CPU, vLLM's default on a GPU)
     max_batch_size: int = 64  # hf: requests decoded together
     pad_token_id: int = 0  # hf
     threads: int | None = None  # vllm on CPU: the cores its threads are bound to (None: agent_loop.threads' rule)

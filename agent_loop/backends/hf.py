@@ -211,7 +211,7 @@ class TransformersBackend(Backend):
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "TransformersBackend":
-        return cls(model, device=settings.device, dtype=getattr(torch, settings.dtype),
+        return cls(model, device=settings.device, dtype=getattr(torch, settings.dtype or "float32"),
                    max_batch_size=settings.max_batch_size, pad_token_id=settings.pad_token_id)
 
     @property

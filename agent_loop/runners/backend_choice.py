@@ -49,13 +49,16 @@ class BackendOptions:
                     "OpenAI-compatible server(s) given by --server")] = AUTO
     rollout_dtype: Annotated[Literal[(AUTO, *ROLLOUT_DTYPES)], Field(
         description="the precision episodes are sampled in, on the hf and vllm backends (http: the server's own); "
-                    "auto: fp32 (train: its --dtype). train corrects a sampler in another precision than its own "
+                    "auto: the backend's own (hf: fp32, train's hf: its --dtype; vllm: fp32 on a CPU, vLLM's default on "
+                    "a GPU). train corrects a sampler in another precision than its own "
                     "with token-level truncated importance sampling (--rollout-is token, threshold 2: verl's "
                     "rollout_corr default) unless --rollout-is/--rollout-rs say otherwise")] = AUTO
 
-    def rollout_torch_dtype(self, default: str = "fp32") -> str:
-        """The torch dtype name the backend samples in: ``rollout_dtype``, ``auto`` being ``default``."""
-        return ROLLOUT_DTYPES[default if self.rollout_dtype == AUTO else self.rollout_dtype]
+    def rollout_torch_dtype(self, default: str | None = None) -> str | None:
+        """The torch dtype name the backend samples in: ``rollout_dtype``; ``auto``: ``default``'s, or None (the
+        backend's own precision: ``BackendSettings.dtype``)."""
+        chosen = default if self.rollout_dtype == AUTO else self.rollout_dtype
+        return None if chosen is None else ROLLOUT_DTYPES[chosen]
 
 
 def weight_bytes(folder: str | Path) -> int:
