@@ -20,9 +20,10 @@ def trajectories_to_batch(
     each is checked first (:meth:`Trajectory.check`), a ValueError naming its row.
 
     Where a session has several segments (an agent rewrote its history), the batch carries ``session`` and
-    ``segment`` and collate checks each session's segments (numbered in order, one reward, one task row and,
-    given ``index`` (one group per row), one group; the batch's ``index`` is then set, renumbered); the estimators then treat each session as one sample. Where
-    every session has one segment, the batch is what it always was."""
+    ``segment``, and collate checks each session's segments: numbered in order, one reward, one task row and,
+    given ``index`` (one group per row), one group (the batch's ``index`` is then set, renumbered). The
+    estimators then treat each session as one sample. Where every session has one segment, the batch is what it
+    always was."""
     for row, trajectory in enumerate(trajectories):
         try:
             trajectory.check()
