@@ -14,7 +14,9 @@ stays cheap:
   :class:`LoopConfig`, :func:`read_trajectories`; records :class:`Episode`, :class:`Trajectory`;
 - backends: :class:`Backend` (the contract), :class:`TransformersBackend`, :class:`VLLMEngineBackend`,
   :class:`OpenAIHTTPBackend`, :func:`make_backend`; :func:`check_model_dir` checks a model folder before
-  any expensive start.
+  any expensive start;
+- training (the recipes): :class:`TrainConfig` and :class:`Trainer` (``agent-loop train``), :class:`WarmstartConfig`
+  and :func:`warm_start` (``agent-loop warmstart``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ _EXPORTS = {
     "VLLMEngineBackend": "agent_loop.backends.vllm_engine",
     "OpenAIHTTPBackend": "agent_loop.backends.openai_http",
     "check_model_dir": "agent_loop.models",
+    "TrainConfig": "agent_loop.recipes.train_options",
+    "Trainer": "agent_loop.recipes.train",
+    "WarmstartConfig": "agent_loop.recipes.warmstart_options",
+    "warm_start": "agent_loop.recipes.warmstart",
 }
 
 __all__ = sorted([*_EXPORTS, "rollout"])

@@ -6,7 +6,7 @@ for a check of its own that raises ``ValueError("what is wrong; what is allowed"
 live with what they configure: the loop's in :class:`agent_loop.episode.config.LoopConfig`, the task's
 in :class:`agent_loop.tasks.registry.TaskOptions`, the run's in :class:`agent_loop.runners.spec.RunOptions`;
 a command's options are a dataclass that inherits the ones it takes (``agent_loop.cli.rollout``,
-``trainer.config``). Rules that tie options together are a ``check()`` method raising
+``agent_loop.recipes.train_options``). Rules that tie options together are a ``check()`` method raising
 :class:`OptionError`. :func:`build` checks values against both; ``agent_loop.cli.options`` turns a
 declaration into flags, config-file keys, help and one-line usage errors. Building a dataclass in code
 does not validate; :func:`checked` does.

@@ -13,7 +13,7 @@
 - :func:`move_aside`: rename a file to the first free ``NAME.SUFFIX[-K]`` (kept, never overwritten).
 - :func:`guard_writes` / :func:`before_write`: checks run before every publish here and before every appended
   line (``JsonlWriter``, the metrics log): a training worker whose launcher died stops itself there
-  (``trainer.distributed.die_with_launcher``), so nothing it writes lands after the launcher's death.
+  (``agent_loop.training.distributed.die_with_launcher``), so nothing it writes lands after the launcher's death.
 
 ``masking/native.py`` keeps its own three lines (a compiled cache library renamed into place): ``masking``
 imports only torch, never ``agent_loop``.

@@ -32,7 +32,7 @@ def episode_session_id(task_name: str, seed: int, index: int) -> str:
     key the loop sends with each of an episode's requests and records in ``info["session_id"]``.
 
     Backends key per-episode state by it: the HTTP backend keeps an episode on one server, and the warm start's
-    replay backend (:class:`trainer.warmstart.ReplayBackend`) answers an episode's k-th request with its
+    replay backend (:class:`agent_loop.recipes.warmstart.ReplayBackend`) answers an episode's k-th request with its
     demonstration's k-th turn. Everyone who needs an episode's key calls this, so a change here changes them all.
     """
     return f"{task_name}:{seed}:{index}"

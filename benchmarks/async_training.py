@@ -98,14 +98,14 @@ def parse_args():
 def train(scratch: Path, name: str, task, steps: int, prompts: int, seed: int = 0, **settings):
     """One run; returns (its metrics per step, its trained policy)."""
     from agent_loop.tiny import tiny_agent_path
-    from trainer import TrainConfig, Trainer
+    from agent_loop import TrainConfig, Trainer
 
     config = TrainConfig(model=str(tiny_agent_path(stage="mid")), steps=steps, prompts_per_step=prompts,
                          group_size=1, threads=1, seed=seed, save_every=10**6, save_rollouts_every=0,
                          tensorboard=False, progress=False, output_dir=str(scratch / name), **settings)
     trainer = Trainer(config, task=task)
     history = trainer.train()
-    return history, trainer.policy
+    return history, agent_loop.training.policy
 
 
 def held_out_success(policy, episodes: int) -> float:
@@ -217,7 +217,7 @@ def spread(values: list[float], digits: int = 3) -> str:
 
 
 def curves(args, scratch: Path) -> tuple[str, dict]:
-    from trainer import TrainConfig
+    from agent_loop import TrainConfig
 
     steps, prompts = args.steps or 80, 2 * args.prompts_per_step
     names = ["K=0", "K=1"] + (["K=1 + IS"] if "rollout_is" in TrainConfig.__dataclass_fields__ else [])

@@ -1,4 +1,4 @@
-"""1 vs 2 data-parallel processes (trainer/distributed.py) on the tiny agent: step time, episodes/s, learning curve.
+"""1 vs 2 data-parallel processes (agent_loop/training/distributed.py) on the tiny agent: step time, episodes/s, learning curve.
 
     python benchmarks/data_parallel.py                    # 10 steps of 32 episodes per configuration
     python benchmarks/data_parallel.py --steps 30 --out dp.md
@@ -8,7 +8,7 @@ Runs ``agent-loop train`` four times on the same seeds: one process with 1 threa
 ``DistributedDataParallel`` and in FSDP2 (``--parallel ddp`` / ``fsdp``). Prints the
 median step time (steps after the first), episodes/s and the ratio to the 1-process/1-thread run,
 then the success rate of every step of each run side by side (the runs play the same episodes while
-their weights agree; see tests/trainer/test_distributed.py for the exact check).
+their weights agree; see tests/training/test_distributed.py for the exact check).
 """
 
 from __future__ import annotations

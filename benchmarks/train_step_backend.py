@@ -7,13 +7,13 @@ process) against the new one (``--backend auto``: the vLLM engine in process for
     .venv/bin/python benchmarks/train_step_backend.py --model tiny --backends hf vllm --lora-rank 8
 
 ``--lora-rank R``: LoRA runs (issue 57 item 3): transformers gets the merged weights, the vLLM engine the adapter
-alone (trainer/transports/engine_lora.py).
+alone (agent_loop/training/transports/engine_lora.py).
 
 Each backend runs ``agent-loop train`` as a user would (a fresh process, its own output folder), one after the other;
 the table gives the median over the steps after the first (the first pays for warm-up) of ``time/rollout_s``,
 ``time/train_s``, ``time/weight_sync_s`` and ``time/step_s`` from metrics.jsonl, the process's wall time (with
 model load and engine start), and the ratio of step times against transformers. Synchronous runs push the weights
-between runs (trainer/transports: at the next rollout's start), so ``time/rollout_s`` holds the push (for vLLM: the
+between runs (agent_loop/training/transports: at the next rollout's start), so ``time/rollout_s`` holds the push (for vLLM: the
 weights saved as safetensors, ``reload_weights``, a prefix-cache reset) and ``time/weight_sync_s`` is ~0.
 """
 

@@ -7,7 +7,7 @@ seeds.
     nice -n 10 .venv/bin/python benchmarks/warmstart_lr.py --tasks arithmetic lookup --lrs 1e-5 1e-4 3e-4 --seeds 0
     nice -n 10 .venv/bin/python benchmarks/warmstart_lr.py --table        # the table of what is in the results file
 
-Each cell is ``trainer.warmstart.warm_start`` with the CLI's options (``WarmstartConfig``) into
+Each cell is ``agent_loop.recipes.warmstart.warm_start`` with the CLI's options (``WarmstartConfig``) into
 ``WORKDIR/TASK-lrLR-sSEED-stSTEPS``; its row is appended to ``--results`` (JSON Lines) when it ends, and the model
 folder is deleted (540 MB each). Rerunning skips the cells the results file holds, and a cell whose folder holds a
 finished run with the same settings (its config.yaml, metrics of every step, a full check.jsonl) is read, not run
@@ -45,7 +45,7 @@ def settings(args, task: str, lr: float, seed: int, steps: int) -> dict:
 def row_of(folder: Path, cell: dict, seconds: float | None) -> dict | None:
     """The cell's result read from its finished run folder, or None when the run there is not finished (or is
     another cell's)."""
-    from trainer.warmstart import CHECK_FILE
+    from agent_loop.recipes.warmstart import CHECK_FILE
 
     try:
         import yaml
@@ -104,8 +104,8 @@ def append_row(results: Path, row: dict) -> None:
 
 
 def run_cell(args, cell: dict, folder: Path) -> dict:
-    from trainer.warmstart import warm_start
-    from trainer.warmstart_config import WarmstartConfig
+    from agent_loop.recipes.warmstart import warm_start
+    from agent_loop.recipes.warmstart_options import WarmstartConfig
 
     if folder.exists():
         shutil.rmtree(folder)  # an unfinished run of this cell: start it again

@@ -59,7 +59,7 @@ def lora_policy(model_dir: str, rank: int, seed: int):
     """The model with a rank-``rank`` LoRA adapter on every linear layer, B in seeded noise (not a no-op)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.lora import wrap_with_lora
+    from agent_loop.training.lora import wrap_with_lora
 
     policy = wrap_with_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank, 2.0 * rank,
                             "all-linear")
@@ -110,7 +110,7 @@ def main() -> int:
             seconds.append(time.perf_counter() - started)
         record("transformers (in process)", seconds, "exact (same weights)")
 
-    from trainer.weight_sync import VLLMServerLoRASync, VLLMServerWeightSync
+    from agent_loop.training.transports.vllm_servers import VLLMServerLoRASync, VLLMServerWeightSync
 
     if "engine" in backends:
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
@@ -125,7 +125,7 @@ def main() -> int:
             record("vLLM engine, in place (reload_weights)", seconds, "yes" if agree else "NO")
 
     from agent_loop.backends.vllm_server import local_vllm_server
-    from trainer.lora import merged_state_dict, plain_copy
+    from agent_loop.training.lora import merged_state_dict, plain_copy
 
     policies = [lora_policy(model_dir, args.lora_rank, seed) for seed in range(args.reps)]
     if "server" in backends:

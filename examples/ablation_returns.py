@@ -22,7 +22,7 @@ first action is the calculator call, whose value the model then looks up: two ob
 them a ~130-token record, lie between it and the reward.
 
 A real model (``--model smollm2-135m``, or any folder) does not call the task's tools on its own:
-``--warm-start-steps N`` first fine-tunes it on the task's demonstrations (``trainer.warmstart``, the
+``--warm-start-steps N`` first fine-tunes it on the task's demonstrations (``agent_loop.recipes.warmstart``, the
 calculator call then the answer), once, into ``<output-dir>/warmstart/model``, the starting point of every
 run; keep N small so the start is partial (about 20-40% sampled success), with room for RL to show.
 
@@ -50,8 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from agent_loop.inspect.choices import REGISTERED  # noqa: E402
-from trainer import TrainConfig, Trainer  # noqa: E402
-from trainer.trainer import EVAL_SEED_OFFSET  # noqa: E402
+from agent_loop import TrainConfig, Trainer  # noqa: E402
+from agent_loop.recipes.train import EVAL_SEED_OFFSET  # noqa: E402
 
 # the return variants (as inspect --compare names them, with underscores), by the registered estimator of each
 VARIANTS = {name.replace("-", "_"): estimator for name, estimator in REGISTERED.items()}
@@ -75,16 +75,16 @@ def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
     """Greedy and sampled (T=1) success of the trainer's policy on held-out questions (the trainer's eval stream)."""
     from agent_loop.tiny.evaluate import evaluate
 
-    seed = trainer.config.seed + EVAL_SEED_OFFSET
-    return {("greedy" if greedy else "sampled"): evaluate(trainer.policy, trainer.tokenizer, trainer.config.task,
+    seed = agent_loop.recipes.train_options.seed + EVAL_SEED_OFFSET
+    return {("greedy" if greedy else "sampled"): evaluate(agent_loop.training.policy, trainer.tokenizer, agent_loop.recipes.train_options.task,
                                                            episodes, seed, greedy)["success"]
             for greedy in (True, False)}
 
 
 def warm_started(args: argparse.Namespace) -> str:
     """The folder of ``--warm-start-steps`` steps of warm start of ``args.model`` on the task (made once, then reused)."""
-    from trainer.warmstart import MODEL_DIR, warm_start
-    from trainer.warmstart_config import WarmstartConfig
+    from agent_loop.recipes.warmstart import MODEL_DIR, warm_start
+    from agent_loop.recipes.warmstart_options import WarmstartConfig
 
     folder = Path(args.output_dir) / "warmstart"
     if not (folder / MODEL_DIR / "config.json").is_file():

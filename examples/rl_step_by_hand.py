@@ -8,7 +8,7 @@ Public API only: `agent_loop` plays the episodes, `agent_loop.runners.batch` tur
     agent-loop train --model tiny-mid --steps 1 --prompts-per-step 8 --concurrency 8 --mini-batches 1 \
         --micro-batch-size 8 --lr 1e-5 --warmup-steps 0
 
-takes: after it, the weights are the recipe's to 1e-6 (tests/trainer/test_rl_step_by_hand.py checks it).
+takes: after it, the weights are the recipe's to 1e-6 (tests/recipes/test_rl_step_by_hand.py checks it).
 The recipe adds what a long run needs (groups of samples, mini-batches, KL and entropy terms, checkpoints,
 asynchronous rollouts, several GPUs); the algorithm is this.
 

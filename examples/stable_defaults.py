@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from trainer import TrainConfig, Trainer
+from agent_loop import TrainConfig, Trainer
 
 
 def run(prompts: int, seed: int, args: argparse.Namespace) -> dict:

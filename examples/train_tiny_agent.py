@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from trainer import TrainConfig, Trainer
+from agent_loop import TrainConfig, Trainer
 
 
 def summarize(history: list[dict], evals: list[tuple[int, float]], window: int) -> str:

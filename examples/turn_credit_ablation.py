@@ -51,7 +51,7 @@ import psutil  # noqa: E402
 
 from agent_loop.files import write_text  # noqa: E402
 from agent_loop.tasks.keydoor import MAX_TURNS  # noqa: E402
-from trainer import TrainConfig, Trainer  # noqa: E402
+from agent_loop import TrainConfig, Trainer  # noqa: E402
 
 TASK = "keydoor"
 VARIANTS = ("reinforce_plus_plus", "grpo", "turn_rloo", "gigpo")  # registered estimator names (advantages)
@@ -84,8 +84,8 @@ def check_variants(variants: list[str]) -> None:
 
 def warm_started(args: argparse.Namespace) -> str:
     """The folder of ``--warm-start-steps`` steps of warm start of ``args.model`` on keydoor (made once, then reused)."""
-    from trainer.warmstart import MODEL_DIR, warm_start
-    from trainer.warmstart_config import WarmstartConfig
+    from agent_loop.recipes.warmstart import MODEL_DIR, warm_start
+    from agent_loop.recipes.warmstart_options import WarmstartConfig
 
     folder = Path(args.output_dir) / "warmstart"
     if not (folder / MODEL_DIR / "config.json").is_file():

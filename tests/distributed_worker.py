@@ -1,4 +1,4 @@
-"""One training step, with its intermediate tensors saved, for tests/trainer/test_distributed.py.
+"""One training step, with its intermediate tensors saved, for tests/training/test_distributed.py.
 
 Run in one process (``python tests/distributed_worker.py OUT CONFIG_JSON [--no-share-prefix]``) or under
 torchrun; every rank writes ``OUT/rank{r}.pt``: the step's episodes (token ids), advantages, returns,
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from trainer import TrainConfig, Trainer
-from trainer.distributed import close_data_parallel, full_tensor
-from trainer.metrics import rollout_metrics
+from agent_loop import TrainConfig, Trainer
+from agent_loop.training.distributed import close_data_parallel, full_tensor
+from agent_loop.training.metrics import rollout_metrics
 
 
 def main(out: str, config_json: str, *flags: str) -> None:
     trainer = Trainer(TrainConfig(**json.loads(config_json)))
-    if "--no-share-prefix" in flags:  # one process computing as FSDP does (trainer/distributed.py)
+    if "--no-share-prefix" in flags:  # one process computing as FSDP does (agent_loop/training/distributed.py)
         trainer.model.share_prefix = False
     try:
         trajectories = trainer.rollouts(0)
@@ -33,7 +33,7 @@ def main(out: str, config_json: str, *flags: str) -> None:
             "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
             "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],
             "old_logprobs": batch["old_logprobs"], "metrics": metrics,
-            "parameters": {name: full_tensor(p).detach().clone() for name, p in trainer.policy.named_parameters()},
+            "parameters": {name: full_tensor(p).detach().clone() for name, p in agent_loop.training.policy.named_parameters()},
             "parallel": trainer.dp.mode if trainer.dp.enabled else None,
         }, Path(out) / f"rank{trainer.dp.rank}.pt")
     finally:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("agent_loop", "masking", "advantages", "trainer")
-# the library: everything but the application (agent_loop.cli), the trainer and the entry points (__main__)
-LIBRARY = ("agent_loop.episode", "agent_loop.tasks", "agent_loop.backends", "agent_loop.runners",
+PACKAGES = ("agent_loop", "masking", "advantages")
+# the library: everything but the application (agent_loop.cli, agent_loop.recipes) and the entry points (__main__)
+LIBRARY = ("agent_loop.training", "agent_loop.episode", "agent_loop.tasks", "agent_loop.backends", "agent_loop.runners",
            "agent_loop.integrations", "agent_loop.tiny", "agent_loop.inspect", "agent_loop.types",
            "agent_loop.models", "agent_loop.config", "agent_loop.signals", "agent_loop.proxy", "agent_loop.toolsets",
            "agent_loop.ecosystem", "agent_loop.model_registry", "agent_loop.files", "agent_loop.threads",
            "masking", "advantages")
-APPLICATION_ONLY = ("agent_loop.cli", "trainer", "argparse", "yaml")  # and rich, outside the inspect views
+APPLICATION_ONLY = ("agent_loop.cli", "agent_loop.recipes", "argparse", "yaml")  # and rich, outside the inspect views
 
 
 def module_name(path: Path) -> str:
@@ -159,7 +159,7 @@ def repo_package_graph() -> dict[str, set[str]]:
 
 def test_no_package_cycles_over_the_whole_repo_doors_included():
     edges = repo_package_graph()
-    assert {"agent_loop.cli", "agent_loop.model_registry", "trainer", "tests", "benchmarks"} <= set(edges)
+    assert {"agent_loop.cli", "agent_loop.model_registry", "agent_loop.recipes", "tests", "benchmarks"} <= set(edges)
     assert cycles(edges) == []
     # the check sees a door: the one model_registry had closes the cycle again
     edges["agent_loop.model_registry"] = edges["agent_loop.model_registry"] | {"agent_loop.cli"}
@@ -195,8 +195,9 @@ def test_library_modules_do_not_import_the_application(name):
     assert bad == set(), f"{name} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if in_any(n, ("trainer",)) and n != "trainer.__main__"))
-def test_trainer_imports_the_cli_only_from_its_main(name):
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if in_any(n, ("agent_loop.recipes",))
+                                       and n != "agent_loop.recipes.__main__"))
+def test_recipes_import_the_cli_only_from_their_main(name):
     assert not {m for m in imports(name) if in_any(m, ("agent_loop.cli",))}
 
 
@@ -209,7 +210,7 @@ def test_math_packages_import_only_torch(package):
 
 def test_rollout_path_imports_without_torch():
     code = ("import sys, agent_loop.episode.loop, agent_loop.runners.local, agent_loop.tasks.registry, "
-            "agent_loop.cli.rollout, trainer.config; print('torch' in sys.modules)")
+            "agent_loop.cli.rollout, agent_loop.recipes.train_options; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
 
@@ -236,7 +237,7 @@ def test_agent_loop_root_holds_few_modules():
 def test_tests_mirror_the_tree():
     folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name not in ("data", "__pycache__")}
     packages = {p.name for p in (ROOT / "agent_loop").iterdir() if (p / "__init__.py").exists()}
-    assert packages | {"masking", "advantages", "trainer"} <= folders  # a test folder per package
+    assert packages | {"masking", "advantages"} <= folders  # a test folder per package
     assert [p.name for p in (ROOT / "tests").glob("test_*.py")] == ["test_layering.py"]
 
 

@@ -351,7 +351,7 @@ class VLLMEngineBackend(Backend):
             raise WeightSyncError("the vLLM engine backend is closed")
         if self.lora_rank:  # its adapter would be added on top of merged weights: the delta twice
             raise WeightSyncError("this vLLM engine serves LoRA adapters on its base model: push the adapter "
-                                  "(load_adapter, trainer.transports.engine_lora), not merged weights")
+                                  "(load_adapter, agent_loop.training.transports.engine_lora), not merged weights")
         with tempfile.TemporaryDirectory(prefix="agent-loop-reload-") as folder:
             save_weights(state_dict, folder)
 

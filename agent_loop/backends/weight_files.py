@@ -2,7 +2,7 @@
 that was not taken raises (``WeightSyncError``).
 
 Both sides import it from here: the in-process vLLM engine (``agent_loop.backends.vllm_engine``) and the
-trainer's pushes to vLLM servers (``trainer.transports.vllm_servers``), neither reaching into the other.
+trainer's pushes to vLLM servers (``agent_loop.training.transports.vllm_servers``), neither reaching into the other.
 """
 
 from __future__ import annotations

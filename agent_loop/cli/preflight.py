@@ -79,13 +79,13 @@ def check_output_file(path: str, option: str = "--out") -> None:
 
 def check_resume(path: str, option: str = "--resume") -> None:
     """``path`` is a checkpoint folder (its model folder usable) or a run folder with ``checkpoints/``."""
-    from trainer.checkpoint import STATE_FILE
+    from agent_loop.training.checkpoint import STATE_FILE
 
     resume = Path(path)
     if not resume.is_dir():
         raise UsageError(f"{option} {path}: no such folder (give a checkpoint folder, OUTPUT_DIR/checkpoints/step_NNNNNN)")
     if (resume / "checkpoints").is_dir():
-        return  # a run folder: the trainer picks its latest complete checkpoint (trainer.checkpoint)
+        return  # a run folder: the trainer picks its latest complete checkpoint (agent_loop.training.checkpoint)
     if not (resume / STATE_FILE).is_file():
         raise UsageError(f"{option} {path}: not a checkpoint (no {STATE_FILE}; give "
                          "OUTPUT_DIR/checkpoints/step_NNNNNN or a run's OUTPUT_DIR)")

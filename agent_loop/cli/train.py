@@ -24,7 +24,7 @@ from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.cli.stops import go_on_command, run_command
 from agent_loop.runners.outputs import HELD_ENV, OutputLockedError, RunLock, is_write_failure
-from trainer.config import TrainConfig
+from agent_loop.recipes.train_options import TrainConfig
 
 PROG = "agent-loop train"
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync", "rollouts")  # what --overwrite deletes
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     args.stop_note = stop_note(config, argv)
     try:
         if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
-            from trainer.distributed import relaunch_under_torchrun
+            from agent_loop.training.distributed import relaunch_under_torchrun
 
             os.environ[HELD_ENV] = str(lock.path)  # the workers write into the folder this process holds
             return relaunch_under_torchrun(config.nproc, [*argv, "--output-dir", config.output_dir])
@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(config: TrainConfig, task) -> int:
-    from trainer.checkpoint import CheckpointError
-    from trainer.distributed import close_data_parallel
-    from trainer.trainer import Trainer
+    from agent_loop.training.checkpoint import CheckpointError
+    from agent_loop.training.distributed import close_data_parallel
+    from agent_loop.recipes.train import Trainer
 
     started = time.perf_counter()
     try:
@@ -160,7 +160,7 @@ def train(config: TrainConfig, task) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``agent-loop train ARGV`` on its own (``python -m trainer``, ``torchrun -m trainer``)."""
+    """``agent-loop train ARGV`` on its own (``python -m agent_loop.recipes``, ``torchrun -m agent_loop.recipes``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_options(argparse.ArgumentParser(prog=PROG, description=DESCRIPTION), TrainConfig)
     args = parser.parse_args(argv)

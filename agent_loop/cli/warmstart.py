@@ -1,5 +1,5 @@
 """``agent-loop warmstart``: fine-tune a model on a task's demonstrations, so that RL on the task starts from a
-model that calls its tools (``trainer.warmstart``; every ``WarmstartConfig`` field is an option).
+model that calls its tools (``agent_loop.recipes.warmstart``; every ``WarmstartConfig`` field is an option).
 
 Options are checked first (values, the task and whether it has demonstrations, the model folder, the
 output folder); a bad one is one line on stderr naming the option, exit status 2, before any model is
@@ -19,7 +19,7 @@ from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve
 from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.runners.outputs import RunLock
-from trainer.warmstart_config import WarmstartConfig
+from agent_loop.recipes.warmstart_options import WarmstartConfig
 
 PROG = "agent-loop warmstart"
 DESCRIPTION = ("Fine-tune a model on a task's demonstrations (its demonstrate(episode, rng) hook), loss on ASSISTANT "
@@ -64,7 +64,7 @@ def task_argv(config: WarmstartConfig) -> list[str]:
 
 def load_checked_task(config: WarmstartConfig):
     """The task the options name, refused in one line if it cannot load or has no demonstrations."""
-    from trainer.warmstart import has_demonstrations
+    from agent_loop.recipes.warmstart import has_demonstrations
 
     try:
         task = config.load()
@@ -122,8 +122,8 @@ def stop_note(config: WarmstartConfig, argv: list[str]):
 
 
 def warm(config: WarmstartConfig, task):
-    from trainer.checkpoint import CheckpointError
-    from trainer.warmstart import DemonstrationError, warm_start
+    from agent_loop.training.checkpoint import CheckpointError
+    from agent_loop.recipes.warmstart import DemonstrationError, warm_start
 
     try:
         return warm_start(config, task)
@@ -135,7 +135,7 @@ def warm(config: WarmstartConfig, task):
 
 def report(config: WarmstartConfig, result) -> int:
     """The loss before and after, where everything went, budget warnings and the next commands."""
-    from trainer.config import TrainConfig
+    from agent_loop.recipes.train_options import TrainConfig
 
     history, model = result.history, result.model_dir
     k = max(1, min(5, len(history) // 2))
@@ -151,7 +151,7 @@ def report(config: WarmstartConfig, result) -> int:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
     if result.check:
-        from trainer.warmstart import CHECK_FILE, check_line
+        from agent_loop.recipes.warmstart import CHECK_FILE, check_line
 
         print(f"{check_line(result.check)}\n  (the episodes: {Path(config.output_dir) / CHECK_FILE}; --check-episodes "
               "sizes the check, 0 skips it)")

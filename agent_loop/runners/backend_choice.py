@@ -7,7 +7,7 @@ The rule (measured: BENCHMARKS.md "Rollouts at the engine's limit", docs/results
    weights) and vLLM runs it (``agent_loop.models.check_model_dir(..., "vllm")``: its architecture, and on
    the CPU build its attention head size), and (``train``) the policy is trained in one process on the CPU: the
    trainer pushes its weights into the engine in place after each step, or with LoRA (a rank vLLM serves) its
-   adapter alone (``trainer.transports.engine_lora``);
+   adapter alone (``agent_loop.training.transports.engine_lora``);
 3. else ``hf`` (transformers in process). A real model that falls back gets one line saying why; a small model
    (the tiny agent, test models) takes ``hf`` silently: the engine's start (15-30 s) outweighs its speed there.
 

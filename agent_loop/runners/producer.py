@@ -14,7 +14,7 @@ Who owns what (docs/design.md section 8a):
   member has finished, so group estimators always see whole groups.
 - **The trainer** (every rank) owns the model and the optimizer; rank 0 takes a step's groups and
   broadcasts them to the other ranks; after the update rank 0 pushes the weights through the producer
-  (:meth:`RolloutProducer.push`; the trainer's ``trainer.transports.producer``), which swaps them in between
+  (:meth:`RolloutProducer.push`; the trainer's ``agent_loop.training.transports.producer``), which swaps them in between
   requests.
 
 Versions: the weights after ``v`` trainer steps are version ``v`` (a step whose update was skipped still

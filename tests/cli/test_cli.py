@@ -23,7 +23,7 @@ from agent_loop.cli.train import options_from as train_validate
 from agent_loop.config import renamed
 from agent_loop.models import VLLM_CPU_HEAD_SIZES
 from tests.helpers.vllm_servers import crash_tracebacks
-from trainer.config import TrainConfig
+from agent_loop.recipes.train_options import TrainConfig
 
 
 def command_parser(name: str):

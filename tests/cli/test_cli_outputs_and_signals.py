@@ -58,7 +58,7 @@ def test_train_into_an_earlier_run_is_refused_unless_resume_or_overwrite(tmp_pat
 
 def test_train_picks_a_fresh_default_folder_and_resumes_into_the_run_it_continues(tmp_path, monkeypatch):
     from agent_loop.cli.options import validate
-    from trainer.config import TrainConfig
+    from agent_loop.recipes.train_options import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -13,8 +13,8 @@ from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.runners.backend_choice import BackendOptions
 from agent_loop.runners.spec import EpisodesOptions, EstimatorOptions, ResumeOptions
 from agent_loop.threads import ThreadOptions
-from trainer.config import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
-from trainer.warmstart_config import WarmstartConfig
+from agent_loop.recipes.train_options import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
+from agent_loop.recipes.warmstart_options import WarmstartConfig
 
 COMMAND_OPTIONS = (RolloutOptions, TrainConfig, WarmstartConfig, ThreadOptions)  # every add_options class
 
@@ -110,7 +110,7 @@ def test_an_old_saved_train_config_loads_with_config_and_resumes_unchanged(tmp_p
 
     from agent_loop.cli import build_parser
     from agent_loop.cli.options import resolve
-    from trainer import checkpoint
+    from agent_loop.training import checkpoint
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old_train_config(), sort_keys=False))

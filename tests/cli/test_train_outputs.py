@@ -51,7 +51,7 @@ def test_train_claims_its_folder_through_the_one_claim(tmp_path, monkeypatch):
     from agent_loop.cli.options import UsageError
     from agent_loop.cli.train import RUN_OUTPUTS, claim_output
     from agent_loop.runners.outputs import HELD_ENV
-    from trainer.config import TrainConfig
+    from agent_loop.recipes.train_options import TrainConfig
 
     monkeypatch.delenv(HELD_ENV, raising=False)
     monkeypatch.delenv("RANK", raising=False)

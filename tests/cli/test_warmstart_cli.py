@@ -159,7 +159,7 @@ def test_every_option_has_help_and_the_learning_rate_follows_the_model(capsys):
     import dataclasses
 
     from agent_loop.cli import build_parser
-    from trainer.warmstart_config import MODEL_LR, TINY_LR, WarmstartConfig
+    from agent_loop.recipes.warmstart_options import MODEL_LR, TINY_LR, WarmstartConfig
 
     commands = next(a for a in build_parser()._actions if a.dest == "command")
     actions = {a.dest: a for a in commands.choices["warmstart"]._actions if a.dest not in ("help", "config")}

@@ -16,8 +16,8 @@ from agent_loop.cli import build_parser
 from agent_loop.cli.inspect import check_arguments
 from agent_loop.cli.options import resolve
 from agent_loop.cli.rollout import RolloutOptions
-from trainer import TrainConfig
-from trainer.warmstart_config import WarmstartConfig
+from agent_loop import TrainConfig
+from agent_loop.recipes.warmstart_options import WarmstartConfig
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

@@ -1,5 +1,5 @@
 """A small asynchronous training run, a slowed arithmetic task, and a model's response logprobs
-(tests/trainer/test_async_training.py, tests/trainer/test_async_vllm.py)."""
+(tests/training/test_async_training.py, tests/training/test_async_vllm.py)."""
 
 import functools
 import time
@@ -8,7 +8,7 @@ import torch
 
 from agent_loop.tasks.base import Task
 from agent_loop.tasks.registry import get_task
-from trainer import TrainConfig
+from agent_loop import TrainConfig
 
 
 def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:

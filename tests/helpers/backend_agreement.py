@@ -1,5 +1,5 @@
 """Greedy rollouts of the tiny agent on a backend, and the check that two backends' rollouts agree up to
-float32 ties (tests/backends/test_backend_agreement.py, tests/trainer/test_weight_sync.py)."""
+float32 ties (tests/backends/test_backend_agreement.py, tests/training/test_weight_sync.py)."""
 
 import torch
 

@@ -3,7 +3,7 @@
 import torch
 
 from masking import SpanKind
-from trainer import TrainConfig
+from agent_loop import TrainConfig
 
 ASSISTANT = SpanKind.ASSISTANT
 

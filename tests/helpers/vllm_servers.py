@@ -1,4 +1,4 @@
-"""The vLLM server processes the fault tests kill (tests/runners/test_faults.py, tests/trainer/test_async_faults.py),
+"""The vLLM server processes the fault tests kill (tests/runners/test_faults.py, tests/training/test_async_faults.py),
 and what a vLLM run's stderr may hold when its workers are stopped."""
 
 import re

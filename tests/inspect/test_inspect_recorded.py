@@ -133,9 +133,9 @@ def test_a_tokenizer_that_does_not_load_names_the_way_out(scripted, tmp_path, mo
 def test_the_trainer_step_files_record_the_same_way():
     """Both files record through one function: the trainer's keys are rollout's, plus the estimator's."""
     import advantages
-    import trainer.rollout_files as rollout_files
+    import agent_loop.training.rollout_files as rollout_files
     from agent_loop.runners.spec import made_with
-    from trainer.config import TrainConfig
+    from agent_loop.recipes.train_options import TrainConfig
 
     config = TrainConfig(gamma=0.95, estimator="gae", lam=0.9, kl_coef=0.01)
     step = rollout_files.made_with(config, advantages.ESTIMATORS["gae"])

@@ -1,5 +1,5 @@
 """``agent-loop inspect RUN_FOLDER`` (issue 40 item 3): a training run over its steps, from the files ``train``
-writes (metrics.jsonl by trainer.metrics.MetricsLogger, step files by trainer.rollout_files), as a table, a PNG
+writes (metrics.jsonl by agent_loop.training.metrics.MetricsLogger, step files by agent_loop.training.rollout_files), as a table, a PNG
 and an HTML page; two step files of one run matched by prompt; the two-run table at 80 and 120 columns (item 6).
 Episodes come from the real runner (tests/helpers/inspect_runs.py: the real Qwen2.5 tokenizer and chat template)."""
 
@@ -48,8 +48,8 @@ def run_folder(tokenizer, tmp_path_factory):
     """Steps 1-4 as ``train`` logs them; step files for steps 2 and 4 only (--save-rollouts-every 2), and
     step 5 only as a step file (its metrics line lost)."""
     from tests.helpers.inspect_runs import write_run
-    from trainer.metrics import MetricsLogger, rollout_metrics
-    from trainer.rollout_files import write_step
+    from agent_loop.training.metrics import MetricsLogger, rollout_metrics
+    from agent_loop.training.rollout_files import write_step
 
     folder = tmp_path_factory.mktemp("train")
     before = write_run(tokenizer, folder / "before.jsonl", "before", 6)

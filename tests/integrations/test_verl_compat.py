@@ -1,5 +1,5 @@
 """verl's own CPU test cases for the functions we share a name and meaning with, ported onto
-``advantages`` (inputs and expected values as in verl: tests/trainer/ppo/test_core_algos_on_cpu.py,
+``advantages`` (inputs and expected values as in verl: tests/training/ppo/test_core_algos_on_cpu.py,
 test_reinforce_pp_multiturn_on_cpu.py, test_loss_aggregation_on_cpu.py), the verl plugin called
 exactly as verl's ``compute_advantage`` calls an estimator, and the TRL recipe on tensors built as
 TRL's GRPOTrainer builds them. verl itself cannot be installed next to this project (docs/verl.md);

@@ -1,6 +1,6 @@
 """``Batch.rollout_logprobs``: collate keeps the sampler's logprobs next to ``old_logprobs``, a trainer may replace
 ``old_logprobs`` with its own and ``uncollate`` still gives the sampler's back (lossless); ``select`` carries
-the field (the trainer's micro-batches: tests/trainer/test_rollout_correction_trainer.py)."""
+the field (the trainer's micro-batches: tests/training/test_rollout_correction_trainer.py)."""
 
 import random
 

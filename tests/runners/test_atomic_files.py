@@ -112,7 +112,7 @@ def test_move_aside_takes_the_first_free_name_and_overwrites_nothing(tmp_path):
 
 
 def test_a_checkpoint_folder_has_its_manifest_and_a_failed_save_keeps_the_previous(tmp_path):
-    from trainer import checkpoint
+    from agent_loop.training import checkpoint
 
     folder = tmp_path / "model"
     checkpoint.write_folder(folder, fill=_fill("w1"), manifest={"kind": "warm start"})

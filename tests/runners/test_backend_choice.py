@@ -90,7 +90,7 @@ def test_rollout_chooses_vllm_for_a_real_model_before_anything_loads(real_sized,
 
 
 def test_train_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
-    from trainer.trainer import Trainer
+    from agent_loop.recipes.train import Trainer
 
     def trainer(backend="auto", lora_rank=0):
         return SimpleNamespace(config=SimpleNamespace(backend=backend, lora_rank=lora_rank),

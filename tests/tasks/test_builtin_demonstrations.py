@@ -21,7 +21,7 @@ from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import calculator
 from agent_loop.tasks.registry import get_task
 from masking import SpanKind
-from trainer.warmstart import has_demonstrations, replay
+from agent_loop.recipes.warmstart import has_demonstrations, replay
 
 EPISODES = range(6)
 SEED = 5

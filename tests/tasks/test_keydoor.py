@@ -71,7 +71,7 @@ def test_maps_and_the_held_out_split():
     assert not set(train) & set(held_out) and len(held_out) > 100 and len(train) > 3 * len(held_out)
     assert all(MOVES[0] <= m.moves <= MOVES[1] and len({m.start, m.key, m.door}) == 3 for m in train + held_out)
     task = get_task("keydoor")
-    from trainer.trainer import EVAL_SEED_OFFSET  # train's evaluation stream is the held-out one
+    from agent_loop.recipes.train import EVAL_SEED_OFFSET  # train's evaluation stream is the held-out one
 
     assert HELD_OUT_SEED <= EVAL_SEED_OFFSET
     for seed, split in ((0, train), (7, train), (EVAL_SEED_OFFSET, held_out), (EVAL_SEED_OFFSET + 2, held_out)):
@@ -212,7 +212,7 @@ def tokenizer(request, tiny_tokenizer, qwen_tokenizer):
 
 
 def test_demonstrations_replay_and_succeed(tokenizer):
-    from trainer.warmstart import has_demonstrations, replay
+    from agent_loop.recipes.warmstart import has_demonstrations, replay
 
     task = get_task("keydoor")
     assert has_demonstrations(task)

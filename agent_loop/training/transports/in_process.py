@@ -1,0 +1,35 @@
+"""The in-process transport: the weights into this rank's own rollout backend (``Backend.update_weights``:
+the transformers backend copies them, the vLLM engine reloads them in place, ``agent_loop.backends``)."""
+
+from __future__ import annotations
+
+from agent_loop.training.transports.base import WeightTransport
+
+
+class BackendTransport(WeightTransport):
+    """``backend.update_weights(weights)`` on every rank (each has its own backend); nothing when unchanged."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def push(self, weights: dict | None, *, version: int) -> None:
+        if weights is not None:
+            self.backend.update_weights(weights)
+
+
+class LegacyPusher(WeightTransport):
+    """A pusher written before :class:`WeightTransport` (``Trainer(weight_sync=obj)`` with
+    ``obj.update_weights(state_dict)``, shared by the ranks as before): pushed through the one interface."""
+
+    shared = True
+
+    def __init__(self, pusher):
+        self.pusher = pusher
+
+    @property
+    def served_model(self) -> str | None:
+        return getattr(self.pusher, "served_model", None)
+
+    def push(self, weights: dict | None, *, version: int) -> None:
+        if weights is not None:
+            self.pusher.update_weights(weights)

@@ -1,0 +1,54 @@
+"""``train --agent`` with an agent that rewrites its history (issue 54): a session of two segments is one sample.
+
+Each session's reward is fixed by the agent, so the session-level values are known: under RLOO with groups of
+two, every ASSISTANT token of every segment of session i gets R_i - R_j (j: the other session of its group), and
+under GRPO (R_i - mean) / (std + eps) of the group's two sessions (Bessel-corrected, as verl); and the step counts
+sessions (episodes) with their segments beside them.
+"""
+
+import json
+import statistics
+
+import pytest
+
+from advantages.estimators import GRPO_EPS
+from tests.helpers.summarising_agent import session_reward
+from tests.helpers.trainer_config import small_config
+from agent_loop import Trainer
+
+pytestmark = pytest.mark.slow
+
+ASSISTANT = 1
+
+
+def session_value(estimator: str, own: float, other: float) -> float:
+    """The session-level advantage of a group of two sessions, serially."""
+    if estimator == "rloo":
+        return own - other
+    return (own - statistics.mean([own, other])) / (statistics.stdev([own, other]) + GRPO_EPS)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_every_segment_gets_its_sessions_advantage(tiny_mid, tmp_path, estimator):
+    config = small_config(tiny_mid, tmp_path, steps=1, estimator=estimator, kl_coef=0.0, group_size=2,
+                          prompts_per_step=4, agent="tests/helpers/summarising_agent.py:agent", concurrency=4)
+    trainer = Trainer(config)
+    metrics = trainer.train_step()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+
+    sessions = {}
+    for row in rows:
+        sessions.setdefault(row["info"]["session_id"], []).append(row)
+    assert len(sessions) == 8 and len(rows) == 12  # 4 of the 8 sessions summarised: two segments each
+    assert metrics["segments"] == pytest.approx(12 / 8)
+    for segments in sessions.values():
+        index = segments[0]["info"]["index"]
+        partner = index + 1 if index % 2 == 0 else index - 1  # GroupedTask: episodes 2g and 2g+1 share question g
+        expected = session_value(estimator, session_reward(index), session_reward(partner))
+        assert [s["info"]["segment"] for s in segments] == list(range(len(segments)))
+        assert len(segments) == (2 if index % 2 == 0 else 1)
+        for segment in segments:
+            assert segment["reward"] == pytest.approx(session_reward(index))
+            values = [a for a, span in zip(segment["advantages"], segment["spans"]) if span == ASSISTANT]
+            assert values and all(v == pytest.approx(expected, abs=1e-6) for v in values), (index, values[:3], expected)
+    assert metrics["reward"] == pytest.approx(sum(session_reward(i) for i in range(8)) / 8)
