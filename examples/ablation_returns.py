@@ -49,8 +49,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from agent_loop.inspect.choices import REGISTERED  # noqa: E402
 from agent_loop import TrainConfig, Trainer  # noqa: E402
+from agent_loop.inspect.choices import REGISTERED  # noqa: E402
 from agent_loop.recipes.train import EVAL_SEED_OFFSET  # noqa: E402
 
 # the return variants (as inspect --compare names them, with underscores), by the registered estimator of each
@@ -75,8 +75,8 @@ def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
     """Greedy and sampled (T=1) success of the trainer's policy on held-out questions (the trainer's eval stream)."""
     from agent_loop.tiny.evaluate import evaluate
 
-    seed = agent_loop.recipes.train_options.seed + EVAL_SEED_OFFSET
-    return {("greedy" if greedy else "sampled"): evaluate(agent_loop.training.policy, trainer.tokenizer, agent_loop.recipes.train_options.task,
+    seed = trainer.config.seed + EVAL_SEED_OFFSET
+    return {("greedy" if greedy else "sampled"): evaluate(trainer.policy, trainer.tokenizer, trainer.config.task,
                                                            episodes, seed, greedy)["success"]
             for greedy in (True, False)}
 

@@ -49,9 +49,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import psutil  # noqa: E402
 
+from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.files import write_text  # noqa: E402
 from agent_loop.tasks.keydoor import MAX_TURNS  # noqa: E402
-from agent_loop import TrainConfig, Trainer  # noqa: E402
 
 TASK = "keydoor"
 VARIANTS = ("reinforce_plus_plus", "grpo", "turn_rloo", "gigpo")  # registered estimator names (advantages)

@@ -33,7 +33,7 @@ def main(out: str, config_json: str, *flags: str) -> None:
             "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
             "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],
             "old_logprobs": batch["old_logprobs"], "metrics": metrics,
-            "parameters": {name: full_tensor(p).detach().clone() for name, p in agent_loop.training.policy.named_parameters()},
+            "parameters": {name: full_tensor(p).detach().clone() for name, p in trainer.policy.named_parameters()},
             "parallel": trainer.dp.mode if trainer.dp.enabled else None,
         }, Path(out) / f"rank{trainer.dp.rank}.pt")
     finally:

@@ -23,8 +23,8 @@ from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve, validate
 from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.cli.stops import go_on_command, run_command
-from agent_loop.runners.outputs import HELD_ENV, OutputLockedError, RunLock, is_write_failure
 from agent_loop.recipes.train_options import TrainConfig
+from agent_loop.runners.outputs import HELD_ENV, OutputLockedError, RunLock, is_write_failure
 
 PROG = "agent-loop train"
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "config.yaml", "weight_sync", "rollouts")  # what --overwrite deletes
@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(config: TrainConfig, task) -> int:
+    from agent_loop.recipes.train import Trainer
     from agent_loop.training.checkpoint import CheckpointError
     from agent_loop.training.distributed import close_data_parallel
-    from agent_loop.recipes.train import Trainer
 
     started = time.perf_counter()
     try:

@@ -18,8 +18,8 @@ import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.options import UsageError, add_options, resolve
 from agent_loop.cli.output_claim import claim_output_dir
-from agent_loop.runners.outputs import RunLock
 from agent_loop.recipes.warmstart_options import WarmstartConfig
+from agent_loop.runners.outputs import RunLock
 
 PROG = "agent-loop warmstart"
 DESCRIPTION = ("Fine-tune a model on a task's demonstrations (its demonstrate(episode, rng) hook), loss on ASSISTANT "
@@ -122,8 +122,8 @@ def stop_note(config: WarmstartConfig, argv: list[str]):
 
 
 def warm(config: WarmstartConfig, task):
-    from agent_loop.training.checkpoint import CheckpointError
     from agent_loop.recipes.warmstart import DemonstrationError, warm_start
+    from agent_loop.training.checkpoint import CheckpointError
 
     try:
         return warm_start(config, task)

@@ -47,6 +47,7 @@ from agent_loop.backends.vllm_engine import engine_log
 from agent_loop.config import checked, pick
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import model_path
+from agent_loop.recipes.train_options import DTYPES, TrainConfig
 from agent_loop.runners.backend_choice import AUTO, choose_backend
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
 from agent_loop.runners.group_filter import GroupSelection
@@ -56,9 +57,6 @@ from agent_loop.runners.producer import RolloutProducer, VersionedBackend, stale
 from agent_loop.runners.stats import sampling_label
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.threads import apply_threads
-from masking.batch import Batch
-from masking.kinds import SpanKind
-from agent_loop.recipes.train_options import DTYPES, TrainConfig
 from agent_loop.training.distributed import (
     NullLogger,
     full_optimizer_state,
@@ -84,6 +82,8 @@ from agent_loop.training.metrics import (
 )
 from agent_loop.training.policy import PolicyModel, ValueHead, batch_logprobs, micro_batches, policy_outputs
 from agent_loop.training.transports import make_destination, make_transport
+from masking.batch import Batch
+from masking.kinds import SpanKind
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
 

@@ -49,18 +49,18 @@ from agent_loop.episode.loop import formatter_for, model_limits
 from agent_loop.episode.parsers import ParsedCall
 from agent_loop.episode.tools import ToolExecutor, tool_messages
 from agent_loop.models import model_path
+from agent_loop.recipes.warmstart_options import MIN_LR_FRACTION, WarmstartConfig
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.base import Task, as_task, episode_rng
 from agent_loop.tasks.rewards import final_answer
 from agent_loop.threads import apply_threads
-from agent_loop.types import Episode, Trajectory, episode_session_id
-from masking.batch import Batch
-from masking.kinds import SpanKind
 from agent_loop.training.distributed import resolve_device
 from agent_loop.training.metrics import MetricsLogger
 from agent_loop.training.policy import PolicyModel, micro_batches, policy_outputs
-from agent_loop.recipes.warmstart_options import MIN_LR_FRACTION, WarmstartConfig
+from agent_loop.types import Episode, Trajectory, episode_session_id
+from masking.batch import Batch
+from masking.kinds import SpanKind
 
 TINY_STAGE = "final"  # unset --model: the fully trained tiny agent (the one that calls tools best)
 DEMONSTRATIONS_FILE, METRICS_FILE, MODEL_DIR = "demonstrations.jsonl", "metrics.jsonl", "model"

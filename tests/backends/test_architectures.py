@@ -140,18 +140,18 @@ def test_transformers_backend_rollouts_match_the_model(arch):
 
 
 def test_one_training_step(arch, tmp_path):
-    from agent_loop.recipes.train_options import TrainConfig
     from agent_loop.recipes.train import Trainer
+    from agent_loop.recipes.train_options import TrainConfig
 
     name, path = arch
     config = TrainConfig(model=str(path), steps=1, prompts_per_step=2, mini_batches=1, micro_batch_size=2,
                          max_turns=2, max_tokens=8, max_response_tokens=48, concurrency=2, threads=1,
                          entropy_coef=0.01, lr=1e-2, output_dir=str(tmp_path), progress=False)
     trainer = Trainer(config, task=reverse_task())
-    before = [p.detach().clone() for p in agent_loop.training.policy.parameters()]
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
     metrics = trainer.train_step()
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values() if isinstance(v, (int, float)))
-    changed = sum(not torch.equal(b, p) for b, p in zip(before, agent_loop.training.policy.parameters()))
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, trainer.policy.parameters()))
     assert changed > 0 and trainer.step == 1 and trainer.base_task.name == "dataset"
 
 

@@ -22,8 +22,8 @@ from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.cli.train import options_from as train_validate
 from agent_loop.config import renamed
 from agent_loop.models import VLLM_CPU_HEAD_SIZES
-from tests.helpers.vllm_servers import crash_tracebacks
 from agent_loop.recipes.train_options import TrainConfig
+from tests.helpers.vllm_servers import crash_tracebacks
 
 
 def command_parser(name: str):

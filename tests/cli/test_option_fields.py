@@ -10,11 +10,11 @@ from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.options import UsageError, add_options, validate
 from agent_loop.cli.rollout import RolloutOptions
+from agent_loop.recipes.train_options import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
+from agent_loop.recipes.warmstart_options import WarmstartConfig
 from agent_loop.runners.backend_choice import BackendOptions
 from agent_loop.runners.spec import EpisodesOptions, EstimatorOptions, ResumeOptions
 from agent_loop.threads import ThreadOptions
-from agent_loop.recipes.train_options import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
-from agent_loop.recipes.warmstart_options import WarmstartConfig
 
 COMMAND_OPTIONS = (RolloutOptions, TrainConfig, WarmstartConfig, ThreadOptions)  # every add_options class
 

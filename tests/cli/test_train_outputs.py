@@ -50,8 +50,8 @@ def test_train_claims_its_folder_through_the_one_claim(tmp_path, monkeypatch):
     --overwrite deletes the run's own outputs only."""
     from agent_loop.cli.options import UsageError
     from agent_loop.cli.train import RUN_OUTPUTS, claim_output
-    from agent_loop.runners.outputs import HELD_ENV
     from agent_loop.recipes.train_options import TrainConfig
+    from agent_loop.runners.outputs import HELD_ENV
 
     monkeypatch.delenv(HELD_ENV, raising=False)
     monkeypatch.delenv("RANK", raising=False)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from advantages import get_estimator
+from agent_loop import Trainer
 from agent_loop.cli.train import main as train_main
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.tiny import tiny_agent_path
-from agent_loop.types import Trajectory
-from agent_loop import Trainer
 from agent_loop.training.rollout_files import keeps, move_aside_after, step_file
+from agent_loop.types import Trajectory
 
 
 @pytest.mark.slow

@@ -23,8 +23,12 @@ def test_the_first_screen_has_the_task_example_the_two_commands_and_the_package_
     assert len([line for line in task.splitlines() if line.strip()]) <= 22
     package_map = re.search(r"## The packages\n\n```\n(.*?)```", first, flags=re.S).group(1)
     assert [line.split()[0] for line in package_map.splitlines() if not line.startswith(" ")] == [
-        "agent_loop/", "masking/", "advantages/", "trainer/", "examples/"]
+        "agent_loop/", "masking/", "advantages/", "examples/"]
     assert all((REPO / line.split()[0]).is_dir() for line in package_map.splitlines() if not line.startswith(" "))
+    subpackages = [word for line in package_map.splitlines() if line.startswith("  ") and line.strip()
+                   for word in line.split() if word.endswith("/")]
+    assert {"training/", "recipes/", "cli/"} <= set(subpackages)
+    assert all((REPO / "agent_loop" / word).is_dir() for word in subpackages)
 
 
 @pytest.mark.slow

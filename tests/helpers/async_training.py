@@ -6,9 +6,9 @@ import time
 
 import torch
 
+from agent_loop import TrainConfig
 from agent_loop.tasks.base import Task
 from agent_loop.tasks.registry import get_task
-from agent_loop import TrainConfig
 
 
 def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:

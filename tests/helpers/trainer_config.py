@@ -2,8 +2,8 @@
 
 import torch
 
-from masking import SpanKind
 from agent_loop import TrainConfig
+from masking import SpanKind
 
 ASSISTANT = SpanKind.ASSISTANT
 

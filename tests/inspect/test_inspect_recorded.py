@@ -134,8 +134,8 @@ def test_the_trainer_step_files_record_the_same_way():
     """Both files record through one function: the trainer's keys are rollout's, plus the estimator's."""
     import advantages
     import agent_loop.training.rollout_files as rollout_files
-    from agent_loop.runners.spec import made_with
     from agent_loop.recipes.train_options import TrainConfig
+    from agent_loop.runners.spec import made_with
 
     config = TrainConfig(gamma=0.95, estimator="gae", lam=0.9, kl_coef=0.01)
     step = rollout_files.made_with(config, advantages.ESTIMATORS["gae"])

@@ -47,9 +47,9 @@ def reference_advantage(trajectories):
 def run_folder(tokenizer, tmp_path_factory):
     """Steps 1-4 as ``train`` logs them; step files for steps 2 and 4 only (--save-rollouts-every 2), and
     step 5 only as a step file (its metrics line lost)."""
-    from tests.helpers.inspect_runs import write_run
     from agent_loop.training.metrics import MetricsLogger, rollout_metrics
     from agent_loop.training.rollout_files import write_step
+    from tests.helpers.inspect_runs import write_run
 
     folder = tmp_path_factory.mktemp("train")
     before = write_run(tokenizer, folder / "before.jsonl", "before", 6)

@@ -10,9 +10,9 @@ import pytest
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.episode.config import LoopConfig
 from agent_loop.integrations.verl_options import VerlLoopOptions
-from agent_loop.tasks.registry import DataTaskOptions, SeedOptions, TaskChoice, TaskOptions
 from agent_loop.recipes.train_options import TrainConfig
 from agent_loop.recipes.warmstart_options import WarmstartConfig
+from agent_loop.tasks.registry import DataTaskOptions, SeedOptions, TaskChoice, TaskOptions
 
 
 def own_fields(cls) -> set[str]:

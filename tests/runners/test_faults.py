@@ -158,10 +158,10 @@ def test_sigkilled_rollout_resumes_with_every_episode_exactly_once(tiny_agent_di
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    from agent_loop.recipes.train import Trainer
+    from agent_loop.recipes.train_options import TrainConfig
     from agent_loop.tiny import tiny_agent_path
     from agent_loop.training.checkpoint import CheckpointError, resolve_checkpoint
-    from agent_loop.recipes.train_options import TrainConfig
-    from agent_loop.recipes.train import Trainer
 
     run = tmp_path / "run"
     settings = dict(model=str(tiny_agent_path(stage="mid")), steps=3, prompts_per_step=2, group_size=2, concurrency=4,

@@ -179,8 +179,8 @@ def test_a_write_past_the_file_size_limit_cuts_its_partial_line_and_names_the_fi
 
 def test_changed_settings_is_the_one_comparison():
     assert changed_settings({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 5, "d": 0}, {"a", "b", "c", "d"}) == ["b: 2 -> 5"]
-    from agent_loop.training.checkpoint import changed_settings as training_changes
     from agent_loop.recipes.train_options import TrainConfig
+    from agent_loop.training.checkpoint import changed_settings as training_changes
 
     config = TrainConfig(output_dir="x", steps=3, temperature=0.5)
     saved = {**__import__("dataclasses").asdict(TrainConfig(output_dir="y", steps=9, overwrite=True))}

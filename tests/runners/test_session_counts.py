@@ -4,9 +4,9 @@ episode in the rollout summary and in a step's dropped counts, its segments show
 from rich.console import Console
 
 from agent_loop.cli.tables import summary_table
+from agent_loop.recipes.train import usable_episodes
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
-from agent_loop.recipes.train import usable_episodes
 
 A, O = 1, 2
 

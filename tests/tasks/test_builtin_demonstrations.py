@@ -17,11 +17,11 @@ import pytest
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.config import LoopConfig
+from agent_loop.recipes.warmstart import has_demonstrations, replay
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import calculator
 from agent_loop.tasks.registry import get_task
 from masking import SpanKind
-from agent_loop.recipes.warmstart import has_demonstrations, replay
 
 EPISODES = range(6)
 SEED = 5

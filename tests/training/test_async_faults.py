@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from agent_loop import TrainConfig, Trainer
 from agent_loop.backends.base import Backend, FatalBackendError
 from agent_loop.backends.hf import TransformersBackend
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import RolloutProducerError
 from tests.helpers.async_training import small_config
 from tests.helpers.vllm_servers import server_pid  # the vLLM server process behind a URL
-from agent_loop import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

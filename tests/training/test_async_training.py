@@ -30,6 +30,7 @@ import warnings
 import pytest
 import torch
 
+from agent_loop import TrainConfig, Trainer
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli.train import main as train_main
@@ -42,7 +43,6 @@ from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.types import Episode
 from masking import SpanKind
 from tests.helpers.async_training import SlowTools, small_config, token_logprobs
-from agent_loop import TrainConfig, Trainer
 
 A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
@@ -433,11 +433,11 @@ def test_k1_trains_on_partial_rollouts_sampled_by_the_versions_they_record(tiny_
     config = small_config(tiny_mid, tmp_path / "run", steps=4, max_staleness=1, lr=1e-3, warmup_steps=0, mini_batches=1,
                           tensorboard=True, eval_every=2, eval_episodes=8)
     trainer = Trainer(config, task=SlowTools(0.3))
-    states = {0: {k: v.clone() for k, v in agent_loop.training.policy.state_dict().items()}}
+    states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}
     push = trainer.producer.push
 
     def recording(load, version):
-        states[version] = {k: v.clone() for k, v in agent_loop.training.policy.state_dict().items()}
+        states[version] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
         push(load, version)
 
     trainer.producer.push = recording

@@ -17,11 +17,11 @@ import threading
 import pytest
 import torch
 
+from agent_loop import Trainer
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import oldest_version
 from masking import SpanKind
 from tests.helpers.async_training import SlowTools, small_config, token_logprobs
-from agent_loop import Trainer
 
 pytest.importorskip("vllm")
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (needs vllm)
@@ -67,11 +67,11 @@ def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_
     task = ToolsAfterTheFirstPush(config.prompts_per_step)
     with VLLMEngineBackend(tiny_mid, seed=0) as engine:
         trainer = Trainer(config, backend=engine, task=task)
-        states = {0: {k: v.clone() for k, v in agent_loop.training.policy.state_dict().items()}}
+        states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}
         push = trainer.producer.push
 
         def recording(load, version):
-            states[version] = {k: v.clone() for k, v in agent_loop.training.policy.state_dict().items()}
+            states[version] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
             if version >= 1 and not task.pushed.is_set():
                 task.calling.wait(WAIT_S)  # a second-step episode has sampled with version 0 and calls a tool
             push(load, version)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agent_loop.recipes.warmstart import replay
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.tasks.registry import get_task
-from masking import SpanKind
 from agent_loop.training.policy import PolicyModel, batch_logprobs, chunked_head, policy_outputs, response_forward
-from agent_loop.recipes.warmstart import replay
+from masking import SpanKind
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 rounding: sums over a vocabulary, in another order
 # a weight's gradient sums every token's share (hundreds), in another order than the plain computation's

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import pytest
 
+from agent_loop import Trainer
 from agent_loop.cli import main
 from agent_loop.cli.options import UsageError
 from agent_loop.cli.train import options_from
@@ -30,12 +31,11 @@ from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import oldest_version
 from agent_loop.tasks.base import Task
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.checkpoint import load_state
+from agent_loop.training.rollout_files import step_file
 from agent_loop.types import Trajectory
 from masking import SpanKind
 from tests.helpers.async_training import small_config
-from agent_loop import Trainer
-from agent_loop.training.checkpoint import load_state
-from agent_loop.training.rollout_files import step_file
 
 A = int(SpanKind.ASSISTANT)
 

@@ -32,7 +32,7 @@ def lora_config(tiny_mid, tmp_path, **overrides) -> TrainConfig:
 
 def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_path):
     trainer = Trainer(lora_config(tiny_mid, tmp_path))
-    named = dict(agent_loop.training.policy.named_parameters())
+    named = dict(trainer.policy.named_parameters())
     adapters = {n for n in named if "lora_" in n}
     assert adapters and {n for n, p in named.items() if p.requires_grad} == adapters
     assert {id(p) for p in trainer.trained_parameters} == {id(named[n]) for n in adapters}
@@ -74,7 +74,7 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
     # the merged model computes what the LoRA model computes, and the rollout backend holds it
     ids = torch.tensor([batch["input_ids"][0].tolist()])
     with torch.no_grad():
-        torch.testing.assert_close(saved(ids).logits, agent_loop.training.policy(input_ids=ids).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(saved(ids).logits, trainer.policy(input_ids=ids).logits, atol=1e-4, rtol=0)
     for name, value in trainer.backend.model.state_dict().items():
         torch.testing.assert_close(value, saved.state_dict()[name], atol=1e-6, rtol=0, msg=name)
 

@@ -17,15 +17,15 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import get_json_schema
 
+from agent_loop import TrainConfig, Trainer
 from agent_loop.backends.base import FatalBackendError, SamplingParams
 from agent_loop.backends.weight_files import WeightSyncError
 from agent_loop.episode.chat import ChatFormatter
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import VersionedBackend
 from agent_loop.tasks.builtin import ArithmeticTask, calculator
-from masking.spans import SpanKind
-from agent_loop import TrainConfig, Trainer
 from agent_loop.training.transports.engine_lora import EngineLoRASync
+from masking.spans import SpanKind
 
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
@@ -158,7 +158,7 @@ def test_a_lora_trainer_samples_from_the_adapter_it_just_pushed(engine, tiny_age
                       backend=engine)  # the engine's base model
     assert isinstance(trainer.transport.inner, EngineLoRASync)
     trainer.train_step()
-    after_step_one = copy.deepcopy(agent_loop.training.policy).eval()
+    after_step_one = copy.deepcopy(trainer.policy).eval()
     second = trainer.train_step()
     assert trainer.transport.inner.folders.count == 3  # at the start and after each step
     assert second["mismatch/kl_k3"] < 1e-5, second  # the sampler is the policy the trainer recomputed with
@@ -172,21 +172,21 @@ def test_a_lora_trainer_samples_from_the_adapter_it_just_pushed(engine, tiny_age
         worst["base"] = max(worst["base"], sampling_gap(base, trajectory, assistant))
     assert worst["step 1"] < LOGPROB_ATOL and worst["base"] > 5 * LOGPROB_ATOL, worst
 
-    agent_loop.training.policy.eval()
+    trainer.policy.eval()
     prompt_ids = prompts(tiny_tokenizer)
     after = sample(VersionedBackend(engine, version=2), prompt_ids)
-    assert all(r.policy_version == 2 for r in after) and gap(agent_loop.training.policy, prompt_ids, after) < LOGPROB_ATOL
+    assert all(r.policy_version == 2 for r in after) and gap(trainer.policy, prompt_ids, after) < LOGPROB_ATOL
 
 
 def test_asynchronous_lora_tokens_carry_the_adapter_that_sampled_them(engine, tiny_agent_dir, tmp_path):
     """``--max-staleness 1``: adapters are pushed through the producer's gate while episodes play; every
     ASSISTANT token's sampling logprob equals that of the peft model of the version it is stamped with."""
     trainer = Trainer(lora_train_config(tiny_agent_dir, tmp_path / "run", max_staleness=1, steps=3), backend=engine)
-    policies = {0: copy.deepcopy(agent_loop.training.policy).eval()}
+    policies = {0: copy.deepcopy(trainer.policy).eval()}
     try:
         for step in (1, 2, 3):
             trainer.train_step()
-            policies[step] = copy.deepcopy(agent_loop.training.policy).eval()
+            policies[step] = copy.deepcopy(trainer.policy).eval()
     finally:
         trainer.close_producer()
     seen, worst = set(), 0.0

@@ -14,14 +14,14 @@ import random
 import pytest
 import torch
 
+from agent_loop import TrainConfig, Trainer
 from agent_loop.cli.train import main as train_main
 from agent_loop.config import checked
+from agent_loop.training.policy import micro_batches
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
 from tests.helpers.trainer_config import random_advantages, small_config
 from tests.helpers.trajectories import collate_rows, random_trajectory
-from agent_loop import TrainConfig, Trainer
-from agent_loop.training.policy import micro_batches
 
 ASSISTANT = SpanKind.ASSISTANT
 MISMATCH_KEYS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ratio_mean", "mismatch/ratio_min", "mismatch/ratio_max",
@@ -71,12 +71,12 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     noise = 0.15 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))
     batch.rollout_logprobs = torch.where(batch.spans == ASSISTANT, batch.rollout_logprobs + noise, 0.0)
     rollout = batch.rollout_logprobs.clone()
-    old = serial_logprobs(agent_loop.training.policy, trajectories)
+    old = serial_logprobs(trainer.policy, trajectories)
     metrics = trainer.score(batch)
     random_advantages(batch)
 
     # before the update the PPO ratio is 1: the first loss is the weighted policy gradient alone
-    first, kept, capped = reference_weighted_loss(old, old, rollout, batch.advantages, agent_loop.recipes.train_options.clip_ratio)
+    first, kept, capped = reference_weighted_loss(old, old, rollout, batch.advantages, trainer.config.clip_ratio)
     assert 0 < kept < len(old) and capped > 0  # the cap and the rejection both act on this batch
     assert metrics["mismatch/frac_masked"] == pytest.approx(1 - kept / len(old))
     assert metrics["mismatch/frac_capped"] == pytest.approx(capped / len(old))
@@ -86,8 +86,8 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     assert update["loss/first"] == pytest.approx(first, abs=1e-5)
 
     loss, stats = trainer.micro_batch_loss(batch)
-    expected, _, _ = reference_weighted_loss(serial_logprobs(agent_loop.training.policy, trajectories), old, rollout,
-                                             batch.advantages, agent_loop.recipes.train_options.clip_ratio)
+    expected, _, _ = reference_weighted_loss(serial_logprobs(trainer.policy, trajectories), old, rollout,
+                                             batch.advantages, trainer.config.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
     assert float(stats["clip_frac"]) > 0
 
@@ -123,12 +123,12 @@ def test_mismatch_metrics_reach_metrics_jsonl_and_tensorboard(tiny_mid, tmp_path
 def test_a_step_whose_every_token_is_rejected_leaves_the_weights_alone(tiny_mid, tmp_path):
     # fp32 sampler and trainer agree: every ratio is ~1, outside [1.5, 2]
     trainer = Trainer(small_config(tiny_mid, tmp_path, rollout_rs="sequence", rollout_rs_lower=1.5, entropy_coef=0.01))
-    before = [p.detach().clone() for p in agent_loop.training.policy.parameters()]
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
     with pytest.warns(UserWarning, match="rejected every ASSISTANT token"):
         metrics = trainer.train_step()
     assert metrics["mismatch/frac_masked"] == 1.0 and metrics["skipped_updates"] == 1.0
     assert math.isnan(metrics["loss"])
-    assert all(torch.equal(p, q) for p, q in zip(agent_loop.training.policy.parameters(), before))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.policy.parameters(), before))
     assert trainer.step == 1
 
 

@@ -4,8 +4,8 @@ corrected with the field's default (token-level truncated importance sampling, t
 import pytest
 import torch
 
-from tests.helpers.trainer_config import small_config
 from agent_loop import Trainer
+from tests.helpers.trainer_config import small_config
 
 
 def test_another_precision_turns_the_correction_on_unless_one_is_chosen(tiny_mid, tmp_path, capsys):

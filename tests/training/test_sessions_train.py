@@ -12,9 +12,9 @@ import statistics
 import pytest
 
 from advantages.estimators import GRPO_EPS
+from agent_loop import Trainer
 from tests.helpers.summarising_agent import session_reward
 from tests.helpers.trainer_config import small_config
-from agent_loop import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,13 @@ import math
 import pytest
 import torch
 
+from agent_loop import TrainConfig, Trainer
 from agent_loop.cli.train import main as train_main
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import get_task
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
 from tests.helpers.trainer_config import random_advantages, small_config
-from agent_loop import TrainConfig, Trainer
 
 ASSISTANT, OBSERVATION, PAD = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
 
@@ -56,16 +56,16 @@ def reference_ppo_loss(model, trajectories, old_logprobs, advantages, clip_ratio
 @pytest.mark.slow
 def test_step_is_finite_changes_every_parameter_and_pushes_weights(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, entropy_coef=0.01))  # a signal even if every reward is 0
-    before = {name: p.detach().clone() for name, p in agent_loop.training.policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
     metrics = trainer.train_step()
 
     assert trainer.step == 1
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert metrics["loss"] != 0.0 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
-    unchanged = [name for name, p in agent_loop.training.policy.named_parameters() if torch.equal(p, before[name])]
+    unchanged = [name for name, p in trainer.policy.named_parameters() if torch.equal(p, before[name])]
     assert unchanged == []
     rollout_weights = trainer.backend.model.state_dict()
-    assert all(torch.equal(rollout_weights[name], p) for name, p in agent_loop.training.policy.state_dict().items())
+    assert all(torch.equal(rollout_weights[name], p) for name, p in trainer.policy.state_dict().items())
     # the sampler (incremental decoding, left-padded batches) and the trainer (one padded forward) agree
     assert metrics["logprob_mismatch/mean_abs"] < 1e-4
     assert metrics["logprob_mismatch/max_abs"] < 1e-3
@@ -82,8 +82,8 @@ def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
     trainer.update(batch, step=0)  # a large step, so that ratios move away from 1 and some get clipped
     loss, stats = trainer.micro_batch_loss(batch)
 
-    expected = reference_ppo_loss(agent_loop.training.policy, trajectories, batch["old_logprobs"], batch["advantages"],
-                                  agent_loop.recipes.train_options.clip_ratio)
+    expected = reference_ppo_loss(trainer.policy, trajectories, batch["old_logprobs"], batch["advantages"],
+                                  trainer.config.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
     assert float(stats["clip_frac"]) > 0  # the clipped branch was exercised
 
@@ -91,14 +91,14 @@ def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
 @pytest.mark.slow
 def test_gradient_accumulation_equals_one_pass(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, mini_batches=1, max_grad_norm=1e9))
-    agent_loop.recipes.train_options.lr = 0.0  # the weights stay put between the passes (an option refuses 0: it is set after the checks)
+    trainer.config.lr = 0.0  # the weights stay put between the passes (an option refuses 0: it is set after the checks)
     batch = scored_batch(trainer)
     random_advantages(batch)
     gradients = []
-    for micro_batch_size in (1, 3, agent_loop.recipes.train_options.episodes_per_step):
-        agent_loop.recipes.train_options.micro_batch_size = micro_batch_size
+    for micro_batch_size in (1, 3, trainer.config.episodes_per_step):
+        trainer.config.micro_batch_size = micro_batch_size
         trainer.update(batch, step=0)
-        gradients.append([p.grad.clone() for p in agent_loop.training.policy.parameters()])
+        gradients.append([p.grad.clone() for p in trainer.policy.parameters()])
     for other in gradients[1:]:
         for one_pass, accumulated in zip(gradients[-1], other):
             torch.testing.assert_close(accumulated, one_pass, atol=1e-7, rtol=1e-4)
@@ -112,11 +112,11 @@ def test_a_batch_without_signal_leaves_the_weights_alone(tiny_mid, tmp_path):
     batch = scored_batch(trainer)
     random_advantages(batch)
     assert trainer.update(batch, step=0)["skipped_updates"] == 0.0
-    before = [p.detach().clone() for p in agent_loop.training.policy.parameters()]
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
     batch["advantages"] = torch.zeros_like(batch["advantages"])
     metrics = trainer.update(batch, step=1)
     assert metrics["skipped_updates"] == 1.0 and metrics["grad_norm"] == 0.0
-    assert all(torch.equal(p, q) for p, q in zip(agent_loop.training.policy.parameters(), before))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.policy.parameters(), before))
 
 
 @pytest.mark.slow
@@ -309,13 +309,13 @@ def test_grouped_task_gives_each_group_one_question_and_each_sample_its_own_inde
 @pytest.mark.slow
 def test_bf16_step_keeps_fp32_master_weights_and_pushes_bf16_to_the_sampler(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, dtype="bf16", device="cpu", entropy_coef=0.01))
-    before = {name: p.detach().clone() for name, p in agent_loop.training.policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
     metrics = trainer.train_step()
     assert all(math.isfinite(v) for v in metrics.values()), metrics
-    assert all(p.dtype == torch.float32 for p in agent_loop.training.policy.parameters())  # master weights and AdamW in fp32
-    assert any(not torch.equal(p, before[name]) for name, p in agent_loop.training.policy.named_parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())  # master weights and AdamW in fp32
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.policy.named_parameters())
     rollout_weights = trainer.backend.model.state_dict()
-    for name, p in agent_loop.training.policy.state_dict().items():
+    for name, p in trainer.policy.state_dict().items():
         assert rollout_weights[name].dtype == torch.bfloat16
         assert torch.equal(rollout_weights[name], p.to(torch.bfloat16)), name
     # bf16 forward passes: sampler and trainer agree to bf16 precision, not fp32's

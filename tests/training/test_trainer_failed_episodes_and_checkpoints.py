@@ -28,12 +28,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from advantages import get_estimator
+from agent_loop import TrainConfig, Trainer
+from agent_loop.recipes.train import usable_episodes
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.checkpoint import MANIFEST, STATE_FILE, CheckpointError
 from agent_loop.types import Trajectory
 from masking import SpanKind
-from agent_loop import TrainConfig, Trainer
-from agent_loop.training.checkpoint import MANIFEST, STATE_FILE, CheckpointError
-from agent_loop.recipes.train import usable_episodes
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -116,7 +116,7 @@ def test_a_reward_that_raises_for_one_episode_in_eight_does_not_stop_training(ti
 @pytest.mark.slow
 def test_a_step_whose_episodes_all_failed_is_skipped_with_a_warning(tiny_mid, tmp_path, capsys):
     trainer = Trainer(config_for(tiny_mid, tmp_path / "run", steps=2), task=FlakyReward(lambda index: index < 8))
-    before = {name: p.detach().clone() for name, p in agent_loop.training.policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.train()  # was: max(): Expected reduction dim ... at the first step
@@ -125,7 +125,7 @@ def test_a_step_whose_episodes_all_failed_is_skipped_with_a_warning(tiny_mid, tm
     assert [m["skipped_steps"] for m in history] == [1.0, 0.0]  # step 2 plays questions 4-7: it trains
     assert history[0]["episodes/dropped_failed"] == 8.0 and history[0]["success"] == 0.0
     assert "skipped: 8 episodes failed" in capsys.readouterr().out
-    assert trainer.step == 2 and any(not torch.equal(before[n], p) for n, p in agent_loop.training.policy.named_parameters())
+    assert trainer.step == 2 and any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------

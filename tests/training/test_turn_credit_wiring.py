@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from advantages import get_estimator
+from agent_loop import Trainer
 from agent_loop.episode.contracts import StepResult, Task, TurnEnvironment
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch, turn_state_ids
 from agent_loop.types import Episode, Trajectory
 from masking import SpanKind
 from tests.helpers.trainer_config import small_config
-from agent_loop import Trainer
 
 A = SpanKind.ASSISTANT
 TURNS = 3
@@ -133,7 +133,7 @@ def test_turn_states_are_recorded_and_reach_gigpo(played):
     try:
         trainer.score(batch)
     finally:
-        trainer.estimator = get_estimator(agent_loop.recipes.train_options.estimator)
+        trainer.estimator = get_estimator(trainer.config.estimator)
     assert torch.equal(seen["turn_states"], batch.turn_states) and torch.equal(seen["index"], batch.index)
     # the same advantages as gigpo given the keys themselves (it numbers them on its own)
     want, _ = gigpo(batch.token_level_rewards, batch.response_mask, index=batch.index, spans=batch.spans,

@@ -24,12 +24,6 @@ from agent_loop import Environment
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.config import LoopConfig
 from agent_loop.models import check_model_dir
-from agent_loop.runners.batch import trajectories_to_batch
-from agent_loop.runners.local import run_rollouts
-from agent_loop.tasks.base import Task, as_task
-from agent_loop.tasks.registry import get_task
-from masking import SpanKind
-from agent_loop.training.policy import PolicyModel
 from agent_loop.recipes.warmstart import (
     DemonstrationError,
     assistant_mask,
@@ -42,6 +36,12 @@ from agent_loop.recipes.warmstart import (
     warm_start,
 )
 from agent_loop.recipes.warmstart_options import WarmstartConfig
+from agent_loop.runners.batch import trajectories_to_batch
+from agent_loop.runners.local import run_rollouts
+from agent_loop.tasks.base import Task, as_task
+from agent_loop.tasks.registry import get_task
+from agent_loop.training.policy import PolicyModel
+from masking import SpanKind
 
 ASSISTANT, OBSERVATION = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
@@ -117,8 +117,8 @@ def test_a_replayed_demonstration_is_what_the_loop_records_for_a_model_writing_i
 def test_the_replay_is_keyed_by_the_session_ids_the_loop_sends(tiny_tokenizer):
     """ReplayBackend's keys come from the loop's own function: each episode's requests arrive under its key, once
     per demonstrated turn, and no request arrives under another."""
-    from agent_loop.types import episode_session_id
     from agent_loop.recipes.warmstart import ReplayBackend, prepare
+    from agent_loop.types import episode_session_id
 
     task = as_task(Quadruple())
     prepared = [asyncio.run(prepare(task, index, 5, tiny_tokenizer)) for index in range(3)]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from agent_loop.recipes.train_options import TrainConfig
-from agent_loop.training.optimization import adamw, lr_at, set_lr
 from agent_loop.recipes.warmstart import lr_at as warmstart_lr_at
 from agent_loop.recipes.warmstart_options import MIN_LR_FRACTION, WarmstartConfig
+from agent_loop.training.optimization import adamw, lr_at, set_lr
 
 WARMUPS = (0, 1, 3, 10)
 

@@ -23,12 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("vllm")
+from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.backends.hf import TransformersBackend  # noqa: E402
 from agent_loop.backends.openai_http import OpenAIHTTPBackend, free_port, local_vllm_server  # noqa: E402
 from agent_loop.backends.weight_files import WeightSyncError  # noqa: E402
-from tests.helpers.backend_agreement import assert_agree_or_tie, rollouts  # noqa: E402
-from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.training.transports.vllm_servers import VLLMServerWeightSync  # noqa: E402
+from tests.helpers.backend_agreement import assert_agree_or_tie, rollouts  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -69,10 +69,10 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
         trainer = Trainer(config)
         metrics = trainer.train_step()
         assert trainer.transport.inner.version == 2 and metrics["time/weight_sync_s"] > 0  # at start and after the step
-        agent_loop.training.policy.eval()
-        trained = asyncio.run(rollouts(TransformersBackend(agent_loop.training.policy), tiny_tokenizer))
+        trainer.policy.eval()
+        trained = asyncio.run(rollouts(TransformersBackend(trainer.policy), tiny_tokenizer))
         served = asyncio.run(through(url))
-        trainer_ties = assert_agree_or_tie(agent_loop.training.policy, trained, served)
+        trainer_ties = assert_agree_or_tie(trainer.policy, trained, served)
 
         # a rejected sync (a tensor of the wrong shape) raises, and a stale policy is never reported as synced
         broken = dict(new.state_dict())
@@ -156,7 +156,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
         trainer = Trainer(config)
         trainer.train_step()
         assert trainer.transport.inner.version == 2 and trainer.backend.model == trainer.transport.served_model
-        trainer_merged = plain_copy(agent_loop.training.policy).eval()
+        trainer_merged = plain_copy(trainer.policy).eval()
         trained = asyncio.run(rollouts(TransformersBackend(trainer_merged), tiny_tokenizer))
         trainer_served = asyncio.run(through(url, trainer.backend.model))
         trainer_ties = assert_agree_or_tie(trainer_merged, trained, trainer_served)
