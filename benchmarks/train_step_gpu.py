@@ -30,6 +30,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop.training.step_rollouts import training_batch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -98,13 +100,14 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats(trainer.device)
                 torch.cuda.synchronize(trainer.device)
             started = time.perf_counter()
-            trajectories = trainer.rollouts(trainer.step)
+            trajectories = trainer.rollouts.play_groups(trainer.step * trainer.config.prompts_per_step)
             if cuda:
                 torch.cuda.synchronize(trainer.device)
             rolled = time.perf_counter()
-            batch = trainer.make_batch(trajectories)
-            trainer.score(batch)
-            trainer.update(batch, trainer.step)
+            batch = training_batch(trajectories, group_size=trainer.config.group_size,
+                                   pad_token_id=trainer.pad_token_id, device=trainer.device)
+            trainer.ppo.score(batch)
+            trainer.ppo.update(batch, trainer.step)
             trainer.push_weights()
             if cuda:
                 torch.cuda.synchronize(trainer.device)

@@ -17,6 +17,7 @@ import torch
 from agent_loop import TrainConfig, Trainer
 from agent_loop.training.distributed import close_data_parallel, full_tensor
 from agent_loop.training.metrics import rollout_metrics
+from tests.helpers.trainer_config import batch_of
 
 
 def main(out: str, config_json: str, *flags: str) -> None:
@@ -24,11 +25,11 @@ def main(out: str, config_json: str, *flags: str) -> None:
     if "--no-share-prefix" in flags:  # one process computing as FSDP does (agent_loop/training/distributed.py)
         trainer.model.share_prefix = False
     try:
-        trajectories = trainer.rollouts(0)
-        batch = trainer.make_batch(trajectories)
+        trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+        batch = batch_of(trainer, trajectories)
         metrics = rollout_metrics(trajectories)
-        metrics.update(trainer.score(batch))
-        metrics.update(trainer.update(batch, 0))
+        metrics.update(trainer.ppo.score(batch))
+        metrics.update(trainer.ppo.update(batch, 0))
         torch.save({
             "episodes": [(t.info["index"], t.prompt_ids, t.response_ids) for t in trajectories],
             "index": batch["index"], "advantages": batch["advantages"], "returns": batch["returns"],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
-from agent_loop.cli.options import UsageError, add_options, resolve, validate
+from agent_loop.cli.flags import UsageError, add_options, resolve, validate
 from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.cli.stops import go_on_command, run_command
 from agent_loop.recipes.train_options import TrainConfig
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(config: TrainConfig, task) -> int:
     from agent_loop.recipes.train import Trainer
-    from agent_loop.training.checkpoint import CheckpointError
+    from agent_loop.training.checkpoint import CheckpointError, step_folder
     from agent_loop.training.distributed import close_data_parallel
 
     started = time.perf_counter()
@@ -153,9 +153,9 @@ def train(config: TrainConfig, task) -> int:
         return 0
     if history:
         print(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in {time.perf_counter() - started:.0f} s: "
-              f"{trainer.summary(history)}")
+              f"{trainer.closing_line}")
     print(f"metrics: {trainer.logger.path}")
-    print(f"checkpoint: {trainer.checkpoint_dir(trainer.step)}")
+    print(f"checkpoint: {step_folder(trainer.output_dir, trainer.step)}")
     return 0
 
 

@@ -161,6 +161,11 @@ def _refuse_damaged(path: Path) -> None:
                               f"{MANIFEST} (same size, other bytes); resume from an earlier checkpoint folder")
 
 
+def step_folder(output_dir: str | Path, step: int) -> Path:
+    """The checkpoint folder of step ``step`` in a run's folder: ``OUTPUT_DIR/checkpoints/step_NNNNNN``."""
+    return Path(output_dir) / "checkpoints" / f"step_{step:06d}"
+
+
 def _step_folders(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name, reverse=True)
 

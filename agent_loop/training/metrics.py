@@ -9,8 +9,9 @@ from typing import Sequence
 import torch
 
 import agent_loop.files as files
-from agent_loop.config import plural
+from agent_loop.options import plural
 from agent_loop.runners.stats import RolloutStats
+from agent_loop.training.distributed import NullLogger
 from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
 
 # the policy loss's statistics (advantages.losses, verl's names) as metrics.jsonl names them, once
@@ -158,6 +159,15 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def run_logger(output_dir: str | Path, *, fresh: bool, main: bool, tensorboard: bool, wandb_project: str | None,
+               run_config: dict):
+    """Rank 0's :class:`MetricsLogger` (``main``), the other ranks' ``NullLogger`` (they write nothing)."""
+    if not main:
+        return NullLogger(Path(output_dir) / "metrics.jsonl")
+    return MetricsLogger(output_dir, fresh=fresh, tensorboard=tensorboard, wandb_project=wandb_project,
+                         run_config=run_config)
+
+
 def compact_line(step: int, metrics: dict[str, float]) -> str:
     """One short stdout line per step (a skipped step: its success, reward and what was dropped)."""
     if metrics.get("skipped_steps"):
@@ -177,3 +187,38 @@ def compact_line(step: int, metrics: dict[str, float]) -> str:
         parts.append(f"eval {metrics['eval/success']:.3f}")
     parts.append(f"{metrics['time/step_s']:.1f}s")
     return " | ".join(parts)
+
+
+def warn_first_errors(trajectories: Sequence[Trajectory], warned: set[str], step: int) -> None:
+    """Warn once per run per kind (reward, tool, template; ``warned``: the kinds already warned about) with its
+    first message; the counts are in the metrics (``errors/*``)."""
+    for kind, message in first_errors(trajectories).items():
+        if kind not in warned:
+            warned.add(kind)
+            warnings.warn(f"step {step}: first {kind} error (counted each step as errors/{kind}; warned once): "
+                          f"{message[:300]}", stacklevel=3)
+
+
+def no_signal_warning(kept: Sequence[Trajectory], metrics: dict[str, float], step: int) -> str | None:
+    """The warning of a step whose every advantage is 0 (no learning signal), saying why; None when some is not."""
+    if metrics.get("advantages/min", 0.0) != 0.0 or metrics.get("advantages/max", 0.0) != 0.0:
+        return None
+    rewards = {t.reward for t in kept}
+    reasons = []
+    if len(rewards) == 1:
+        reasons.append(f"all {len(kept)} rewards equal ({next(iter(rewards)):g})")
+    if all(t.truncated for t in kept):
+        reasons.append("every episode was truncated (hit --max-tokens / --max-response-tokens / --max-turns)")
+    return (f"step {step} has no learning signal: every advantage is 0"
+            + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+
+def skipped_step_warning(played: Sequence[Trajectory], metrics: dict[str, float], step: int) -> str:
+    """The warning of a step with nothing to train on: how many of its episodes failed, were left alone in their
+    group or set aside by --filter-groups, and the first error."""
+    first = next((t.metrics.get("error", "") for t in played if t.finish_reason == "error"), "")
+    filtered = sum("filtered" in t.info for t in played)
+    return (f"step {step} skipped: none of its {len(played)} episodes can be trained on "
+            f"({metrics['episodes/dropped_failed']:.0f} failed, {metrics['episodes/dropped_lone']:.0f} "
+            f"left alone in their group, " + (f"{filtered} set aside by --filter-groups, " if filtered else "")
+            + "the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""))

@@ -12,8 +12,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM
 
 from advantages import entropy_from_logits
+from agent_loop.training.checkpoint import check_finite
+from agent_loop.training.lora import load_adapter_weights, wrap_with_lora
 from masking.batch import Batch
 from masking.kinds import SpanKind
 
@@ -244,3 +247,26 @@ def batch_logprobs(
         if values is not None:
             values[part, :width] = torch.where(assistant, micro_values, 0.0)
     return logprobs, values
+
+
+def load_policy(start, *, lora: dict | None, needs_values: bool, reference_dtype: torch.dtype | None, device):
+    """The policy to train, its value head and the frozen reference, from a run's :class:`~agent_loop.training.resume.Start`.
+
+    The policy loads from ``start.policy_path`` in float32; ``lora`` (``rank``, ``alpha``, ``target_modules``)
+    wraps it in LoRA adapters, a resumed run's loaded from ``start.folder/adapter``; a resumed policy's weights are
+    checked finite (NaN weights would pass the load and fail steps later). ``needs_values``: a value head (GAE);
+    ``reference_dtype``: the reference (``start.initial_model``) in that dtype, None for no reference (no KL).
+    Returns ``(policy, value_head or None, reference PolicyModel or None)``."""
+    policy = AutoModelForCausalLM.from_pretrained(start.policy_path, dtype=torch.float32).to(device).train()
+    if lora:
+        policy = wrap_with_lora(policy, lora["rank"], lora["alpha"], lora["target_modules"])
+        if start.state is not None:
+            load_adapter_weights(policy, start.folder / "adapter")
+    if start.state is not None:
+        check_finite(((name, p.detach()) for name, p in policy.named_parameters()), f"checkpoint {start.folder} (its weights)")
+    value_head = ValueHead(policy.config.hidden_size).to(device) if needs_values else None
+    reference = None
+    if reference_dtype is not None:
+        frozen = AutoModelForCausalLM.from_pretrained(start.initial_model, dtype=reference_dtype).to(device).eval()
+        reference = PolicyModel(frozen.requires_grad_(False))
+    return policy, value_head, reference

@@ -1,8 +1,9 @@
-"""A small synchronous training run on the tiny agent, and fixed random advantages (tests/trainer)."""
+"""A small synchronous training run on the tiny agent, and fixed random advantages (tests/training)."""
 
 import torch
 
 from agent_loop import TrainConfig
+from agent_loop.training.step_rollouts import training_batch
 from masking import SpanKind
 
 ASSISTANT = SpanKind.ASSISTANT
@@ -14,6 +15,12 @@ def small_config(tiny_mid: str, tmp_path, **overrides) -> TrainConfig:
                     micro_batch_size=2, ppo_epochs=1, threads=2, output_dir=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
     return TrainConfig(**settings)
+
+
+def batch_of(trainer, trajectories):
+    """``trajectories`` collated as ``trainer``'s step collates them (its group size, pad id and device)."""
+    return training_batch(trajectories, group_size=trainer.config.group_size, pad_token_id=trainer.pad_token_id,
+                          device=trainer.device)
 
 
 def random_advantages(batch: dict[str, torch.Tensor], seed: int = 0) -> None:

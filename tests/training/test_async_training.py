@@ -34,11 +34,11 @@ from agent_loop import TrainConfig, Trainer
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli.train import main as train_main
-from agent_loop.config import checked
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.contracts import Task
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.options import checked
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import RolloutProducer, VersionedBackend, oldest_version
-from agent_loop.tasks.base import Task
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.types import Episode
 from masking import SpanKind
@@ -355,7 +355,7 @@ def test_a_staleness_0_asynchronous_run_equals_the_synchronous_one(tiny_mid, tmp
         history = {name: [trainer.train_step() for _ in range(2)]
                    for name, trainer in (("sync", synchronous), ("async", asynchronous))}
     finally:
-        asynchronous.close_producer()
+        asynchronous.rollouts.close()
     for step in (1, 2):  # the same episodes, token for token (the step files hold them in index order)
         sync_file, async_file = (read_trajectories(tmp_path / name / "rollouts" / f"step_{step:06d}.jsonl")
                                  for name in ("sync", "async"))
@@ -405,7 +405,7 @@ def test_a_resumed_asynchronous_run_plays_the_same_questions_none_twice(tiny_mid
         stopped.train_step()
         stopped.save_checkpoint()
     finally:
-        stopped.close_producer()
+        stopped.rollouts.close()
     state = torch.load(tmp_path / "stopped" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)
     # which 8 questions steps 1-2 trained on depends on which episodes the backend finished first (requests join
     # and leave its batch as they come); question 0 was still in flight, whatever the order

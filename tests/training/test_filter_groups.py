@@ -24,14 +24,14 @@ import pytest
 
 from agent_loop import Trainer
 from agent_loop.cli import main
-from agent_loop.cli.options import UsageError
+from agent_loop.cli.flags import UsageError
 from agent_loop.cli.train import options_from
+from agent_loop.episode.contracts import Task
 from agent_loop.runners.group_filter import GroupSelection, outcome_kind, session_outcomes
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import oldest_version
-from agent_loop.tasks.base import Task
 from agent_loop.tasks.registry import get_task
-from agent_loop.training.checkpoint import load_state
+from agent_loop.training.checkpoint import load_state, step_folder
 from agent_loop.training.rollout_files import step_file
 from agent_loop.types import Trajectory
 from masking import SpanKind
@@ -244,11 +244,11 @@ def test_synchronous_steps_hold_their_batch_of_mixed_groups_and_the_stream_goes_
             shaped_cases.add((group in trained, same_reward))
     # both cases happened: a trained group whose shaped rewards are equal, a dropped one whose shaped rewards differ
     assert (True, True) in shaped_cases and (False, False) in shaped_cases
-    assert played == list(range(len(played))) and trainer.next_group == len(played) > 8  # extra rounds were played
-    assert load_state(trainer.checkpoint_dir(2))["next_group"] == len(played)
+    assert played == list(range(len(played))) and trainer.rollouts.next_group == len(played) > 8  # extra rounds were played
+    assert load_state(step_folder(trainer.output_dir, 2))["next_group"] == len(played)
 
     resumed = Trainer(filter_config(tiny_mid, tmp_path, steps=3, resume=str(tmp_path)), task=ShapedOutcome())
-    assert resumed.next_group == len(played)
+    assert resumed.rollouts.next_group == len(played)
     resumed.train()
     assert min(groups_in(step_file(tmp_path, 3))) == len(played)  # no question twice
 

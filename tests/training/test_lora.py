@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agent_loop import TrainConfig, Trainer
+from agent_loop.training.checkpoint import step_folder
+from tests.helpers.trainer_config import batch_of
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -39,10 +41,10 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
     before = {n: p.detach().clone() for n, p in named.items()}
 
     # one mini-batch's gradient: on the adapters only
-    batch = trainer.make_batch(trainer.rollouts(0))
-    trainer.score(batch)
+    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step))
+    trainer.ppo.score(batch)
     trainer.optimizer.zero_grad(set_to_none=True)
-    loss, _ = trainer.micro_batch_loss(batch)
+    loss, _ = trainer.ppo.micro_batch_loss(batch)
     loss.backward()
     with_grad = {n for n, p in named.items() if p.grad is not None}
     assert with_grad == adapters
@@ -57,7 +59,7 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
     assert any(not torch.equal(named[n], before[n]) for n in adapters if "lora_B" in n)
 
     # the checkpoint: plain transformers weights = base + (alpha / r) B A, from the adapter's own matrices
-    saved = AutoModelForCausalLM.from_pretrained(trainer.checkpoint_dir(1) / "model", dtype=torch.float32)
+    saved = AutoModelForCausalLM.from_pretrained(step_folder(trainer.output_dir, 1) / "model", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_mid, dtype=torch.float32).state_dict()
     merged_layers = 0
     for name, value in saved.state_dict().items():
@@ -69,7 +71,7 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
         torch.testing.assert_close(value, base[name] + (ALPHA / RANK) * b @ a, atol=1e-6, rtol=0, msg=name)
         merged_layers += 1
     assert merged_layers == 4 * 7  # every linear layer of the 4 decoder blocks
-    assert (trainer.checkpoint_dir(1) / "adapter" / "adapter_config.json").exists()
+    assert (step_folder(trainer.output_dir, 1) / "adapter" / "adapter_config.json").exists()
 
     # the merged model computes what the LoRA model computes, and the rollout backend holds it
     ids = torch.tensor([batch["input_ids"][0].tolist()])
@@ -83,7 +85,7 @@ def test_lora_run_resumes_from_its_checkpoint(tiny_mid, tmp_path):
     config = lora_config(tiny_mid, tmp_path, steps=2)
     straight = Trainer(config)
     history = straight.train()
-    resumed = Trainer(dataclasses.replace(config, resume=str(straight.checkpoint_dir(1)),
+    resumed = Trainer(dataclasses.replace(config, resume=str(step_folder(straight.output_dir, 1)),
                                           output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()

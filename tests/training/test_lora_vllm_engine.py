@@ -188,7 +188,7 @@ def test_asynchronous_lora_tokens_carry_the_adapter_that_sampled_them(engine, ti
             trainer.train_step()
             policies[step] = copy.deepcopy(trainer.policy).eval()
     finally:
-        trainer.close_producer()
+        trainer.rollouts.close()
     seen, worst = set(), 0.0
     for step in (1, 2, 3):
         for trajectory in read_trajectories(tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl"):

@@ -16,11 +16,12 @@ import torch
 
 from agent_loop import TrainConfig, Trainer
 from agent_loop.cli.train import main as train_main
-from agent_loop.config import checked
+from agent_loop.options import checked
 from agent_loop.training.policy import micro_batches
+from agent_loop.training.ppo import PPO
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
-from tests.helpers.trainer_config import random_advantages, small_config
+from tests.helpers.trainer_config import batch_of, random_advantages, small_config
 from tests.helpers.trajectories import collate_rows, random_trajectory
 
 ASSISTANT = SpanKind.ASSISTANT
@@ -65,14 +66,14 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     trainer = Trainer(small_config(tiny_mid, tmp_path, mini_batches=1, lr=1e-2, rollout_is="token",
                                    rollout_is_threshold=CAP, rollout_rs="token", rollout_rs_lower=LOWER,
                                    rollout_rs_upper=UPPER))
-    trajectories = trainer.rollouts(0)
-    batch = trainer.make_batch(trajectories)
+    trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+    batch = batch_of(trainer, trajectories)
     # a sampler that disagrees with the trainer: its logprobs moved by noise on the ASSISTANT tokens
     noise = 0.15 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))
     batch.rollout_logprobs = torch.where(batch.spans == ASSISTANT, batch.rollout_logprobs + noise, 0.0)
     rollout = batch.rollout_logprobs.clone()
     old = serial_logprobs(trainer.policy, trajectories)
-    metrics = trainer.score(batch)
+    metrics = trainer.ppo.score(batch)
     random_advantages(batch)
 
     # before the update the PPO ratio is 1: the first loss is the weighted policy gradient alone
@@ -82,10 +83,10 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     assert metrics["mismatch/frac_capped"] == pytest.approx(capped / len(old))
     assert batch.loss_mask.sum() == kept  # the loss's tokens; the batch's response mask stays every ASSISTANT token
     assert torch.equal(batch.response_mask, (batch.spans == ASSISTANT).to(batch.response_mask.dtype))
-    update = trainer.update(batch, step=0)  # one large AdamW step: the ratios move and some get clipped
+    update = trainer.ppo.update(batch, step=0)  # one large AdamW step: the ratios move and some get clipped
     assert update["loss/first"] == pytest.approx(first, abs=1e-5)
 
-    loss, stats = trainer.micro_batch_loss(batch)
+    loss, stats = trainer.ppo.micro_batch_loss(batch)
     expected, _, _ = reference_weighted_loss(serial_logprobs(trainer.policy, trajectories), old, rollout,
                                              batch.advantages, trainer.config.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
@@ -163,7 +164,7 @@ def test_every_batch_the_trainer_builds_keeps_response_mask_equal_to_the_assista
     """Issue 37 item 6: score used to overwrite response_mask with the rollout-rs loss mask. Over a training run
     with rejection on, every batch reaching the update keeps the contract, and its loss_mask is a subset of it."""
     seen = []
-    update = Trainer.update
+    update = PPO.update
 
     def checked_update(self, batch, step):
         assistant = (batch.spans == ASSISTANT).to(batch.response_mask.dtype)
@@ -172,7 +173,7 @@ def test_every_batch_the_trainer_builds_keeps_response_mask_equal_to_the_assista
                      float(batch.response_mask.sum())))
         return update(self, batch, step)
 
-    monkeypatch.setattr(Trainer, "update", checked_update)
+    monkeypatch.setattr(PPO, "update", checked_update)
     trainer = Trainer(small_config(tiny_mid, tmp_path, steps=2, mini_batches=1, rollout_rs="token",
                                    rollout_rs_lower=1.0, rollout_rs_upper=1.0, recompute_old_logprobs=True))
     history = trainer.train()

@@ -21,16 +21,17 @@ from agent_loop import TrainConfig, Trainer
 from agent_loop.cli.train import main as train_main
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.checkpoint import step_folder
 from masking import SpanKind
 from tests.helpers.reference_losses import ppo_token_loss
-from tests.helpers.trainer_config import random_advantages, small_config
+from tests.helpers.trainer_config import batch_of, random_advantages, small_config
 
 ASSISTANT, OBSERVATION, PAD = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind.PAD
 
 
 def scored_batch(trainer: Trainer, step: int = 0) -> dict[str, torch.Tensor]:
-    batch = trainer.make_batch(trainer.rollouts(step))
-    trainer.score(batch)
+    batch = batch_of(trainer, trainer.rollouts.play_groups(step * trainer.config.prompts_per_step))
+    trainer.ppo.score(batch)
     return batch
 
 
@@ -75,12 +76,12 @@ def test_step_is_finite_changes_every_parameter_and_pushes_weights(tiny_mid, tmp
 @pytest.mark.slow
 def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, lr=1e-2))
-    trajectories = trainer.rollouts(0)
-    batch = trainer.make_batch(trajectories)
-    trainer.score(batch)
+    trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+    batch = batch_of(trainer, trajectories)
+    trainer.ppo.score(batch)
     random_advantages(batch)
-    trainer.update(batch, step=0)  # a large step, so that ratios move away from 1 and some get clipped
-    loss, stats = trainer.micro_batch_loss(batch)
+    trainer.ppo.update(batch, step=0)  # a large step, so that ratios move away from 1 and some get clipped
+    loss, stats = trainer.ppo.micro_batch_loss(batch)
 
     expected = reference_ppo_loss(trainer.policy, trajectories, batch["old_logprobs"], batch["advantages"],
                                   trainer.config.clip_ratio)
@@ -97,7 +98,7 @@ def test_gradient_accumulation_equals_one_pass(tiny_mid, tmp_path):
     gradients = []
     for micro_batch_size in (1, 3, trainer.config.episodes_per_step):
         trainer.config.micro_batch_size = micro_batch_size
-        trainer.update(batch, step=0)
+        trainer.ppo.update(batch, step=0)
         gradients.append([p.grad.clone() for p in trainer.policy.parameters()])
     for other in gradients[1:]:
         for one_pass, accumulated in zip(gradients[-1], other):
@@ -111,10 +112,10 @@ def test_a_batch_without_signal_leaves_the_weights_alone(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, lr=1e-2))
     batch = scored_batch(trainer)
     random_advantages(batch)
-    assert trainer.update(batch, step=0)["skipped_updates"] == 0.0
+    assert trainer.ppo.update(batch, step=0)["skipped_updates"] == 0.0
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     batch["advantages"] = torch.zeros_like(batch["advantages"])
-    metrics = trainer.update(batch, step=1)
+    metrics = trainer.ppo.update(batch, step=1)
     assert metrics["skipped_updates"] == 1.0 and metrics["grad_norm"] == 0.0
     assert all(torch.equal(p, q) for p, q in zip(trainer.policy.parameters(), before))
 
@@ -147,7 +148,7 @@ def test_only_assistant_tokens_receive_gradient(tiny_mid, tmp_path, estimator):
     handles = [trainer.policy.get_output_embeddings().register_forward_hook(keep("logits"))]
     if trainer.value_head is not None:
         handles.append(trainer.value_head.linear.register_forward_hook(keep("values")))
-    loss, _ = trainer.micro_batch_loss(batch)
+    loss, _ = trainer.ppo.micro_batch_loss(batch)
     loss.backward()
     for handle in handles:
         handle.remove()
@@ -176,13 +177,13 @@ def test_return_variants_are_wired_as_named(tiny_mid, tmp_path, gamma):
     equal at gamma 1)."""
     trainers = {v: Trainer(small_config(tiny_mid, tmp_path / v, estimator=ESTIMATOR_OF[v], gamma=gamma))
                 for v in ESTIMATOR_OF}
-    trajectories = trainers["carry_through"].rollouts(0)
+    trajectories = trainers["carry_through"].rollouts.play_groups(0)
     for t in trajectories:
         t.reward = 1.0
     returns = {}
     for variant, trainer in trainers.items():
-        batch = trainer.make_batch(copy.deepcopy(trajectories))
-        trainer.score(batch)
+        batch = batch_of(trainer, copy.deepcopy(trajectories))
+        trainer.ppo.score(batch)
         returns[variant] = batch["returns"]
     spans, turns = batch["spans"], batch["turn_ids"]
     first_turn = (spans == ASSISTANT) & (turns == 0)
@@ -211,7 +212,7 @@ def test_resume_reproduces_the_next_step(tiny_mid, tmp_path):
     straight = Trainer(config)
     history = straight.train()
 
-    resumed = Trainer(dataclasses.replace(config, resume=str(straight.checkpoint_dir(1)),
+    resumed = Trainer(dataclasses.replace(config, resume=str(step_folder(straight.output_dir, 1)),
                                           output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()
@@ -239,12 +240,12 @@ def test_a_checkpoint_from_before_the_one_declaration_still_resumes(tiny_mid, tm
     config = small_config(tiny_mid, tmp_path, steps=1, save_every=1)
     first = Trainer(config)
     first.train()
-    path = first.checkpoint_dir(1) / STATE_FILE
+    path = step_folder(first.output_dir, 1) / STATE_FILE
     state = torch.load(path, weights_only=False)
     assert state["config"]["lr"] == config.learning_rate  # checkpoints now record the resolved value
     state["config"] = {**{k: v for k, v in state["config"].items() if k not in NEWER_SETTINGS}, "lr": None}
     torch.save(state, path)
-    (first.checkpoint_dir(1) / "checkpoint.json").unlink()  # as before manifests: the essentials are checked
+    (step_folder(first.output_dir, 1) / "checkpoint.json").unlink()  # as before manifests: the essentials are checked
     resumed = Trainer(dataclasses.replace(config, steps=2, resume=str(tmp_path / "run")))
     assert resumed.step == 1 and math.isfinite(resumed.train_step()["loss"])
     with pytest.raises(CheckpointError, match=r"lr: 2.5e-05 -> 0.001"):

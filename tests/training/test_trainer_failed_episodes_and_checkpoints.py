@@ -31,7 +31,7 @@ from advantages import get_estimator
 from agent_loop import TrainConfig, Trainer
 from agent_loop.recipes.train import usable_episodes
 from agent_loop.tasks.registry import get_task
-from agent_loop.training.checkpoint import MANIFEST, STATE_FILE, CheckpointError
+from agent_loop.training.checkpoint import MANIFEST, STATE_FILE, CheckpointError, step_folder
 from agent_loop.types import Trajectory
 from masking import SpanKind
 
@@ -159,7 +159,7 @@ def saved(random_model, tmp_path_factory) -> tuple[TrainConfig, Path]:
     config = config_for(random_model, out, save_every=1, estimator="gae", max_tokens=8, max_turns=2, tensorboard=False)
     trainer = Trainer(config)
     trainer.train()
-    return config, trainer.checkpoint_dir(1)
+    return config, step_folder(trainer.output_dir, 1)
 
 
 def copy_of(saved, tmp_path) -> tuple[TrainConfig, Path]:
@@ -307,7 +307,7 @@ def test_nproc_2_workers_exit_when_the_launcher_is_sigkilled(tmp_path):
         time.sleep(0.2)
     assert launcher.poll() is None, launcher.stderr.read()[-3000:]
     assert "step_000001" in checkpoint_names(run), "no checkpoint within the deadline"
-    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
+    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "agent_loop.recipes" in " ".join(p.cmdline())]
     assert len(workers) == 2, [p.cmdline() for p in workers]
     killed = time.time()
     launcher.send_signal(signal.SIGKILL)

@@ -17,7 +17,7 @@ from agent_loop.episode.contracts import StepResult, Task, TurnEnvironment
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch, turn_state_ids
 from agent_loop.types import Episode, Trajectory
 from masking import SpanKind
-from tests.helpers.trainer_config import small_config
+from tests.helpers.trainer_config import batch_of, small_config
 
 A = SpanKind.ASSISTANT
 TURNS = 3
@@ -79,7 +79,7 @@ def played(tiny_mid, tmp_path_factory):
     """One step's episodes (4 questions x 2) of the rooms task, played by the tiny agent through the trainer."""
     trainer = Trainer(small_config(tiny_mid, tmp_path_factory.mktemp("rooms"), estimator="turn_returns", gamma=0.5,
                                    max_turns=TURNS, steps=1), task=RoomsTask())
-    return trainer, trainer.rollouts(0)
+    return trainer, trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
 
 
 @pytest.mark.slow
@@ -87,8 +87,8 @@ def test_per_turn_rewards_of_environment_and_task_reach_the_turn_level_returns(p
     trainer, trajectories = played
     kept = [t for t in trajectories if t.finish_reason != "error"]
     assert max(len(set(t.turn_ids)) for t in kept) >= 2, "no episode took two turns: nothing turn-level to check"
-    batch = trainer.make_batch(kept)
-    trainer.score(batch)
+    batch = batch_of(trainer, kept)
+    trainer.ppo.score(batch)
     for row, t in enumerate(kept):
         r = per_turn_rewards_ref(t)
         expected = [0.0] * len(t.spans)
@@ -111,7 +111,7 @@ def test_turn_states_are_recorded_and_reach_gigpo(played):
         turns = len({k for s, k in zip(t.spans, t.turn_ids) if s == A})
         assert len(t.info["turn_states"]) == turns and t.info["turn_states"][0] == ("at", "Walk through the rooms.")
         assert Trajectory.from_json(t.to_json()).info["turn_states"][0] == ["at", "Walk through the rooms."]
-    batch = trainer.make_batch(kept)
+    batch = batch_of(trainer, kept)
     keys = [[tuple(s) for s in t.info["turn_states"]] for t in kept]
     ids = batch.turn_states.tolist()
     for i, row in enumerate(keys):  # equal keys <-> equal ids; -1 past the row's turns
@@ -129,11 +129,11 @@ def test_turn_states_are_recorded_and_reach_gigpo(played):
         seen.update(kwargs)
         return gigpo.fn(*args, **kwargs)
 
-    trainer.estimator = dataclasses.replace(gigpo, fn=recording)  # the trainer's path, gigpo's function
+    trainer.ppo.estimator = dataclasses.replace(gigpo, fn=recording)  # the trainer's path, gigpo's function
     try:
-        trainer.score(batch)
+        trainer.ppo.score(batch)
     finally:
-        trainer.estimator = get_estimator(trainer.config.estimator)
+        trainer.ppo.estimator = get_estimator(trainer.config.estimator)
     assert torch.equal(seen["turn_states"], batch.turn_states) and torch.equal(seen["index"], batch.index)
     # the same advantages as gigpo given the keys themselves (it numbers them on its own)
     want, _ = gigpo(batch.token_level_rewards, batch.response_mask, index=batch.index, spans=batch.spans,
@@ -180,14 +180,14 @@ def test_turn_gae_trains_with_the_value_head_gae_uses(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, estimator="turn_gae", gamma=0.9, lam=0.8, steps=1))
     assert trainer.value_head is not None  # the critic of any estimator that needs values
     torch.nn.init.normal_(trainer.value_head.linear.weight, generator=torch.Generator().manual_seed(0))
-    batch = trainer.make_batch(trainer.rollouts(0))
-    trainer.score(batch)
+    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step))
+    trainer.ppo.score(batch)
     assert batch.values is not None and torch.isfinite(batch.advantages).all()
     want, returns = get_estimator("turn_gae")(batch.token_level_rewards, batch.response_mask, values=batch.values,
                                               spans=batch.spans, turn_ids=batch.turn_ids, gamma=0.9, lam=0.8)
     torch.testing.assert_close(batch.advantages, want)
     torch.testing.assert_close(batch.returns, returns)
-    loss, stats = trainer.micro_batch_loss(batch.select(torch.arange(2)))
+    loss, stats = trainer.ppo.micro_batch_loss(batch.select(torch.arange(2)))
     assert torch.isfinite(loss) and torch.isfinite(stats["value_loss"])
 
 
