@@ -27,13 +27,14 @@ from advantages.returns import (
     returns_reset_at_observation,
     whitened_discounted_returns,
 )
+from advantages.settings import DiscountSettings, GAESettings
 from advantages.stats import accumulation_dtype, masked_whiten
 from masking.sessions import dense_ids, row_ids
 
 GRPO_EPS = 1e-6  # verl's default epsilon in the GRPO std normalisation
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS, settings=DiscountSettings)
 def reinforce_plus_plus(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -56,7 +57,7 @@ def reinforce_plus_plus(
     return returns, returns
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_RESET_AT_OBSERVATION, settings=DiscountSettings)
 def reinforce_plus_plus_reset_at_observation(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -78,7 +79,7 @@ def reinforce_plus_plus_reset_at_observation(
     return _whitened(returns, response_mask, whiten, validate)
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_IGNORE_MASK)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_IGNORE_MASK, settings=DiscountSettings)
 def reinforce_plus_plus_ignore_mask(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -97,7 +98,7 @@ def reinforce_plus_plus_ignore_mask(
     return _whitened(returns, response_mask, whiten, validate)
 
 
-register_adv_est(AdvantageEstimator.GAE, needs_values=True)(gae)
+register_adv_est(AdvantageEstimator.GAE, needs_values=True, settings=GAESettings)(gae)
 
 
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, needs_index=True)

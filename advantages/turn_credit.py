@@ -43,6 +43,7 @@ from advantages.estimators import GRPO_EPS, group_ids
 from advantages.native_turns import native_broadcast, native_check_turn_ids, native_turn_tables
 from advantages.registry import AdvantageEstimator, register_adv_est
 from advantages.returns import check_batch, check_discount, discounted_returns
+from advantages.settings import DiscountSettings, GAESettings, GiGPOSettings
 from advantages.stats import accumulation_dtype, masked_whiten
 from masking.spans import SPAN_DTYPE, SpanKind
 from masking.validate import as_dtype
@@ -301,7 +302,7 @@ def _loo_turn_index_baseline(G: torch.Tensor, exists: torch.Tensor, group: torch
 # ----------------------------------------------------------------------------- estimators
 
 
-@register_adv_est(AdvantageEstimator.TURN_RETURNS)
+@register_adv_est(AdvantageEstimator.TURN_RETURNS, settings=DiscountSettings)
 def turn_returns(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -328,7 +329,7 @@ def turn_returns(
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
-@register_adv_est(AdvantageEstimator.TURN_RLOO, needs_index=True)
+@register_adv_est(AdvantageEstimator.TURN_RLOO, needs_index=True, settings=DiscountSettings)
 def turn_rloo(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -358,7 +359,7 @@ def turn_rloo(
     return advantages, returns
 
 
-@register_adv_est(AdvantageEstimator.TURN_INDEX_NORMALIZED, needs_index=True)
+@register_adv_est(AdvantageEstimator.TURN_INDEX_NORMALIZED, needs_index=True, settings=DiscountSettings)
 def turn_index_normalized(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -402,7 +403,7 @@ def turn_index_normalized(
     return advantages, returns
 
 
-@register_adv_est(AdvantageEstimator.TURN_GAE, needs_values=True)
+@register_adv_est(AdvantageEstimator.TURN_GAE, needs_values=True, settings=GAESettings)
 def turn_gae(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -676,7 +677,7 @@ def _step_advantage(G, exists, group, sets, own, others, by_std: bool, epsilon: 
     return step.reshape(b, n)
 
 
-@register_adv_est(AdvantageEstimator.GIGPO, needs_index=True)
+@register_adv_est(AdvantageEstimator.GIGPO, needs_index=True, settings=GiGPOSettings)
 def gigpo(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Task": "agent_loop.tasks.base",
+    "Task": "agent_loop.episode.contracts",
     "Environment": "agent_loop.tasks.environment",
     "DatasetTask": "agent_loop.tasks.dataset",
     "load_prompts": "agent_loop.tasks.dataset",
@@ -38,7 +38,7 @@ _EXPORTS = {
     "SamplingParams": "agent_loop.backends.base",
     "Backend": "agent_loop.backends.base",
     "make_backend": "agent_loop.backends.registry",
-    "LoopConfig": "agent_loop.episode.config",
+    "LoopConfig": "agent_loop.episode.loop_config",
     "run_episode": "agent_loop.episode.loop",
     "run_session": "agent_loop.episode.loop",
     "run_rollouts": "agent_loop.runners.local",
@@ -46,7 +46,7 @@ _EXPORTS = {
     "TransformersBackend": "agent_loop.backends.hf",
     "VLLMEngineBackend": "agent_loop.backends.vllm_engine",
     "OpenAIHTTPBackend": "agent_loop.backends.openai_http",
-    "check_model_dir": "agent_loop.models",
+    "check_model_dir": "agent_loop.model_folders",
     "TrainConfig": "agent_loop.recipes.train_options",
     "Trainer": "agent_loop.recipes.train",
     "WarmstartConfig": "agent_loop.recipes.warmstart_options",
@@ -71,8 +71,8 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="auto", 
 
     ``task``: a task object or a name for :func:`load_task`. ``model``: a model folder (checked first with
     :func:`check_model_dir`; default: the built-in tiny agent). ``backend``: "auto" (as the CLI's ``--backend
-    auto``: :func:`~agent_loop.runners.backend_choice.choose_backend`, one line on stderr when a real model plays on
-    vLLM or falls back), a name of the backend registry ("hf", "vllm") or a backend object. ``loop_options``: :class:`LoopConfig` fields
+    auto``: :func:`~agent_loop.runners.backend_choice.resolve_backend`, one line on stderr when a real model plays
+    on vLLM or falls back), a name of the backend registry ("hf", "vllm") or a backend object. ``loop_options``: :class:`LoopConfig` fields
     (``max_turns=3``, ``temperature=0.0``, ...). ``output_path``: also write each episode there as it
     finishes (JSON Lines; an existing non-empty file is refused). ``gamma``, ``estimator``: recorded in each
     episode's ``info`` (as ``agent-loop rollout --gamma --estimator`` does), so ``agent-loop inspect`` of the
@@ -82,9 +82,9 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="auto", 
     import sys
 
     from agent_loop.backends.registry import make_backend
-    from agent_loop.episode.config import LoopConfig
-    from agent_loop.models import check_model_dir, model_path
-    from agent_loop.runners.backend_choice import AUTO, choose_backend
+    from agent_loop.episode.loop_config import LoopConfig
+    from agent_loop.model_folders import check_model_dir, model_path
+    from agent_loop.runners.backend_choice import resolve_backend
     from agent_loop.runners.local import run_rollouts
     from agent_loop.runners.spec import made_with
     from agent_loop.tasks.registry import load_task
@@ -92,8 +92,8 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="auto", 
     task = load_task(task) if isinstance(task, str) else task
     config = LoopConfig(**loop_options)  # TypeError names an unknown option before anything loads
     model = model_path(model)  # None: the built-in tiny agent; a built-in model's name: its folder
-    if backend == AUTO:  # the one rule the CLI and the trainer use
-        backend, note = choose_backend(model)
+    if isinstance(backend, str):  # the one choice the CLI and the trainer make
+        backend, note = resolve_backend(backend, model)
         if note:
             print(note, file=sys.stderr)
     tokenizer = check_model_dir(model, backend if isinstance(backend, str) else "hf").tokenizer

@@ -2,7 +2,7 @@
 
 Options are :class:`RolloutOptions`: the run's (:class:`~agent_loop.runners.spec.RunOptions`), the
 task's (:class:`~agent_loop.tasks.registry.TaskOptions`), the loop's
-(:class:`~agent_loop.episode.config.LoopConfig`), the servers' (:class:`~agent_loop.backends.server_options.ServerOptions`)
+(:class:`~agent_loop.episode.loop_config.LoopConfig`), the servers' (:class:`~agent_loop.backends.server_options.ServerOptions`)
 and the threads' (:class:`~agent_loop.threads.ThreadOptions`), plus this command's own. Every check runs before
 anything starts; a bad value is one line on stderr naming the option, exit status 2 (docs/errors.md).
 
@@ -32,13 +32,13 @@ from agent_loop.backends.base import BackendSettings, is_fatal
 from agent_loop.backends.registry import make_backend
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli.config_file import save_config
-from agent_loop.cli.options import UsageError, add_options, resolve, validate
+from agent_loop.cli.flags import UsageError, add_options, resolve, validate
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
-from agent_loop.config import OptionError, ProgressOptions, pick, plural
-from agent_loop.episode.config import LoopConfig
-from agent_loop.models import model_path
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import model_path
+from agent_loop.options import OptionError, ProgressOptions, pick, plural
 from agent_loop.proxy import AgentOptions
-from agent_loop.runners.backend_choice import AUTO, BackendOptions, choose_backend
+from agent_loop.runners.backend_choice import AUTO, BackendOptions, resolve_backend
 from agent_loop.runners.outputs import fresh_path
 from agent_loop.runners.spec import (
     EpisodesOptions,
@@ -48,7 +48,6 @@ from agent_loop.runners.spec import (
     RunSpec,
     check_group_estimator,
     check_row_estimator,
-    made_with,
 )
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import TaskOptions
@@ -131,18 +130,17 @@ def options_from(values: dict, *, keys: bool = False) -> RolloutOptions:
 
 def check_world(opts: RolloutOptions, task=None) -> str:
     """Check the model folder, the output path and the servers; return the model path. Reads only.
-    ``--backend auto`` becomes the backend the rule chooses (``agent_loop.runners.backend_choice``; its note on stderr)."""
-    if opts.backend == AUTO:
-        opts.backend, note = choose_backend(preflight.builtin_folder(opts.model) if opts.model else model_path(None),
-                                            servers=opts.server)
-        if note:
-            print(f"agent-loop rollout: {note}", file=sys.stderr, flush=True)
+    ``opts.backend`` becomes the backend that plays (``agent_loop.runners.backend_choice.resolve_backend``: ``http``
+    with ``--server``, ``auto`` by the rule; its note on stderr)."""
+    path = preflight.builtin_folder(opts.model) if opts.model else model_path(None)
+    opts.backend, note = resolve_backend(opts.backend, path, servers=opts.server)
+    if note:
+        print(f"agent-loop rollout: {note}", file=sys.stderr, flush=True)
     if opts.model is not None:
         preflight.check_model_dir(opts.model, opts.backend, task=task)
     if opts.backend == "vllm":
         preflight.check_vllm_binding(opts.threads)
     preflight.check_output_file(opts.out)
-    path = model_path(opts.model)
     if opts.backend == "http":
         preflight.probe_servers(opts.server, model=opts.served_name(path))
     return path
@@ -230,7 +228,7 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     if save_options is not None and (mode == "new" or not saved.exists()):  # the settings the episodes were played with
         save_options(saved)  # rerun with --config
     spec = RunSpec(task, tokenizer, todo, LoopConfig(**pick(LoopConfig, opts)), opts.seed, out, mode,
-                   progress=opts.progress, info=made_with(opts.gamma, opts.estimator, pick(TaskOptions, opts)))  # inspect reads them
+                   progress=opts.progress, info=opts.made_with(pick(TaskOptions, opts)))  # inspect reads them
     stats, timing = _stream(opts, spec, path, out, total, argv)
     if not report(opts, stats, tokenizer, timing, path, out, task.name):
         return 1

@@ -1,5 +1,7 @@
 """What the views can show, named without loading torch (the command line's choices come from here)."""
 
+from advantages.settings import TURN_LEVEL
+
 # name shown to the user -> how the discounted return treats OBSERVATION tokens
 COMPARED = {
     "carry-through": "R carried through observations unchanged (correct)",
@@ -16,5 +18,4 @@ REGISTERED = {
 }
 LABEL = {registered: name for name, registered in REGISTERED.items()}  # --estimator (a registry name) -> COMPARED name
 INFORMATIVE = 3  # episodes the terminal shows by default
-# the turn-level estimators (advantages/turn_credit.py): a file whose episodes record one gets the per-turn view
-TURN_ESTIMATORS = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")
+TURN_ESTIMATORS = TURN_LEVEL  # a file whose episodes record one of these estimators gets the per-turn view

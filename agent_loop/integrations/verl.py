@@ -21,6 +21,7 @@ this process, for an AgentLoop or trainer to report. Reading the count costs one
 """
 
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +29,7 @@ import sys
 
 import torch
 
-from advantages import gae, reinforce_plus_plus
+from advantages import TURN_LEVEL, gae, reinforce_plus_plus  # TURN_LEVEL: registered as agent_loop_*
 from agent_loop.integrations.spans import spans_from_masks
 from masking.rewards import OBSERVATION_REWARD_POLICIES, relocate_observation_rewards
 from masking.spans import SpanKind, spans_from_response_mask
@@ -125,7 +126,6 @@ def _carry_through_gae(token_level_rewards, values, response_mask, gamma, lam, n
 
 # --- the turn-level estimators (advantages/turn_credit.py, issue 47) ------------------------------------
 
-TURN_LEVEL = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")  # registered as agent_loop_*
 _current_batch: contextvars.ContextVar = contextvars.ContextVar("agent_loop_verl_batch", default=None)
 
 
@@ -156,12 +156,22 @@ def _states_within(turn_states: list, spans: torch.Tensor) -> list:
     return [[state_key(key) for key in keys[:n]] for keys, n in zip(turn_states, turns)]
 
 
+def settings_in(config, settings) -> dict:
+    """What verl's ``config`` (its ``AlgoConfig``, or None) sets of the estimator's ``settings`` dataclass
+    (``advantages.settings``: ``gamma``, ``lam``, ``step_advantage_w``, ``gigpo_mode``), as keywords; the
+    settings it lacks (or sets to None) keep the estimator function's own defaults."""
+    if config is None or settings is None:
+        return {}
+    values = {setting.name: getattr(config, setting.name, None) for setting in dataclasses.fields(settings)}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def turn_level_for_verl(name: str):
     """verl's estimator call -> ``advantages.<name>`` (one of :data:`TURN_LEVEL`) on the batch our AgentLoop
     builds: ``response_mask`` is 1 on ASSISTANT tokens, 0 on tool results and padding; the spans tell them
     apart by ``attention_mask`` (PAD where it is 0), the turns are the ASSISTANT runs; ``index`` is verl's
-    ``uid``; ``gamma``, ``lam``, ``step_advantage_w`` and ``gigpo_mode`` come from ``config`` (verl's
-    ``AlgoConfig``) where it has them. verl's ``compute_advantage`` passes only the rewards, the mask, the
+    ``uid``; the estimator's settings come from ``config`` (verl's ``AlgoConfig``) where it has them
+    (:func:`settings_in`). verl's ``compute_advantage`` passes only the rewards, the mask, the
     config and the uids: the rest (``responses``: gigpo's anchor states are the tool results' tokens;
     ``attention_mask``; ``values`` for turn_gae; ``turn_states`` a task records, in ``agent_loop_info``) is read
     from the batch that ``compute_advantage`` is computing (:func:`capture_batches`), or given as keywords."""
@@ -183,9 +193,7 @@ def turn_level_for_verl(name: str):
             if "turn_states" in fields and not isinstance(fields["turn_states"], torch.Tensor):
                 fields["turn_states"] = _states_within(fields["turn_states"], spans)
             batch = {"spans": spans, "index": index, **fields}
-            settings = {key: getattr(config, key) for key in entry.hyperparameters
-                        if config is not None and key in ("gamma", "lam", "step_advantage_w", "gigpo_mode")
-                        and getattr(config, key, None) is not None}
+            settings = settings_in(config, entry.settings)
             kwargs = {key: batch[key] for key in entry.batch_arguments if batch.get(key) is not None}
             if name == "gigpo" and "responses" not in kwargs and "turn_states" not in kwargs:
                 raise ValueError("agent_loop_gigpo needs the batch's responses (its anchor states are the tool "

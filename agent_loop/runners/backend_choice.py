@@ -4,16 +4,17 @@ The rule (measured: BENCHMARKS.md "Rollouts at the engine's limit", docs/results
 
 1. ``--server`` given: ``http`` (those servers);
 2. else ``vllm`` in process when vLLM is installed, the model is a real one (at least ``REAL_MODEL_BYTES`` of
-   weights) and vLLM runs it (``agent_loop.models.check_model_dir(..., "vllm")``: its architecture, and on
+   weights) and vLLM runs it (``agent_loop.model_folders.check_model_dir(..., "vllm")``: its architecture, and on
    the CPU build its attention head size), and (``train``) the policy is trained in one process on the CPU: the
    trainer pushes its weights into the engine in place after each step, or with LoRA (a rank vLLM serves) its
    adapter alone (``agent_loop.training.transports.engine_lora``);
 3. else ``hf`` (transformers in process). A real model that falls back gets one line saying why; a small model
    (the tiny agent, test models) takes ``hf`` silently: the engine's start (15-30 s) outweighs its speed there.
 
-Imports nothing heavy: the choice is made before any model loads. It lives with the runners, above both the
-backends and the model checks it weighs (``agent_loop.models``): in ``agent_loop.backends`` it closed a package
-cycle backends <-> models (tests/test_layering.py, issue 49). :class:`BackendOptions` declares ``--backend`` once
+:func:`resolve_backend` is the one choice (servers, an explicit ``--backend``, or the rule): ``rollout``, ``train``
+and the Python API's ``rollout()`` call it. Imports nothing heavy: the choice is made before any model loads. It
+lives with the runners, above both the backends and the model checks it weighs (``agent_loop.model_folders``): in
+``agent_loop.backends`` it closed a package cycle backends <-> models (tests/test_layering.py, issue 49). :class:`BackendOptions` declares ``--backend`` once
 for rollout and train.
 """
 
@@ -73,12 +74,26 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def choose_backend(model: str | Path, *, servers=(), lora_rank: int = 0, processes: int = 1,
-                   device: str = "cpu") -> tuple[str, str | None]:
-    """``(backend, note)`` by the rule above for the model folder ``model``; ``note`` is the one line to print
-    (why a real model falls back to transformers, or that vLLM was chosen), None for a small model on hf."""
+def resolve_backend(requested: str, model: str | Path, *, servers=(), lora_rank: int = 0, processes: int = 1,
+                    device: str = "cpu") -> tuple[str, str | None]:
+    """The backend that plays the episodes, and the one line to print (None: nothing to say): the one choice
+    ``agent-loop rollout``, ``agent-loop train`` and ``rollout()`` make. ``servers`` given: ``http`` (the episodes
+    are played there, whatever ``requested``: the commands' ``check()`` refuse another explicit backend beside
+    them); else ``requested`` (``--backend``) unless it is ``auto``, which :func:`choose_backend` decides for the
+    model folder ``model`` (``lora_rank``, ``processes``, ``device``: the trainer's; a command that plays without
+    training keeps the defaults)."""
     if servers:
         return "http", None
+    if requested != AUTO:
+        return requested, None
+    return choose_backend(model, lora_rank=lora_rank, processes=processes, device=device)
+
+
+def choose_backend(model: str | Path, *, lora_rank: int = 0, processes: int = 1,
+                   device: str = "cpu") -> tuple[str, str | None]:
+    """``(backend, note)`` by rules 2 and 3 above (``--backend auto`` without servers: :func:`resolve_backend`)
+    for the model folder ``model``; ``note`` is the one line to print (why a real model falls back to
+    transformers, or that vLLM was chosen), None for a small model on hf."""
     if weight_bytes(model) < REAL_MODEL_BYTES:
         return "hf", None
     name = Path(model).name
@@ -99,7 +114,7 @@ def _why_not_vllm(model: str | Path, *, lora_rank: int, processes: int, device: 
     if device != "cpu":
         return (f"--device {device}: the trainer and an in-process engine would share the accelerator's memory "
                 "(serve it with agent-loop serve and pass --server)")
-    from agent_loop.models import ModelError, check_model_dir
+    from agent_loop.model_folders import ModelError, check_model_dir
 
     try:
         check_model_dir(model, "vllm", load_tokenizer=False)

@@ -1,20 +1,23 @@
 """What a run of rollouts is, whichever runner plays it: the one run specification, the options every
 command that plays episodes shares, and the estimator choices both commands check (``train``: any
-registered one; ``rollout``: those a file of rollouts can show alone)."""
+registered one; ``rollout``: those a file of rollouts can show alone), with the estimators' settings
+(``--gamma``, ``--lam``, ...) declared from advantages' own declarations (``advantages.settings``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Iterable
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from agent_loop.config import OptionError, closest, one_of
-from agent_loop.episode.config import LoopConfig
-from agent_loop.model_registry import model_option_help
-from agent_loop.tasks.base import Task, as_task
+from advantages.settings import SETTINGS_CLASSES
+from agent_loop.builtin_models import model_option_help
+from agent_loop.episode.contracts import Task, as_task
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.options import OptionError, closest, one_of
 from agent_loop.tasks.registry import SeedOptions
 
 
@@ -70,11 +73,10 @@ class ModelOptions(SeedOptions):
 
 @dataclass
 class RunOptions(ModelOptions):
-    """The options every command that plays episodes shares (declared once; ``agent_loop.config``)."""
+    """The options every command that plays episodes shares (declared once; ``agent_loop.options``)."""
 
     concurrency: Annotated[int, Field(ge=1, description="episodes in flight at once (the transformers backend "
                                       "decodes them as one batch)")] = 16
-    gamma: Annotated[float, Field(ge=0, le=1, description="discount of the returns")] = 1.0
     group_size: Annotated[int, Field(ge=1, description=(
         "samples per question: episode i plays question i // group_size (info.group); the group estimators "
         "(grpo, rloo, reinforce_plus_plus_baseline and the turn-level ones that compare a group's episodes) "
@@ -124,15 +126,57 @@ def check_group_estimator(name: str, group_size: int) -> None:
                           f"(got {group_size})", name)
 
 
+def settings_options(classes=SETTINGS_CLASSES) -> dict[str, tuple[Any, Any]]:
+    """Each field of the estimators' settings dataclasses ``classes`` as an option: its name -> ``(Annotated[type,
+    Field(description, bounds)], default)``, from the field's type and ``metadata`` (``advantages.settings``); a
+    name two classes declare differently is a TypeError."""
+    declared: dict[str, tuple[Any, Any, dict]] = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for setting in dataclasses.fields(cls):
+            found = (hints[setting.name], setting.default, dict(setting.metadata))
+            if declared.setdefault(setting.name, found) != found:
+                raise TypeError(f"the estimators' setting {setting.name} is declared twice, differently ({cls.__name__})")
+    return {name: (Annotated[hint, Field(**metadata)], default) for name, (hint, default, metadata) in declared.items()}
+
+
+def with_settings_options(cls):
+    """``cls`` (before ``@dataclass``) with one field per estimator setting (:func:`settings_options`)."""
+    for name, (declaration, default) in settings_options().items():
+        cls.__annotations__[name] = declaration
+        setattr(cls, name, default)
+    return cls
+
+
 @dataclass
+@with_settings_options
 class EstimatorOptions:
-    """The advantage estimator: what train trains with and rollout's summary table shows (declared once; rollout's
-    ``check()`` takes only those a file of rollouts can show, :func:`check_row_estimator`)."""
+    """The advantage estimator and the settings of every estimator (``gamma``, ``lam``, ``step_advantage_w``,
+    ``gigpo_mode``: declared in ``advantages.settings``, fields added by :func:`with_settings_options`): what train
+    trains with and rollout's summary table shows (declared once; rollout's ``check()`` takes only those a file of
+    rollouts can show, :func:`check_row_estimator`)."""
 
     estimator: Annotated[str, AfterValidator(check_estimator), Field(
         description="advantage estimator (train: what it trains with; rollout: its summary table, one that needs "
                     "no critic values); the two reinforce_plus_plus_* variants reproduce pre-PR #7300 return bugs: "
                     "ablation only", json_schema_extra={"allowed": estimator_names})] = "reinforce_plus_plus"
+
+    def estimator_settings(self, name: str | None = None):
+        """The settings instance of estimator ``name`` (default: ``estimator``) from these options, for its registry
+        entry's ``settings=``; None for an estimator without settings (imports torch: ``advantages.get_estimator``)."""
+        from advantages import get_estimator
+
+        settings = get_estimator(name or self.estimator).settings
+        if settings is None:
+            return None
+        return settings(**{setting.name: getattr(self, setting.name) for setting in dataclasses.fields(settings)})
+
+    def made_with(self, options: dict | None = None, **more) -> dict:
+        """:func:`made_with` of these options: ``gamma``, ``estimator`` and the estimator's other settings (``lam``,
+        ``step_advantage_w``, ``gigpo_mode`` where it takes them), ``options``, and ``more`` (``kl_coef``, ...)."""
+        settings = self.estimator_settings()
+        own = {} if settings is None else {k: v for k, v in dataclasses.asdict(settings).items() if k != "gamma"}
+        return made_with(self.gamma, self.estimator, options, **own, **more)
 
 
 @dataclass

@@ -15,10 +15,9 @@ import re
 import warnings
 from pathlib import Path
 
-import agent_loop.runners.spec as spec
-from agent_loop.config import pick, plural
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.files import move_aside
+from agent_loop.options import pick, plural
 from agent_loop.runners.jsonl import JsonlWriter
 from agent_loop.tasks.registry import TaskOptions
 
@@ -55,14 +54,13 @@ def move_aside_after(output_dir: str | Path, step: int) -> list[Path]:
     return moved
 
 
-def made_with(config, estimator) -> dict:
+def made_with(config) -> dict:
     """How the step's values were computed and its episodes played, recorded as ``agent-loop rollout`` records
-    it (``agent_loop.runners.spec.made_with``): ``gamma``, ``estimator``, ``lam`` / ``kl_coef`` where they
-    apply, and ``options`` (the loop's and the task's options of ``config``)."""
-    own = {name: getattr(config, name) for name in ("lam", "step_advantage_w", "gigpo_mode")
-           if name in estimator.hyperparameters}  # the estimator's own settings, as it used them
-    return spec.made_with(config.gamma, config.estimator, {**pick(LoopConfig, config), **pick(TaskOptions, config)},
-                          **own, kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
+    it (``EstimatorOptions.made_with``): ``gamma``, ``estimator``, the estimator's other settings (``lam``,
+    ``step_advantage_w``, ``gigpo_mode``, as it used them) and ``kl_coef`` where they apply, and ``options``
+    (the loop's and the task's options of ``config``, an ``EstimatorOptions``)."""
+    return config.made_with({**pick(LoopConfig, config), **pick(TaskOptions, config)},
+                            kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
 
 
 def anchor_groups(estimator, batch) -> tuple | None:

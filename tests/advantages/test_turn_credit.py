@@ -36,7 +36,7 @@ from tests.helpers.turn_credit_reference import (
     ref_turn_rloo,
 )
 
-TURN_ESTIMATORS = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")
+TURN_ESTIMATORS = advantages.TURN_LEVEL
 
 
 @pytest.fixture(autouse=True, params=["compiled", "torch"])

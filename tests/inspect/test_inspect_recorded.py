@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agent_loop.cli import main
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.inspect.view import Selection, build_view, scan
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import read_trajectories
@@ -132,19 +132,20 @@ def test_a_tokenizer_that_does_not_load_names_the_way_out(scripted, tmp_path, mo
 
 def test_the_trainer_step_files_record_the_same_way():
     """Both files record through one function: the trainer's keys are rollout's, plus the estimator's."""
-    import advantages
     import agent_loop.training.rollout_files as rollout_files
     from agent_loop.recipes.train_options import TrainConfig
     from agent_loop.runners.spec import made_with
 
     config = TrainConfig(gamma=0.95, estimator="gae", lam=0.9, kl_coef=0.01)
-    step = rollout_files.made_with(config, advantages.ESTIMATORS["gae"])
+    step = rollout_files.made_with(config)
     options = {**{f.name: getattr(config, f.name) for f in dataclasses.fields(LoopConfig)},
                **{f.name: getattr(config, f.name) for f in dataclasses.fields(TaskOptions)}}
     assert step == {**made_with(0.95, "gae", options), "lam": 0.9, "kl_coef": 0.01}
     assert step["options"]["max_turns"] == config.max_turns  # train's own defaults, resolved
-    plain = rollout_files.made_with(TrainConfig(), advantages.ESTIMATORS["reinforce_plus_plus"])
+    plain = rollout_files.made_with(TrainConfig())
     assert set(plain) == {"gamma", "estimator", "options"}  # no lam, no kl_coef where they do not apply
+    gigpo = rollout_files.made_with(TrainConfig(estimator="gigpo", step_advantage_w=0.5))
+    assert (gigpo["step_advantage_w"], gigpo["gigpo_mode"]) == (0.5, "mean_norm") and "lam" not in gigpo
     assert made_with(None, None, None) == {}  # nothing recorded that was not chosen
 
 
@@ -183,7 +184,7 @@ def test_worst_alone_shows_values_per_token(made, capsys):
 
 def test_counts_are_worded_in_the_singular_and_plural(scripted, tmp_path, capsys):
     from agent_loop.cli.tables import failure_summary
-    from agent_loop.config import plural
+    from agent_loop.options import plural
     from agent_loop.runners.stats import RolloutStats
 
     assert [plural(n, "turn") for n in (0, 1, 2)] == ["0 turns", "1 turn", "2 turns"]

