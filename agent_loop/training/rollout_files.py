@@ -3,9 +3,10 @@
 One ``Trajectory.to_json`` line per episode of the step (whole-line writes, ``JsonlWriter``), with the
 per-response-token ``returns`` and ``advantages`` the step used (None for episodes it dropped) and
 ``info["step"]`` (1-based), ``info["trained"]``, and how the values were made as ``agent-loop rollout``
-records it (:func:`made_with`): ``info["gamma"]``, ``info["estimator"]``, ``info["lam"]``,
-``info["step_advantage_w"]``, ``info["gigpo_mode"]`` / ``info["kl_coef"]`` where they apply, ``info["options"]``. Files of steps after the step a run resumes
-from (left by the interrupted run) are moved aside, never deleted.
+records it (:func:`made_with`): ``info["gamma"]``, ``info["estimator"]``, the estimator's other settings
+(``info["lam"]``, ``info["step_advantage_w"]``, ``info["gigpo_mode"]``) and ``info["kl_coef"]`` where they apply,
+``info["options"]``. Files of steps after the step a run resumes from (left by the interrupted run) are moved
+aside, never deleted.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ def move_aside_after(output_dir: str | Path, step: int) -> list[Path]:
     return moved
 
 
-def made_with(config) -> dict:
+def made_with(estimator, played_with, kl_coef: float = 0.0) -> dict:
     """How the step's values were computed and its episodes played, recorded as ``agent-loop rollout`` records
-    it (``EstimatorOptions.made_with``): ``gamma``, ``estimator``, the estimator's other settings (``lam``,
-    ``step_advantage_w``, ``gigpo_mode``, as it used them) and ``kl_coef`` where they apply, and ``options``
-    (the loop's and the task's options of ``config``, an ``EstimatorOptions``)."""
-    return config.made_with({**pick(LoopConfig, config), **pick(TaskOptions, config)},
-                            kl_coef=float(config.kl_coef) if config.kl_coef > 0 else None)
+    it: ``estimator.made_with`` (an ``agent_loop.runners.spec.EstimatorOptions``: ``gamma``, ``estimator``, the
+    estimator's other settings as it used them, ``lam``, ``step_advantage_w``, ``gigpo_mode`` where it takes them)
+    of the loop's and the task's options in ``played_with`` (what the episodes were played with), and ``kl_coef``
+    when on."""
+    options = {**pick(LoopConfig, played_with), **pick(TaskOptions, played_with)}
+    return estimator.made_with(options, kl_coef=float(kl_coef) if kl_coef > 0 else None)
 
 
 def anchor_groups(estimator, batch) -> tuple | None:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -133,18 +134,16 @@ def test_a_tokenizer_that_does_not_load_names_the_way_out(scripted, tmp_path, mo
 def test_the_trainer_step_files_record_the_same_way():
     """Both files record through one function: the trainer's keys are rollout's, plus the estimator's."""
     import agent_loop.training.rollout_files as rollout_files
-    from agent_loop.recipes.train_options import TrainConfig
-    from agent_loop.runners.spec import made_with
+    from agent_loop.runners.spec import EstimatorOptions, made_with
 
-    config = TrainConfig(gamma=0.95, estimator="gae", lam=0.9, kl_coef=0.01)
-    step = rollout_files.made_with(config)
-    options = {**{f.name: getattr(config, f.name) for f in dataclasses.fields(LoopConfig)},
-               **{f.name: getattr(config, f.name) for f in dataclasses.fields(TaskOptions)}}
+    options = {**dataclasses.asdict(LoopConfig(max_turns=3)), **dataclasses.asdict(TaskOptions())}
+    played_with = SimpleNamespace(**options, tiny_stage="mid")  # the run's options: the loop's and the task's recorded
+    step = rollout_files.made_with(EstimatorOptions(estimator="gae", gamma=0.95, lam=0.9), played_with, 0.01)
     assert step == {**made_with(0.95, "gae", options), "lam": 0.9, "kl_coef": 0.01}
-    assert step["options"]["max_turns"] == config.max_turns  # train's own defaults, resolved
-    plain = rollout_files.made_with(TrainConfig())
+    assert step["options"]["max_turns"] == 3  # the options the episodes were played with
+    plain = rollout_files.made_with(EstimatorOptions(), played_with)
     assert set(plain) == {"gamma", "estimator", "options"}  # no lam, no kl_coef where they do not apply
-    gigpo = rollout_files.made_with(TrainConfig(estimator="gigpo", step_advantage_w=0.5))
+    gigpo = rollout_files.made_with(EstimatorOptions(estimator="gigpo", step_advantage_w=0.5), played_with)
     assert (gigpo["step_advantage_w"], gigpo["gigpo_mode"]) == (0.5, "mean_norm") and "lam" not in gigpo
     assert made_with(None, None, None) == {}  # nothing recorded that was not chosen
 

@@ -2,15 +2,17 @@
 that vLLM runs, transformers otherwise, with one line saying why a real model falls back; ``http`` with servers;
 one chooser for ``rollout``, ``train`` and ``rollout()`` (issue 55 item 3; agent_loop/runners/backend_choice.py)."""
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
 
 import pytest
 
+from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli import main
 from agent_loop.runners import backend_choice as choice
-from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, choose_backend, resolve_backend
+from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, BackendOptions, choose_backend, resolve_backend
 from agent_loop.training.rollout_backend import make_rollout_backend
 
 
@@ -86,14 +88,17 @@ def test_rollout_chooses_vllm_for_a_real_model_before_anything_loads(real_sized,
     assert opts.backend == "hf" and capsys.readouterr().err == ""
 
 
+@dataclasses.dataclass
+class TrainerBackendOptions(BackendOptions, ServerOptions):
+    """The backend options a training run takes (train's ``backend`` sub-config)."""
+
+
 def played_by_the_trainer(output_dir, backend="auto", lora_rank=0, server=(), model=None) -> str:
     """The backend name a training run's rollout backend is made with (``make_backend`` recorded, nothing made)."""
-    from agent_loop.recipes.train_options import TrainConfig
-
-    config = TrainConfig(backend=backend, lora_rank=lora_rank, server=list(server))
     start = SimpleNamespace(policy_path=str(model), initial_model=str(model))
-    return make_rollout_backend(config, start=start, policy=None, device="cpu", processes=1, threads=1,
-                                output_dir=output_dir, pad_token_id=0, announce=True)
+    return make_rollout_backend(TrainerBackendOptions(backend=backend, server=list(server)), start=start, policy=None,
+                                lora_rank=lora_rank, train_dtype="fp32", concurrency=1, device="cpu", processes=1,
+                                threads=1, output_dir=output_dir, pad_token_id=0, verbose=False, announce=True)
 
 
 @pytest.fixture
@@ -139,8 +144,9 @@ def test_an_explicit_backend_is_kept_without_a_line(real_sized):
     assert resolve_backend("vllm", real_sized, lora_rank=1024) == ("vllm", None)  # asked for: vLLM's own check
 
 
-def test_rollout_and_the_python_api_go_through_the_one_chooser(tiny_agent_dir, tmp_path, monkeypatch):
-    """Both callers ask :func:`resolve_backend` (a spy in its place), explicit backends included."""
+def test_every_caller_goes_through_the_one_chooser(tiny_agent_dir, tmp_path, monkeypatch, record_backends):
+    """rollout, train and rollout() ask :func:`resolve_backend` (a spy in its place), explicit backends included."""
+    import agent_loop.training.rollout_backend as rollout_backend
     from agent_loop import rollout as play
     from agent_loop.cli import rollout
 
@@ -150,24 +156,11 @@ def test_rollout_and_the_python_api_go_through_the_one_chooser(tiny_agent_dir, t
         asked.append(requested)
         return resolve_backend(requested, model, **kwargs)
 
-    monkeypatch.setattr(rollout, "resolve_backend", spy)
-    monkeypatch.setattr(choice, "resolve_backend", spy)
+    for module in (rollout, rollout_backend, choice):  # choice: rollout() imports it when called
+        monkeypatch.setattr(module, "resolve_backend", spy)
     rollout.check_world(rollout.options_from({"model": str(tiny_agent_dir), "out": str(tmp_path / "r.jsonl"),
                                                "backend": "hf"}))
+    assert played_by_the_trainer(tmp_path, backend="hf", model=tiny_agent_dir) == "hf"
     assert play("arithmetic", model=str(tiny_agent_dir), episodes=1, backend="hf", progress=False, max_tokens=4,
                 max_turns=1)
-    assert asked == ["hf", "hf"]
-
-
-def test_the_python_api_chooses_by_the_same_rule(real_sized, capsys, monkeypatch):
-    """``agent_loop.rollout()``'s default is the CLI's ``auto`` (issue 55 item 3): a real model without vLLM falls
-    back with the same line, and plays."""
-    import inspect
-
-    from agent_loop import rollout
-    from agent_loop.runners.backend_choice import AUTO, BackendOptions
-
-    assert inspect.signature(rollout).parameters["backend"].default == AUTO == BackendOptions().backend
-    monkeypatch.setattr(choice, "vllm_installed", lambda: False)
-    played = rollout("arithmetic", model=str(real_sized), episodes=1, progress=False, max_tokens=8, max_turns=1)
-    assert len(played) == 1 and capsys.readouterr().err.startswith("backend hf (transformers): vLLM is not installed")
+    assert asked == ["hf", "hf", "hf"]
