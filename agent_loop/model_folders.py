@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_loop.backends.vllm_server import vllm_on_cpu  # the one check; imported from here too (its old home)
-from agent_loop.model_registry import (
+from agent_loop.backends.vllm_server import vllm_on_cpu  # the one check (agent_loop.cli.serve asks it here too)
+from agent_loop.builtin_models import (
     BUILTIN_MODELS,
     TINY_NAMES,
     ModelError,
@@ -32,7 +32,7 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def model_path(model: str | None, tiny_stage: str = "final", *, option: str = "--model") -> str:
     """The model folder a command runs: ``model`` (a folder, or a built-in model's name such as ``smollm2-135m``:
-    converted into the cache on first use, :mod:`agent_loop.model_registry`), or the built-in tiny agent at
+    converted into the cache on first use, :mod:`agent_loop.builtin_models`), or the built-in tiny agent at
     ``tiny_stage`` (unpacked or built on first use; also the names ``tiny`` and ``tiny-mid``).
     ModelError (one line) for a built-in name that cannot be made ready, and for a bare word that is neither a
     folder nor a built-in name (did you mean ...)."""

@@ -7,7 +7,7 @@ plays a short warm-up first. Ratios are against transformers at the same concurr
     python benchmarks/backends.py [--concurrency 1 16 64] [--episodes 64] [--backends transformers vllm http]
 
 A realistic shape: ``--random-model qwen2.5-0.5b`` builds (once, cached) a random-weight model with
-Qwen2.5-0.5B's architecture and the real Qwen2.5 tokenizer (``agent_loop.models.build_random_model``);
+Qwen2.5-0.5B's architecture and the real Qwen2.5 tokenizer (``agent_loop.model_folders.build_random_model``);
 its turns rarely sample a stop token, so each episode is one turn of ``--max-tokens`` tokens.
 
     python benchmarks/backends.py --random-model qwen2.5-0.5b --episodes 4 --max-tokens 32
@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 
 import agent_loop.files as files
 from agent_loop.backends.hf import TransformersBackend
-from agent_loop.episode.config import LoopConfig
-from agent_loop.models import ARCHITECTURES, build_random_model
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import ARCHITECTURES, build_random_model
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.registry import get_task
 from agent_loop.tiny import tiny_agent_path
@@ -89,7 +89,8 @@ def run_backend(name: str, model_path: Path, task, tokenizer, args, config) -> d
 
         with VLLMEngineBackend(str(model_path), seed=0) as engine:
             return asyncio.run(sweep(task, engine, tokenizer, args, config))
-    from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from agent_loop.backends.vllm_server import local_vllm_server
 
     async def over_http(url):
         async with OpenAIHTTPBackend([url], "tiny-agent") as backend:
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the transformers backend")
     parser.add_argument("--random-model", default=None, choices=sorted(ARCHITECTURES),
-                        help="benchmark a random-weight model of this shape (agent_loop.models.ARCHITECTURES)")
+                        help="benchmark a random-weight model of this shape (agent_loop.model_folders.ARCHITECTURES)")
     parser.add_argument("--max-logits-gib", type=float, default=4.0,
                         help="skip transformers levels whose prefill logits would need more memory")
     parser.add_argument("--max-tokens", type=int, default=LoopConfig.max_tokens, help="per assistant turn")

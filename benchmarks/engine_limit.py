@@ -358,8 +358,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from agent_loop.episode.config import LoopConfig
-    from agent_loop.models import model_path
+    from agent_loop.episode.loop_config import LoopConfig
+    from agent_loop.model_folders import model_path
     from agent_loop.tasks.registry import get_task
     from agent_loop.threads import apply_threads, usable_cores
 

@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.tasks.registry import get_task
 

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from backends import measure, print_table, sweep  # noqa: E402  (benchmarks/backends.py)
 from train_memory import resolve_model  # noqa: E402
 
-from agent_loop.episode.config import LoopConfig  # noqa: E402
+from agent_loop.episode.loop_config import LoopConfig  # noqa: E402
 from agent_loop.tasks.registry import get_task  # noqa: E402
 
 BACKENDS = ("hf", "vllm", "http", "hf-static")

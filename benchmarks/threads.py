@@ -22,7 +22,7 @@ threads, model, episodes = int(sys.argv[1]), sys.argv[2] or None, int(sys.argv[3
 torch.set_num_threads(threads)
 torch.set_num_interop_threads(1)
 import agent_loop
-from agent_loop.models import model_path
+from agent_loop.model_folders import model_path
 from transformers import AutoModelForCausalLM
 started = time.perf_counter()
 agent_loop.rollout("arithmetic", model=model, episodes=episodes, concurrency=8, progress=False)

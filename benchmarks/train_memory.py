@@ -52,8 +52,8 @@ def parse_args(argv=None):
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """``(folder, label)``: a folder as given, a built-in name through agent_loop.models, else the tiny agent."""
-    from agent_loop.models import model_path
+    """``(folder, label)``: a folder as given, a built-in name through agent_loop.model_folders, else the tiny agent."""
+    from agent_loop.model_folders import model_path
 
     if Path(name).is_dir():
         return name, Path(name).name

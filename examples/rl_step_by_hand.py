@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from advantages import get_estimator, ppo_clip_policy_loss
 from agent_loop import TransformersBackend, rollout
-from agent_loop.models import model_path
+from agent_loop.model_folders import model_path
 from agent_loop.runners.batch import trajectories_to_batch
 
 MODEL = "tiny-mid"  # the tiny agent's middling warm start: RL can still improve it

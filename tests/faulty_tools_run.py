@@ -13,7 +13,7 @@ import time
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.types import Episode
 

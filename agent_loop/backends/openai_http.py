@@ -32,13 +32,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
 from agent_loop.backends.retry import backoff_delay
-from agent_loop.backends.vllm_server import CPU_SERVER_ARGS, free_port, local_vllm_server  # noqa: F401  (their old home)
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 log = logging.getLogger(__name__)
@@ -445,16 +443,3 @@ class OpenAIHTTPBackend(Backend):
         if finish_reason not in ("stop", "length"):
             raise HTTPBackendError(f"{url} returned finish_reason={finish_reason!r}")
         return GenerationResult(list(token_ids), [float(lp) for lp in logprobs], finish_reason)
-
-
-def server_root(url: str) -> str:
-    """A server root URL (``http(s)://host[:port]``; a trailing ``/v1`` is dropped); ValueError otherwise."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("not an http(s) URL; give the server's root, e.g. http://127.0.0.1:8000")
-    try:
-        parts.port  # noqa: B018  (raises on a bad port)
-    except ValueError:
-        raise ValueError("bad port; give the server's root, e.g. http://127.0.0.1:8000") from None
-    root = url.strip().rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root

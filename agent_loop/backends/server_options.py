@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field
 
@@ -12,11 +13,16 @@ from agent_loop.backends.base import REQUEST_TIMEOUT_S, RETRY_DEADLINE_S
 
 
 def server_url(url: str) -> str:
-    """A server's root URL, checked (``openai_http.server_root``, imported when a URL is given: aiohttp is slow
-    to import, and every command's help would pay for it)."""
-    from agent_loop.backends.openai_http import server_root
-
-    return server_root(url)
+    """A server root URL (``http(s)://host[:port]``; a trailing ``/v1`` is dropped); ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL; give the server's root, e.g. http://127.0.0.1:8000")
+    try:
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError:
+        raise ValueError("bad port; give the server's root, e.g. http://127.0.0.1:8000") from None
+    root = url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 @dataclass

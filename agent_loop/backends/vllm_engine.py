@@ -35,7 +35,7 @@ from pathlib import Path
 
 from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
 from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, omp_threads_bind, vllm_on_cpu
-from agent_loop.backends.weight_files import WEIGHTS_FILE, WeightSyncError, save_weights  # noqa: F401  (their old home)
+from agent_loop.backends.weight_files import WeightSyncError, save_weights
 from agent_loop.signals import freeze, kill, resume, route_sigterm, spawned_processes
 from agent_loop.threads import resolve_threads
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent_loop.cli.options import USAGE_EXIT, UsageError, add_common_options, int_at_least, number_in, threads_from
+from agent_loop.cli.flags import USAGE_EXIT, UsageError, add_common_options, int_at_least, number_in, threads_from
 from agent_loop.files import write_file
 from agent_loop.inspect.choices import INFORMATIVE, LABEL, TURN_ESTIMATORS
 from agent_loop.threads import apply_threads

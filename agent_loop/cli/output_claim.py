@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from agent_loop.cli.options import UsageError
+from agent_loop.cli.flags import UsageError
 from agent_loop.runners.outputs import FOLDER_LOCK, OutputLockedError, RunLock
 
 

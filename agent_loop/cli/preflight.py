@@ -1,7 +1,7 @@
 """Checks of the outside world a command relies on, run after option validation and before any model,
 engine, server or output file is touched: a model folder, the output path, the servers.
 
-Each failure is one :class:`agent_loop.cli.options.UsageError` line naming the option and its value.
+Each failure is one :class:`agent_loop.cli.flags.UsageError` line naming the option and its value.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
-from agent_loop.cli.options import UsageError
-from agent_loop.models import ModelError
-from agent_loop.models import check_model_dir as check_model_folder
+from agent_loop.cli.flags import UsageError
+from agent_loop.model_folders import ModelError
+from agent_loop.model_folders import check_model_dir as check_model_folder
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -20,7 +20,7 @@ PROBE_TIMEOUT_S = 5.0
 def check_model_dir(path: str, backend: str = "hf", option: str = "--model", *, task=None) -> str:
     """``path`` is a local model folder or a built-in model's name (``agent-loop models``; converted into the
     cache on first use) that the backend can load, and the backend is installed; the model folder. The
-    rules: ``agent_loop.models.check_model_dir``, with the tokenizer loaded but no weights: a chat template
+    rules: ``agent_loop.model_folders.check_model_dir``, with the tokenizer loaded but no weights: a chat template
     that renders no tool calls is refused unless ``task`` has no tools. One UsageError line naming every
     problem."""
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -52,7 +52,7 @@ def check_vllm_binding(threads: int | None) -> str | None:
 def builtin_folder(path: str, option: str = "--model") -> str:
     """``path``, or the folder of the built-in model it names (the first use converts it into the cache, once);
     a built-in model that cannot be made ready is one UsageError line."""
-    from agent_loop.models import model_path
+    from agent_loop.model_folders import model_path
 
     try:
         return model_path(path, option=option)

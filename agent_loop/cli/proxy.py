@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from agent_loop.backends.server_options import ServerOptions
-from agent_loop.cli.options import (
+from agent_loop.builtin_models import model_option_help
+from agent_loop.cli.flags import (
     UsageError,
     add_common_options,
     add_options,
@@ -26,7 +27,6 @@ from agent_loop.cli.options import (
     threads_from,
     validate,
 )
-from agent_loop.model_registry import model_option_help
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
@@ -69,7 +69,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 def run(args: argparse.Namespace) -> int:
     import agent_loop.cli.preflight as preflight
-    from agent_loop.models import model_path
+    from agent_loop.model_folders import model_path
     from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError
     from agent_loop.runners.outputs import fresh_path
     from agent_loop.threads import apply_threads

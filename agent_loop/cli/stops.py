@@ -27,7 +27,7 @@ import time
 import warnings
 from typing import Callable
 
-from agent_loop.cli.options import USAGE_EXIT, UsageError
+from agent_loop.cli.flags import USAGE_EXIT, UsageError
 from agent_loop.signals import route_sigterm, sigterm_as_sigint
 
 STOP_GRACE_S = 10.0  # seconds a stop by SIGTERM may take the clean way, before each of its two forced steps

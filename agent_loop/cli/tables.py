@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from agent_loop.config import plural, rate
+from agent_loop.options import plural, rate
 from agent_loop.runners.stats import RolloutStats
 
 

@@ -10,8 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from agent_loop.cli.options import add_common_options, threads_from
-from agent_loop.config import rate
+from agent_loop.cli.flags import add_common_options, threads_from
+from agent_loop.options import rate
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop tiny"

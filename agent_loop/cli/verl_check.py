@@ -1,5 +1,5 @@
 """``agent-loop verl-check``: compare our ``advantages`` with the verl installed in this environment, function by
-function (``agent_loop.integrations.verl_check`` runs the checks), print one table row per check and exit 1 on
+function (``agent_loop.integrations.verl_comparison`` runs the checks), print one table row per check and exit 1 on
 any ``FAIL`` (docs/verl.md, "How it was checked")."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent_loop.cli.options import add_common_options, threads_from
+from agent_loop.cli.flags import add_common_options, threads_from
 
 PROG = "agent-loop verl-check"
 DESCRIPTION = ("compare agent-loop's estimators, losses and verl plugin with the installed verl's on random "
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     import torch
 
-    from agent_loop.integrations.verl_check import run_checks
+    from agent_loop.integrations.verl_comparison import run_checks
 
     torch.set_num_threads(threads or 1)  # small batches: one thread is fastest and deterministic
     rows = run_checks(range(SEEDS))

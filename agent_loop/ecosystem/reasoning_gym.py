@@ -21,8 +21,8 @@ from reasoning_gym.composite import DatasetSpec
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-from agent_loop.config import closest
 from agent_loop.episode.contracts import Task
+from agent_loop.options import closest
 from agent_loop.tasks import builtin
 from agent_loop.tasks.rewards import final_answer
 from agent_loop.types import Episode, ToolCallRecord

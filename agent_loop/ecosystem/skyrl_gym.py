@@ -18,8 +18,8 @@ import skyrl_gym
 from omegaconf import OmegaConf
 from skyrl_gym.envs.registration import registry
 
-from agent_loop.config import closest
 from agent_loop.episode.contracts import AssistantTurn, StepLimits, StepResult, Task, TurnEnvironment
+from agent_loop.options import closest
 from agent_loop.tasks.dataset import load_prompts
 from agent_loop.types import Episode, ToolCallRecord
 

@@ -31,9 +31,9 @@ from verifiers.v1.trace import AgentInfo, TraceTask
 from verifiers.v1.types import AssistantMessage
 from verifiers.v1.utils import loaders
 
-from agent_loop.config import closest
 from agent_loop.episode.contracts import AssistantTurn, StepLimits, StepResult, Task, TurnEnvironment
 from agent_loop.episode.tools import ToolEnvironment, tools_from_schemas
+from agent_loop.options import closest
 from agent_loop.toolsets.mcp import result_text
 from agent_loop.types import Episode, ToolCallRecord
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from agent_loop.episode.config import HISTORY_MODES
+from agent_loop.episode.loop_config import HISTORY_MODES
 from agent_loop.episode.tool_formats import default_call_id, find_tool_format
 
 # the formatter's modes: the loop's history modes, and "new_segment" (LoopConfig.context="drop_reasoning"), which runs

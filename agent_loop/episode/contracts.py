@@ -1,9 +1,9 @@
 """What the loop plays (docs/design.md section 2): the task contract, and the environment that answers each turn.
 
 Declared here, in the episode package, so that the loop imports no task module: the tasks
-(:mod:`agent_loop.tasks`, which re-exports :class:`Task` from :mod:`agent_loop.tasks.base`), the tool
-executor (:class:`agent_loop.episode.tools.ToolEnvironment`) and the adapters of other libraries'
-environments (:mod:`agent_loop.ecosystem`) implement these; the loop (:mod:`agent_loop.episode.loop`) plays them.
+(:mod:`agent_loop.tasks`; ``from agent_loop import Task``), the tool executor
+(:class:`agent_loop.episode.tools.ToolEnvironment`) and the adapters of other libraries' environments
+(:mod:`agent_loop.ecosystem`) implement these; the loop (:mod:`agent_loop.episode.loop`) plays them.
 
 - A :class:`Task` makes episodes and scores them.
 - An episode's :class:`TurnEnvironment` (``Episode.environment``; default: the tool environment of
@@ -127,7 +127,7 @@ def as_task(obj) -> Task:
         return obj
     if not is_task(obj):
         raise TypeError(f"{obj!r} is not a task: a task has make_episode(index, seed) and "
-                        "reward(episode, messages, tool_calls) (subclass agent_loop.tasks.base.Task)")
+                        "reward(episode, messages, tool_calls) (subclass agent_loop.Task)")
     return TaskWrapper(obj)
 
 

@@ -39,7 +39,6 @@ from agent_loop.backends.base import (
 )
 from agent_loop.backends.retry import backoff_delay
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.context import load_summarizer, summarized, windowed
 from agent_loop.episode.contracts import (
     AssistantTurn,
@@ -52,7 +51,8 @@ from agent_loop.episode.contracts import (
     checked_step,
     turn_state_keys,
 )
-from agent_loop.episode.info import episode_info, recorded_model_path  # noqa: F401  (its old home)
+from agent_loop.episode.info import episode_info
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
 from agent_loop.types import Episode, ToolCallRecord, Trajectory, episode_session_id

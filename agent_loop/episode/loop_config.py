@@ -1,7 +1,7 @@
 """The loop's options: budgets, sampling and template handling of one episode (docs/design.md section 5).
 
 Declared once here; every field is a flag and a config-file key of both ``agent-loop rollout`` and
-``agent-loop train`` (``agent_loop.config`` says how declarations become options).
+``agent-loop train`` (``agent_loop.options`` says how declarations become options).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from agent_loop.config import STRICT_NUMBERS, OptionError
-from agent_loop.config import integer as _count  # a whole-number option: (help, lowest value)
+from agent_loop.options import STRICT_NUMBERS, OptionError
+from agent_loop.options import integer as _count  # a whole-number option: (help, lowest value)
 
 HISTORY_MODES = ("strict", "keep_seen")
 MISMATCH_POLICIES = ("record", "error")

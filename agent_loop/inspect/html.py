@@ -16,7 +16,6 @@ from __future__ import annotations
 import html
 import json
 
-from agent_loop.config import plural, rate
 from agent_loop.inspect.tokens import show_whitespace, turns, versions_note
 from agent_loop.inspect.view import (
     InspectView,
@@ -27,6 +26,7 @@ from agent_loop.inspect.view import (
     row_values_note,
     segment_note,
 )
+from agent_loop.options import plural, rate
 from masking.spans import SpanKind
 
 CSS = """

@@ -20,11 +20,11 @@ from rich.table import Table
 from rich.text import Text
 
 import agent_loop.inspect.html as page_html
-from agent_loop.config import plural, rate
 from agent_loop.episode.chat import first_difference
 from agent_loop.inspect.load import Problems, iter_records, read_at
 from agent_loop.inspect.tokens import TokenText, show_whitespace
 from agent_loop.inspect.view import episode_id
+from agent_loop.options import plural, rate
 from agent_loop.runners.stats import RolloutStats
 from masking.kinds import SpanKind
 

@@ -9,7 +9,6 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from agent_loop.config import plural, rate
 from agent_loop.inspect.tokens import Segment, show_whitespace, turns, versions_note
 from agent_loop.inspect.turn_view import turn_advantage_of, turn_rows
 from agent_loop.inspect.values import COMPARED
@@ -23,6 +22,7 @@ from agent_loop.inspect.view import (
     row_values_note,
     segment_note,
 )
+from agent_loop.options import plural, rate
 from masking.spans import SpanKind
 
 # two shades per span so that neighbouring tokens stay distinguishable

@@ -12,12 +12,12 @@ import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_loop.config import plural
 from agent_loop.inspect.choices import INFORMATIVE, LABEL
 from agent_loop.inspect.load import Problems, Record, iter_records
 from agent_loop.inspect.sessions import Session, SessionGrouper, sessions_of
 from agent_loop.inspect.tokens import TokenText
 from agent_loop.inspect.values import BatchValues, FileStats, compute_values, has_recorded_values
+from agent_loop.options import plural
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.types import Trajectory
 

@@ -30,14 +30,13 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
 from verl.utils.ray_utils import get_event_loop
 
-from agent_loop.episode.config import LoopConfig
-from agent_loop.episode.contracts import TaskWrapper
+from agent_loop.episode.contracts import Task, TaskWrapper, as_task
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tool_formats import TOOL_FORMATS
 from agent_loop.episode.tools import Tool, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
 from agent_loop.integrations.verl_options import VerlLoopOptions
-from agent_loop.tasks.base import Task, as_task
 from agent_loop.tasks.dataset import DatasetTask
 from agent_loop.types import Episode, Trajectory
 from masking.kinds import SpanKind

@@ -1,8 +1,8 @@
 """The options of our verl AgentLoop (``agent_loop.integrations.verl_agent_loop``), declared as every option is
-(``agent_loop.config``): fields with their checks, the rules across them in ``check()``, built by
-:func:`agent_loop.config.build`. The row options (``reward``, ``reward_weights``, ``system``) are the ones
+(``agent_loop.options``): fields with their checks, the rules across them in ``check()``, built by
+:func:`agent_loop.options.build`. The row options (``reward``, ``reward_weights``, ``system``) are the ones
 ``--prompts`` rows take (:class:`~agent_loop.tasks.registry.DataTaskOptions`); the loop's are
-:class:`~agent_loop.episode.config.LoopConfig`'s, under ``loop``.
+:class:`~agent_loop.episode.loop_config.LoopConfig`'s, under ``loop``.
 
 verl passes them through its own config: the trainer config's top-level ``agent_loop`` section
 (``+agent_loop.task=arithmetic``) and, overriding it, the keys of an entry in verl's ``agent_loop_config_path``
@@ -17,9 +17,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 
-from agent_loop.config import OptionError, build, closest, one_of, override_defaults
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tool_formats import TOOL_FORMATS
+from agent_loop.options import OptionError, build, closest, one_of, override_defaults
 from agent_loop.tasks.registry import DataTaskOptions, SeedOptions, TaskChoice
 
 REWARD_SOURCES = ("auto", "agent_loop", "verl")

@@ -22,15 +22,15 @@ from typing import Iterable
 from tqdm.auto import tqdm
 
 from agent_loop.backends.base import Backend, check_backend, is_fatal
-from agent_loop.config import rate
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.contracts import Task
 from agent_loop.episode.info import episode_info
 from agent_loop.episode.loop import formatter_for, run_session
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolExecutor
+from agent_loop.options import rate
 from agent_loop.runners.jsonl import MAX_LINE_BYTES, JsonlWriter, check_output, iter_lines, written_episodes
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
-from agent_loop.tasks.base import Task
 from agent_loop.types import Trajectory, episode_session_id
 
 

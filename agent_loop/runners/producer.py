@@ -63,7 +63,7 @@ from collections import Counter, deque
 from typing import Callable, Sequence
 
 from agent_loop.backends.base import Backend, FatalBackendError, GenerationResult, SamplingParams, check_backend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec

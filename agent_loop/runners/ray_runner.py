@@ -30,7 +30,7 @@ from typing import Callable
 import ray
 
 from agent_loop.backends.base import Backend, is_fatal
-from agent_loop.config import plural
+from agent_loop.options import plural
 from agent_loop.runners.local import TrajectorySink, error_trajectory, play_episode, tracked
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats

@@ -28,7 +28,7 @@ import operator
 import random
 from typing import Callable
 
-from agent_loop.tasks.base import Task, episode_rng
+from agent_loop.episode.contracts import Task, episode_rng
 from agent_loop.tasks.rewards import final_answer, last_number, number_match
 from agent_loop.types import Episode, ToolCallRecord
 

@@ -49,9 +49,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from agent_loop.config import plural
+from agent_loop.episode.contracts import Task, episode_rng
 from agent_loop.episode.tools import tool
-from agent_loop.tasks.base import Task, episode_rng
+from agent_loop.options import plural
 from agent_loop.tasks.rewards import (
     TURN_REWARD_ARGUMENTS,
     argument_picker,

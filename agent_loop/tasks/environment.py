@@ -7,8 +7,8 @@ import inspect
 import random
 from typing import Any, Callable, Sequence
 
+from agent_loop.episode.contracts import Task, episode_rng
 from agent_loop.episode.tools import tool
-from agent_loop.tasks.base import Task, episode_rng
 from agent_loop.tasks.dataset import normalize_row
 from agent_loop.tasks.rewards import REWARD_ARGUMENTS, argument_picker, score_episode
 from agent_loop.types import Episode, ToolCallRecord

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from agent_loop.episode.contracts import TaskWrapper
-from agent_loop.tasks.base import as_task
+from agent_loop.episode.contracts import TaskWrapper, as_task
 from agent_loop.types import Episode
 
 

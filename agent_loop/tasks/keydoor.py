@@ -44,7 +44,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from agent_loop.tasks.base import Task, episode_rng
+from agent_loop.episode.contracts import Task, episode_rng
 from agent_loop.tasks.rewards import final_answer
 from agent_loop.types import Episode, ToolCallRecord
 

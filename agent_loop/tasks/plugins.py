@@ -22,9 +22,9 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from agent_loop.episode.contracts import Task, as_task, is_task
 from agent_loop.episode.plugin_import import PluginError, import_module, import_object
 from agent_loop.episode.tools import tool, tools_from_schemas
-from agent_loop.tasks.base import Task, as_task, is_task
 from agent_loop.tasks.dataset import DatasetTask
 from agent_loop.tasks.rewards import get_rule
 

@@ -1,6 +1,6 @@
 """The one task registry behind ``--task``, and the options that name a task.
 
-Adding a built-in task: a module with a :class:`~agent_loop.tasks.base.Task` subclass, and its line in
+Adding a built-in task: a module with a :class:`~agent_loop.episode.contracts.Task` subclass, and its line in
 :data:`TASKS`. Tasks of another library are ``SOURCE:NAME`` (:data:`SOURCES`: ``reasoning_gym:chain_sum``,
 ``skyrl_gym:gsm8k``; :mod:`agent_loop.ecosystem`), with ``task_options``. Any other task is a plug-in
 (``package.module:Name``, ``file.py[:Name]``: see :mod:`agent_loop.tasks.plugins`) or a task from data
@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from agent_loop.config import OptionError, closest, one_of
-from agent_loop.tasks.base import Task
+from agent_loop.episode.contracts import Task
+from agent_loop.options import OptionError, closest, one_of
 from agent_loop.toolsets import is_toolset
 
 TASKS = {  # name -> "module:Class" (a Task subclass made with no arguments)

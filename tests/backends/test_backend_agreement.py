@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM
 from agent_loop.backends.hf import TransformersBackend
 
 pytest.importorskip("vllm")
-from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server  # noqa: E402
+from agent_loop.backends.openai_http import OpenAIHTTPBackend  # noqa: E402
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402
+from agent_loop.backends.vllm_server import local_vllm_server  # noqa: E402
 from tests.helpers.backend_agreement import (
     EPISODES,
     assert_agree_or_tie,

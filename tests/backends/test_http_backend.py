@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from agent_loop.backends.base import SamplingParams
-from agent_loop.backends.openai_http import HTTPBackendError, OpenAIHTTPBackend, free_port, local_vllm_server
+from agent_loop.backends.openai_http import HTTPBackendError, OpenAIHTTPBackend
+from agent_loop.backends.vllm_server import free_port, local_vllm_server
 from tests.helpers.http_stub import MODEL, StubServer, sampling, stub_completion
 
 
@@ -197,7 +198,7 @@ def run_http_rollouts(url, tokenizer, episodes, config, seed):
 def test_full_tool_calling_rollouts_through_a_real_vllm_server(vllm_server, tiny_tokenizer, hf_model):
     import torch
 
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.loop_config import LoopConfig
     from masking.spans import SpanKind
 
     config = LoopConfig(temperature=1.0)
@@ -241,7 +242,7 @@ def test_ray_workers_sharing_a_real_vllm_server(vllm_server, tiny_tokenizer):
     import functools
 
     ray = pytest.importorskip("ray")
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.runners.ray_runner import run_rollouts_ray
     from agent_loop.runners.spec import RunSpec
     from agent_loop.tasks.builtin import ArithmeticTask

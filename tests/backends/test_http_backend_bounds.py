@@ -17,10 +17,11 @@ import pytest
 from aiohttp import web
 
 from agent_loop.backends.base import BackendSettings
-from agent_loop.backends.openai_http import HTTPBackendError, OpenAIHTTPBackend, free_port
+from agent_loop.backends.openai_http import HTTPBackendError, OpenAIHTTPBackend
 from agent_loop.backends.registry import make_backend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.backends.vllm_server import free_port
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.tasks.registry import get_task
 from tests.helpers.http_stub import StubServer
 

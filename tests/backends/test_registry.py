@@ -9,7 +9,7 @@ from agent_loop.backends.registry import BACKENDS, backend_class, make_backend
 
 
 def test_every_registered_backend_is_a_backend_class_and_names_are_the_cli_choices():
-    from agent_loop.cli.options import allowed
+    from agent_loop.cli.flags import allowed
     from agent_loop.cli.rollout import RolloutOptions
 
     for name in BACKENDS:

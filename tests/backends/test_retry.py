@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agent_loop.backends import openai_http
+from agent_loop.backends import openai_http, vllm_server
 from agent_loop.backends.base import Backend
 from agent_loop.backends.retry import backoff_delay
 from agent_loop.episode import loop
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from tests.helpers.http_stub import MODEL, StubServer, sampling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_the_http_backend_backs_off_by_the_rule_at_start_and_per_request(monkeyp
             async with openai_http.OpenAIHTTPBackend([server.url], MODEL, max_retries=3, backoff_s=0.001,
                                                      max_backoff_s=0.002) as backend:
                 await backend.generate([1], sampling())
-        dead = openai_http.OpenAIHTTPBackend([f"http://127.0.0.1:{openai_http.free_port()}"], MODEL, max_retries=2,
+        dead = openai_http.OpenAIHTTPBackend([f"http://127.0.0.1:{vllm_server.free_port()}"], MODEL, max_retries=2,
                                              backoff_s=0.001, max_backoff_s=0.002)
         with pytest.raises(openai_http.ServersUnavailableError):
             await dead.start()

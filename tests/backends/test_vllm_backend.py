@@ -13,7 +13,7 @@ from transformers.utils import get_json_schema
 
 from agent_loop.backends.base import SamplingParams
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import ArithmeticTask, calculator
 from masking.spans import SpanKind

@@ -48,10 +48,10 @@ def test_a_given_binding_is_kept_unless_it_names_cores_this_process_may_not_use(
 
 
 def test_serve_refuses_more_threads_than_cores(capsys, tiny_agent_dir, monkeypatch):
-    import agent_loop.models
+    import agent_loop.model_folders
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(agent_loop.models, "vllm_on_cpu", lambda: True)
+    monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: True)
     too_many = len(CORES) + 1
     assert main(["serve", "--model", str(tiny_agent_dir), "--dry-run", "--threads", str(too_many)]) == 2
     assert capsys.readouterr().err.splitlines() == [

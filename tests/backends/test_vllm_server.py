@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import agent_loop.models
+import agent_loop.model_folders
 from agent_loop.backends import vllm_engine, vllm_server
 from agent_loop.backends.vllm_server import CPU_SERVER_ARGS, local_vllm_server, vllm_on_cpu, vllm_server_command
 from agent_loop.cli import main
@@ -32,7 +32,7 @@ def served(capsys) -> tuple[list[str], dict[str, str]]:
 
 @pytest.mark.parametrize("cpu", [True, False])
 def test_serve_runs_the_one_command_with_the_flags_it_always_had(cpu, tiny_agent_dir, capsys, monkeypatch):
-    monkeypatch.setattr(agent_loop.models, "vllm_on_cpu", lambda: cpu)
+    monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: cpu)
     model = str(tiny_agent_dir.resolve())
     assert main(["serve", "--model", model, "--port", "8123", "--lora-rank", "8", "--threads", "1", "--dry-run",
                  "--", "--max-model-len", "512"]) == 0
@@ -115,7 +115,7 @@ def test_one_cpu_check_everywhere():
     defined = [f"{p.relative_to(ROOT)}" for p in files for node in ast.walk(ast.parse(p.read_text()))
                if isinstance(node, ast.FunctionDef) and node.name == "vllm_on_cpu"]
     assert defined == ["agent_loop/backends/vllm_server.py"]
-    assert agent_loop.models.vllm_on_cpu is vllm_on_cpu and vllm_engine.vllm_on_cpu is vllm_on_cpu
+    assert agent_loop.model_folders.vllm_on_cpu is vllm_on_cpu and vllm_engine.vllm_on_cpu is vllm_on_cpu
 
 
 @pytest.mark.parametrize("installed, target, expected", [

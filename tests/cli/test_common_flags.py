@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from agent_loop.builtin_models import builtin_names
 from agent_loop.cli import COMMANDS, build_parser, main
-from agent_loop.cli.options import CommonOptions, flag
-from agent_loop.model_registry import builtin_names
+from agent_loop.cli.flags import CommonOptions, flag
 
 
 def commands() -> dict:
@@ -74,7 +74,7 @@ def test_every_model_option_lists_the_built_in_names():
 
 
 def test_the_model_help_reads_the_registry(monkeypatch):
-    import agent_loop.model_registry as registry
+    import agent_loop.builtin_models as registry
 
     monkeypatch.setattr(registry, "TINY_NAMES", ("tiny", "tiny-mid", "tiny-other"))
     assert "tiny-other" in registry.model_option_help()

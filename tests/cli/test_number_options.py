@@ -1,12 +1,12 @@
 """The float options of parsers not built from a dataclass (proxy, inspect) use the one validator,
-``agent_loop.cli.options.number_in``: a usage error (exit 2) in a declared field's words."""
+``agent_loop.cli.flags.number_in``: a usage error (exit 2) in a declared field's words."""
 
 import argparse
 
 import pytest
 
 from agent_loop.cli import main
-from agent_loop.cli.options import number_in
+from agent_loop.cli.flags import number_in
 
 
 @pytest.mark.parametrize("argv, message", [

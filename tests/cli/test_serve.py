@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_loop.backends.openai_http import CPU_SERVER_ARGS, free_port
+from agent_loop.backends.vllm_server import CPU_SERVER_ARGS, free_port
 from agent_loop.cli import main
 
 AGENT_LOOP = [sys.executable, "-m", "agent_loop.cli"]

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
+from agent_loop.builtin_models import builtin_names, listing
 from agent_loop.cli import main
-from agent_loop.model_registry import builtin_names, listing
 from agent_loop.tiny.build import build_record
 
 WIDTHS = (80, 60)

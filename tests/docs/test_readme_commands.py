@@ -14,8 +14,8 @@ import pytest
 
 from agent_loop import TrainConfig
 from agent_loop.cli import build_parser
+from agent_loop.cli.flags import resolve
 from agent_loop.cli.inspect import check_arguments
-from agent_loop.cli.options import resolve
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.recipes.warmstart_options import WarmstartConfig
 

@@ -10,7 +10,7 @@ import pytest
 
 from agent_loop.cli import build_parser
 from agent_loop.cli.config_file import read_config
-from agent_loop.cli.options import resolve, validate
+from agent_loop.cli.flags import resolve, validate
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.tasks.registry import TaskOptions
 

@@ -11,10 +11,10 @@ from reasoning_gym.utils import extract_answer
 
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli import main
-from agent_loop.cli.options import UsageError, validate
+from agent_loop.cli.flags import UsageError, validate
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.runners.local import read_trajectories
 from agent_loop.tasks.plugins import PluginError

@@ -14,15 +14,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.cli.options import UsageError, validate
+from agent_loop.cli.flags import UsageError, validate
 from agent_loop.cli.rollout import RolloutOptions
-from agent_loop.config import OptionError
 from agent_loop.episode.chat import TemplateError
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.context import SUMMARY_HEADER, digest, load_summarizer, windowed
 from agent_loop.episode.contracts import StepResult, TurnEnvironment
 from agent_loop.episode.loop import run_episode, run_session
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolExecutor
+from agent_loop.options import OptionError
 from agent_loop.runners.local import run_rollouts
 from agent_loop.runners.producer import RolloutProducer
 from agent_loop.runners.stats import RolloutStats

@@ -5,8 +5,8 @@ session id and segment number included), with the same values."""
 import asyncio
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.info import episode_info
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.proxy.agents import stream_agent_rollouts
 from agent_loop.runners.local import error_trajectory, stream_rollouts
 from agent_loop.runners.spec import RunSpec

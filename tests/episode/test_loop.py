@@ -12,8 +12,8 @@ import pytest
 from agent_loop.backends.base import Backend, GenerationResult
 from agent_loop.backends.scripted import ScriptedBackend, scripted_logprob
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolExecutor
 from agent_loop.runners.local import read_trajectories, run_rollouts
 from agent_loop.tasks.registry import get_task

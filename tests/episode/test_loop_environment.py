@@ -11,9 +11,9 @@ import torch
 
 from agent_loop.backends.scripted import ScriptedBackend, scripted_logprob
 from agent_loop.episode.chat import ChatFormatter
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.contracts import AssistantTurn, StepLimits, StepResult, Task, TurnEnvironment
 from agent_loop.episode.loop import run_episode, with_step_rewards
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolEnvironment
 from agent_loop.tasks.registry import get_task
 from agent_loop.types import Episode, Trajectory

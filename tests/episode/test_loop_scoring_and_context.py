@@ -15,8 +15,8 @@ import pytest
 
 from agent_loop.backends.base import GenerationResult
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import call_bounded, model_limits, run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import read_trajectories, run_rollouts
 from agent_loop.tasks.dataset import DatasetTask
 from agent_loop.tasks.registry import get_task
@@ -220,7 +220,7 @@ def test_vocabulary_and_context_come_from_the_model_folder(qwen_tokenizer, tmp_p
 
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory, qwen_dir):
-    from agent_loop.models import build_random_model
+    from agent_loop.model_folders import build_random_model
 
     folder = build_random_model(tmp_path_factory.mktemp("short") / "model", "qwen2", qwen_dir)
     config = json.loads((folder / "config.json").read_text())

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_loop.episode.contracts import HOOKS, Task, TaskWrapper
-from agent_loop.tasks.base import as_task
+from agent_loop.episode.contracts import HOOKS, Task, TaskWrapper, as_task
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.toolsets.task import ToolsetEnvironment, ToolsetTask
 from agent_loop.types import Episode

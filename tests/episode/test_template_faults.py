@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 import agent_loop.episode.parsers as p
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.episode.chat import ChatFormatter, TemplateError
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tool_formats import TOOL_FORMATS, parser_for_template
 from agent_loop.episode.tools import ToolExecutor
 from masking import SpanKind

@@ -3,7 +3,7 @@ float32 ties (tests/backends/test_backend_agreement.py, tests/training/test_weig
 
 import torch
 
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import ArithmeticTask, LookupTask
 from masking.spans import SpanKind

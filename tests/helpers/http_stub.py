@@ -7,7 +7,7 @@ import contextlib
 from aiohttp import web
 
 from agent_loop.backends.base import SamplingParams
-from agent_loop.backends.openai_http import free_port
+from agent_loop.backends.vllm_server import free_port
 
 MODEL = "stub-model"
 

@@ -1,5 +1,5 @@
 """The two-run view fits its --width (80 and narrower) with no empty column and cells cut after whole words,
-and success is written one way, a 0-1 rate (``agent_loop.config.rate``), in every view (issue 49 items 10, 13)."""
+and success is written one way, a 0-1 rate (``agent_loop.options.rate``), in every view (issue 49 items 10, 13)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 
 from agent_loop.cli.inspect import main
-from agent_loop.config import rate
 from agent_loop.inspect.runs import compare, fit_words, tokens_state
+from agent_loop.options import rate
 
 BORDERS = "│┃┏┓┗┛┡┩└┘┳┻╇┴┬"
 

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from agent_loop.backends.base import SamplingParams
 from agent_loop.backends.scripted import scripted_logprob
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.integrations.verl_backend import VerlServerBackend, finish_reason
 from agent_loop.tasks.dataset import DatasetTask
 from tests.helpers.testdata import qwen_tokenizer_dir

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from agent_loop.cli.rollout import RolloutOptions
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.recipes.train_options import TrainConfig
 from agent_loop.recipes.warmstart_options import WarmstartConfig

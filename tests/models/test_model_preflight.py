@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from agent_loop.cli import main
-from agent_loop.models import ModelError, check_model_dir
+from agent_loop.model_folders import ModelError, check_model_dir
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from agent_loop.backends.openai_http import OpenAIHTTPBackend
 from agent_loop.backends.vllm_server import free_port, stop_process_group, wait_healthy
 from agent_loop.cli import main
-from agent_loop.episode.config import LoopConfig
-from agent_loop.models import check_model_dir
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import check_model_dir
 from agent_loop.runners.local import run_rollouts
 from tests.helpers.copy_call import CopyCall
 

@@ -16,11 +16,11 @@ import pytest
 
 from agent_loop import rollout
 from agent_loop.backends.scripted import ScriptedBackend
+from agent_loop.builtin_models import SMOLLM2_135M, TEMPLATES
 from agent_loop.cli import main
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
-from agent_loop.model_registry import SMOLLM2_135M, TEMPLATES
-from agent_loop.models import check_model_dir
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import check_model_dir
 from agent_loop.types import Episode
 from tests.helpers.copy_call import CopyCall, echo
 

@@ -12,7 +12,7 @@ import pytest
 from proxy_helpers import ROOT, assert_recorded
 
 from agent_loop.backends.hf import TransformersBackend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.spec import RunSpec

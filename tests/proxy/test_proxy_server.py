@@ -13,8 +13,8 @@ from openai import AsyncOpenAI
 from proxy_helpers import DelayedBackend, openai_tools_agent, serving
 
 from agent_loop.backends.hf import TransformersBackend
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import formatter_for, run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.proxy.agents import episode_row, stream_agent_rollouts
 from agent_loop.runners.spec import RunSpec
 from agent_loop.tasks.registry import get_task

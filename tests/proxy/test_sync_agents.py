@@ -120,10 +120,10 @@ def test_the_reward_of_an_agents_episode_is_bounded_and_announced(tiny_tokenizer
 
     import agent_loop.episode.loop as loop
     from agent_loop.backends.hf import TransformersBackend
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.contracts import as_task
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.proxy.agents import stream_agent_rollouts
     from agent_loop.runners.spec import RunSpec
-    from agent_loop.tasks.base import as_task
 
     monkeypatch.setattr(loop, "SLOW_NOTICE_S", 0.3)
     task = HangingReward()

@@ -144,7 +144,7 @@ KNOWN_ELSEWHERE = {"agent_loop/runners/jsonl.py"}
 
 
 def test_fetch_reads_the_cache_folder_without_loading_torch(tmp_path):
-    code = ("import sys; import agent_loop.model_registry as m; m.SMOLLM2_135M.wheel_path(); m.status(m.SMOLLM2_135M); "
+    code = ("import sys; import agent_loop.builtin_models as m; m.SMOLLM2_135M.wheel_path(); m.status(m.SMOLLM2_135M); "
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "AGENT_LOOP_CACHE": str(tmp_path)})

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import read_trajectories, run_rollouts
 from agent_loop.tasks.builtin import ArithmeticTask
 

@@ -16,7 +16,7 @@ from agent_loop import DatasetTask, Environment, tool, tools_from_schemas
 from agent_loop.backends.scripted import ScriptedBackend
 from agent_loop.cli.config_file import ConfigError, read_config
 from agent_loop.cli.rollout import RolloutOptions
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.dataset import load_prompts
 from agent_loop.tasks.plugins import PluginError, load_reward, load_tools
@@ -567,7 +567,7 @@ def test_config_unknown_key_names_it_and_the_closest_valid_key(tmp_path, capsys)
 
 def test_config_flags_override_the_file_lists_included(tmp_path):
     from agent_loop.cli import build_parser
-    from agent_loop.cli.options import resolve
+    from agent_loop.cli.flags import resolve
 
     path = tmp_path / "run.yaml"
     path.write_text("prompts: p.jsonl\nreward: [number, exact]\nmax_turns: 2\ntemperature: 0.5\n")
@@ -677,14 +677,14 @@ def model_folder(tmp_path, qwen_dir, template=None, **config):
 
 
 def test_a_usable_model_folder_passes(tmp_path, qwen_dir):
-    from agent_loop.models import check_model_dir
+    from agent_loop.model_folders import check_model_dir
 
     info = check_model_dir(model_folder(tmp_path, qwen_dir), "vllm")
     assert (info.architecture, info.head_dim, info.tool_format) == ("Qwen2ForCausalLM", 32, "hermes")
 
 
 def test_model_folder_problems_are_named_before_anything_loads(tmp_path, qwen_dir):
-    from agent_loop.models import ModelError, check_model_dir
+    from agent_loop.model_folders import ModelError, check_model_dir
     from tests.helpers.testdata import read_template
 
     with pytest.raises(ModelError, match="no such folder"):

@@ -8,7 +8,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import LOOKUP_TABLE_SIZE, RECORD_FIELDS, ChainTask, calculator
 from agent_loop.tasks.registry import get_task

@@ -196,7 +196,7 @@ def test_the_final_answer_rule_asks_the_episodes_tool_format():
 
 
 def test_a_task_object_gets_the_default_hooks_and_grouping_keeps_its_own():
-    from agent_loop.tasks.base import Task, as_task
+    from agent_loop.episode.contracts import Task, as_task
     from agent_loop.tasks.grouping import GroupedTask
 
     class Plain:  # a task that does not subclass Task

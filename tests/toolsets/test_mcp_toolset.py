@@ -96,7 +96,7 @@ def test_http_server_gives_each_concurrent_episode_its_own_session(http_server, 
     import asyncio
 
     from agent_loop.backends.scripted import ScriptedBackend
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.runners.local import run_rollouts
 
     task = with_toolsets(NoToolsTask(), mcp_server=[http_server])

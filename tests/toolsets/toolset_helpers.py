@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.types import Episode
 
 HERE = Path(__file__).resolve().parent

@@ -132,7 +132,7 @@ def test_two_real_servers_train_asynchronously_and_a_killed_one_fails_over_then_
     pytest.importorskip("vllm")
     from concurrent.futures import ThreadPoolExecutor
 
-    from agent_loop.backends.openai_http import local_vllm_server
+    from agent_loop.backends.vllm_server import local_vllm_server
     from agent_loop.backends.weight_files import WeightSyncError
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the weight-push endpoints

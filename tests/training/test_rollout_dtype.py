@@ -9,7 +9,7 @@ from tests.helpers.trainer_config import small_config
 
 
 def test_another_precision_turns_the_correction_on_unless_one_is_chosen(tiny_mid, tmp_path, capsys):
-    from agent_loop.config import checked
+    from agent_loop.options import checked
 
     same = checked(small_config(tiny_mid, tmp_path, rollout_dtype="fp32"))
     assert same.rollout_is == "off" and not same.corrects_rollouts

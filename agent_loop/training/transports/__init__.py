@@ -22,21 +22,23 @@ from pathlib import Path
 
 from agent_loop.training.transports.base import WeightTransport
 from agent_loop.training.transports.engine_lora import EngineLoRASync
-from agent_loop.training.transports.in_process import BackendTransport, LegacyPusher
-from agent_loop.training.transports.producer import ThroughProducer
-from agent_loop.training.transports.synchronous import BetweenRuns
+from agent_loop.training.transports.in_process import BackendTransport
+from agent_loop.training.transports.producer import ProducerPush
+from agent_loop.training.transports.synchronous import SynchronousPush
 
 __all__ = ["WeightTransport", "make_destination", "make_transport"]
 
 
 def make_destination(*, backend, given=None, servers=(), lora_policy=None, folder: str | Path | None = None,
                      served_name: str = "policy") -> WeightTransport:
-    """Where the weights go: ``given`` (a ``WeightTransport``, or an older pusher with ``update_weights``);
+    """Where the weights go: ``given`` (a ``WeightTransport``);
     else the rollout ``servers`` (with ``lora_policy``: its adapter alone, named ``SERVED-lora-...``), writing
     into ``folder``; else the in-process ``backend``: ``lora_policy``'s adapter alone if it serves adapters (the
     vLLM engine with ``lora_rank``), else the merged weights."""
     if given is not None:
-        return given if isinstance(given, WeightTransport) else LegacyPusher(given)
+        if not isinstance(given, WeightTransport):
+            raise TypeError(f"weight_sync {given!r} is not a WeightTransport (agent_loop.training.transports.base)")
+        return given
     if servers:
         from agent_loop.training.transports.vllm_servers import VLLMServerLoRASync, VLLMServerWeightSync
 
@@ -53,8 +55,8 @@ def make_transport(destination: WeightTransport, *, rollout_backend, dp, asynchr
     """``destination`` with its timing: ``asynchronous``, through ``producer`` (rank 0's; None on the other
     ranks, which then push nothing), else between runs on ``rollout_backend`` (a ``VersionedBackend``; ``dp``:
     the ranks)."""
-    if isinstance(destination, (BetweenRuns, ThroughProducer)):
+    if isinstance(destination, (SynchronousPush, ProducerPush)):
         destination = destination.inner  # re-timed (start_producer after set-up)
     if asynchronous:
-        return ThroughProducer(destination, producer=producer, backend=rollout_backend.inner)
-    return BetweenRuns(destination, rollout_backend=rollout_backend, dp=dp)
+        return ProducerPush(destination, producer=producer, backend=rollout_backend.inner)
+    return SynchronousPush(destination, rollout_backend=rollout_backend, dp=dp)

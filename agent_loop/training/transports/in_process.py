@@ -15,21 +15,3 @@ class BackendTransport(WeightTransport):
     def push(self, weights: dict | None, *, version: int) -> None:
         if weights is not None:
             self.backend.update_weights(weights)
-
-
-class LegacyPusher(WeightTransport):
-    """A pusher written before :class:`WeightTransport` (``Trainer(weight_sync=obj)`` with
-    ``obj.update_weights(state_dict)``, shared by the ranks as before): pushed through the one interface."""
-
-    shared = True
-
-    def __init__(self, pusher):
-        self.pusher = pusher
-
-    @property
-    def served_model(self) -> str | None:
-        return getattr(self.pusher, "served_model", None)
-
-    def push(self, weights: dict | None, *, version: int) -> None:
-        if weights is not None:
-            self.pusher.update_weights(weights)

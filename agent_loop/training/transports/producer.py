@@ -7,7 +7,7 @@ from __future__ import annotations
 from agent_loop.training.transports.base import WeightTransport, follow
 
 
-class ThroughProducer(WeightTransport):
+class ProducerPush(WeightTransport):
     """``inner`` (the producer's backend or its servers), pushed through ``producer``'s gate; ``backend``: the
     one the producer plays on (it asks for the served model a push named). ``producer`` None (a rank other
     than 0): nothing to push, rank 0's producer plays every episode."""

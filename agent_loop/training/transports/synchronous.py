@@ -8,7 +8,7 @@ from __future__ import annotations
 from agent_loop.training.transports.base import WeightTransport, follow
 
 
-class BetweenRuns(WeightTransport):
+class SynchronousPush(WeightTransport):
     """``inner`` (where the weights go), pushed between runs on ``rollout_backend`` (a ``VersionedBackend``)."""
 
     def __init__(self, inner: WeightTransport, *, rollout_backend, dp):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from verl.trainer.ppo import core_algos as verl
 
-from agent_loop.integrations.verl_check import GROUPS, GROUPS_WITH_SINGLES, multi_turn_batch
+from agent_loop.integrations.verl_comparison import GROUPS, GROUPS_WITH_SINGLES, multi_turn_batch
 
 CASES = {  # name: (mask dtype, groups, rewards/values dtype, dense rewards)
     "float64": (torch.float64, GROUPS, torch.float64, False),

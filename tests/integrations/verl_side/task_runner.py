@@ -14,7 +14,7 @@ import sys
 import ray
 import torch
 
-from agent_loop.integrations.verl_check import GROUPS_WITH_SINGLES, multi_turn_batch
+from agent_loop.integrations.verl_comparison import GROUPS_WITH_SINGLES, multi_turn_batch
 
 ESTIMATORS = ("agent_loop_reinforce_plus_plus", "reinforce_plus_plus", "gae")
 

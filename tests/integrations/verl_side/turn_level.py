@@ -13,7 +13,7 @@ from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from agent_loop.integrations.verl_check import GROUPS_WITH_SINGLES, multi_turn_batch
+from agent_loop.integrations.verl_comparison import GROUPS_WITH_SINGLES, multi_turn_batch
 
 NAMES = ("turn_returns", "turn_rloo", "turn_index_normalized", "gigpo", "turn_gae")
 RESPONSE_TOKEN = 7  # every response token's id: each row's 3-token observation is the same anchor state
