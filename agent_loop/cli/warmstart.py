@@ -16,7 +16,7 @@ from pathlib import Path
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
-from agent_loop.cli.options import UsageError, add_options, resolve
+from agent_loop.cli.flags import UsageError, add_options, resolve
 from agent_loop.cli.output_claim import claim_output_dir
 from agent_loop.recipes.warmstart_options import WarmstartConfig
 from agent_loop.runners.outputs import RunLock
@@ -43,7 +43,7 @@ def task_flag(config: WarmstartConfig) -> str:
 def task_argv(config: WarmstartConfig) -> list[str]:
     """Every task option this run set (``--prompts`` with its ``--reward``, ``--tools``, ``--system``, ...), as
     arguments that name the same task to ``rollout`` and ``train`` (which take the same TaskOptions)."""
-    from agent_loop.cli.options import flag
+    from agent_loop.cli.flags import flag
     from agent_loop.tasks.registry import TaskOptions
 
     argv, default = [], TaskOptions()
@@ -64,7 +64,7 @@ def task_argv(config: WarmstartConfig) -> list[str]:
 
 def load_checked_task(config: WarmstartConfig):
     """The task the options name, refused in one line if it cannot load or has no demonstrations."""
-    from agent_loop.recipes.warmstart import has_demonstrations
+    from agent_loop.training.demonstrations import has_demonstrations
 
     try:
         task = config.load()
@@ -122,8 +122,9 @@ def stop_note(config: WarmstartConfig, argv: list[str]):
 
 
 def warm(config: WarmstartConfig, task):
-    from agent_loop.recipes.warmstart import DemonstrationError, warm_start
+    from agent_loop.recipes.warmstart import warm_start
     from agent_loop.training.checkpoint import CheckpointError
+    from agent_loop.training.demonstrations import DemonstrationError
 
     try:
         return warm_start(config, task)
@@ -135,6 +136,7 @@ def warm(config: WarmstartConfig, task):
 
 def report(config: WarmstartConfig, result) -> int:
     """The loss before and after, where everything went, budget warnings and the next commands."""
+    from agent_loop.options import flatten
     from agent_loop.recipes.train_options import TrainConfig
 
     history, model = result.history, result.model_dir
@@ -144,14 +146,15 @@ def report(config: WarmstartConfig, result) -> int:
           f"loss {first:.3f} (mean of the first {k} steps) -> {last:.3f} (mean of the last {k})")
     print(f"model: {model}\nmetrics: {Path(config.output_dir) / 'metrics.jsonl'}\n"
           f"demonstrations: {Path(config.output_dir) / 'demonstrations.jsonl'} (agent-loop inspect shows them)")
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = flatten(TrainConfig())
     longest = result.longest
     for need, option in (("turns", "max_turns"), ("response_tokens", "max_response_tokens"), ("turn_tokens", "max_tokens")):
         if longest[need] > defaults[option]:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
     if result.check:
-        from agent_loop.recipes.warmstart import CHECK_FILE, check_line
+        from agent_loop.recipes.warmstart import CHECK_FILE
+        from agent_loop.training.held_out import check_line
 
         print(f"{check_line(result.check)}\n  (the episodes: {Path(config.output_dir) / CHECK_FILE}; --check-episodes "
               "sizes the check, 0 skips it)")

@@ -8,7 +8,8 @@ processes never build at once.
 
 Shipped builds: the repository ships the builds of this recipe (``agent_loop/tiny/weights/<folder>.tar.xz``,
 checked against :data:`SHIPPED_SHA256`), so first use unpacks them in a second instead of training for
-minutes, and every machine gets the same weights. ``agent-loop tiny --force`` rebuilds from the recipe, in a
+minutes, and every machine gets the same weights. ``agent-loop tiny --force`` rebuilds from the recipe
+(:data:`RECIPE`, ``agent_loop.training.tiny_agent.build_recipe``: it trains with the library's loop), in a
 child process with pinned numerics (``agent_loop.tiny.pinned``: AVX2 kernels, 2 threads), so that any x86-64
 CPU with AVX2 trains the same bits; tests/tiny/test_shipped.py checks that a build here still behaves like
 the shipped one (and says whether it is bit-identical).
@@ -20,30 +21,24 @@ training, for experiments; it gets its own cache folder).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
 import tarfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-from tokenizers import Tokenizer, models
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig
 
 import agent_loop.files as files
-from agent_loop.tiny.data import dialogue, render, task_for
-from agent_loop.tiny.evaluate import evaluate
-from agent_loop.tiny.pinned import numerics, run_pinned
-from agent_loop.tiny.tokenizer import chat_template, train_tokenizer
-from agent_loop.tiny.train import train
+from agent_loop.tiny.pinned import run_pinned
 from masking.cache import cache_root
 
 # Change whenever anything that shapes the built files changes (it names the cache folder).
 # v9: pinned numerics (agent_loop.tiny.pinned) and "mid" picked from every 2% of the second half of training
 RECIPE_VERSION = "v9"
+RECIPE = "agent_loop.training.tiny_agent:build_recipe"  # the recipe, run by name (agent_loop.tiny.pinned.run_pinned)
 STAGES = ("mid", "final")
 TRAIN_STEPS = 1000
 # "mid": of the checkpoints at these fractions of training, the one whose sampled success on a quick
@@ -129,46 +124,8 @@ def build(target: Path, progress: bool = True, *, build_into: Callable[[Path], d
 
 
 def _build_into(folder: Path, progress: bool) -> dict:
-    run_pinned(recipe, str(folder), "1" if progress else "")
+    run_pinned(RECIPE, str(folder), "1" if progress else "")
     return json.loads((folder / "build.json").read_text())
-
-
-def recipe(folder: str, progress: str) -> None:
-    """The recipe (run by :func:`agent_loop.tiny.pinned.run_pinned`): tokenizer, training, evaluations, into
-    ``folder`` with its ``build.json``."""
-    folder, progress, started = Path(folder), bool(progress), time.perf_counter()
-    # any tokenizer object renders the template; this one only serves to make the tokenizer's corpus
-    renderer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=chat_template())
-    corpus = [render(renderer, *dialogue(task_for(i, TOKENIZER_SEED), i, TOKENIZER_SEED)) for i in range(TOKENIZER_DIALOGUES)]
-    tokenizer = train_tokenizer(corpus)
-    steps = train_steps()
-    record = {"recipe": RECIPE_VERSION, "train_steps": steps, "vocab_size": len(tokenizer), "numerics": numerics(),
-              "stages": {}}
-    candidates = tuple(round(steps * f) for f in MID_FRACTIONS)
-    mid: dict = {}
-
-    def consider_mid(step: int, model) -> None:
-        success = evaluate(model, tokenizer, "arithmetic", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)["success"]
-        record.setdefault("mid_candidates", {})[step] = success
-        if not mid or abs(success - MID_TARGET) < abs(mid["success"] - MID_TARGET):
-            mid.update(step=step, success=success, state=copy.deepcopy(model.state_dict()))
-
-    def save(stage: str, step: int, model) -> None:
-        stage_started = time.perf_counter()
-        save_model(folder / stage, model, tokenizer)
-        decodings = (False, True) if stage == "final" else (False,)  # mid: sampled only, to save build time
-        # evaluate with the tokenizer as users (and vLLM) load it
-        loaded = AutoTokenizer.from_pretrained(folder / stage)
-        record["stages"][stage] = {"step": step, "eval": _evaluate(model, loaded, decodings)}
-        record["eval_seconds"] = record.get("eval_seconds", 0.0) + time.perf_counter() - stage_started
-
-    model = train(tokenizer, steps, TRAIN_SEED, candidates, consider_mid, progress)
-    save("final", steps, model)
-    model.load_state_dict(mid["state"])
-    save("mid", mid["step"], model)
-    record["build_seconds"] = time.perf_counter() - started
-    record["parameters"] = sum(p.numel() for p in model.parameters())
-    (folder / "build.json").write_text(json.dumps(record, indent=2))
 
 
 def save_model(folder: Path, model, tokenizer) -> None:
@@ -178,14 +135,6 @@ def save_model(folder: Path, model, tokenizer) -> None:
     )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def _evaluate(model, tokenizer, decodings: tuple[bool, ...]) -> list[dict]:
-    return [
-        evaluate(model, tokenizer, task_name, episodes, EVAL_SEED, greedy)
-        for task_name, episodes in EVAL_EPISODES.items()
-        for greedy in decodings
-    ]
 
 
 def build_record() -> dict:

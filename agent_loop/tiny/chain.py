@@ -3,11 +3,11 @@
 ``chain_agent_path(stage)`` returns the folder, cached on first use: unpacked from the shipped archive
 (``agent_loop/tiny/weights/tiny-agent-<RECIPE_VERSION>-chain.tar.xz``, checked against
 ``agent_loop.tiny.build.SHIPPED_SHA256``), so every machine gets the same weights, or built from the recipe
-below, with pinned numerics (``agent_loop.tiny.pinned``), where none is shipped (its build time is in
+(RECIPE, ``agent_loop.training.tiny_agent.chain_recipe``), with pinned numerics (``agent_loop.tiny.pinned``), where none is shipped (its build time is in
 BENCHMARKS.md). The default tiny agent stays as it is.
 
 Recipe: start from the default tiny agent's "final" stage (it calls ``calculator`` and ``lookup``) and
-continue its warm start (``agent_loop.tiny.train``) on a mix of chain dialogues (CHAIN_SHARE) and the
+continue its warm start on a mix of chain dialogues (CHAIN_SHARE) and the
 default mix (arithmetic and lookup), in two phases (PHASES: steps and peak learning rate; each warms
 up and decays as the default recipe does). Two stages are kept:
 
@@ -21,20 +21,13 @@ folder and renamed into place under the same file lock as the default build (``a
 
 from __future__ import annotations
 
-import copy
 import json
 import random
-import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from agent_loop.tiny.build import RECIPE_VERSION, cached_stage, save_model, tiny_agent_path
+from agent_loop.tiny.build import RECIPE_VERSION, cached_stage, tiny_agent_path
 from agent_loop.tiny.data import task_for
-from agent_loop.tiny.evaluate import evaluate
-from agent_loop.tiny.pinned import numerics, run_pinned
-from agent_loop.tiny.train import train
+from agent_loop.tiny.pinned import run_pinned
 from masking.native import cache_root
 
 # the first phase's peak (the default recipe's) costs the copying skills for a while; the second, gentler,
@@ -44,6 +37,7 @@ CHAIN_SHARE = 0.6  # the rest: the default mix, so the agent keeps its arithmeti
 CHAIN_SEED = 505
 MID_STEPS, MID_TARGET, MID_CHECK_EPISODES, MID_CHECK_SEED = (25, 50, 75, 100), 0.35, 32, 606
 EVAL_SEED, EVAL_EPISODES = 707, 48
+RECIPE = "agent_loop.training.tiny_agent:chain_recipe"  # the recipe, run by name (agent_loop.tiny.pinned.run_pinned)
 
 
 def chain_build_dir() -> Path:
@@ -61,46 +55,8 @@ def chain_task_for(index: int, seed: int) -> str:
 
 
 def _build_into(folder: Path, base: Path, progress: bool) -> dict:
-    run_pinned(recipe, str(folder), str(base), "1" if progress else "")
+    run_pinned(RECIPE, str(folder), str(base), "1" if progress else "")
     return json.loads((folder / "build.json").read_text())
-
-
-def recipe(folder: str, base: str, progress: str) -> None:
-    """The chain stage's recipe (run by :func:`agent_loop.tiny.pinned.run_pinned`), from the model in ``base``,
-    into ``folder`` with its ``build.json``."""
-    folder, base, progress, started = Path(folder), Path(base), bool(progress), time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # the base as "<cache folder>/<stage>", not an absolute path: the build is shipped
-    record: dict = {"recipe": f"{RECIPE_VERSION}-chain", "base": f"{base.parent.name}/{base.name}", "phases": PHASES,
-                    "numerics": numerics(), "stages": {}, "mid_candidates": {}}
-    mid: dict = {}
-
-    def consider_mid(step: int, model) -> None:
-        step += sum(steps for steps, _ in PHASES[:-1])  # counted from the start of the chain stage
-        check = evaluate(model, tokenizer, "chain", MID_CHECK_EPISODES, MID_CHECK_SEED, greedy=False)
-        success = check["success"]
-        record["mid_candidates"][step] = {"success": success, "right_first_call": check["right_arguments"]}
-        if progress:
-            print(f"chain stage, step {step}: sampled chain success {success:.3f}, "
-                  f"right first call {check['right_arguments']:.3f}", flush=True)
-        if not mid or abs(success - MID_TARGET) < abs(mid["success"] - MID_TARGET):
-            mid.update(step=step, success=success, state=copy.deepcopy(model.state_dict()))
-
-    def save(stage: str, step: int) -> None:
-        save_model(folder / stage, model, tokenizer)
-        record["stages"][stage] = {"step": step, "eval": [
-            evaluate(model, tokenizer, "chain", EVAL_EPISODES, EVAL_SEED, greedy) for greedy in (True, False)]}
-
-    for phase, (steps, peak_lr) in enumerate(PHASES):
-        last = phase == len(PHASES) - 1
-        train(tokenizer, steps, CHAIN_SEED + phase, MID_STEPS if last else (), consider_mid, progress, model=model,
-              tasks=chain_task_for, peak_lr=peak_lr, description=f"training the tiny agent on chain dialogues ({phase + 1})")
-    save("final", sum(steps for steps, _ in PHASES))
-    model.load_state_dict(mid["state"])
-    save("mid", mid["step"])
-    record["build_seconds"] = time.perf_counter() - started
-    (folder / "build.json").write_text(json.dumps(record, indent=2))
 
 
 def chain_build_record() -> dict:

@@ -7,7 +7,7 @@ sampled success on a Xeon and at 38% on an EPYC). Pinned: ATen's AVX2 kernels (`
 MKL's COMPATIBLE branch in strict mode (``MKL_CBWR=COMPATIBLE,STRICT``: the one conditional-numerical-
 reproducibility branch that MKL honours on non-Intel CPUs too; AVX2 and the others fall back to the CPU's own
 path there) and BUILD_THREADS thread(s). Both variables are read when torch loads, so the recipe runs in a child
-process. Where the CPU cannot take the pin (no AVX2, not x86-64) the recipe runs unpinned, with a warning that
+process, by its name (``agent_loop.tiny.build.RECIPE``: the recipes live in ``agent_loop.training.tiny_agent``). Where the CPU cannot take the pin (no AVX2, not x86-64) the recipe runs unpinned, with a warning that
 its build may differ from the shipped one.
 """
 
@@ -20,7 +20,6 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
 
 PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE,STRICT"}
 BUILD_THREADS = 1  # AGENT_LOOP_TINY_THREADS overrides it (then the bits may differ); 1: no thread waits on a busy machine
@@ -46,16 +45,17 @@ def numerics() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def run_pinned(function: Callable[..., object], *args: str) -> None:
-    """Call the module-level ``function(*args)`` in a child Python with the pinned numerics (its output goes to
-    this process's stdout/stderr); RuntimeError if it fails. Unpinned, in this process, where the CPU cannot pin."""
+def run_pinned(target: str, *args: str) -> None:
+    """Call the module-level function ``target`` (``"module:function"``, imported by that name) with ``args`` in a
+    child Python with the pinned numerics (its output goes to this process's stdout/stderr); RuntimeError if it
+    fails. Unpinned, in this process, where the CPU cannot pin."""
     if not can_pin():
         warnings.warn("this CPU cannot run the tiny agent's pinned numerics (x86-64 with AVX2): the build runs "
                       "with its own kernels and may differ from the shipped one", stacklevel=2)
-        _call(f"{function.__module__}:{function.__qualname__}", args)
+        _call(target, args)
         return
     command = [sys.executable, "-c", "import sys; from agent_loop.tiny.pinned import _call; _call(sys.argv[1], sys.argv[2:])",
-               f"{function.__module__}:{function.__qualname__}", *args]
+               target, *args]
     done = subprocess.run(command, env={**os.environ, **PINNED_ENV})
     if done.returncode != 0:
         raise RuntimeError(f"the tiny agent's build failed in its child process (exit {done.returncode}; "

@@ -1,6 +1,6 @@
 """A recorded digest of a short pinned build of the tiny agent's recipe (tests/tiny/test_shipped.py).
 
-The full reproduction (all of :func:`agent_loop.tiny.build.recipe`: 1000 training steps, the "mid" search and
+The full reproduction (all of :func:`agent_loop.training.tiny_agent.build_recipe`: 1000 training steps, the "mid" search and
 the evaluations) takes over 11 minutes on one core. This runs the same recipe, in the same pinned child
 process (:mod:`agent_loop.tiny.pinned`), and stops it after its first SHORT_STEPS training steps: the
 tokenizer, the model's shape, the data, the seed, the optimizer and the learning-rate schedule (of the full
@@ -50,12 +50,13 @@ def short_record(tokenizer, model, steps: int, checkpoint_steps, seed: int) -> d
     import torch
 
     from agent_loop.tiny.pinned import numerics
-    from agent_loop.tiny.train import assistant_loss, training_batch
+    from agent_loop.tiny.train import training_batch
+    from agent_loop.training.finetune import labelled_loss
 
     with torch.no_grad():  # a batch far past any the short build trained on
         total, count = 0.0, 0
         for input_ids, labels in training_batch(tokenizer, 100_000, seed):
-            loss, n = assistant_loss(model, input_ids, labels)
+            loss, n = labelled_loss(model, input_ids, labels)
             total, count = total + float(loss), count + n
     return {"short_steps": SHORT_STEPS, "train_steps": steps, "checkpoint_steps": list(checkpoint_steps),
             "seed": seed, "vocab_size": len(tokenizer),
@@ -67,9 +68,9 @@ def short_record(tokenizer, model, steps: int, checkpoint_steps, seed: int) -> d
 
 def short_build(out: str) -> None:
     """Run the recipe until SHORT_STEPS and write its record to ``out`` (run in the pinned child)."""
-    from agent_loop.tiny import build
+    from agent_loop.training import tiny_agent
 
-    real_train = build.train
+    real_train = tiny_agent.train
 
     def train_until_short(tokenizer, steps, seed, checkpoint_steps, on_checkpoint, progress):
         def stop(step, model):
@@ -78,10 +79,10 @@ def short_build(out: str) -> None:
 
         return real_train(tokenizer, steps, seed, (SHORT_STEPS,), stop, False)
 
-    build.train = train_until_short  # this child process only
+    tiny_agent.train = train_until_short  # this child process only
     with tempfile.TemporaryDirectory() as folder:
         try:
-            build.recipe(folder, "")
+            tiny_agent.build_recipe(folder, "")
         except _Stopped:
             return
     raise RuntimeError("the recipe finished without reaching its training")
@@ -91,7 +92,7 @@ def run_short_build(out: Path) -> dict:
     """The short pinned build's record (written to ``out``)."""
     from agent_loop.tiny.pinned import run_pinned
 
-    run_pinned(short_build, str(out))
+    run_pinned(f"{__name__}:{short_build.__name__}", str(out))
     return json.loads(out.read_text())
 
 

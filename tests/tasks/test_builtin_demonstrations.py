@@ -16,11 +16,11 @@ import json
 import pytest
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
-from agent_loop.recipes.warmstart import has_demonstrations, replay
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import calculator
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.demonstrations import has_demonstrations, replay
 from masking import SpanKind
 
 EPISODES = range(6)

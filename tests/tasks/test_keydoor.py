@@ -12,7 +12,7 @@ import re
 import pytest
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.keydoor import (
     HELD_OUT_SEED,
@@ -212,7 +212,7 @@ def tokenizer(request, tiny_tokenizer, qwen_tokenizer):
 
 
 def test_demonstrations_replay_and_succeed(tokenizer):
-    from agent_loop.recipes.warmstart import has_demonstrations, replay
+    from agent_loop.training.demonstrations import has_demonstrations, replay
 
     task = get_task("keydoor")
     assert has_demonstrations(task)

@@ -172,18 +172,23 @@ def _fail() -> None:
     raise SystemExit(3)
 
 
+def _target(function) -> str:
+    """``function`` by the name the pinned child imports it by (``module:function``)."""
+    return f"{function.__module__}:{function.__qualname__}"
+
+
 def test_the_recipe_runs_in_a_child_with_pinned_kernels_on_one_thread(tmp_path, monkeypatch):
     monkeypatch.delenv("AGENT_LOOP_TINY_THREADS", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the child imports this module's functions
     if not pinned.can_pin():  # e.g. an arm64 machine: this process, its own kernels, and a warning that says so
         with pytest.warns(UserWarning, match="cannot run the tiny agent's pinned numerics"):
-            pinned.run_pinned(_write_numerics, str(tmp_path / "numerics.json"))
+            pinned.run_pinned(_target(_write_numerics), str(tmp_path / "numerics.json"))
         return
-    pinned.run_pinned(_write_numerics, str(tmp_path / "numerics.json"))
+    pinned.run_pinned(_target(_write_numerics), str(tmp_path / "numerics.json"))
     numerics = json.loads((tmp_path / "numerics.json").read_text())
     assert (numerics["aten"], numerics["mkl_cbwr"], numerics["threads"]) == ("AVX2", "COMPATIBLE,STRICT", 1)
     with pytest.raises(RuntimeError, match="build failed in its child process .exit 3"):
-        pinned.run_pinned(_fail)
+        pinned.run_pinned(_target(_fail))
 
 
 def test_where_the_cpu_cannot_pin_the_recipe_runs_here_and_says_so(tmp_path, monkeypatch):
@@ -191,7 +196,7 @@ def test_where_the_cpu_cannot_pin_the_recipe_runs_here_and_says_so(tmp_path, mon
     threads = torch.get_num_threads()
     try:
         with pytest.warns(UserWarning, match="may differ from the shipped one"):
-            pinned.run_pinned(_write_numerics, str(tmp_path / "numerics.json"))
+            pinned.run_pinned(_target(_write_numerics), str(tmp_path / "numerics.json"))
     finally:
         torch.set_num_threads(threads)
     assert json.loads((tmp_path / "numerics.json").read_text())["aten"] == torch.backends.cpu.get_cpu_capability()

@@ -17,11 +17,11 @@ from agent_loop.tiny.train import (
     FINAL_LR_FRACTION,
     LEARNING_RATE,
     WARMUP_STEPS,
-    assistant_loss,
-    learning_rate,
     model_config,
     training_batch,
 )
+from agent_loop.training.finetune import labelled_loss
+from agent_loop.training.tiny_agent import learning_rate
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_shared_prefix_loss_equals_full_forward(tokenizer):
     torch.manual_seed(0)
     model = LlamaForCausalLM(model_config(tokenizer))
     for input_ids, labels in training_batch(tokenizer, step=0, seed=4):
-        loss, count = assistant_loss(model, input_ids, labels)
+        loss, count = labelled_loss(model, input_ids, labels)
         # reference: one plain forward over the full right-padded sequences
         logits = model(input_ids).logits
         reference = torch.nn.functional.cross_entropy(

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agent_loop.recipes.warmstart import replay
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.demonstrations import replay
 from agent_loop.training.policy import PolicyModel, batch_logprobs, chunked_head, policy_outputs, response_forward
 from masking import SpanKind
 

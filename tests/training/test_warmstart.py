@@ -1,4 +1,5 @@
-"""Warm start on demonstrations (agent_loop/recipes/warmstart.py) with the real tiny agent and its chat template.
+"""Warm start on demonstrations (agent_loop/recipes/warmstart.py; the library's agent_loop/training/demonstrations.py
+and finetune.py) with the real tiny agent and its chat template.
 
 Checks: a demonstration replays through the agent loop exactly as a model that wrote the same text would
 (prompt ids, response ids, spans, messages); the tokens that get loss are the ASSISTANT ones and nothing
@@ -22,24 +23,16 @@ from transformers import AutoModelForCausalLM
 import agent_loop.training.checkpoint as checkpoint
 from agent_loop import Environment
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
-from agent_loop.models import check_model_dir
-from agent_loop.recipes.warmstart import (
-    DemonstrationError,
-    assistant_mask,
-    demonstration_order,
-    has_demonstrations,
-    lr_at,
-    replay,
-    step_loss,
-    summed_loss,
-    warm_start,
-)
+from agent_loop.episode.contracts import Task, as_task
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import check_model_dir
+from agent_loop.recipes.warmstart import lr_at, warm_start
 from agent_loop.recipes.warmstart_options import WarmstartConfig
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.runners.local import run_rollouts
-from agent_loop.tasks.base import Task, as_task
 from agent_loop.tasks.registry import get_task
+from agent_loop.training.demonstrations import DemonstrationError, has_demonstrations, replay
+from agent_loop.training.finetune import assistant_mask, row_order, step_loss, summed_loss
 from agent_loop.training.policy import PolicyModel
 from masking import SpanKind
 
@@ -117,7 +110,7 @@ def test_a_replayed_demonstration_is_what_the_loop_records_for_a_model_writing_i
 def test_the_replay_is_keyed_by_the_session_ids_the_loop_sends(tiny_tokenizer):
     """ReplayBackend's keys come from the loop's own function: each episode's requests arrive under its key, once
     per demonstrated turn, and no request arrives under another."""
-    from agent_loop.recipes.warmstart import ReplayBackend, prepare
+    from agent_loop.training.demonstrations import ReplayBackend, prepare
     from agent_loop.types import episode_session_id
 
     task = as_task(Quadruple())
@@ -196,12 +189,12 @@ def task_with_other_lengths():
     return Other()
 
 
-def test_demonstration_order_visits_every_demonstration_each_pass():
-    order = demonstration_order(5, steps=4, batch_size=3, seed=0)
+def test_row_order_visits_every_demonstration_each_pass():
+    order = row_order(5, steps=4, batch_size=3, seed=0)
     assert order.shape == (4, 3)
     flat = order.flatten().tolist()
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
-    assert torch.equal(order, demonstration_order(5, steps=4, batch_size=3, seed=0))
+    assert torch.equal(order, row_order(5, steps=4, batch_size=3, seed=0))
 
 
 def test_has_demonstrations():
@@ -329,7 +322,7 @@ def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp
 def test_the_model_folder_is_replaced_whole_or_not_at_all(tmp_path, tiny_tokenizer, tiny_agent_dir):
     """save_model over an earlier model folder: a save that fails part-way leaves the earlier folder as it was
     (never emptied first) and nothing beside it; one that succeeds replaces it, with its manifest."""
-    from agent_loop.recipes.warmstart import save_model
+    from agent_loop.training.model_folder import save_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     folder = save_model(model, tiny_tokenizer, tmp_path / "model", step=1)
@@ -391,7 +384,7 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
     """Stopped after step 3 of 4 (a checkpoint every 2 steps), then --resume: the same metrics and bit-equal weights
     as the run that was never stopped, from a checkpoint written as before agent_loop/training/optimization.py (with its
     scheduler state); the work and an ETA are printed before the steps."""
-    import agent_loop.recipes.warmstart as warmstart
+    import agent_loop.training.finetune as finetune
 
     def config(name: str, **more) -> WarmstartConfig:
         return WarmstartConfig(**{**dict(model=str(tiny_agent_dir), episodes=6, steps=4, batch_size=4,
@@ -404,7 +397,7 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
     assert "warm start: step 1 took " in printed and "ETA " in printed and "for the other 3 steps" in printed
     assert [p.name for p in (tmp_path / "whole" / "checkpoints").glob("step_*")] == ["step_000002"]  # the latest only
 
-    calls, step = [0], warmstart._step
+    calls, step = [0], finetune.optimizer_step
 
     def stop_in_step_4(*args, **kwargs):
         calls[0] += 1
@@ -412,14 +405,14 @@ def test_an_interrupted_warm_start_resumes_to_the_uninterrupted_weights(tmp_path
             raise KeyboardInterrupt  # Ctrl-C during step 4: the checkpoint of step 2 is the latest
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(warmstart, "_step", stop_in_step_4)
+    monkeypatch.setattr(finetune, "optimizer_step", stop_in_step_4)
     with pytest.raises(KeyboardInterrupt):
         warm_start(config("stopped"), Quadruple())
-    monkeypatch.setattr(warmstart, "_step", step)
+    monkeypatch.setattr(finetune, "optimizer_step", step)
     as_older_checkpoint(tmp_path / "stopped" / "checkpoints" / "step_000002", warmup=1, steps=4)
     with pytest.raises(FileExistsError):
         warm_start(config("stopped"), Quadruple())  # not without --resume
-    with pytest.raises(warmstart.checkpoint.CheckpointError, match="lr: 0.001 -> 0.002"):
+    with pytest.raises(checkpoint.CheckpointError, match="lr: 0.001 -> 0.002"):
         warm_start(config("stopped", resume=True, lr=2e-3), Quadruple())  # another run's settings: refused
     resumed = warm_start(config("stopped", resume=True), Quadruple())
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in whole.history]
@@ -437,18 +430,19 @@ def test_the_progress_bar_shows_each_steps_loss(tiny_tokenizer, tiny_agent_dir, 
     import io
 
     import agent_loop.recipes.warmstart as warmstart
+    import agent_loop.training.finetune as finetune
 
     shown = io.StringIO()
 
-    class Bar(warmstart.tqdm):
+    class Bar(finetune.tqdm):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs, file=shown, mininterval=0, miniters=1)
 
-    monkeypatch.setattr(warmstart, "tqdm", Bar)
+    monkeypatch.setattr(finetune, "tqdm", Bar)
     model = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32)
     batch = trajectories_to_batch(demonstrations, pad_token_id=tiny_tokenizer.pad_token_id)
     config = WarmstartConfig(steps=4, batch_size=2, lr=1e-2, warmup_steps=0, progress=True)
-    history = warmstart.fine_tune(model, batch, config)
+    history = warmstart.fine_tune_on_demonstrations(model, batch, config)
     losses = [f"loss={m['loss']:.3f}" for m in history]
     assert len(set(losses)) == 4, losses  # four different losses, each of which the bar showed
     assert all(loss in shown.getvalue() for loss in losses), (losses, shown.getvalue())
@@ -459,7 +453,8 @@ def test_the_warm_start_ends_with_a_sampled_check_on_held_out_questions(tmp_path
     --check-episodes held-out questions (train's evaluation stream, never the demonstrations'), sampled at T=1, by
     the model it saved, and the line names the sampling and the count; --check-episodes 0 skips it."""
     from agent_loop.recipes.train import EVAL_SEED_OFFSET
-    from agent_loop.recipes.warmstart import CHECK_FILE, check_line
+    from agent_loop.recipes.warmstart import CHECK_FILE
+    from agent_loop.training.held_out import check_line
 
     config = WarmstartConfig(model=str(tiny_agent_dir), episodes=4, steps=1, batch_size=2, warmup_steps=0, seed=5,
                              output_dir=str(tmp_path / "run"), progress=False, threads=2, check_episodes=3)
