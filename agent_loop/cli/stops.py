@@ -27,6 +27,8 @@ import time
 import warnings
 from typing import Callable
 
+import psutil
+
 from agent_loop.cli.flags import USAGE_EXIT, UsageError
 from agent_loop.signals import route_sigterm, sigterm_as_sigint
 
@@ -75,8 +77,6 @@ def _force_stop(signum: int) -> None:
 def _stop_children(grace_s: float = 3.0) -> None:
     """SIGTERM to every process this one started (children's children too), SIGKILL to those left after
     ``grace_s``."""
-    import psutil
-
     children = psutil.Process().children(recursive=True)
     for child in children:
         with contextlib.suppress(psutil.Error):

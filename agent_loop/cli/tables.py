@@ -45,6 +45,7 @@ def summary_table(stats: RolloutStats, title: str) -> Table:
 def failure_summary(stats: RolloutStats) -> str | None:
     """Why a run has nothing to summarize (every episode errored, or too few assistant tokens to whiten), from
     the episodes' own records; None when there is something to summarize."""
+    # torch: the rollout path imports this module without it
     from advantages import whitenable
 
     errors = stats.finish_reasons.get("error", 0)
@@ -63,6 +64,7 @@ def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str 
     """Collate the batch and show what the registered ``estimator`` gives the assistant tokens: it gets the batch
     fields it accepts (``agent_loop.runners.batch.estimator_arguments``), ``index`` the question each episode
     played (``info["group"]`` with ``--group-size`` 2 or more; else each episode is a group of its own)."""
+    # torch: the rollout path imports this module without it
     import torch
 
     from advantages import get_estimator

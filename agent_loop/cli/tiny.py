@@ -31,6 +31,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(threads_from(args))
+    # torch: the rollout path imports this module without it
     from agent_loop.tiny.build import build, build_dir, build_lock, build_record
 
     target = build_dir()

@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
 from agent_loop.cli.flags import add_common_options, threads_from
 
 PROG = "agent-loop verl-check"
@@ -25,10 +28,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     threads = threads_from(args)
     try:
-        import verl
+        import verl  # verl: optional; its absence is the command's answer
     except ImportError as error:
         print(f"{PROG}: needs verl in this environment: {error} (docs/verl.md)", file=sys.stderr)
         return 1
+    # torch: the rollout path imports this module without it
     import torch
 
     from agent_loop.integrations.verl_comparison import run_checks
@@ -45,9 +49,6 @@ def run(args: argparse.Namespace) -> int:
 
 def print_table(rows, title: str) -> None:
     """The rows of ``run_checks`` as a rich table: status, max difference, tolerance, check, note."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     for column in ("status", "max diff", "tolerance", "check", "note"):  # names whole; the note wraps at words
         table.add_column(column, no_wrap=column != "note")

@@ -77,7 +77,7 @@ def prompt_messages(data) -> list[dict]:
 
 async def _toolset_tools(toolsets, task) -> list:
     """The tools of verifiers Toolsets, each registered on an in-process MCP server and called through it."""
-    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver import MCPServer  # mcp: optional (the tools extra)
 
     tools, seen = [], set()
     for toolset in toolsets:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import json
 
+from agent_loop.inspect.terminal import problem_lines
 from agent_loop.inspect.tokens import show_whitespace, turns, versions_note
 from agent_loop.inspect.view import (
     InspectView,
@@ -343,8 +344,6 @@ def overview(view: InspectView, compare: bool) -> str:
 
 def problems_html(view: InspectView) -> str:
     """The summary's problem lines (reward errors with their first messages, ...), one paragraph each."""
-    from agent_loop.inspect.terminal import problem_lines
-
     return "".join(f'<p class="{"problem" if line.plain.startswith("values:") else "err problem"}">{esc(line.plain)}</p>'
                    for line in problem_lines(view))
 

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
 
+from agent_loop.inspect.html import CSS, esc
 from agent_loop.inspect.load import Problems, iter_records
 from agent_loop.runners.jsonl import iter_lines
 from agent_loop.types import FINISH_REASONS
@@ -209,10 +213,6 @@ CUT = {"finish": 6, "kl": 7}  # columns cut with … (to this width at the least
 def table(run: RunSteps, width: int, limit: int | None = TABLE_ROWS):
     """The terminal table: one line per step that fits ``width`` (80 columns and up): ``finish`` and ``kl`` are
     cut with … first, then the least telling columns are left out (said under the table); then the trend."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
     rows = listed(run.rows, limit)
     shown = [cells(r) for r in rows]
     columns = [c for c in shown[0] if any(s[c] not in ("-", "") for s in shown)] if shown else []
@@ -252,10 +252,12 @@ def series(run: RunSteps, name: str) -> tuple[np.ndarray, np.ndarray]:
 def figure(run: RunSteps):
     """Six panels over the steps: success (sampled; greedy eval), reward, turns and tool use, the finish mix,
     the advantages (mean, ±std, min-max) and the KL. Each line has a ``gid`` (the attribute it draws)."""
+    # matplotlib: 1 s to import, for the figures alone; its Agg backend is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(3, 2, figsize=(12, 9), constrained_layout=True, squeeze=False)
     (ok, rw), (tu, fi), (ad, kl) = axes
@@ -284,8 +286,6 @@ def figure(run: RunSteps):
         ad.plot(x, stats[:, 0], "-", color="#1f77b4", lw=1.3, gid="advantage", label="mean")
         ad.legend(fontsize=7, loc="best")
     ad.set_title("advantages over ASSISTANT tokens", fontsize=9, loc="left")
-    from matplotlib.ticker import MaxNLocator
-
     for ax in axes.flat:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     for ax in axes[-1]:
@@ -295,7 +295,7 @@ def figure(run: RunSteps):
 
 
 def render_png(run: RunSteps, path: str | Path) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: as in figure()
 
     fig = figure(run)
     fig.savefig(path, dpi=100, format="png")
@@ -304,8 +304,6 @@ def render_png(run: RunSteps, path: str | Path) -> None:
 
 def render_html(run: RunSteps) -> str:
     """One self-contained page: the figure (inline PNG), the trend line and every step's row."""
-    from agent_loop.inspect.html import CSS, esc
-
     buffer = io.BytesIO()
     render_png(run, buffer)
     image = base64.b64encode(buffer.getvalue()).decode("ascii")

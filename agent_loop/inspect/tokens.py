@@ -7,6 +7,8 @@ from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from agent_loop.types import Trajectory
 from masking.spans import SpanKind
 
@@ -16,8 +18,6 @@ SPAN_NAMES = {SpanKind.PAD: "padding", SpanKind.ASSISTANT: "assistant", SpanKind
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str):
     """A local tokenizer (``AutoTokenizer.from_pretrained``; never downloads). Raises OSError/ValueError on failure."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

@@ -22,7 +22,7 @@ __all__ = ["MASKED_ROW_POLICIES", "TESTED_TRL", "check_rewards", "check_trl_args
 
 def __getattr__(name: str):
     if name == "SpanGRPOTrainer":  # imports TRL, so only when asked for
-        from agent_loop.integrations.trl_trainer import SpanGRPOTrainer
+        from agent_loop.integrations.trl_trainer import SpanGRPOTrainer  # trl: optional (pip install trl)
 
         return SpanGRPOTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,7 @@ import logging
 from typing import Any, Callable
 from uuid import uuid4
 
+from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
 from verl.utils.ray_utils import get_event_loop
@@ -38,6 +39,8 @@ from agent_loop.episode.tools import Tool, tools_from_schemas
 from agent_loop.integrations.verl_backend import VerlServerBackend
 from agent_loop.integrations.verl_options import VerlLoopOptions
 from agent_loop.tasks.dataset import DatasetTask
+from agent_loop.tasks.plugins import load_reward, load_tools
+from agent_loop.tasks.registry import load_task
 from agent_loop.types import Episode, Trajectory
 from masking.kinds import SpanKind
 
@@ -56,8 +59,6 @@ def options_from(trainer_config, kwargs: dict) -> VerlLoopOptions:
 
 def _agent_loop_section(trainer_config) -> dict:
     """The trainer config's ``agent_loop`` section as a container ({} when it has none)."""
-    from omegaconf import OmegaConf
-
     section = trainer_config.get("agent_loop") if trainer_config is not None else None
     return OmegaConf.to_container(section, resolve=True) if section is not None else {}
 
@@ -65,8 +66,6 @@ def _agent_loop_section(trainer_config) -> dict:
 def _options_text(values: dict, kwargs: dict) -> str:
     """:func:`options_from`'s options as sorted JSON (the key of the per-config caches): the ``agent_loop``
     section's ``values`` overridden by ``kwargs``."""
-    from omegaconf import OmegaConf
-
     given = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in kwargs.items()}
     return json.dumps({**values, **given}, sort_keys=True, default=str)
 
@@ -119,22 +118,16 @@ def _loop_config(text: str, response_length: int, max_assistant_turns: int | Non
 
 @functools.lru_cache(maxsize=16)
 def _task(spec: str) -> Task:
-    from agent_loop.tasks.registry import load_task
-
     return as_task(load_task(spec))
 
 
 @functools.lru_cache(maxsize=16)
 def _tool_functions(spec: str) -> tuple[Callable, ...]:
-    from agent_loop.tasks.plugins import load_tools
-
     return tuple(load_tools(spec))
 
 
 @functools.lru_cache(maxsize=16)
 def _rewards(specs: tuple[str, ...]) -> tuple[Callable, ...]:
-    from agent_loop.tasks.plugins import load_reward
-
     return tuple(load_reward(s) for s in specs)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import advantages as ours
+from agent_loop.integrations import verl as plugin
 
 FLOAT_TOLERANCE = 1e-9  # float64 values and masks: what is left is rounding (measured <= 3e-10)
 # int64 masks (verl's agent loop emits them): verl's masked_var divides int64 counts (`mask_sum / (mask_sum - 1)`),
@@ -37,7 +38,7 @@ class Documented(Exception):
 
 
 def verl_version() -> tuple[int, ...]:
-    import verl
+    import verl  # verl: optional; a missing module fails its own rows
 
     return tuple(int(part) for part in verl.__version__.split(".")[:2] if part.isdigit())
 
@@ -98,7 +99,7 @@ def reinforce_plus_plus_check(verl, rewards, mask, gamma, tolerance, diff=max_di
 
 def estimator_checks(seed: int, mask_dtype=torch.float64, groups=GROUPS, tolerance=FLOAT_TOLERANCE, diff=max_diff):
     """``(name, tolerance, check)`` for the advantage estimators against verl's ``core_algos.compute_*_advantage``."""
-    from verl.trainer.ppo import core_algos as verl
+    from verl.trainer.ppo import core_algos as verl  # verl: optional; a missing module fails its own rows
 
     rewards, values, mask, uids, *_ = multi_turn_batch(seed, mask_dtype, groups)
     for gamma in (1.0, 0.9):
@@ -125,7 +126,7 @@ def int64_estimator_checks(seed: int):
 
 def vectorized_checks(seed: int):
     """verl's ``grpo_vectorized`` / ``rloo_vectorized`` against our ``grpo`` / ``rloo``, with groups of one."""
-    from verl.trainer.ppo import core_algos as verl
+    from verl.trainer.ppo import core_algos as verl  # verl: optional; a missing module fails its own rows
 
     rewards, _, mask, uids, *_ = multi_turn_batch(seed, torch.int64, GROUPS_WITH_SINGLES)
     single = torch.tensor([list(GROUPS_WITH_SINGLES).count(g) == 1 for g in GROUPS_WITH_SINGLES])
@@ -164,8 +165,8 @@ def agg_loss_check(verl, loss, mask, mode, *global_batch):
 
 def loss_checks(seed: int):
     """Loss aggregation and the policy losses against verl's ``agg_loss`` and ``compute_policy_loss_*``."""
-    from verl.trainer.ppo import core_algos as verl
-    from verl.workers.config import FSDPActorConfig
+    from verl.trainer.ppo import core_algos as verl  # verl: optional; a missing module fails its own rows
+    from verl.workers.config import FSDPActorConfig  # verl: optional; a missing module fails its own rows
 
     _, _, mask, _, log_prob, old_log_prob, adv = multi_turn_batch(seed)
     for mode in ours.LOSS_AGG_MODES:
@@ -206,7 +207,7 @@ def policy_loss_check(verl, config, batch, name, mode):
 
 def penalty_checks(seed: int):
     """The KL penalties (value and gradient), the value loss and the entropy loss against verl's."""
-    from verl.trainer.ppo import core_algos as verl
+    from verl.trainer.ppo import core_algos as verl  # verl: optional; a missing module fails its own rows
 
     rewards, values, mask, _, log_prob, old_log_prob, adv = multi_turn_batch(seed)
 
@@ -230,12 +231,10 @@ def penalty_checks(seed: int):
 
 def plugin_checks(seed: int):
     """The plugin inside verl's own ``ray_trainer.compute_advantage``, with int64 masks as verl's agent loop emits."""
-    from verl import DataProto
-    from verl.trainer.config import AlgoConfig
-    from verl.trainer.ppo import core_algos
-    from verl.trainer.ppo.ray_trainer import compute_advantage
-
-    from agent_loop.integrations import verl as plugin
+    from verl import DataProto  # verl: optional; a missing module fails its own rows
+    from verl.trainer.config import AlgoConfig  # verl: optional; a missing module fails its own rows
+    from verl.trainer.ppo import core_algos  # verl: optional; a missing module fails its own rows
+    from verl.trainer.ppo.ray_trainer import compute_advantage  # verl: optional; a missing module fails its own rows
 
     rewards, values, mask, uids, *_ = multi_turn_batch(seed, torch.int64, GROUPS_WITH_SINGLES)
 

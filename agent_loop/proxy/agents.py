@@ -108,7 +108,7 @@ class AgentRunner:
 
     def __init__(self, agent: Callable, task, proxy: Proxy, server: ProxyServer, *, timeout_s: float | None = None,
                  reward_timeout_s: float = 60.0):
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI  # openai: optional (the proxy extra)
 
         self.agent, self.task, self.proxy, self.server = agent, task, proxy, server
         self.timeout_s, self.reward_timeout_s = timeout_s, reward_timeout_s

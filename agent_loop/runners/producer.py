@@ -3,7 +3,7 @@
 Who owns what (docs/design.md section 8a):
 
 - **The producer** (:class:`RolloutProducer`, rank 0 only) owns a thread with its own asyncio event loop,
-  the rollout backend (in-process, or the HTTP backend over ``--rollout-servers`` with its failover)
+  the rollout backend (in-process, or the HTTP backend over ``--server`` with its failover)
   wrapped in a :class:`VersionedBackend`, and ``concurrency`` worker tasks: the local runner's pool
   (``agent_loop.runners.local.play_pool``: the same episode playing, errors and cancellation). Each worker
   takes the next episode index (whole groups: a group's first member is admitted only under the staleness

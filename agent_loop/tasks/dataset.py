@@ -159,11 +159,11 @@ def _read_table(source: Any, split: str | None) -> Iterable[tuple[str, Any]]:
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # pyarrow: optional (the data extra)
 
             rows = pq.read_table(path).to_pylist()
         else:
-            from datasets import DatasetDict, load_from_disk
+            from datasets import DatasetDict, load_from_disk  # datasets: optional (the data extra)
 
             try:
                 source = load_from_disk(str(path))

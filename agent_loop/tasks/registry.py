@@ -20,7 +20,8 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 from agent_loop.episode.contracts import Task
 from agent_loop.options import OptionError, closest, one_of
-from agent_loop.toolsets import is_toolset
+from agent_loop.tasks.plugins import PluginError, load_plugin_task, task_from_prompts
+from agent_loop.toolsets import is_toolset, with_toolsets
 
 TASKS = {  # name -> "module:Class" (a Task subclass made with no arguments)
     "arithmetic": "agent_loop.tasks.builtin:ArithmeticTask",
@@ -112,8 +113,6 @@ def check_task(spec: str) -> str:
 def load_source_task(spec: str, *, prompts: str | None = None, options: dict | None = None,
                      system: str | None = None) -> Task:
     """The task of ``SOURCE:NAME`` (:data:`SOURCES`) with its options; PluginError (one line) if it cannot load."""
-    from agent_loop.tasks.plugins import PluginError
-
     try:
         check_source(spec)
         return source_module(spec).load(split_source(spec)[1], prompts=prompts, options=options, system=system)
@@ -126,8 +125,6 @@ def load_source_task(spec: str, *, prompts: str | None = None, options: dict | N
 def load_task(spec: str) -> Task:
     """A task from a built-in name, ``SOURCE:NAME`` (default options), ``package.module:Name`` or a ``.py`` file;
     PluginError if it cannot load."""
-    from agent_loop.tasks.plugins import PluginError, load_plugin_task  # tools and data load transformers
-
     if spec in TASKS:
         return get_task(spec)
     if split_source(spec) is not None:
@@ -240,16 +237,12 @@ class TaskOptions(DataTaskOptions, TaskSourceOptions):
     def load(self) -> Task:
         """The task these options name (checked first); PluginError if a plug-in cannot be used."""
         self.check()
-        from agent_loop.toolsets import with_toolsets
-
         toolset = self.tools if is_toolset(self.tools) else None
         if split_source(self.task) is not None:
             task = load_source_task(self.task, prompts=self.prompts, options=self.task_options, system=self.system)
         elif self.prompts is None:
             task = load_task(self.task)
         else:
-            from agent_loop.tasks.plugins import task_from_prompts
-
             task = task_from_prompts(self.prompts, self.reward, None if toolset else self.tools, self.reward_weights,
                                      self.system)
         return with_toolsets(task, tools=toolset, mcp_server=self.mcp_server) if toolset or self.mcp_server else task

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from agent_loop.episode.contracts import as_task
+from agent_loop.toolsets.mcp import McpServerError, McpToolset
+from agent_loop.toolsets.python_sandbox import PythonToolset
+from agent_loop.toolsets.task import ToolsetTask
+
 TOOLSETS = ("python", "python_persistent")  # the built-in names of --tools
 
 
@@ -25,8 +30,6 @@ def is_toolset(spec: str | None) -> bool:
 
 def load_toolset(name: str):
     """The built-in tool set ``name`` (ValueError if this machine cannot run it)."""
-    from agent_loop.toolsets.python_sandbox import PythonToolset
-
     if name not in TOOLSETS:
         raise ValueError(f"unknown tool set {name!r}; built-in: {', '.join(TOOLSETS)}")
     return PythonToolset(persistent=name == "python_persistent")
@@ -35,13 +38,8 @@ def load_toolset(name: str):
 def with_toolsets(task, *, tools: str | None = None, mcp_server: Sequence[str] = ()):
     """``task`` with the built-in tool set ``tools`` and the tools of the MCP servers ``mcp_server``
     (command lines or URLs) added to its episodes (ValueError, one line, if they cannot be)."""
-    from agent_loop.episode.contracts import as_task
-    from agent_loop.toolsets.task import ToolsetTask
-
     toolsets = [load_toolset(tools)] if tools else []
     if mcp_server:
-        from agent_loop.toolsets.mcp import McpServerError, McpToolset
-
         try:
             toolsets.append(McpToolset(list(mcp_server)))
         except McpServerError as error:  # the CLI's one line, as for any option that cannot be used

@@ -76,8 +76,8 @@ class McpServer:
 
     def transport(self, errlog):
         """A fresh transport (an async context manager) to this server; stdio servers write stderr to ``errlog``."""
-        from mcp.client.stdio import StdioServerParameters, stdio_client
-        from mcp.client.streamable_http import streamable_http_client
+        from mcp.client.stdio import StdioServerParameters, stdio_client  # mcp: optional (the tools extra)
+        from mcp.client.streamable_http import streamable_http_client  # mcp: optional (the tools extra)
 
         if self.is_http:
             return streamable_http_client(self.spec)
@@ -109,7 +109,7 @@ class _Connection:
         self._owner = asyncio.get_running_loop().create_task(self._own(), name=f"mcp-{server.spec}")
 
     async def _own(self) -> None:
-        from mcp import Client
+        from mcp import Client  # mcp: optional (the tools extra)
 
         try:
             async with Client(self.server.transport(self._errlog), mode=PROTOCOL_MODE) as client:
@@ -137,7 +137,7 @@ class _Connection:
         try:
             return await self.client.call_tool(name, arguments)
         except Exception as error:
-            from mcp import MCPError
+            from mcp import MCPError  # mcp: optional (the tools extra)
 
             if isinstance(error, MCPError) and "closed" not in str(error).lower():
                 raise McpServerError(f"MCP server {self.server.label} answered {name!r} with an error: {error}") from None
@@ -253,7 +253,7 @@ class McpEpisode:
 
 async def _list(server: McpServer, timeout_s: float) -> list[dict]:
     errlog = None if server.is_http else tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-    from mcp import Client
+    from mcp import Client  # mcp: optional (the tools extra)
 
     try:
         async with asyncio.timeout(timeout_s):

@@ -71,6 +71,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.run import main as torchrun
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import agent_loop.files as files
@@ -258,8 +260,6 @@ class DataParallel:
         if not self.enabled:
             return policy
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
             if hasattr(policy.model, "peft_config"):
                 raise ValueError("--parallel fsdp does not shard LoRA models; use --parallel ddp (only the "
                                  "adapters are trained)")
@@ -345,8 +345,6 @@ def close_data_parallel() -> None:
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     """Run ``python -m agent_loop.recipes ARGV`` in ``nproc`` processes on this machine (torchrun's standalone rendezvous);
     returns 0, or raises torchrun's ChildFailedError naming the failed rank."""
-    from torch.distributed.run import main as torchrun
-
     # the workers need no --nproc (WORLD_SIZE tells them), and torchrun's own parser would take it for an
     # abbreviation of its --nproc-per-node
     rest, skip = [], False

@@ -12,7 +12,11 @@ servers (``agent_loop.training.transports.vllm_servers.VLLMServerLoRASync``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from agent_loop.training.distributed import full_state_dict
 
@@ -20,7 +24,7 @@ from agent_loop.training.distributed import full_state_dict
 def wrap_with_lora(model, rank: int, alpha: float, target_modules: str, dropout: float = 0.0):
     """``model`` as a peft LoRA model (adapter ``default``; B starts at 0, so the policy is unchanged)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # peft: optional (the lora extra)
     except ImportError as error:  # the optional extra
         raise ImportError("LoRA training needs peft: pip install 'agent-loop[lora]'") from error
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
@@ -39,7 +43,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     base weight; a model without LoRA gives its own ``state_dict()`` (FSDP shards gathered: every rank calls it)."""
     if not is_lora(model):
         return full_state_dict(model)
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: optional (the lora extra)
 
     base = model.get_base_model()
     merged = {}
@@ -66,7 +70,6 @@ def save_merged(model, directory, state_dict: dict[str, torch.Tensor] | None = N
     if not is_lora(model):
         model.save_pretrained(directory, state_dict=state_dict)
         return
-    from pathlib import Path
 
     plain_copy(model, state_dict).save_pretrained(directory)
     model.save_pretrained(Path(directory).parent / "adapter")
@@ -75,8 +78,6 @@ def save_merged(model, directory, state_dict: dict[str, torch.Tensor] | None = N
 def plain_copy(model, state_dict: dict[str, torch.Tensor] | None = None):
     """A separate plain transformers model with ``model``'s (merged, gathered) weights, for an in-process
     rollout backend; ``state_dict``: its ``merged_state_dict``, if already at hand."""
-    from transformers import AutoModelForCausalLM
-
     state_dict = merged_state_dict(model) if state_dict is None else state_dict
     base = model.get_base_model() if is_lora(model) else model
     plain = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # (non-persistent buffers: rotary)
@@ -86,10 +87,7 @@ def plain_copy(model, state_dict: dict[str, torch.Tensor] | None = None):
 
 def load_adapter_weights(model, adapter_dir) -> None:
     """Load a saved adapter (``save_merged``'s ``adapter/``) into ``model``'s LoRA layers; raises if a key is missing."""
-    from pathlib import Path
-
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import set_peft_model_state_dict  # peft: optional (the lora extra)
 
     state = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, state)

@@ -110,7 +110,7 @@ def scalars(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def _tensorboard_writer(log_dir: Path):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # tensorboard: optional (the tensorboard extra)
     except ImportError:  # the set-up installs tensorboard; a bare `pip install` may not have it
         warnings.warn("tensorboard is not installed: no TensorBoard event files (pip install tensorboard, or "
                       "--no-tensorboard to silence this)", stacklevel=3)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import agent_loop.cli.serve
 import agent_loop.model_folders
 from agent_loop.backends import vllm_engine, vllm_server
 from agent_loop.backends.vllm_server import CPU_SERVER_ARGS, local_vllm_server, vllm_on_cpu, vllm_server_command
@@ -32,7 +33,8 @@ def served(capsys) -> tuple[list[str], dict[str, str]]:
 
 @pytest.mark.parametrize("cpu", [True, False])
 def test_serve_runs_the_one_command_with_the_flags_it_always_had(cpu, tiny_agent_dir, capsys, monkeypatch):
-    monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: cpu)
+    monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: cpu)  # the model check
+    monkeypatch.setattr(agent_loop.cli.serve, "vllm_on_cpu", lambda: cpu)  # the command line
     model = str(tiny_agent_dir.resolve())
     assert main(["serve", "--model", model, "--port", "8123", "--lora-rank", "8", "--threads", "1", "--dry-run",
                  "--", "--max-model-len", "512"]) == 0

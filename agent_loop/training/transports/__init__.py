@@ -25,6 +25,7 @@ from agent_loop.training.transports.engine_lora import EngineLoRASync
 from agent_loop.training.transports.in_process import BackendTransport
 from agent_loop.training.transports.producer import ProducerPush
 from agent_loop.training.transports.synchronous import SynchronousPush
+from agent_loop.training.transports.vllm_servers import VLLMServerLoRASync, VLLMServerWeightSync
 
 __all__ = ["WeightTransport", "make_destination", "make_transport"]
 
@@ -40,8 +41,6 @@ def make_destination(*, backend, given=None, servers=(), lora_policy=None, folde
             raise TypeError(f"weight_sync {given!r} is not a WeightTransport (agent_loop.training.transports.base)")
         return given
     if servers:
-        from agent_loop.training.transports.vllm_servers import VLLMServerLoRASync, VLLMServerWeightSync
-
         if lora_policy is not None:
             return VLLMServerLoRASync(servers, lora_policy, adapters_dir=folder, name=f"{served_name}-lora")
         return VLLMServerWeightSync(servers, weights_dir=folder)
