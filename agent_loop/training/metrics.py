@@ -119,7 +119,7 @@ def _tensorboard_writer(log_dir: Path):
 
 
 def _wandb_run(project: str, output_dir: Path, run_config: dict, resume: bool):
-    import wandb  # preflight checked that it is installed
+    import wandb  # wandb: optional; preflight checked that it is installed
 
     return wandb.init(project=project, dir=str(output_dir), config=run_config, name=output_dir.name,
                       resume="allow" if resume else None)

