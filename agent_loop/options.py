@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Annotated
@@ -94,6 +95,16 @@ class _Names(dict):
         return self.name_of(key)
 
 
+def _declared_default(cls, name: str):
+    """The default of option ``name`` as the first dataclass among ``cls``'s bases declares it."""
+    for base in cls.__mro__:
+        fields = {f.name: f for f in dataclasses.fields(base)} if dataclasses.is_dataclass(base) else {}
+        if name in fields:
+            f = fields[name]
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return None
+
+
 def override_defaults(why: str | dict[str, str] = "", **defaults):
     """Class decorator: make ``cls`` a dataclass whose inherited fields ``defaults`` get other defaults,
     keeping their declaration (type, constraint, help). The one place a command says where its defaults differ;
@@ -106,13 +117,16 @@ def override_defaults(why: str | dict[str, str] = "", **defaults):
     def apply(cls):
         hints = typing.get_type_hints(cls, include_extras=True)
         own = dict(cls.__dict__.get("__annotations__", {}))
+        declared = {}
         for name, value in defaults.items():
             if name not in hints:
                 raise TypeError(f"{cls.__name__} inherits no option {name!r}")
+            declared[name] = _declared_default(cls, name)
             own.setdefault(name, hints[name])
             setattr(cls, name, value)
         cls.__annotations__ = own
         cls.__overridden_defaults__ = {**getattr(cls, "__overridden_defaults__", {}), **reasons}
+        cls.__declared_defaults__ = {**getattr(cls, "__declared_defaults__", {}), **declared}
         return dataclasses.dataclass(cls)
 
     return apply
@@ -130,6 +144,64 @@ class ProgressOptions:
                                    "VLLM_LOGGING_LEVEL you set shows them too)")] = False
 
 
+def is_composed(cls) -> bool:
+    """Whether ``cls`` is a composed options class: a dataclass whose every field is a declared options dataclass
+    (a sub-config, e.g. ``TrainConfig.update``), rather than an option."""
+    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+    hints = typing.get_type_hints(cls) if fields else {}
+    return bool(fields) and all(dataclasses.is_dataclass(hints[f.name]) for f in fields)
+
+
+def _sub_configs(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def options_view(cls) -> type:
+    """The flat declaration of options class ``cls``: itself, or for a composed class one dataclass holding
+    every field of its sub-configs (names unique across them) with their declarations, defaults and the reasons
+    for changed defaults; the flags, config-file keys and checks of the values read it."""
+    if not is_composed(cls):
+        return cls
+    fields, reasons, declared_defaults = [], {}, {}
+    for sub in _sub_configs(cls).values():
+        hints = typing.get_type_hints(sub, include_extras=True)
+        for f in dataclasses.fields(sub):
+            if any(f.name == name for name, _, _ in fields):
+                raise TypeError(f"{cls.__name__}: option {f.name!r} is declared by two of its sub-configs")
+            default = (dataclasses.field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                       else dataclasses.field(default=f.default))
+            fields.append((f.name, hints[f.name], default))
+        reasons.update(getattr(sub, "__overridden_defaults__", {}))
+        declared_defaults.update(getattr(sub, "__declared_defaults__", {}))
+    namespace = {"__overridden_defaults__": reasons, "__declared_defaults__": declared_defaults,
+                 "__doc__": f"The flat options of {cls.__name__} (flags and config-file keys)."}
+    if any(getattr(sub, "__pydantic_config__", None) for sub in _sub_configs(cls).values()):
+        namespace["__pydantic_config__"] = STRICT_NUMBERS
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, namespace=namespace)
+
+
+def compose(cls, values: dict):
+    """A composed options class ``cls`` from flat ``values`` (option -> value, as flags and config files give
+    them): each sub-config built from its own options; unset ones keep their defaults. A name no sub-config
+    declares is a TypeError naming it."""
+    groups = _sub_configs(cls)
+    known = {f.name: group for group, sub in groups.items() for f in dataclasses.fields(sub)}
+    if unknown := sorted(set(values) - set(known)):
+        raise TypeError(f"{cls.__name__} has no option {', '.join(unknown)}")
+    return cls(**{group: sub(**{name: value for name, value in values.items() if known[name] == group})
+                  for group, sub in groups.items()})
+
+
+def flatten(options) -> dict:
+    """The options of ``options`` as one flat mapping (option -> value): a composed options object's sub-configs'
+    fields, or a plain options object's own."""
+    if not is_composed(type(options)):
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return {name: value for group in dataclasses.fields(options) for name, value in flatten(getattr(options, group.name)).items()}
+
+
 def pick(cls, source) -> dict:
     """The values of ``cls``'s fields found on ``source`` (an options object that inherits them)."""
     return {f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if hasattr(source, f.name)}
@@ -141,9 +213,12 @@ _ADAPTERS: dict[type, TypeAdapter] = {}
 def build(cls, values: dict):
     """``cls`` from ``values``, checked: every value against its declaration (pydantic's ValidationError),
     then the rules across options (``cls.check()``: OptionError). Both are ValueErrors."""
-    if cls not in _ADAPTERS:
-        _ADAPTERS[cls] = TypeAdapter(cls)
-    options = _ADAPTERS[cls].validate_python(values)
+    view = options_view(cls)  # a composed class: its sub-configs' options, checked flat, then composed
+    if view not in _ADAPTERS:
+        _ADAPTERS[view] = TypeAdapter(view)
+    options = _ADAPTERS[view].validate_python(values)
+    if view is not cls:
+        options = compose(cls, flatten(options))
     if hasattr(options, "check"):
         options.check()
     return options
@@ -151,4 +226,6 @@ def build(cls, values: dict):
 
 def checked(options):
     """``options`` (a declared dataclass built in code) checked as :func:`build` checks values: a new instance."""
+    if is_composed(type(options)):
+        return build(type(options), flatten(options))
     return build(type(options), pick(type(options), options))

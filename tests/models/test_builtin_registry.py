@@ -259,7 +259,7 @@ def test_models_fetch_prints_a_line_per_model_and_a_failure_is_a_note(capsys, fa
                    "(--model broken-model will say so)\n")
 
 
-def test_python_m_model_registry_is_the_fetch_command_s_door():
+def test_python_m_builtin_models_is_the_fetch_command_s_door():
     """``python -m agent_loop.builtin_models fetch`` still works, importing nothing of the application (its door
     imported agent_loop.cli.models, a package cycle: issue 49); anything else is the usage line, exit status 2."""
     done = subprocess.run([sys.executable, "-m", "agent_loop.builtin_models", "fetch", "now"], cwd=ROOT,
