@@ -3,11 +3,11 @@
 Each option is ``name: Annotated[type, Field(constraints, description=help)] = default`` (pydantic's
 ``Field``: ``ge``/``gt``/``le``/``lt``, ``Literal[...]`` for a fixed set of choices, ``AfterValidator``
 for a check of its own that raises ``ValueError("what is wrong; what is allowed")``). The declarations
-live with what they configure: the loop's in :class:`agent_loop.episode.config.LoopConfig`, the task's
+live with what they configure: the loop's in :class:`agent_loop.episode.loop_config.LoopConfig`, the task's
 in :class:`agent_loop.tasks.registry.TaskOptions`, the run's in :class:`agent_loop.runners.spec.RunOptions`;
 a command's options are a dataclass that inherits the ones it takes (``agent_loop.cli.rollout``,
 ``agent_loop.recipes.train_options``). Rules that tie options together are a ``check()`` method raising
-:class:`OptionError`. :func:`build` checks values against both; ``agent_loop.cli.options`` turns a
+:class:`OptionError`. :func:`build` checks values against both; ``agent_loop.cli.flags`` turns a
 declaration into flags, config-file keys, help and one-line usage errors. Building a dataclass in code
 does not validate; :func:`checked` does.
 """
@@ -34,13 +34,6 @@ def integer(text: str, low: int = 1):
 def number(text: str, **bounds):
     """The declaration of a real-number option with help ``text`` and pydantic bounds (``gt=0``, ``le=1``)."""
     return Annotated[float, Field(description=text, **bounds)]
-
-
-def renamed(cls) -> dict[str, typing.Any]:
-    """Old option names ``cls`` still accepts (flags, config-file keys, keywords): its ``InitVar`` declarations,
-    which its ``__post_init__`` turns into today's option -> their declared types."""
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return {name: hint.type for name, hint in hints.items() if isinstance(hint, dataclasses.InitVar)}
 
 
 def one_of(choices) -> str:
@@ -135,7 +128,7 @@ def override_defaults(why: str | dict[str, str] = "", **defaults):
 @dataclass
 class ProgressOptions:
     """Whether a command draws progress bars and shows the libraries' own logs: with ``--threads``, options every
-    command takes (issue 49; ``agent_loop.cli.options.CommonOptions``)."""
+    command takes (issue 49; ``agent_loop.cli.flags.CommonOptions``)."""
 
     progress: Annotated[bool, Field(description="progress bars on stderr (--no-progress: none, e.g. for logs); "
                                     "every command takes it, those that draw no bar too")] = True

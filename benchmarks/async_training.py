@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent_loop.tasks.base import Task  # noqa: E402
+from agent_loop.episode.contracts import Task  # noqa: E402
 from agent_loop.tasks.registry import get_task  # noqa: E402
 
 WINDOW = 10  # steps per mean of the learning curves (first, last, running)
@@ -100,7 +100,7 @@ def train(scratch: Path, name: str, task, steps: int, prompts: int, seed: int = 
     from agent_loop import TrainConfig, Trainer
     from agent_loop.tiny import tiny_agent_path
 
-    config = TrainConfig(model=str(tiny_agent_path(stage="mid")), steps=steps, prompts_per_step=prompts,
+    config = TrainConfig.from_flat(model=str(tiny_agent_path(stage="mid")), steps=steps, prompts_per_step=prompts,
                          group_size=1, threads=1, seed=seed, save_every=10**6, save_rollouts_every=0,
                          tensorboard=False, progress=False, output_dir=str(scratch / name), **settings)
     trainer = Trainer(config, task=task)
@@ -115,7 +115,7 @@ def held_out_success(policy, episodes: int) -> float:
     from transformers import AutoTokenizer
 
     from agent_loop.backends.hf import TransformersBackend
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.runners.local import run_rollouts
     from agent_loop.tiny import tiny_agent_path
 

@@ -27,9 +27,9 @@ from rich.table import Table
 
 from agent_loop import TrainConfig, Trainer
 from agent_loop.recipes.train import usable_episodes
-from agent_loop.recipes.train_options import DTYPES
 from agent_loop.tiny import tiny_agent_path
 from agent_loop.tiny.build import RECIPE_VERSION
+from agent_loop.training.run_options import DTYPES
 from agent_loop.training.step_rollouts import training_batch
 from masking.kinds import SpanKind
 
@@ -54,7 +54,7 @@ def make_backend(name: str, dtype: str, model: Path):
 
 def measure(name: str, dtype: str, trainer_dtype: str, model: Path, args, work: Path) -> dict:
     """One step's episodes on ``name`` in ``dtype``, scored by a trainer in ``trainer_dtype``: its metrics."""
-    config = TrainConfig(model=str(model), dtype=trainer_dtype, device="cpu", threads=args.threads, seed=args.seed,
+    config = TrainConfig.from_flat(model=str(model), dtype=trainer_dtype, device="cpu", threads=args.threads, seed=args.seed,
                          prompts_per_step=args.episodes, group_size=1, concurrency=args.concurrency,
                          micro_batch_size=32, mini_batches=1, tensorboard=False, progress=False,
                          output_dir=str(work / f"{name}-{dtype}-{trainer_dtype}"), rollout_is="token",
@@ -63,12 +63,12 @@ def measure(name: str, dtype: str, trainer_dtype: str, model: Path, args, work: 
     try:
         trainer = Trainer(config, backend=backend)
         started = time.perf_counter()
-        trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+        trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
         seconds = time.perf_counter() - started
         kept, _ = usable_episodes(trajectories, 1, False)
         if len(kept) < len(trajectories):
             raise RuntimeError(f"{name} {dtype}: {len(trajectories) - len(kept)} episodes failed")
-        batch = training_batch(kept, group_size=trainer.config.group_size, pad_token_id=trainer.pad_token_id,
+        batch = training_batch(kept, group_size=trainer.config.run.group_size, pad_token_id=trainer.pad_token_id,
                                device=trainer.device)
         metrics = trainer.ppo.score(batch)
     finally:

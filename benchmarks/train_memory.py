@@ -172,7 +172,7 @@ def measure(spec: dict) -> dict:
         from agent_loop.recipes.train_options import TrainConfig
         from agent_loop.training.lora import wrap_with_lora
 
-        defaults = TrainConfig()
+        defaults = TrainConfig().run
         model = wrap_with_lora(model, spec["lora"], defaults.lora_alpha, defaults.lora_target_modules)
     policy = PolicyModel(model) if spec["mode"] == "chunked" else whole_logits_policy(model)
     reference = None

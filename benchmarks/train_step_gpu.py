@@ -79,7 +79,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="train-step-gpu-") as scratch:
         model_dir = Path(scratch) / "model"
         build_model(model_dir, TINY if args.tiny else QWEN25_05B)
-        config = TrainConfig(
+        config = TrainConfig.from_flat(
             model=str(model_dir), steps=args.steps, prompts_per_step=args.prompts_per_step,
             group_size=args.group_size, concurrency=args.prompts_per_step * args.group_size, max_turns=1,
             max_tokens=args.max_tokens, max_response_tokens=args.max_tokens, mini_batches=2,
@@ -100,11 +100,11 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats(trainer.device)
                 torch.cuda.synchronize(trainer.device)
             started = time.perf_counter()
-            trajectories = trainer.rollouts.play_groups(trainer.step * trainer.config.prompts_per_step)
+            trajectories = trainer.rollouts.play_groups(trainer.step * trainer.config.rollout.prompts_per_step)
             if cuda:
                 torch.cuda.synchronize(trainer.device)
             rolled = time.perf_counter()
-            batch = training_batch(trajectories, group_size=trainer.config.group_size,
+            batch = training_batch(trajectories, group_size=trainer.config.run.group_size,
                                    pad_token_id=trainer.pad_token_id, device=trainer.device)
             trainer.ppo.score(batch)
             trainer.ppo.update(batch, trainer.step)

@@ -51,6 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.inspect.choices import REGISTERED  # noqa: E402
+from agent_loop.options import flatten  # noqa: E402
 from agent_loop.recipes.train import EVAL_SEED_OFFSET  # noqa: E402
 
 # the return variants (as inspect --compare names them, with underscores), by the registered estimator of each
@@ -75,8 +76,8 @@ def held_out(trainer: Trainer, episodes: int) -> dict[str, float]:
     """Greedy and sampled (T=1) success of the trainer's policy on held-out questions (the trainer's eval stream)."""
     from agent_loop.tiny.evaluate import evaluate
 
-    seed = trainer.config.seed + EVAL_SEED_OFFSET
-    return {("greedy" if greedy else "sampled"): evaluate(trainer.policy, trainer.tokenizer, trainer.config.task,
+    seed = trainer.config.run.seed + EVAL_SEED_OFFSET
+    return {("greedy" if greedy else "sampled"): evaluate(trainer.policy, trainer.tokenizer, trainer.config.rollout.task,
                                                            episodes, seed, greedy)["success"]
             for greedy in (True, False)}
 
@@ -105,7 +106,7 @@ def start_of(trainer: Trainer, args: argparse.Namespace) -> dict[str, float]:
     questions, same sampling seeds), so measured once per seed and kept in ``<output-dir>/start-seed<S>.json``."""
     from agent_loop.files import write_text
 
-    path = Path(args.output_dir) / f"start-seed{trainer.config.seed}.json"
+    path = Path(args.output_dir) / f"start-seed{trainer.config.run.seed}.json"
     if path.is_file():
         return json.loads(path.read_text())
     start = held_out(trainer, args.eval_episodes)
@@ -119,7 +120,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
         return json.loads((output_dir / "result.json").read_text())
     # an interrupted run goes on from its latest checkpoint; one with none starts over
     resume = str(output_dir) if any((output_dir / "checkpoints").glob("step_*")) else None
-    config = TrainConfig(
+    config = TrainConfig.from_flat(
         model=args.model, task=args.task, prompts_per_step=args.prompts_per_step, lr=args.lr, estimator=VARIANTS[variant],
         gamma=args.gamma, steps=args.steps, seed=seed, threads=args.threads, max_response_tokens=args.max_response_tokens,
         group_size=args.group_size, mini_batches=args.mini_batches, eval_every=args.eval_every,
@@ -137,7 +138,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     evals = [(m["step"], m["eval/success"]) for m in history if "eval/success" in m]
     result = {"variant": variant, "seed": seed, "history": history, "evals": evals,
               "held_out": {"start": start, "end": end}, "seconds": time.perf_counter() - started}
-    (Path(config.output_dir) / "result.json").write_text(json.dumps(result))  # for --collect
+    (Path(config.output.output_dir) / "result.json").write_text(json.dumps(result))  # for --collect
     return result
 
 
@@ -212,7 +213,7 @@ def plot(results: list[dict], path: Path, window: int, task: str, title: str) ->
 
 
 def main() -> None:
-    defaults = TrainConfig()
+    defaults = argparse.Namespace(**flatten(TrainConfig()))  # the options' defaults, by their flat names
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default=defaults.task, choices=sorted(FIRST_ACTION))
     parser.add_argument("--steps", type=int, default=defaults.steps)
@@ -262,7 +263,7 @@ def main() -> None:
             results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
     with open(out / "histories.json", "w") as f:
         json.dump(results, f)
-    config = TrainConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
+    config = TrainConfig.from_flat(prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
     start = f" after {args.warm_start_steps} warm-start steps" if args.warm_start_steps else ""
     title = (f"REINFORCE++ return variants: {base_model or 'tiny agent'}{start}, {args.task}, {args.steps} steps x "
              f"{config.episodes_per_step} episodes, gamma {args.gamma}, lr {config.learning_rate:g}, "

@@ -16,6 +16,7 @@ import time
 import torch
 
 from agent_loop import TrainConfig, Trainer
+from agent_loop.options import flatten
 
 
 def summarize(history: list[dict], evals: list[tuple[int, float]], window: int) -> str:
@@ -29,7 +30,7 @@ def summarize(history: list[dict], evals: list[tuple[int, float]], window: int) 
 
 
 def main() -> None:
-    defaults = TrainConfig()
+    defaults = argparse.Namespace(**flatten(TrainConfig()))  # the options' defaults, by their flat names
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--model", default=None, help="model dir (default: the tiny agent's middling warm start)")
@@ -42,11 +43,11 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/train_tiny_agent")
     args = parser.parse_args()
 
-    config = TrainConfig(model=args.model, prompts_per_step=args.prompts_per_step, lr=args.lr, steps=args.steps, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
+    config = TrainConfig.from_flat(model=args.model, prompts_per_step=args.prompts_per_step, lr=args.lr, steps=args.steps, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                          seed=args.seed, threads=args.threads, output_dir=args.output_dir, progress=False)
     started = time.perf_counter()
     trainer = Trainer(config)
-    threads = torch.get_num_threads()  # what the Trainer resolved (agent_loop.threads): config.threads may be None
+    threads = torch.get_num_threads()  # what the Trainer resolved (agent_loop.threads): config.run.threads may be None
     history = trainer.train()  # one line per step: sampled success, reward, loss, ...; eval every few steps
     elapsed = time.perf_counter() - started
     print()

@@ -51,6 +51,7 @@ import psutil  # noqa: E402
 
 from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.files import write_text  # noqa: E402
+from agent_loop.options import flatten  # noqa: E402
 from agent_loop.tasks.keydoor import MAX_TURNS  # noqa: E402
 
 TASK = "keydoor"
@@ -113,7 +114,7 @@ def held_out(trainer: Trainer, greedy: bool) -> dict[str, float]:
 def start_of(trainer: Trainer, args: argparse.Namespace) -> dict[str, float]:
     """The held-out rates of the starting model under this seed (the same for every variant), measured once per
     seed into ``<output-dir>/start-seed<S>.json``."""
-    path = Path(args.output_dir) / f"start-seed{trainer.config.seed}.json"
+    path = Path(args.output_dir) / f"start-seed{trainer.config.run.seed}.json"
     if path.is_file() and (not args.greedy or "greedy" in json.loads(path.read_text())):
         return json.loads(path.read_text())
     start = held_out(trainer, args.greedy)
@@ -133,7 +134,7 @@ class LatestCheckpointOnly(Trainer):
 
 
 def config_for(variant: str, seed: int, args: argparse.Namespace, resume: str | None) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.from_flat(
         model=args.model, task=TASK, estimator=variant, seed=seed, steps=args.steps, gamma=args.gamma,
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, mini_batches=args.mini_batches,
         lr=args.lr, threads=args.threads, backend=args.backend, max_turns=MAX_TURNS, max_tokens=args.max_tokens,
@@ -263,7 +264,7 @@ def plot(results: list[dict], path: Path, window: int, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = TrainConfig()
+    defaults = argparse.Namespace(**flatten(TrainConfig()))  # the options' defaults, by their flat names
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model dir or registered name (default: the tiny agent's "
                         "middling warm start)")
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not results:
         raise SystemExit(f"no finished runs under {out}")
     write_text(out / "histories.json", json.dumps(results))
-    config = TrainConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
+    config = TrainConfig.from_flat(prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr)
     start = f" after {args.warm_start_steps} warm-start steps" if args.warm_start_steps else ""
     title = (f"Turn credit on keydoor: {base_model or 'tiny agent'}{start}, {args.steps} steps x "
              f"{config.episodes_per_step} episodes ({args.prompts_per_step} maps x {args.group_size}), gamma "

@@ -21,11 +21,11 @@ from tests.helpers.trainer_config import batch_of
 
 
 def main(out: str, config_json: str, *flags: str) -> None:
-    trainer = Trainer(TrainConfig(**json.loads(config_json)))
+    trainer = Trainer(TrainConfig.from_flat(**json.loads(config_json)))
     if "--no-share-prefix" in flags:  # one process computing as FSDP does (agent_loop/training/distributed.py)
         trainer.model.share_prefix = False
     try:
-        trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+        trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
         batch = batch_of(trainer, trajectories)
         metrics = rollout_metrics(trajectories)
         metrics.update(trainer.ppo.score(batch))

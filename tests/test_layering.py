@@ -15,8 +15,8 @@ PACKAGES = ("agent_loop", "masking", "advantages")
 # the library: everything but the application (agent_loop.cli, agent_loop.recipes) and the entry points (__main__)
 LIBRARY = ("agent_loop.training", "agent_loop.episode", "agent_loop.tasks", "agent_loop.backends", "agent_loop.runners",
            "agent_loop.integrations", "agent_loop.tiny", "agent_loop.inspect", "agent_loop.types",
-           "agent_loop.models", "agent_loop.config", "agent_loop.signals", "agent_loop.proxy", "agent_loop.toolsets",
-           "agent_loop.ecosystem", "agent_loop.model_registry", "agent_loop.files", "agent_loop.threads",
+           "agent_loop.model_folders", "agent_loop.options", "agent_loop.signals", "agent_loop.proxy", "agent_loop.toolsets",
+           "agent_loop.ecosystem", "agent_loop.builtin_models", "agent_loop.files", "agent_loop.threads",
            "masking", "advantages")
 APPLICATION_ONLY = ("agent_loop.cli", "agent_loop.recipes", "argparse", "yaml")  # and rich, outside the inspect views
 
@@ -148,8 +148,8 @@ def repo_package_of(name: str) -> str:
 
 def repo_package_graph() -> dict[str, set[str]]:
     """Package -> the packages it imports, over every module of the repo and every import in it: at the top,
-    inside functions and inside ``if __name__ == "__main__":`` doors (issue 49: agent_loop.model_registry's
-    door imported agent_loop.cli, which a check outside the project found as cli <-> model_registry)."""
+    inside functions and inside ``if __name__ == "__main__":`` doors (issue 49: agent_loop.builtin_models's
+    door imported agent_loop.cli, which a check outside the project found as cli <-> builtin_models)."""
     packages: dict[str, set[str]] = {}
     for name in REPO_MODULES:
         imported = {m for m in imports(name, doors=True, modules=REPO_MODULES) if m in REPO_MODULES}
@@ -159,25 +159,24 @@ def repo_package_graph() -> dict[str, set[str]]:
 
 def test_no_package_cycles_over_the_whole_repo_doors_included():
     edges = repo_package_graph()
-    assert {"agent_loop.cli", "agent_loop.model_registry", "agent_loop.recipes", "tests", "benchmarks"} <= set(edges)
+    assert {"agent_loop.cli", "agent_loop.builtin_models", "agent_loop.recipes", "tests", "benchmarks"} <= set(edges)
     assert cycles(edges) == []
-    # the check sees a door: the one model_registry had closes the cycle again
-    edges["agent_loop.model_registry"] = edges["agent_loop.model_registry"] | {"agent_loop.cli"}
-    assert any({"agent_loop.cli", "agent_loop.model_registry"} <= set(c) for c in cycles(edges))
+    # the check sees a door: the one builtin_models had closes the cycle again
+    edges["agent_loop.builtin_models"] = edges["agent_loop.builtin_models"] | {"agent_loop.cli"}
+    assert any({"agent_loop.cli", "agent_loop.builtin_models"} <= set(c) for c in cycles(edges))
 
 
-def test_the_model_registry_builds_under_the_files_lock_not_the_tiny_agent_s():
+def test_the_builtin_models_build_under_the_files_lock_not_the_tiny_agent_s():
     """The built-in models' cache is written as every output is (agent_loop.files), not through the tiny
     agent's build module (issue 49)."""
-    found = imports("agent_loop.model_registry", doors=True)
+    found = imports("agent_loop.builtin_models", doors=True)
     assert {"agent_loop.tiny.build.build", "agent_loop.tiny.build.build_lock"} & found == set()
     assert {"agent_loop.files.build_lock", "agent_loop.files.write_folder"} <= found
 
 
 def test_the_package_cycle_finder_finds_one():
     edges = graph()
-    edges["agent_loop.episode.loop"] = edges["agent_loop.episode.loop"] | {"agent_loop.tasks.base"}
-    edges["agent_loop.tasks.base"] = edges["agent_loop.tasks.base"] | {"agent_loop.episode.tools"}
+    edges["agent_loop.episode.loop"] = edges["agent_loop.episode.loop"] | {"agent_loop.tasks.registry"}  # tasks -> episode
     assert any({"agent_loop.episode", "agent_loop.tasks"} <= set(c) for c in cycles(package_graph(edges)))
     assert package_of("agent_loop.episode.loop") == "agent_loop.episode" and package_of("agent_loop.types") == "agent_loop.types"
 
@@ -294,7 +293,7 @@ def test_no_option_is_declared_by_two_option_classes():
     classes = option_classes()
     assert all(dataclasses.is_dataclass(c) for c in classes.values())
     names = {q.rpartition(".")[2] for q in classes}
-    assert {"RolloutOptions", "TrainConfig", "WarmstartConfig", "VerlLoopOptions", "ModelOptions", "LoopConfig",
+    assert {"RolloutOptions", "TrainRun", "PPOOptions", "WarmstartConfig", "VerlLoopOptions", "ModelOptions", "LoopConfig",
             "TaskSourceOptions", "ServerOptions", "ThreadOptions", "AgentOptions", "OptimizerOptions"} <= names
     assert declared_twice(classes) == {}
 
@@ -306,7 +305,7 @@ def test_the_option_check_finds_one_declared_twice():
 
     classes = {**option_classes(), "here.Mine": Mine}
     assert declared_twice(classes) == {"seed": ["agent_loop.tasks.registry.SeedOptions", "here.Mine"]}
-    from agent_loop.config import override_defaults
+    from agent_loop.options import override_defaults
 
     @override_defaults("another default", seed=1)
     class Other(Mine):

@@ -1,10 +1,10 @@
-"""Declared options (``agent_loop.config``) as command-line flags, config-file keys, help and usage errors.
+"""Declared options (``agent_loop.options``) as command-line flags, config-file keys, help and usage errors.
 
 From a command's options dataclass:
 
 - :func:`add_options` adds one flag per field to a parser (``--field-name``; bools get ``--no-...``;
   lists are repeatable), with help naming each option's allowed values and default, and ``--config``;
-  an option's old name (an ``InitVar`` of the dataclass, ``agent_loop.config.renamed``) stays a flag and a key;
+  an option of an earlier version (``agent_loop.cli.config_file.REPLACED``) is refused, naming its replacement;
 - :func:`resolve` reads the ``--config`` file (``agent_loop.cli.config_file``), puts the flags given on
   the command line over it, and :func:`validate` checks the result: every value against its
   declaration (pydantic), then the rules across options (the dataclass's ``check()``). The first
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -25,7 +27,8 @@ import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from agent_loop.config import OptionError, ProgressOptions, build, closest, one_of, renamed
+from agent_loop.cli.config_file import REPLACED, ConfigError, read_config, replaced
+from agent_loop.options import OptionError, ProgressOptions, build, closest, one_of, options_view
 from agent_loop.threads import ThreadOptions
 
 USAGE_EXIT = 2  # exit status of a usage error (argparse's too)
@@ -116,7 +119,9 @@ def _default(field: dataclasses.Field):
 
 
 def _inherited_default(cls, name: str):
-    """The default of ``name`` in the first base of ``cls`` that declares it (before an ``override_defaults``)."""
+    """The default of ``name`` as declared before an ``override_defaults`` changed it."""
+    if name in getattr(cls, "__declared_defaults__", {}):
+        return cls.__declared_defaults__[name]
     for base in cls.__mro__[1:]:
         declared = {f.name: f for f in dataclasses.fields(base)} if dataclasses.is_dataclass(base) else {}
         if name in declared:
@@ -160,16 +165,16 @@ def _add_flag(parser: argparse.ArgumentParser, cls, name: str, default) -> argpa
 
 
 def add_options(parser: argparse.ArgumentParser, cls, *, config_file: bool = True) -> argparse.ArgumentParser:
-    """One flag per field of ``cls`` (and per old name), and ``--config`` (unless ``config_file=False``). Values
+    """One flag per field of ``cls``, and ``--config`` (unless ``config_file=False``). Values
     stay text here: :func:`validate` converts and checks them, so flags and config keys get the same messages.
     Flags not given are left out of the namespace (the file's value, else the declared default, applies)."""
+    cls = options_view(cls)  # a composed class (TrainConfig): its sub-configs' options, one flag each
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in _declared(cls):
         _add_flag(parser, cls, name, _default(fields[name]))
-    for old, kind in renamed(cls).items():
-        infos = [e for e in getattr(kind, "__metadata__", ()) if isinstance(e, FieldInfo)]
-        parser.add_argument(flag(old), default=argparse.SUPPRESS, metavar=old.upper(),
-                            help=(infos[0].description if infos else "an old name").replace("%", "%%"))
+    for old, (new, _) in REPLACED.items():  # taken only to be refused by validate, naming the new option
+        if new in fields:
+            parser.add_argument(flag(old), nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if config_file:
         parser.add_argument("--config", default=None, metavar="RUN.YAML",
                             help="YAML file of options (keys as option names); flags given here override it")
@@ -183,8 +188,6 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve(cls, args: argparse.Namespace):
     """The options of ``args``: its ``--config`` file's settings, the flags given over them, validated."""
-    from agent_loop.cli.config_file import ConfigError, read_config
-
     values = {}
     if getattr(args, "config", None):
         try:
@@ -200,16 +203,13 @@ def resolve(cls, args: argparse.Namespace):
 def quiet_progress() -> None:
     """``--no-progress``: no bar at all, the libraries' loading bars too (transformers', huggingface_hub's), from
     now on in this process and its children."""
-    import os
-    import sys
-
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub / transformers are imported
     if "transformers" in sys.modules:
-        from transformers.utils import logging
+        from transformers.utils import logging  # only once loaded: else the variable above does it
 
         logging.disable_progress_bar()
     if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars  # as transformers
 
         disable_progress_bars()
 
@@ -219,19 +219,20 @@ def validate(cls, values: dict[str, Any], *, keys: bool = False):
     (``cls.check()``, when it has one). ``keys=False`` names options as flags (``--max-turns``),
     ``keys=True`` as config-file keys (``max_turns``). Raises :class:`UsageError` (one line)."""
     name_of = (lambda n: n) if keys else flag
-    declared, old = _declared(cls), renamed(cls)
+    view = options_view(cls)
+    declared = _declared(view)
     for name, value in values.items():
-        if name in old:
-            continue  # an old name: its declaration is checked by pydantic, its meaning by __post_init__
+        if (error := replaced(name, declared)) is not None:
+            raise UsageError(error.render(name_of))
         if name not in declared:
             kind = "key" if keys else "option"
             raise UsageError(f"unknown {kind} {name_of(name)}{closest(name_of(name), [name_of(k) for k in declared])}")
         if isinstance(value, bool) and not _takes_bool(declared[name][0]):  # pydantic takes True as 1
-            raise UsageError(f"{name_of(name)} {value}: must be {allowed(cls, name)}")
+            raise UsageError(f"{name_of(name)} {value}: must be {allowed(view, name)}")
     try:
         return build(cls, values)
     except ValidationError as error:
-        raise UsageError(_problem(cls, error, name_of)) from None
+        raise UsageError(_problem(view, error, name_of)) from None
     except OptionError as error:
         raise UsageError(error.render(name_of)) from None
 
@@ -305,8 +306,6 @@ def add_common_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     inspect, tiny, proxy, models, verl-check)."""
     return add_options(parser, CommonOptions, config_file=False)
 
-
-add_threads_option = add_common_options  # its old name
 
 
 def threads_from(args: argparse.Namespace) -> int | None:

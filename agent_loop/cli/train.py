@@ -50,22 +50,22 @@ def check_world(config: TrainConfig, task=None) -> None:
     the model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
     if not os.environ.get(HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:  # as in claim_output
         try:
-            RunLock(config.output_dir, folder=True).check_free()
+            RunLock(config.output.output_dir, folder=True).check_free()
         except OutputLockedError as error:
-            raise UsageError(f"--output-dir {config.output_dir}: {error}") from None
-    if config.model is not None:
-        preflight.check_model_dir(config.model, "hf", task=task)
-    if config.model is not None and config.backend == "vllm" and not config.server:  # asked for: vLLM must run it
-        preflight.check_model_dir(config.model, "vllm", task=task)
-        preflight.check_vllm_binding(config.threads)
-    if config.resume is not None:
-        preflight.check_resume(config.resume)
-    preflight.check_output_dir(config.output_dir)
-    if config.wandb_project is not None:
+            raise UsageError(f"--output-dir {config.output.output_dir}: {error}") from None
+    if config.run.model is not None:
+        preflight.check_model_dir(config.run.model, "hf", task=task)
+    if config.run.model is not None and config.sampler.backend == "vllm" and not config.sampler.server:  # asked for: vLLM must run it
+        preflight.check_model_dir(config.run.model, "vllm", task=task)
+        preflight.check_vllm_binding(config.run.threads)
+    if config.output.resume is not None:
+        preflight.check_resume(config.output.resume)
+    preflight.check_output_dir(config.output.output_dir)
+    if config.output.wandb_project is not None:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise UsageError(f"--wandb-project {config.wandb_project}: wandb is not installed (pip install wandb)") from None
+            raise UsageError(f"--wandb-project {config.output.wandb_project}: wandb is not installed (pip install wandb)") from None
 
 
 def claim_output(config: TrainConfig) -> RunLock | None:
@@ -74,7 +74,7 @@ def claim_output(config: TrainConfig) -> RunLock | None:
     holds the lock, and in torchrun ranks other than 0 (rank 0 holds it)."""
     if os.environ.get(HELD_ENV) or int(os.environ.get("RANK", "0")) != 0:
         return None
-    return claim_output_dir(config.output_dir, keep=config.resume is not None, overwrite=config.overwrite,
+    return claim_output_dir(config.output.output_dir, keep=config.output.resume is not None, overwrite=config.output.overwrite,
                             remove=RUN_OUTPUTS,
                             refusal="holds an earlier run ({held}); pass --resume {folder} to continue it, "
                                     "--overwrite to replace it, or another --output-dir")
@@ -83,19 +83,19 @@ def claim_output(config: TrainConfig) -> RunLock | None:
 def go_on(config: TrainConfig, argv: list[str]) -> str:
     """The command that continues this run from its latest complete checkpoint."""
     return go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
-                         add=["--output-dir", config.output_dir, "--resume", config.output_dir])
+                         add=["--output-dir", config.output.output_dir, "--resume", config.output.output_dir])
 
 
 def stop_note(config: TrainConfig, argv: list[str]):
     """What a stop leaves behind: the complete checkpoints kept, and the command that goes on."""
 
     def note() -> str:
-        steps = sorted((Path(config.output_dir) / "checkpoints").glob("step_*"))
+        steps = sorted((Path(config.output.output_dir) / "checkpoints").glob("step_*"))
         if not steps:
             again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
-                                  add=["--output-dir", config.output_dir, "--overwrite"])
-            return f"no checkpoint was saved yet in {config.output_dir} (--save-every {config.save_every}); to start again: {again}"
-        return (f"checkpoints up to {steps[-1].name} are in {config.output_dir}/checkpoints; to go on from the "
+                                  add=["--output-dir", config.output.output_dir, "--overwrite"])
+            return f"no checkpoint was saved yet in {config.output.output_dir} (--save-every {config.output.save_every}); to start again: {again}"
+        return (f"checkpoints up to {steps[-1].name} are in {config.output.output_dir}/checkpoints; to go on from the "
                 f"latest complete one: {go_on(config, argv)}")
 
     return note
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     rank 0 prints."""
     config = resolve(TrainConfig, args)
     try:
-        task = config.load()
+        task = config.rollout.load()
     except ValueError as error:  # PluginError: a plug-in that cannot load
         raise UsageError(str(error)) from None
     check_world(config, task)
@@ -117,16 +117,16 @@ def run(args: argparse.Namespace) -> int:
     lock = claim_output(config)
     args.stop_note = stop_note(config, argv)
     try:
-        if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if config.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
             from agent_loop.training.distributed import relaunch_under_torchrun
 
             os.environ[HELD_ENV] = str(lock.path)  # the workers write into the folder this process holds
-            return relaunch_under_torchrun(config.nproc, [*argv, "--output-dir", config.output_dir])
+            return relaunch_under_torchrun(config.run.nproc, [*argv, "--output-dir", config.output.output_dir])
         return train(config, task)
     except OSError as error:
         if not is_write_failure(error):
             raise
-        raise SystemExit(f"{PROG}: stopped: cannot write into {config.output_dir}: {error.strerror} "
+        raise SystemExit(f"{PROG}: stopped: cannot write into {config.output.output_dir}: {error.strerror} "
                          f"({error.filename or 'a file'}); {stop_note(config, argv)()}") from None
     finally:
         if lock is not None:

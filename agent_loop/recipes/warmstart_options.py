@@ -14,8 +14,11 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from agent_loop.config import OptionError, integer, override_defaults
-from agent_loop.recipes.train_options import (
+from agent_loop.options import OptionError, integer, override_defaults
+from agent_loop.runners.spec import EpisodesOptions, ModelOptions, ResumeOptions
+from agent_loop.tasks.registry import TaskOptions
+from agent_loop.threads import ThreadOptions
+from agent_loop.training.run_options import (
     MIN_LR_FRACTION,
     MODEL_LR,
     TINY_LR,
@@ -25,9 +28,6 @@ from agent_loop.recipes.train_options import (
     StepsOptions,
     run_folder_of,
 )
-from agent_loop.runners.spec import EpisodesOptions, ModelOptions, ResumeOptions
-from agent_loop.tasks.registry import TaskOptions
-from agent_loop.threads import ThreadOptions
 
 __all__ = ["MIN_LR_FRACTION", "MODEL_EPOCHS", "MODEL_LR", "TINY_EPOCHS", "TINY_LR", "WarmstartConfig"]
 DEFAULT_OUTPUT_DIR = "runs/warmstart"  # unset --output-dir: this, or the first free runs/warmstart-N

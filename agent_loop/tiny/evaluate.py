@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from agent_loop.backends.hf import TransformersBackend
-from agent_loop.episode.config import LoopConfig
 from agent_loop.episode.loop import run_episode
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.tasks.registry import get_task
 from agent_loop.tiny.data import ideal_calls
 from agent_loop.types import Trajectory

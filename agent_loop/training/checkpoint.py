@@ -22,7 +22,6 @@ step so no step is logged twice, and lists settings that differ from the checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import json
@@ -35,6 +34,8 @@ import numpy as np
 import torch
 
 import agent_loop.files as files
+from agent_loop.runners.outputs import changed_settings as differing  # the one comparison (rollout --resume too)
+from agent_loop.runners.outputs import refuse_changed
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
@@ -277,24 +278,19 @@ def optimizer_tensors(state: dict):
             yield f"optimizer state {index}.{name}", value
 
 
-def changed_settings(saved: dict, config) -> list[str]:
-    """``"name: saved -> now"`` for every setting that differs from the checkpoint's (resumable ones aside;
-    the learning rate compared as used: an unset one is the scaled default, ``TrainConfig.learning_rate``)."""
-    now = dataclasses.asdict(config)
-    if "lr" in saved and saved["lr"] is None:
-        known = {f.name for f in dataclasses.fields(config)}
-        saved = {**saved, "lr": dataclasses.replace(config, **{k: v for k, v in saved.items() if k in known}).learning_rate}
-    now["lr"] = config.learning_rate
-    from agent_loop.runners.outputs import changed_settings as differing  # the one comparison (rollout --resume too)
-
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """``"name: saved -> now"`` for every setting of the run's resolved settings ``now`` (``resolved()``: the
+    learning rate as used) that differs from the checkpoint's, resumable ones aside. A saved ``lr`` of None (an
+    unset one, from before the resolved rate was saved) follows the batch, whose settings are compared."""
+    if saved.get("lr", 0) is None:
+        saved = {**saved, "lr": now.get("lr")}
     return differing(saved, now, set(now) - RESUMABLE_SETTINGS)
 
 
-def check_settings(saved: dict, config) -> None:
-    """Refuse a resume with changed settings unless ``config.allow_config_change``; warn when allowed."""
-    from agent_loop.runners.outputs import refuse_changed  # the one refusal (rollout --resume too)
-
-    refuse_changed(changed_settings(saved, config), allowed=getattr(config, "allow_config_change", False),
+def check_settings(saved: dict, now: dict, *, allow_config_change: bool) -> None:
+    """Refuse a resume with changed settings (:func:`changed_settings`) unless ``allow_config_change``; warn
+    when allowed."""
+    refuse_changed(changed_settings(saved, now), allowed=allow_config_change,
                    warning="resume with changed settings", refusal=lambda listing: CheckpointError(
                        f"resume: settings differ from the checkpoint's: {listing} "
                        "(pass --allow-config-change to resume with them anyway)"))

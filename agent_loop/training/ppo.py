@@ -41,17 +41,19 @@ class PPO:
     """The scoring and the PPO-clip update of a batch (see the module docstring).
 
     ``model``: the ``PolicyModel`` in its data-parallel wrapper (``dp.wrap``); ``parameters``: those AdamW trains
-    (LoRA: the adapters); ``reference``: the frozen initial policy (a ``PolicyModel``) or None (no KL);
-    ``estimator``: a registry entry (``advantages.get_estimator``); ``options``: the update's and the estimator's
-    settings (``clip_ratio``, ``ppo_epochs``, ``mini_batches``, ``micro_batch_size``, ``max_grad_norm``,
-    ``entropy_coef``, ``value_coef``, ``recompute_old_logprobs``, the rollout correction, ``kl_coef``,
-    ``kl_kind``, the estimator's settings); ``seed``: the run's (each step shuffles with :func:`step_seed`).
+    (LoRA: the adapters); ``reference``: the frozen initial policy (a ``PolicyModel``) or None (no KL, else
+    ``kl_coef`` x the ``kl_kind`` estimate on each ASSISTANT token); ``estimator``: a registry entry
+    (``advantages.get_estimator``) and ``settings`` its settings instance (``advantages.settings``; None: it has
+    none); ``options``: the update's (``PPOOptions`` and ``OptimizerOptions``: ``learning_rate``,
+    ``warmup_steps``, ``max_grad_norm``, ``micro_batch_size``); ``seed``: the run's (each step shuffles with
+    :func:`step_seed`).
     """
 
-    def __init__(self, model, optimizer, parameters, *, reference, estimator, options, dp, dtype: torch.dtype,
-                 seed: int):
+    def __init__(self, model, optimizer, parameters, *, reference, estimator, settings, options, kl_coef: float,
+                 kl_kind: str, dp, dtype: torch.dtype, seed: int):
         self.model, self.optimizer, self.parameters = model, optimizer, parameters
-        self.reference, self.estimator, self.options = reference, estimator, options
+        self.reference, self.kl_coef, self.kl_kind = reference, kl_coef, kl_kind
+        self.estimator, self.settings, self.options = estimator, settings, options
         self.dp, self.dtype, self.seed = dp, dtype, seed
         self.step = 0  # the trainer step being run: names it in warnings
 
@@ -100,14 +102,14 @@ class PPO:
         rewards = batch.token_level_rewards
         if self.reference is not None:
             ref_logprobs, _ = self.logprobs(self.reference, batch)
-            kl = kl_penalty(batch.old_logprobs, ref_logprobs, options.kl_kind, response_mask=mask)
+            kl = kl_penalty(batch.old_logprobs, ref_logprobs, self.kl_kind, response_mask=mask)
             metrics["ref_kl"] = masked_mean(kl, mask).item()
-            rewards = rewards - options.kl_coef * kl
+            rewards = rewards - self.kl_coef * kl
             batch.token_level_rewards = rewards
 
-        estimator = self.estimator  # the batch fields it accepts (spans, index, values, turn ids, ...), its settings
-        settings = {name: getattr(options, name) for name in estimator.hyperparameters if hasattr(options, name)}
-        advantages, returns = estimator(rewards, mask, **estimator_arguments(estimator, batch), **settings)
+        settings = {} if self.settings is None else {"settings": self.settings}
+        # the batch fields the estimator takes (spans, index, values, turn ids, ...)
+        advantages, returns = self.estimator(rewards, mask, **estimator_arguments(self.estimator, batch), **settings)
         batch.advantages, batch.returns = advantages, returns
         metrics.update(masked_summary("advantages", advantages, mask))
         metrics.update(masked_summary("returns", returns, mask))

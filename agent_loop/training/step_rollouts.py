@@ -95,30 +95,35 @@ class StepRollouts:
     """A run's question stream played on its rollout backend (see the module docstring).
 
     ``task``: the grouped task (``GroupedTask``: episode ``i`` plays question ``i // group_size``); ``backend``: the
-    ``VersionedBackend`` over the rollout backend; ``options``: the run's ``prompts_per_step``, ``group_size``,
-    ``seed``, ``concurrency``, ``agent``, ``agent_timeout_s``, ``filter_groups``, ``filter_groups_max_rounds`` and
-    ``steps``; ``next_group``: the first question never played (a resumed run's).
+    ``VersionedBackend`` over the rollout backend; ``prompts_per_step`` questions of ``group_size`` samples a
+    step, ``concurrency`` episodes in flight, the run's ``seed``; ``filter_rounds``: dynamic sampling's extra
+    rounds (None: no filtering); ``agent`` (and ``agent_timeout_s``): the user's own agent plays the episodes;
+    ``next_group``: the first question never played (a resumed run's).
     """
 
-    def __init__(self, task, backend, tokenizer, loop_config, *, options, dp, next_group: int = 0):
+    def __init__(self, task, backend, tokenizer, loop_config, *, dp, seed: int, group_size: int,
+                 prompts_per_step: int, concurrency: int, filter_rounds: int | None = None, agent: str | None = None,
+                 agent_timeout_s: float = 600.0, next_group: int = 0):
         self.task, self.backend, self.tokenizer, self.loop_config = task, backend, tokenizer, loop_config
-        self.options, self.dp, self.next_group = options, dp, next_group
+        self.dp, self.seed, self.group_size, self.prompts_per_step = dp, seed, group_size, prompts_per_step
+        self.concurrency, self.filter_rounds, self.next_group = concurrency, filter_rounds, next_group
+        self.agent, self.agent_timeout_s = agent, agent_timeout_s
         self.producer: RolloutProducer | None = None  # rank 0's, once started
         self.asynchronous = False  # every rank's: the episodes come from rank 0's producer
 
-    def start_producer(self, *, step: int, max_staleness: int, position: dict | None = None) -> RolloutProducer | None:
-        """Asynchronous rollouts from ``step`` on: rank 0 starts a ``RolloutProducer`` over the backend, at most
-        ``max_staleness`` versions ahead of the trainer (returned; None on the other ranks). With 0 it plays exactly
-        the synchronous steps' episodes with the same weights (tests/training/test_async_training.py).
+    def start_producer(self, *, step: int, last_step: int, max_staleness: int,
+                       position: dict | None = None) -> RolloutProducer | None:
+        """Asynchronous rollouts from ``step`` to ``last_step``: rank 0 starts a ``RolloutProducer`` over the
+        backend, at most ``max_staleness`` versions ahead of the trainer (returned; None on the other ranks). With 0
+        it plays exactly the synchronous steps' episodes with the same weights (tests/training/test_async_training.py).
         ``position``: a resumed run's question stream (a checkpoint's ``producer``): it goes on from there."""
-        options, self.asynchronous = self.options, True
+        self.asynchronous = True
         if self.dp.is_main:
             self.producer = RolloutProducer(
-                self.task, self.backend, self.tokenizer, self.loop_config, seed=options.seed,
-                concurrency=options.concurrency, group_size=options.group_size,
-                groups_per_step=options.prompts_per_step, max_staleness=max_staleness, first_step=step,
-                last_step=options.steps, position=position,
-                filter_rounds=options.filter_groups_max_rounds if options.filter_groups else None)
+                self.task, self.backend, self.tokenizer, self.loop_config, seed=self.seed,
+                concurrency=self.concurrency, group_size=self.group_size, groups_per_step=self.prompts_per_step,
+                max_staleness=max_staleness, first_step=step, last_step=last_step, position=position,
+                filter_rounds=self.filter_rounds)
         return self.producer
 
     def take(self, step: int) -> tuple[list, dict[str, float], list, list]:
@@ -133,13 +138,13 @@ class StepRollouts:
             taken, metrics, filtered = self.dp.broadcast_object((taken, metrics, filtered))
             return taken, metrics, stale, filtered
         started = time.perf_counter()
-        if not self.options.filter_groups:
+        if self.filter_rounds is None:
             played = self.play_next()
             return played, handed_over(played, started), [], []
         # dynamic sampling: rounds of fresh questions until the batch holds prompts_per_step groups, or the bound
-        selection = GroupSelection(self.options.prompts_per_step, self.options.filter_groups_max_rounds)
+        selection = GroupSelection(self.prompts_per_step, self.filter_rounds)
         while not selection.done:
-            groups = by_group(self.play_next(), self.options.group_size)
+            groups = by_group(self.play_next(), self.group_size)
             for group in sorted(groups):
                 selection.offer(groups[group])
         kept = selection.trajectories()
@@ -147,16 +152,15 @@ class StepRollouts:
 
     def play_next(self) -> list:
         """The next ``prompts_per_step`` questions of the synchronous stream (:meth:`play_groups`)."""
-        first, self.next_group = self.next_group, self.next_group + self.options.prompts_per_step
+        first, self.next_group = self.next_group, self.next_group + self.prompts_per_step
         return self.play_groups(first)
 
     def play_groups(self, first: int) -> list:
         """The episodes of questions ``first ... first + P - 1`` (P: ``prompts_per_step``), ``group_size`` samples
         each (with several ranks, each plays its share and all get every episode, in order)."""
-        n = self.options.group_size
-        episodes = self.dp.shard(range(first * n, (first + self.options.prompts_per_step) * n))
-        return self.dp.gather_trajectories(asyncio.run(self.play(self.task, episodes, self.loop_config,
-                                                                 self.options.seed)))
+        n = self.group_size
+        episodes = self.dp.shard(range(first * n, (first + self.prompts_per_step) * n))
+        return self.dp.gather_trajectories(asyncio.run(self.play(self.task, episodes, self.loop_config, self.seed)))
 
     def play_held_out(self, task, episodes: range, loop_config, seed: int) -> list:
         """``episodes`` of ``task`` (the held-out questions of an evaluation), every rank's, in order: on the
@@ -170,13 +174,11 @@ class StepRollouts:
         """``run_rollouts`` on the (versioned) backend, which ends the run on it (HTTP pools live in one event
         loop) unless the producer's loop holds it; with ``agent``, the user's own agent through an in-process
         recording proxy (docs/agents.md)."""
-        options = self.options
-        if options.agent:
+        if self.agent:
             return await agent_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
-                                        agent=options.agent, concurrency=options.concurrency,
-                                        timeout_s=options.agent_timeout_s)
+                                        agent=self.agent, concurrency=self.concurrency, timeout_s=self.agent_timeout_s)
         return await run_rollouts(task, self.backend, self.tokenizer, episodes, loop_config, seed=seed,
-                                  concurrency=options.concurrency, progress=False)
+                                  concurrency=self.concurrency, progress=False)
 
     def close(self) -> None:
         """Stop the asynchronous producer (its episodes in flight are cancelled)."""

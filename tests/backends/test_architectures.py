@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from agent_loop.backends.scripted import ScriptedBackend
-from agent_loop.episode.config import LoopConfig
-from agent_loop.models import ARCHITECTURES, build_random_model, check_model_dir
+from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.model_folders import ARCHITECTURES, build_random_model, check_model_dir
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.dataset import DatasetTask
 from masking.native import cache_root
@@ -144,7 +144,7 @@ def test_one_training_step(arch, tmp_path):
     from agent_loop.recipes.train_options import TrainConfig
 
     name, path = arch
-    config = TrainConfig(model=str(path), steps=1, prompts_per_step=2, mini_batches=1, micro_batch_size=2,
+    config = TrainConfig.from_flat(model=str(path), steps=1, prompts_per_step=2, mini_batches=1, micro_batch_size=2,
                          max_turns=2, max_tokens=8, max_response_tokens=48, concurrency=2, threads=1,
                          entropy_coef=0.01, lr=1e-2, output_dir=str(tmp_path), progress=False)
     trainer = Trainer(config, task=reverse_task())
@@ -174,7 +174,8 @@ def test_vllm_engine_rollouts_match_the_model(name):
 @pytest.mark.timeout(420)
 def test_http_backend_rollouts_match_the_model(tmp_path):
     pytest.importorskip("vllm")
-    from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from agent_loop.backends.vllm_server import local_vllm_server
 
     path = random_model_dir("llama3")
     tokenizer = tokenizer_of(path)

@@ -4,6 +4,7 @@ HTTP servers on 127.0.0.1, the real cause when every episode errored, and a clea
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import json
 import os
@@ -17,11 +18,11 @@ import pytest
 
 from advantages import ESTIMATORS
 from agent_loop.cli import build_parser, main
-from agent_loop.cli.options import UsageError
+from agent_loop.cli.flags import UsageError
 from agent_loop.cli.rollout import RolloutOptions
 from agent_loop.cli.train import options_from as train_validate
-from agent_loop.config import renamed
-from agent_loop.models import VLLM_CPU_HEAD_SIZES
+from agent_loop.model_folders import VLLM_CPU_HEAD_SIZES
+from agent_loop.options import flatten
 from agent_loop.recipes.train_options import TrainConfig
 from tests.helpers.vllm_servers import crash_tracebacks
 
@@ -127,7 +128,7 @@ def test_rollout_rejects_out_folder_and_bad_model_folders(capsys, tmp_path):
 
 def test_rollout_vllm_checks_head_size_before_the_engine(capsys, tmp_path):
     pytest.importorskip("vllm")
-    from agent_loop.models import vllm_on_cpu
+    from agent_loop.model_folders import vllm_on_cpu
 
     if not vllm_on_cpu():
         pytest.skip("the head-size rule is vLLM's CPU attention's")
@@ -279,7 +280,7 @@ def test_train_checks_resume_and_output_dir(capsys, tmp_path):
 
 
 def test_config_file_keys_get_the_same_checks():
-    assert train_validate({"lr": "1e-3", "steps": 3}, keys=True).lr == 1e-3
+    assert train_validate({"lr": "1e-3", "steps": 3}, keys=True).update.lr == 1e-3
     with pytest.raises(UsageError, match=r"^save_every 0: must be an integer >= 1$"):
         train_validate({"save_every": 0}, keys=True)
     with pytest.raises(UsageError, match=r"^unknown key stpes; did you mean steps\?$"):
@@ -309,11 +310,10 @@ def test_inspect_rejects_bad_option_with_exit_2(capsys, tmp_path, argv, message)
 
 @pytest.mark.parametrize("command, config", [("rollout", RolloutOptions), ("train", TrainConfig)])
 def test_every_option_has_help_with_allowed_values_and_default(command, config):
-    import dataclasses
 
-    old_names = tuple(renamed(config))  # an option's old name (agent_loop.config.renamed) is a flag of its own
-    actions = {a.dest: a for a in command_parser(command)._actions if a.dest not in ("help", "config", *old_names)}
-    assert set(actions) == {f.name for f in dataclasses.fields(config)}  # one flag per declared option
+    actions = {a.dest: a for a in command_parser(command)._actions
+               if a.dest not in ("help", "config") and a.help != argparse.SUPPRESS}  # hidden: a replaced option
+    assert set(actions) == set(flatten(config()))  # one flag per declared option (TrainConfig: of its sub-configs)
     for name, action in actions.items():
         assert action.help and "default: " in action.help and "[" in action.help, name
         assert len(action.help.split("[")[0].strip()) > 3, f"{name} has no description"
@@ -329,8 +329,8 @@ def test_every_loop_option_is_a_flag_and_a_key_of_both_commands(command, tmp_pat
     with the same help text and the same constraint."""
     import dataclasses
 
-    from agent_loop.cli.options import resolve
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.cli.flags import resolve
+    from agent_loop.episode.loop_config import LoopConfig
 
     parser = command_parser(command)
     helps = {a.dest: a.help for a in parser._actions}
@@ -345,7 +345,7 @@ def test_every_loop_option_is_a_flag_and_a_key_of_both_commands(command, tmp_pat
     path.write_text("".join(f"{k}: {v}\n" for k, v in values.items()))
     options = resolve(RolloutOptions if command == "rollout" else TrainConfig,
                       parser.parse_args(["--config", str(path), "--top-k", "9"]))
-    assert {k: getattr(options, k) for k in values} == {**values, "top_k": 9}
+    assert {k: flatten(options)[k] for k in values} == {**values, "top_k": 9}
     with pytest.raises(UsageError, match="^--top-p 0: must be a number > 0 and <= 1$"):
         resolve(TrainConfig if command == "train" else RolloutOptions, parser.parse_args(["--top-p", "0"]))
 
@@ -446,7 +446,7 @@ def test_rollout_summary_shows_the_chosen_estimator(capsys, tmp_path, tiny_agent
 
 
 def test_a_rule_across_options_names_them_as_flags_or_as_keys():
-    from agent_loop.config import OptionError
+    from agent_loop.options import OptionError
 
     error = OptionError("mini_batches", "must divide {prompts_per_step} x {group_size}", 3)
     assert str(error) == "mini_batches 3: must divide prompts_per_step x group_size"
@@ -456,4 +456,5 @@ def test_a_rule_across_options_names_them_as_flags_or_as_keys():
 
 def test_the_saved_train_config_records_the_learning_rate_used():
     config = train_validate({"prompts_per_step": 8, "mini_batches": 2})
-    assert config.lr is None and config.resolved()["lr"] == config.learning_rate == pytest.approx(2e-4 * 4 / 32)
+    # unset: scaled to the batch, and kept as the run uses it
+    assert config.update.lr == config.resolved()["lr"] == config.learning_rate == pytest.approx(2e-4 * 4 / 32)

@@ -57,16 +57,16 @@ def test_train_into_an_earlier_run_is_refused_unless_resume_or_overwrite(tmp_pat
 
 
 def test_train_picks_a_fresh_default_folder_and_resumes_into_the_run_it_continues(tmp_path, monkeypatch):
-    from agent_loop.cli.options import validate
+    from agent_loop.cli.flags import validate
     from agent_loop.recipes.train_options import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert validate(TrainConfig, {}).output_dir == "runs/train"
+    assert validate(TrainConfig, {}).output.output_dir == "runs/train"
     (tmp_path / "runs" / "train").mkdir(parents=True)
-    assert validate(TrainConfig, {}).output_dir == "runs/train-2"
-    assert validate(TrainConfig, {"resume": "old/checkpoints/step_000004"}).output_dir == "old"
-    assert validate(TrainConfig, {"resume": "old"}).output_dir == "old"
+    assert validate(TrainConfig, {}).output.output_dir == "runs/train-2"
+    assert validate(TrainConfig, {"resume": "old/checkpoints/step_000004"}).output.output_dir == "old"
+    assert validate(TrainConfig, {"resume": "old"}).output.output_dir == "old"
 
 
 def test_a_second_train_into_a_locked_folder_is_refused_naming_the_holder(tmp_path, capsys):
@@ -152,7 +152,7 @@ HANGING_SERVER = textwrap.dedent("""
 def test_a_signal_mid_episode_stops_a_rollout_in_one_line_and_releases_its_output(model_folder, tmp_path, stop):
     """The probe: SIGINT printed a 52-line traceback. A real OpenAI-compatible server on 127.0.0.1 whose
     completions never answer; the real CLI in a subprocess; the real signal."""
-    from agent_loop.backends.openai_http import free_port
+    from agent_loop.backends.vllm_server import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", HANGING_SERVER, str(model_folder), str(port)], env=ENV,

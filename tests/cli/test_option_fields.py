@@ -8,15 +8,18 @@ import pytest
 
 from agent_loop.backends.base import BackendSettings
 from agent_loop.backends.server_options import ServerOptions
-from agent_loop.cli.options import UsageError, add_options, validate
+from agent_loop.cli.flags import UsageError, add_options, validate
 from agent_loop.cli.rollout import RolloutOptions
-from agent_loop.recipes.train_options import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions, TrainConfig
+from agent_loop.options import is_composed, options_view
+from agent_loop.recipes.train_options import TrainConfig
 from agent_loop.recipes.warmstart_options import WarmstartConfig
 from agent_loop.runners.backend_choice import BackendOptions
 from agent_loop.runners.spec import EpisodesOptions, EstimatorOptions, ResumeOptions
 from agent_loop.threads import ThreadOptions
+from agent_loop.training.run_options import DeviceOptions, OptimizerOptions, OutputOptions, StepsOptions
 
-COMMAND_OPTIONS = (RolloutOptions, TrainConfig, WarmstartConfig, ThreadOptions)  # every add_options class
+TRAIN_GROUPS = tuple(typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig))
+COMMAND_OPTIONS = (RolloutOptions, *TRAIN_GROUPS, WarmstartConfig, ThreadOptions)  # every add_options class's options
 
 
 def declared_here(cls) -> set[str]:
@@ -43,15 +46,21 @@ def twice(roots) -> dict[str, list[str]]:
 
 def test_no_option_field_is_declared_in_two_classes():
     assert twice(COMMAND_OPTIONS) == {}  # no exceptions (issue 49; every option class: tests/test_layering.py)
-    # the shared groups are composed, not copied: each command has their fields
+    # TrainConfig holds its sub-configs as fields and inherits no option class (issue 55 item 2)
+    assert is_composed(TrainConfig) and TrainConfig.__bases__ == (object,)
+    assert [f.name for f in dataclasses.fields(TrainConfig)] == ["run", "rollout", "sampler", "update", "advantage",
+                                                                   "output"]
+    # the shared groups are reused, not copied: each command (train: one of its sub-configs) has their fields
     trainers = (TrainConfig, WarmstartConfig)
-    for shared, commands in ((ServerOptions, (RolloutOptions, TrainConfig)), (ThreadOptions, COMMAND_OPTIONS),
+    for shared, commands in ((ServerOptions, (RolloutOptions, TrainConfig)), (ThreadOptions, COMMAND_OPTIONS[:1]),
                              (OptimizerOptions, trainers), (OutputOptions, trainers), (DeviceOptions, trainers),
-                             (ResumeOptions, COMMAND_OPTIONS[:3]), (EstimatorOptions, (RolloutOptions, TrainConfig)),
+                             (ResumeOptions, (RolloutOptions, TrainConfig, WarmstartConfig)),
+                             (EstimatorOptions, (RolloutOptions, TrainConfig)),
                              (EpisodesOptions, (RolloutOptions, WarmstartConfig)), (StepsOptions, trainers),
                              (BackendOptions, (RolloutOptions, TrainConfig))):
         for command in commands:
-            assert issubclass(command, shared), (command, shared)
+            parts = TRAIN_GROUPS if command is TrainConfig else (command,)
+            assert any(issubclass(part, shared) for part in parts), (command, shared)
 
 
 def test_the_check_finds_a_field_declared_twice():
@@ -71,61 +80,59 @@ def test_the_check_finds_a_field_declared_twice():
                                         "test_the_check_finds_a_field_declared_twice.<locals>.B"])}
 
 
-def test_train_and_rollout_name_the_servers_alike_and_the_old_name_still_works():
-    flags = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in (("rollout", RolloutOptions),
-                                                                                 ("train", TrainConfig))}
+def test_train_and_rollout_name_the_servers_alike():
+    flags = {name: [f.name for f in dataclasses.fields(options_view(cls))]
+             for name, cls in (("rollout", RolloutOptions), ("train", TrainConfig))}
     for field in ("server", "served_model_name", "retry_deadline_s", "request_timeout_s"):
         assert all(field in names for names in flags.values()), field
-    hints = typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(options_view(TrainConfig))
     assert typing.get_origin(hints["server"]) is list
-    old = validate(TrainConfig, {"rollout_servers": "http://127.0.0.1:8000/v1,http://127.0.0.1:8001",
-                                 "output_dir": "unused"})
-    assert old.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]  # split and checked like --server's
     assert validate(TrainConfig, {"server": ["http://127.0.0.1:9"], "retry_deadline_s": 5,
-                                  "output_dir": "unused"}).retry_deadline_s == 5.0  # train can set it now
+                                  "output_dir": "unused"}).sampler.retry_deadline_s == 5.0  # train can set it now
     with pytest.raises(UsageError, match="--server nope: not an http"):
-        validate(TrainConfig, {"rollout_servers": "nope", "output_dir": "unused"})
-    assert TrainConfig().served_model_name is RolloutOptions().served_model_name is None  # one default
+        validate(TrainConfig, {"server": ["nope"], "output_dir": "unused"})
+    assert TrainConfig().sampler.served_model_name is RolloutOptions().served_model_name is None  # one default
 
 
 def test_backend_settings_take_only_the_server_options():
-    config = TrainConfig(device="cuda:0", server=["http://127.0.0.1:9"], served_model_name="p", retry_deadline_s=7.0)
+    config = TrainConfig.from_flat(device="cuda:0", server=["http://127.0.0.1:9"], served_model_name="p",
+                                   retry_deadline_s=7.0).sampler
     settings = BackendSettings.from_options(config)
     assert settings.device == BackendSettings().device == "cpu"  # train's --device never reaches the http backend
     assert (settings.servers, settings.served_model_name, settings.retry_deadline_s) == (["http://127.0.0.1:9"], "p", 7.0)
     assert BackendSettings.from_options(config, device="cuda:0").device == "cuda:0"  # asked for: given
 
 
-def old_train_config() -> dict:
-    """A saved train config.yaml of before the shared option groups: rollout_servers a comma string,
-    served_model_name 'policy', threads 2 (the values an earlier version's resolved() wrote)."""
-    saved = TrainConfig(output_dir="runs/old").resolved()
-    del saved["server"]
-    return {**saved, "rollout_servers": "http://127.0.0.1:8000,http://127.0.0.1:8001", "served_model_name": "policy",
-            "threads": 2}
+def saved_train_config() -> dict:
+    """A saved train config.yaml: flat keys, as resolved() writes them (served_model_name 'policy', threads 2)."""
+    saved = TrainConfig.from_flat(output_dir="runs/old", server=["http://127.0.0.1:8000", "http://127.0.0.1:8001"],
+                                  served_model_name="policy", threads=2).resolved()
+    return {**saved, "lr": None}  # an unset one, as configs saved before the rate was resolved
 
 
-def test_an_old_saved_train_config_loads_with_config_and_resumes_unchanged(tmp_path):
+def test_a_saved_train_config_loads_with_config_and_resumes_unchanged(tmp_path):
     import yaml
 
     from agent_loop.cli import build_parser
-    from agent_loop.cli.options import resolve
+    from agent_loop.cli.flags import resolve
     from agent_loop.training import checkpoint
 
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(old_train_config(), sort_keys=False))
+    path.write_text(yaml.safe_dump(saved_train_config(), sort_keys=False))
     config = resolve(TrainConfig, build_parser().parse_args(["train", "--config", str(path)]))
-    assert config.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and config.threads == 2
-    assert checkpoint.changed_settings(old_train_config(), config) == []  # the checkpoint's saved config: no change
-    # a run of today resumes from an old checkpoint's config with other servers and the new default name
-    today = validate(TrainConfig, {"output_dir": "runs/old"})
-    assert checkpoint.changed_settings(old_train_config(), today) == []
+    assert config.sampler.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and config.run.threads == 2
+    assert checkpoint.changed_settings(saved_train_config(), config.resolved()) == []  # no change
+    # a run of today resumes from the checkpoint's config with other servers and the default name
+    today = validate(TrainConfig, {"output_dir": "runs/old", "threads": 2})
+    assert checkpoint.changed_settings(saved_train_config(), today.resolved()) == []
+    assert checkpoint.changed_settings(saved_train_config(), today.replace(temperature=0.5).resolved()) == [
+        "temperature: 1.0 -> 0.5"]
 
 
 def test_an_old_warmstart_and_rollout_config_load(tmp_path):
     import argparse
 
-    from agent_loop.cli.options import resolve
+    from agent_loop.cli.flags import resolve
 
     for cls, old in ((WarmstartConfig, {"model": None, "seed": 0, "episodes": 8, "steps": 4, "batch_size": 4,
                                         "micro_batch_size": 2, "lr": None, "warmup_steps": 10, "weight_decay": 0.0,
@@ -147,7 +154,7 @@ def test_an_old_warmstart_and_rollout_config_load(tmp_path):
 def test_train_help_says_why_its_episode_defaults_differ_from_rollouts(capsys):
     from agent_loop.cli import main
 
-    assert RolloutOptions().max_turns == 4 and TrainConfig().max_turns == 3
+    assert RolloutOptions().max_turns == 4 and TrainConfig().rollout.max_turns == 3
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -176,7 +183,7 @@ def test_resume_is_one_option_alone_or_with_a_folder(tmp_path):
     """One --resume for rollout, train and warmstart (issue 49): alone, the run's own output; train and warmstart
     also take a checkpoint or run folder; a saved config's ``resume: false`` is unset."""
     from agent_loop.cli import build_parser
-    from agent_loop.cli.options import resolve
+    from agent_loop.cli.flags import resolve
 
     parsed = build_parser().parse_args(["rollout", "--resume", "--episodes", "2"])
     assert (parsed.resume, parsed.episodes) == (True, "2")  # alone: the next option is not its value
@@ -185,11 +192,11 @@ def test_resume_is_one_option_alone_or_with_a_folder(tmp_path):
         validate(RolloutOptions, {"resume": "runs/x"})
     assert validate(RolloutOptions, {"resume": False, "out": str(tmp_path / "a.jsonl")}).resume is None
     run = tmp_path / "train"
-    assert validate(TrainConfig, {"resume": True, "output_dir": str(run)}).resume == str(run)  # train --resume alone
-    alone = validate(TrainConfig, {"resume": True})
-    assert alone.resume == alone.output_dir == TrainConfig.DEFAULT_OUTPUT_DIR
+    assert validate(TrainConfig, {"resume": True, "output_dir": str(run)}).output.resume == str(run)  # --resume alone
+    alone = validate(TrainConfig, {"resume": True}).output
+    assert alone.resume == alone.output_dir == alone.DEFAULT_OUTPUT_DIR
     step = run / "checkpoints" / "step_000004"
-    assert validate(TrainConfig, {"resume": str(step)}).output_dir == str(run)
+    assert validate(TrainConfig, {"resume": str(step)}).output.output_dir == str(run)
     warm = validate(WarmstartConfig, {"resume": str(step)})  # warmstart takes a folder too: it goes on there
     assert (warm.resume, warm.output_dir) == (True, str(run))
     with pytest.raises(UsageError, match="--resume .*: is a checkpoint of the run in .*, not of --output-dir"):
@@ -216,4 +223,4 @@ def test_one_backend_option_for_rollout_and_train():
     for cls in (RolloutOptions, TrainConfig):
         with pytest.raises(UsageError, match="--backend http: needs at least one --server URL"):
             validate(cls, {"backend": "http", "output_dir": "unused"} if cls is TrainConfig else {"backend": "http"})
-    assert validate(TrainConfig, {"backend": "http", "server": ["http://127.0.0.1:9"], "output_dir": "unused"}).backend == "http"
+    assert validate(TrainConfig, {"backend": "http", "server": ["http://127.0.0.1:9"], "output_dir": "unused"}).sampler.backend == "http"

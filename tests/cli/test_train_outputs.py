@@ -48,7 +48,7 @@ def test_checking_a_lock_creates_nothing(tmp_path):
 def test_train_claims_its_folder_through_the_one_claim(tmp_path, monkeypatch):
     """agent_loop.cli.output_claim (issue 37 item 2): the refusal names the folder as given, braces and all, and
     --overwrite deletes the run's own outputs only."""
-    from agent_loop.cli.options import UsageError
+    from agent_loop.cli.flags import UsageError
     from agent_loop.cli.train import RUN_OUTPUTS, claim_output
     from agent_loop.recipes.train_options import TrainConfig
     from agent_loop.runners.outputs import HELD_ENV
@@ -60,16 +60,16 @@ def test_train_claims_its_folder_through_the_one_claim(tmp_path, monkeypatch):
     (run / "metrics.jsonl").write_text("")
     (run / "notes.txt").write_text("mine")
     with pytest.raises(UsageError) as refused:
-        claim_output(TrainConfig(output_dir=str(run)))
+        claim_output(TrainConfig.from_flat(output_dir=str(run)))
     assert str(refused.value) == (f"--output-dir {run}: holds an earlier run (checkpoints, metrics.jsonl, notes.txt); "
                                   f"pass --resume {run} to continue it, --overwrite to replace it, or another --output-dir")
-    lock = claim_output(TrainConfig(output_dir=str(run), overwrite=True))
+    lock = claim_output(TrainConfig.from_flat(output_dir=str(run), overwrite=True))
     try:
         assert sorted(p.name for p in run.iterdir()) == [FOLDER_LOCK, "notes.txt"] and "checkpoints" in RUN_OUTPUTS
     finally:
         lock.release()
     monkeypatch.setenv("RANK", "1")
-    assert claim_output(TrainConfig(output_dir=str(run))) is None  # rank 0 holds it
+    assert claim_output(TrainConfig.from_flat(output_dir=str(run))) is None  # rank 0 holds it
 
 
 def _record(temperature, success, index=0):

@@ -7,7 +7,7 @@ import time
 import torch
 
 from agent_loop import TrainConfig
-from agent_loop.tasks.base import Task
+from agent_loop.episode.contracts import Task
 from agent_loop.tasks.registry import get_task
 
 
@@ -17,7 +17,7 @@ def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:
                     micro_batch_size=4, threads=1, output_dir=str(out), progress=False, entropy_coef=0.01,
                     tensorboard=False, save_every=100)
     settings.update(overrides)
-    return TrainConfig(**settings)
+    return TrainConfig.from_flat(**settings)
 
 
 class SlowTools(Task):

@@ -14,12 +14,12 @@ def small_config(tiny_mid: str, tmp_path, **overrides) -> TrainConfig:
     settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
                     micro_batch_size=2, ppo_epochs=1, threads=2, output_dir=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
-    return TrainConfig(**settings)
+    return TrainConfig.from_flat(**settings)
 
 
 def batch_of(trainer, trajectories):
     """``trajectories`` collated as ``trainer``'s step collates them (its group size, pad id and device)."""
-    return training_batch(trajectories, group_size=trainer.config.group_size, pad_token_id=trainer.pad_token_id,
+    return training_batch(trajectories, group_size=trainer.config.run.group_size, pad_token_id=trainer.pad_token_id,
                           device=trainer.device)
 
 

@@ -188,9 +188,9 @@ def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     (run / "state.bak").rename(run / "checkpoints" / "step_000001" / "trainer_state.pt")
     assert resolve_checkpoint(run) == run / "checkpoints" / "step_000001"
 
-    config = TrainConfig(**settings, progress=False, resume=str(run))
+    config = TrainConfig.from_flat(**settings, progress=False, resume=str(run))
     with pytest.raises(CheckpointError, match=r"lr: 2.5e-05 -> 0.001"):
-        Trainer(TrainConfig(**{**settings, "lr": 1e-3}, progress=False, resume=str(run)))
+        Trainer(TrainConfig.from_flat(**{**settings, "lr": 1e-3}, progress=False, resume=str(run)))
     trainer = Trainer(config)
     assert trainer.step == 1
     trainer.train()
@@ -309,7 +309,7 @@ def test_all_servers_down_past_the_deadline_stops_the_run_and_keeps_finished_epi
     import contextlib
 
     from agent_loop.backends.openai_http import OpenAIHTTPBackend, ServersUnavailableError
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.runners.local import run_rollouts
     from agent_loop.tasks.registry import get_task
     from tests.helpers.http_stub import MODEL
@@ -404,8 +404,9 @@ def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny
     pytest.importorskip("vllm")
     from concurrent.futures import ThreadPoolExecutor
 
-    from agent_loop.backends.openai_http import OpenAIHTTPBackend, local_vllm_server
-    from agent_loop.episode.config import LoopConfig
+    from agent_loop.backends.openai_http import OpenAIHTTPBackend
+    from agent_loop.backends.vllm_server import local_vllm_server
+    from agent_loop.episode.loop_config import LoopConfig
     from agent_loop.runners.local import run_rollouts
     from agent_loop.tasks.builtin import ArithmeticTask
 
@@ -454,7 +455,7 @@ def test_a_real_vllm_server_killed_mid_run_the_other_finishes_every_episode(tiny
 
 @pytest.mark.timeout(120)
 def test_cli_checks_the_output_first_and_stops_clearly_when_no_server_answers(tiny_agent_dir, tmp_path, capsys):
-    from agent_loop.backends.openai_http import free_port
+    from agent_loop.backends.vllm_server import free_port
     from agent_loop.cli import main
 
     base = ["rollout", "--model", str(tiny_agent_dir), "--episodes", "6"]

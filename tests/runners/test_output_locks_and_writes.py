@@ -182,6 +182,6 @@ def test_changed_settings_is_the_one_comparison():
     from agent_loop.recipes.train_options import TrainConfig
     from agent_loop.training.checkpoint import changed_settings as training_changes
 
-    config = TrainConfig(output_dir="x", steps=3, temperature=0.5)
-    saved = {**__import__("dataclasses").asdict(TrainConfig(output_dir="y", steps=9, overwrite=True))}
-    assert training_changes(saved, config) == ["temperature: 1.0 -> 0.5"]  # steps, output_dir, overwrite resumable
+    config = TrainConfig.from_flat(output_dir="x", steps=3, temperature=0.5)
+    saved = TrainConfig.from_flat(output_dir="y", steps=9, overwrite=True).resolved()
+    assert training_changes(saved, config.resolved()) == ["temperature: 1.0 -> 0.5"]  # steps, output_dir, overwrite resumable

@@ -480,11 +480,11 @@ def test_k1_trains_on_partial_rollouts_sampled_by_the_versions_they_record(tiny_
     assert others.mean() > 10 * own.mean()  # and not the other version's (one update moved them)
 
 
-def test_off_policy_is_the_deprecated_alias_of_max_staleness_1(tmp_path):
-    with pytest.warns(FutureWarning, match="max_staleness 1"):
-        config = checked(TrainConfig(off_policy=True, output_dir=str(tmp_path)))
-    assert config.max_staleness == 1
+def test_off_policy_is_refused_naming_max_staleness(tmp_path, capsys):
+    """An option of an earlier version is refused in one line that names its replacement (issue 55 item 2)."""
+    assert train_main(["--off-policy", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "--off-policy: no longer an option; use --max-staleness 1" in capsys.readouterr().err
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert checked(TrainConfig(max_staleness=2, output_dir=str(tmp_path))).max_staleness == 2
+        assert checked(TrainConfig.from_flat(max_staleness=2, output_dir=str(tmp_path))).rollout.max_staleness == 2
     assert train_main(["--max-staleness", "-1"]) == 2  # a usage error: one line, exit 2

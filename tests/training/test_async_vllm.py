@@ -64,7 +64,7 @@ def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_
 
     config = small_config(tiny_mid, tmp_path / "run", steps=3, max_staleness=1, lr=1e-3, warmup_steps=0,
                           mini_batches=1, tool_timeout_s=2 * WAIT_S)
-    task = ToolsAfterTheFirstPush(config.prompts_per_step)
+    task = ToolsAfterTheFirstPush(config.rollout.prompts_per_step)
     with VLLMEngineBackend(tiny_mid, seed=0) as engine:
         trainer = Trainer(config, backend=engine, task=task)
         states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}

@@ -29,7 +29,7 @@ def lora_config(tiny_mid, tmp_path, **overrides) -> TrainConfig:
                     micro_batch_size=4, lr=1e-2, entropy_coef=0.01, kl_coef=0.05, lora_rank=RANK,
                     lora_alpha=ALPHA, threads=2, save_every=1, output_dir=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
-    return TrainConfig(**settings)
+    return TrainConfig.from_flat(**settings)
 
 
 def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_path):
@@ -41,7 +41,7 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
     before = {n: p.detach().clone() for n, p in named.items()}
 
     # one mini-batch's gradient: on the adapters only
-    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step))
+    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step))
     trainer.ppo.score(batch)
     trainer.optimizer.zero_grad(set_to_none=True)
     loss, _ = trainer.ppo.micro_batch_loss(batch)
@@ -85,7 +85,7 @@ def test_lora_run_resumes_from_its_checkpoint(tiny_mid, tmp_path):
     config = lora_config(tiny_mid, tmp_path, steps=2)
     straight = Trainer(config)
     history = straight.train()
-    resumed = Trainer(dataclasses.replace(config, resume=str(step_folder(straight.output_dir, 1)),
+    resumed = Trainer(config.replace(resume=str(step_folder(straight.output_dir, 1)),
                                           output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()

@@ -140,7 +140,7 @@ def lora_train_config(model, output_dir, **overrides) -> TrainConfig:
     settings = dict(model=str(model), steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
                     micro_batch_size=8, lr=5e-2, entropy_coef=0.01, lora_rank=RANK, threads=2,
                     output_dir=str(output_dir), progress=False)
-    return TrainConfig(**{**settings, **overrides})
+    return TrainConfig.from_flat(**{**settings, **overrides})
 
 
 def sampling_gap(model, trajectory, positions: torch.Tensor) -> float:

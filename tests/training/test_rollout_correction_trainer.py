@@ -66,7 +66,7 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     trainer = Trainer(small_config(tiny_mid, tmp_path, mini_batches=1, lr=1e-2, rollout_is="token",
                                    rollout_is_threshold=CAP, rollout_rs="token", rollout_rs_lower=LOWER,
                                    rollout_rs_upper=UPPER))
-    trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+    trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
     batch = batch_of(trainer, trajectories)
     # a sampler that disagrees with the trainer: its logprobs moved by noise on the ASSISTANT tokens
     noise = 0.15 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))
@@ -77,7 +77,7 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     random_advantages(batch)
 
     # before the update the PPO ratio is 1: the first loss is the weighted policy gradient alone
-    first, kept, capped = reference_weighted_loss(old, old, rollout, batch.advantages, trainer.config.clip_ratio)
+    first, kept, capped = reference_weighted_loss(old, old, rollout, batch.advantages, trainer.config.update.clip_ratio)
     assert 0 < kept < len(old) and capped > 0  # the cap and the rejection both act on this batch
     assert metrics["mismatch/frac_masked"] == pytest.approx(1 - kept / len(old))
     assert metrics["mismatch/frac_capped"] == pytest.approx(capped / len(old))
@@ -88,7 +88,7 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
 
     loss, stats = trainer.ppo.micro_batch_loss(batch)
     expected, _, _ = reference_weighted_loss(serial_logprobs(trainer.policy, trajectories), old, rollout,
-                                             batch.advantages, trainer.config.clip_ratio)
+                                             batch.advantages, trainer.config.update.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
     assert float(stats["clip_frac"]) > 0
 
@@ -142,8 +142,8 @@ def test_bad_correction_settings_are_refused_in_one_line(tmp_path, capsys):
     assert train_main(["--rollout-is", "tokens", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--rollout-is" in capsys.readouterr().err
     with pytest.raises(ValueError, match="rollout_is_threshold"):
-        checked(TrainConfig(rollout_is_threshold=0.0, output_dir=str(tmp_path / "d")))
-    assert checked(TrainConfig(rollout_is="sequence", output_dir=str(tmp_path / "e"))).corrects_rollouts
+        checked(TrainConfig.from_flat(rollout_is_threshold=0.0, output_dir=str(tmp_path / "d")))
+    assert checked(TrainConfig.from_flat(rollout_is="sequence", output_dir=str(tmp_path / "e"))).update.corrects_rollouts
 
 
 def test_micro_batches_cut_the_rollout_fields_with_the_responses():

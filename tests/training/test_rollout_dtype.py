@@ -11,14 +11,14 @@ from tests.helpers.trainer_config import small_config
 def test_another_precision_turns_the_correction_on_unless_one_is_chosen(tiny_mid, tmp_path, capsys):
     from agent_loop.options import checked
 
-    same = checked(small_config(tiny_mid, tmp_path, rollout_dtype="fp32"))
+    same = checked(small_config(tiny_mid, tmp_path, rollout_dtype="fp32")).update
     assert same.rollout_is == "off" and not same.corrects_rollouts
-    other = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16"))
+    other = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16")).update
     assert (other.rollout_is, other.rollout_is_threshold) == ("token", 2.0)
     assert "sampled in bf16, trained in fp32" in capsys.readouterr().err
-    chosen = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", rollout_rs="token"))
+    chosen = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", rollout_rs="token")).update
     assert (chosen.rollout_is, chosen.rollout_rs) == ("off", "token")  # the user's choice stands
-    both_bf16 = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", dtype="bf16"))
+    both_bf16 = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", dtype="bf16")).update
     assert both_bf16.rollout_is == "off"
 
 

@@ -30,7 +30,7 @@ ASSISTANT, OBSERVATION, PAD = SpanKind.ASSISTANT, SpanKind.OBSERVATION, SpanKind
 
 
 def scored_batch(trainer: Trainer, step: int = 0) -> dict[str, torch.Tensor]:
-    batch = batch_of(trainer, trainer.rollouts.play_groups(step * trainer.config.prompts_per_step))
+    batch = batch_of(trainer, trainer.rollouts.play_groups(step * trainer.config.rollout.prompts_per_step))
     trainer.ppo.score(batch)
     return batch
 
@@ -76,7 +76,7 @@ def test_step_is_finite_changes_every_parameter_and_pushes_weights(tiny_mid, tmp
 @pytest.mark.slow
 def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, lr=1e-2))
-    trajectories = trainer.rollouts.play_groups(0 * trainer.config.prompts_per_step)
+    trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
     batch = batch_of(trainer, trajectories)
     trainer.ppo.score(batch)
     random_advantages(batch)
@@ -84,7 +84,7 @@ def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
     loss, stats = trainer.ppo.micro_batch_loss(batch)
 
     expected = reference_ppo_loss(trainer.policy, trajectories, batch["old_logprobs"], batch["advantages"],
-                                  trainer.config.clip_ratio)
+                                  trainer.config.update.clip_ratio)
     assert float(loss) == pytest.approx(expected, abs=1e-5)
     assert float(stats["clip_frac"]) > 0  # the clipped branch was exercised
 
@@ -92,12 +92,12 @@ def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
 @pytest.mark.slow
 def test_gradient_accumulation_equals_one_pass(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, mini_batches=1, max_grad_norm=1e9))
-    trainer.config.lr = 0.0  # the weights stay put between the passes (an option refuses 0: it is set after the checks)
+    trainer.config.update.lr = 0.0  # the weights stay put between the passes (an option refuses 0: it is set after the checks)
     batch = scored_batch(trainer)
     random_advantages(batch)
     gradients = []
     for micro_batch_size in (1, 3, trainer.config.episodes_per_step):
-        trainer.config.micro_batch_size = micro_batch_size
+        trainer.config.update.micro_batch_size = micro_batch_size
         trainer.ppo.update(batch, step=0)
         gradients.append([p.grad.clone() for p in trainer.policy.parameters()])
     for other in gradients[1:]:
@@ -212,7 +212,7 @@ def test_resume_reproduces_the_next_step(tiny_mid, tmp_path):
     straight = Trainer(config)
     history = straight.train()
 
-    resumed = Trainer(dataclasses.replace(config, resume=str(step_folder(straight.output_dir, 1)),
+    resumed = Trainer(config.replace(resume=str(step_folder(straight.output_dir, 1)),
                                           output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()
@@ -246,10 +246,10 @@ def test_a_checkpoint_from_before_the_one_declaration_still_resumes(tiny_mid, tm
     state["config"] = {**{k: v for k, v in state["config"].items() if k not in NEWER_SETTINGS}, "lr": None}
     torch.save(state, path)
     (step_folder(first.output_dir, 1) / "checkpoint.json").unlink()  # as before manifests: the essentials are checked
-    resumed = Trainer(dataclasses.replace(config, steps=2, resume=str(tmp_path / "run")))
+    resumed = Trainer(config.replace(steps=2, resume=str(tmp_path / "run")))
     assert resumed.step == 1 and math.isfinite(resumed.train_step()["loss"])
     with pytest.raises(CheckpointError, match=r"lr: 2.5e-05 -> 0.001"):
-        Trainer(dataclasses.replace(config, steps=2, lr=1e-3, resume=str(tmp_path / "run")))
+        Trainer(config.replace(steps=2, lr=1e-3, resume=str(tmp_path / "run")))
 
 
 @pytest.mark.slow
@@ -288,11 +288,11 @@ def test_cli_and_trainer_reject_bad_settings(tmp_path, capsys):
     assert train_main(["--prompts-per-step", "3", "--group-size", "1", "--mini-batches", "2"]) == 2
     assert "--mini-batches 2: must divide" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        Trainer(TrainConfig(estimator="nope", output_dir=str(tmp_path)))
+        Trainer(TrainConfig.from_flat(estimator="nope", output_dir=str(tmp_path)))
     assert train_main(["--estimator", "grpo", "--group-size", "1"]) == 2
     assert "--estimator grpo: compares samples of the same question; needs --group-size 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kl_kind"):
-        Trainer(TrainConfig(kl_kind="k4", output_dir=str(tmp_path)))
+        Trainer(TrainConfig.from_flat(kl_kind="k4", output_dir=str(tmp_path)))
 
 
 def test_grouped_task_gives_each_group_one_question_and_each_sample_its_own_index():
@@ -329,7 +329,7 @@ def test_device_and_dtype_are_checked(tmp_path):
     assert train_main(["--device", "tpu"]) == 2
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
-            Trainer(TrainConfig(device="cuda", output_dir=str(tmp_path)))
+            Trainer(TrainConfig.from_flat(device="cuda", output_dir=str(tmp_path)))
         assert not (tmp_path / "metrics.jsonl").exists()  # refused before touching the output folder
 
 
@@ -352,13 +352,13 @@ def test_closing_line_compares_means_of_the_first_and_last_steps_and_reports_the
 
 def test_the_default_learning_rate_scales_with_the_batch_and_unstable_ones_are_flagged():
     assert TrainConfig().learning_rate == 2e-4  # 64 prompts, 2 mini-batches: 32 episodes per AdamW step
-    assert TrainConfig(prompts_per_step=16).learning_rate == pytest.approx(5e-5)  # 8 per AdamW step
-    assert TrainConfig(prompts_per_step=256).learning_rate == 2e-4  # never above the measured one
+    assert TrainConfig.from_flat(prompts_per_step=16).learning_rate == pytest.approx(5e-5)  # 8 per AdamW step
+    assert TrainConfig.from_flat(prompts_per_step=256).learning_rate == 2e-4  # never above the measured one
     for prompts in (4, 16, 64, 256):  # the default is never flagged
-        assert TrainConfig(prompts_per_step=prompts).unstable_learning_rate() is None
-    warning = TrainConfig(prompts_per_step=16, lr=2e-4).unstable_learning_rate()
+        assert TrainConfig.from_flat(prompts_per_step=prompts).unstable_learning_rate() is None
+    warning = TrainConfig.from_flat(prompts_per_step=16, lr=2e-4).unstable_learning_rate()
     assert "8 episodes per AdamW step" in warning and "lr <= 0.0001" in warning
-    assert TrainConfig(prompts_per_step=16, lr=5e-5).unstable_learning_rate() is None
+    assert TrainConfig.from_flat(prompts_per_step=16, lr=5e-5).unstable_learning_rate() is None
 
 
 def test_checkpoint_module_takes_and_returns_plain_data():

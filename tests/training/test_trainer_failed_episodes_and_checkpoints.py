@@ -45,7 +45,7 @@ def config_for(tiny_mid: str, out: Path, **overrides) -> TrainConfig:
                     micro_batch_size=4, ppo_epochs=1, threads=1, output_dir=str(out), progress=False,
                     entropy_coef=0.01)  # a gradient whatever the success rate
     settings.update(overrides)
-    return TrainConfig(**settings)
+    return TrainConfig.from_flat(**settings)
 
 
 class FlakyReward:
@@ -166,7 +166,7 @@ def copy_of(saved, tmp_path) -> tuple[TrainConfig, Path]:
     config, checkpoint = saved
     target = tmp_path / "copy" / "checkpoints" / checkpoint.name
     shutil.copytree(checkpoint, target)
-    return dataclasses.replace(config, resume=str(target), output_dir=str(tmp_path / "resumed"), steps=2), target
+    return config.replace(resume=str(target), output_dir=str(tmp_path / "resumed"), steps=2), target
 
 
 def rewrite_manifest(checkpoint: Path) -> None:
@@ -202,7 +202,7 @@ def test_a_weights_file_damaged_at_the_same_size_is_refused_by_name(saved, tmp_p
     assert "\n" not in message and "damaged" in message and "model/model.safetensors" in message
     # the run folder does not fall back past the damage silently either
     with pytest.raises(CheckpointError, match="damaged: model/model.safetensors"):
-        Trainer(dataclasses.replace(config, resume=str(checkpoint.parent.parent)))
+        Trainer(config.replace(resume=str(checkpoint.parent.parent)))
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 pytest.importorskip("vllm")
 from agent_loop import TrainConfig, Trainer  # noqa: E402
 from agent_loop.backends.hf import TransformersBackend  # noqa: E402
-from agent_loop.backends.openai_http import OpenAIHTTPBackend, free_port, local_vllm_server  # noqa: E402
+from agent_loop.backends.openai_http import OpenAIHTTPBackend  # noqa: E402
+from agent_loop.backends.vllm_server import free_port, local_vllm_server  # noqa: E402
 from agent_loop.backends.weight_files import WeightSyncError  # noqa: E402
 from agent_loop.training.transports.vllm_servers import VLLMServerWeightSync  # noqa: E402
 from tests.helpers.backend_agreement import assert_agree_or_tie, rollouts  # noqa: E402
@@ -62,7 +63,7 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
         after = asyncio.run(through(url))
 
         # the trainer with rollouts on the server: rank 0 pushes after each step, the server follows
-        config = TrainConfig(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
+        config = TrainConfig.from_flat(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
                              mini_batches=2, micro_batch_size=4, lr=1e-3, entropy_coef=0.01, threads=2,
                              rollout_servers=url, served_model_name="tiny-agent", output_dir=str(tmp_path / "run"),
                              progress=False)
@@ -149,7 +150,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
 
         # the trainer with LoRA and rollouts on the server: the adapter is pushed after the step, and the
         # rollouts of every rank ask for it
-        config = TrainConfig(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
+        config = TrainConfig.from_flat(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
                              mini_batches=2, micro_batch_size=4, lr=1e-2, entropy_coef=0.01, threads=2, lora_rank=4,
                              rollout_servers=url, served_model_name="tiny-agent", output_dir=str(tmp_path / "run"),
                              progress=False)
