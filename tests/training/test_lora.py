@@ -8,8 +8,6 @@ logits; a LoRA run resumes from its checkpoint to the straight run's next step.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM

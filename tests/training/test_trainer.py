@@ -10,7 +10,6 @@ resuming from a checkpoint reproduces the next step; the CLI writes metrics and 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 

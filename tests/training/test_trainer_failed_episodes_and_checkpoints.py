@@ -8,7 +8,6 @@ written by the trainer, a real ``--nproc 2`` run under torchrun killed with SIGK
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
