@@ -16,10 +16,15 @@ from pathlib import Path
 
 import agent_loop.cli.preflight as preflight
 from agent_loop.cli.config_file import save_config
-from agent_loop.cli.flags import UsageError, add_options, resolve
+from agent_loop.cli.flags import UsageError, add_options, flag, resolve
 from agent_loop.cli.output_claim import claim_output_dir
+from agent_loop.cli.stops import go_on_command
+from agent_loop.options import flatten
+from agent_loop.recipes.train_options import TrainConfig
 from agent_loop.recipes.warmstart_options import WarmstartConfig
 from agent_loop.runners.outputs import RunLock
+from agent_loop.tasks.registry import TaskOptions
+from agent_loop.training.demonstrations import DemonstrationError, has_demonstrations
 
 PROG = "agent-loop warmstart"
 DESCRIPTION = ("Fine-tune a model on a task's demonstrations (its demonstrate(episode, rng) hook), loss on ASSISTANT "
@@ -43,9 +48,6 @@ def task_flag(config: WarmstartConfig) -> str:
 def task_argv(config: WarmstartConfig) -> list[str]:
     """Every task option this run set (``--prompts`` with its ``--reward``, ``--tools``, ``--system``, ...), as
     arguments that name the same task to ``rollout`` and ``train`` (which take the same TaskOptions)."""
-    from agent_loop.cli.flags import flag
-    from agent_loop.tasks.registry import TaskOptions
-
     argv, default = [], TaskOptions()
     for field in dataclasses.fields(TaskOptions):
         value = getattr(config, field.name)
@@ -64,8 +66,6 @@ def task_argv(config: WarmstartConfig) -> list[str]:
 
 def load_checked_task(config: WarmstartConfig):
     """The task the options name, refused in one line if it cannot load or has no demonstrations."""
-    from agent_loop.training.demonstrations import has_demonstrations
-
     try:
         task = config.load()
     except ValueError as error:  # PluginError: a plug-in that cannot load
@@ -107,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
 
 def stop_note(config: WarmstartConfig, argv: list[str]):
     """What a stop leaves: the latest checkpoint and the command that goes on from it, or that none was saved."""
-    from agent_loop.cli.stops import go_on_command
-
     def note() -> str:
         saved = sorted((Path(config.output_dir) / "checkpoints").glob("step_*"))
         if not saved:
@@ -122,9 +120,8 @@ def stop_note(config: WarmstartConfig, argv: list[str]):
 
 
 def warm(config: WarmstartConfig, task):
-    from agent_loop.recipes.warmstart import warm_start
-    from agent_loop.training.checkpoint import CheckpointError
-    from agent_loop.training.demonstrations import DemonstrationError
+    from agent_loop.recipes.warmstart import warm_start  # torch: the rollout path imports this module without it
+    from agent_loop.training.checkpoint import CheckpointError  # torch: the rollout path imports this module without it
 
     try:
         return warm_start(config, task)
@@ -136,9 +133,6 @@ def warm(config: WarmstartConfig, task):
 
 def report(config: WarmstartConfig, result) -> int:
     """The loss before and after, where everything went, budget warnings and the next commands."""
-    from agent_loop.options import flatten
-    from agent_loop.recipes.train_options import TrainConfig
-
     history, model = result.history, result.model_dir
     k = max(1, min(5, len(history) // 2))
     first, last = (sum(m["loss"] for m in part) / k for part in (history[:k], history[-k:]))
@@ -153,8 +147,8 @@ def report(config: WarmstartConfig, result) -> int:
             print(f"note: a demonstration needs {longest[need]} {need.replace('_', ' ')}, more than agent-loop train's "
                   f"default --{option.replace('_', '-')} {defaults[option]}; pass a larger one to train")
     if result.check:
-        from agent_loop.recipes.warmstart import CHECK_FILE
-        from agent_loop.training.held_out import check_line
+        from agent_loop.recipes.warmstart import CHECK_FILE  # torch: the rollout path imports this module without it
+        from agent_loop.training.held_out import check_line  # torch: the rollout path imports this module without it
 
         print(f"{check_line(result.check)}\n  (the episodes: {Path(config.output_dir) / CHECK_FILE}; --check-episodes "
               "sizes the check, 0 skips it)")
