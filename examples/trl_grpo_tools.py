@@ -157,7 +157,9 @@ def main(argv=None) -> dict:
 
 
 def _estimator_kwargs(args: argparse.Namespace) -> dict:
-    return {"gamma": args.gamma} if "gamma" in get_estimator(args.estimator).hyperparameters else {}
+    """The estimator's settings instance with ``--gamma`` (advantages/settings.py), for an estimator that has one."""
+    settings = get_estimator(args.estimator).settings
+    return {"settings": settings(gamma=args.gamma)} if settings is not None else {}
 
 
 if __name__ == "__main__":

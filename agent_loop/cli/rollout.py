@@ -337,7 +337,7 @@ def report(opts: RolloutOptions, stats, tokenizer, timing: Timing, path: str, ou
     problem = failure_summary(stats)
     if problem is None:
         sample = sorted(stats.sample, key=lambda t: (t.info["index"], t.segment))  # a session's segments in order
-        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts.gamma, opts.estimator))
+        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts))
     segments = f" ({plural(stats.episodes, 'episode')})" if stats.segments != stats.episodes else ""
     console.print(f"wrote {plural(stats.segments, 'trajectory', 'trajectories')}{segments} to {out}  (look inside: "
                   f"agent-loop inspect {out})")

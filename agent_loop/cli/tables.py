@@ -60,10 +60,11 @@ def failure_summary(stats: RolloutStats) -> str | None:
     return None
 
 
-def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str = "reinforce_plus_plus") -> Table:
-    """Collate the batch and show what the registered ``estimator`` gives the assistant tokens: it gets the batch
-    fields it accepts (``agent_loop.runners.batch.estimator_arguments``), ``index`` the question each episode
-    played (``info["group"]`` with ``--group-size`` 2 or more; else each episode is a group of its own)."""
+def returns_table(trajectories, pad_token_id: int, options) -> Table:
+    """Collate the batch and show what the registered estimator of ``options`` (``EstimatorOptions``: the estimator
+    and its settings, given as its settings instance) gives the assistant tokens: it gets the batch fields it
+    accepts (``agent_loop.runners.batch.estimator_arguments``), ``index`` the question each episode played
+    (``info["group"]`` with ``--group-size`` 2 or more; else each episode is a group of its own)."""
     # torch: the rollout path imports this module without it
     import torch
 
@@ -72,13 +73,14 @@ def returns_table(trajectories, pad_token_id: int, gamma: float, estimator: str 
 
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     batch.index = torch.tensor([t.info.get("group", t.info["index"]) for t in trajectories], dtype=torch.long)
-    entry = get_estimator(estimator)
-    adv, returns = entry(batch.token_level_rewards, batch.response_mask, **estimator_arguments(entry, batch),
-                         **({"gamma": gamma} if "gamma" in entry.hyperparameters else {}))
-    mask = batch.response_mask.bool()
+    entry, settings = get_estimator(options.estimator), options.estimator_settings()
+    adv, returns = entry(batch.token_level_rewards, batch.response_mask, settings=settings,
+                         **estimator_arguments(entry, batch))
     indices = sorted({t.info["index"] for t in trajectories})
-    table = Table(title=f"batch tensors and {estimator}{f' (gamma={gamma})' * ('gamma' in entry.hyperparameters)}, "
+    discount = f" (gamma={settings.gamma})" if settings is not None else ""
+    table = Table(title=f"batch tensors and {options.estimator}{discount}, "
                         f"{episode_set(len(indices), indices[0], indices[-1])}")
+    mask = batch.response_mask.bool()
     table.add_column("tensor")
     table.add_column("value", justify="right")
     table.add_row("responses shape (b, t)", str(tuple(batch.responses.shape)))
