@@ -3,7 +3,8 @@ the file; the resolved settings are saved next to the run's outputs and rerun it
 
 Keys are option names with ``_`` or ``-`` (``max_turns`` or ``max-turns``). An unknown key is an error
 that names it, the file and the closest valid key (``difflib``), or, for an option of an earlier version
-(:data:`REPLACED`), what replaced it, before anything runs or any file is written. Values are checked by the options' own declarations (``agent_loop.cli.flags.validate``).
+(:data:`REPLACED`), what replaced it, before anything runs or any file is written. Values are checked by the
+options' own declarations (``agent_loop.cli.flags.validate``).
 """
 
 from __future__ import annotations
