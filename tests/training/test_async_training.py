@@ -12,7 +12,7 @@ bit-equal weights after 2 steps); a K = 1 run with a slow tool trains on partial
 sampling logprob is that of the weights of the version it records (and not the other version's), trains on
 nothing older than K, and logs the staleness and producer metrics every step to metrics.jsonl and
 TensorBoard; a run stopped after its step-2 checkpoint and resumed plays the same questions as a run that
-never stopped, none twice; ``off_policy`` is the deprecated alias of ``max_staleness 1``. The in-process vLLM
+never stopped, none twice; ``off_policy`` is refused, naming ``max_staleness 1``. The in-process vLLM
 engine: tests/training/test_async_vllm.py.
 """
 

@@ -63,10 +63,10 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
         after = asyncio.run(through(url))
 
         # the trainer with rollouts on the server: rank 0 pushes after each step, the server follows
-        config = TrainConfig.from_flat(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
-                             mini_batches=2, micro_batch_size=4, lr=1e-3, entropy_coef=0.01, threads=2,
-                             rollout_servers=url, served_model_name="tiny-agent", output_dir=str(tmp_path / "run"),
-                             progress=False)
+        config = TrainConfig.from_flat(
+            model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
+            micro_batch_size=4, lr=1e-3, entropy_coef=0.01, threads=2, server=[url], served_model_name="tiny-agent",
+            output_dir=str(tmp_path / "run"), progress=False)
         trainer = Trainer(config)
         metrics = trainer.train_step()
         assert trainer.transport.inner.version == 2 and metrics["time/weight_sync_s"] > 0  # at start and after the step
@@ -150,10 +150,10 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
 
         # the trainer with LoRA and rollouts on the server: the adapter is pushed after the step, and the
         # rollouts of every rank ask for it
-        config = TrainConfig.from_flat(model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8,
-                             mini_batches=2, micro_batch_size=4, lr=1e-2, entropy_coef=0.01, threads=2, lora_rank=4,
-                             rollout_servers=url, served_model_name="tiny-agent", output_dir=str(tmp_path / "run"),
-                             progress=False)
+        config = TrainConfig.from_flat(
+            model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
+            micro_batch_size=4, lr=1e-2, entropy_coef=0.01, threads=2, lora_rank=4, server=[url],
+            served_model_name="tiny-agent", output_dir=str(tmp_path / "run"), progress=False)
         trainer = Trainer(config)
         trainer.train_step()
         assert trainer.transport.inner.version == 2 and trainer.backend.model == trainer.transport.served_model
