@@ -68,8 +68,8 @@ def returns_table(trajectories, pad_token_id: int, options) -> Table:
     # torch: the rollout path imports this module without it
     import torch
 
-    from advantages import get_estimator
-    from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch
+    from advantages import get_estimator  # torch, as above
+    from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch  # torch, as above
 
     batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id)
     batch.index = torch.tensor([t.info.get("group", t.info["index"]) for t in trajectories], dtype=torch.long)

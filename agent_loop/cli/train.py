@@ -63,7 +63,7 @@ def check_world(config: TrainConfig, task=None) -> None:
     preflight.check_output_dir(config.output.output_dir)
     if config.output.wandb_project is not None:
         try:
-            import wandb  # noqa: F401
+            import wandb  # noqa: F401  (optional: only whether it is installed)
         except ImportError:
             raise UsageError(f"--wandb-project {config.output.wandb_project}: wandb is not installed (pip install wandb)") from None
 
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     args.stop_note = stop_note(config, argv)
     try:
         if config.run.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            # torch: the rollout path imports this module without it
             from agent_loop.training.distributed import relaunch_under_torchrun
 
             os.environ[HELD_ENV] = str(lock.path)  # the workers write into the folder this process holds
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(config: TrainConfig, task) -> int:
+    # torch: the rollout path imports this module without it
     from agent_loop.recipes.train import Trainer
     from agent_loop.training.checkpoint import CheckpointError, step_folder
     from agent_loop.training.distributed import close_data_parallel

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     # torch: the rollout path imports this module without it
     import torch
 
-    from agent_loop.integrations.verl_comparison import run_checks
+    from agent_loop.integrations.verl_comparison import run_checks  # torch, as above
 
     torch.set_num_threads(threads or 1)  # small batches: one thread is fastest and deterministic
     rows = run_checks(range(SEEDS))
