@@ -85,7 +85,7 @@ def _triton(x: torch.Tensor):
     """The Triton kernels module when ``x`` is a CUDA tensor it can take, else None (imported lazily)."""
     if not x.is_cuda or x.dtype not in _TRITON_DTYPES:
         return None
-    import advantages.triton_kernels as triton_kernels
+    import advantages.triton_kernels as triton_kernels  # imports triton (optional): CUDA tensors only
 
     return triton_kernels if triton_kernels.triton_available(x) else None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import yaml
 from pydantic import Field
 from rich.console import Console
 
@@ -31,15 +32,27 @@ import agent_loop.cli.preflight as preflight
 from agent_loop.backends.base import BackendSettings, is_fatal
 from agent_loop.backends.registry import make_backend
 from agent_loop.backends.server_options import ServerOptions
+from agent_loop.backends.vllm_engine import engine_log
 from agent_loop.cli.config_file import save_config
 from agent_loop.cli.flags import UsageError, add_options, resolve, validate
+from agent_loop.cli.stops import go_on_command
 from agent_loop.cli.tables import failure_summary, returns_table, summary_table
 from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.model_folders import model_path
 from agent_loop.options import OptionError, ProgressOptions, pick, plural
 from agent_loop.proxy import AgentOptions
+from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
 from agent_loop.runners.backend_choice import AUTO, BackendOptions, resolve_backend
-from agent_loop.runners.outputs import fresh_path
+from agent_loop.runners.jsonl import OutputExistsError, count_lines
+from agent_loop.runners.local import error_status, plan_output, stream_rollouts
+from agent_loop.runners.outputs import (
+    OutputLockedError,
+    RunLock,
+    changed_settings,
+    fresh_path,
+    is_write_failure,
+    refuse_changed,
+)
 from agent_loop.runners.spec import (
     EpisodesOptions,
     EstimatorOptions,
@@ -115,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
         if opts.group_size > 1:  # episode i plays question i // group_size, as train's steps do
             task = GroupedTask(task, opts.group_size, question_seed=opts.seed)
         if opts.agent:  # loaded now: a module that cannot load is a usage error before any model loads
-            from agent_loop.proxy.agents import load_agent
 
             load_agent(opts.agent)
     except ValueError as error:  # PluginError: a plug-in that cannot load
@@ -148,16 +160,12 @@ def check_world(opts: RolloutOptions, task=None) -> str:
 
 def go_on(opts: RolloutOptions, argv: list[str] | None) -> str:
     """The command that plays the rest of this run: its own arguments, ``--out`` made explicit, ``--resume``."""
-    from agent_loop.cli.stops import go_on_command
-
     return go_on_command("agent-loop rollout", list(argv or []), drop={"--out": True, "--resume": False,
                          "--append": False}, add=["--out", str(opts.out), "--resume"])
 
 
 def held_note(out: Path, argv: list[str] | None, opts: RolloutOptions):
     """What a stop leaves behind: how many whole episodes ``out`` holds, and the command that goes on."""
-    from agent_loop.runners.jsonl import count_lines
-
     return lambda: (f"{out} holds {plural(count_lines(out), 'whole episode')} (each line one finished episode); "
                     f"to play the rest: {go_on(opts, argv)}")
 
@@ -165,10 +173,6 @@ def held_note(out: Path, argv: list[str] | None, opts: RolloutOptions):
 def check_resume_settings(opts: RolloutOptions, saved_path: Path) -> None:
     """Refuse a ``--resume`` or ``--append`` whose episodes would differ from those already in ``--out`` (their
     settings saved at ``saved_path``) unless ``--allow-config-change``; then the differences are a warning."""
-    import yaml
-
-    from agent_loop.runners.outputs import changed_settings, refuse_changed
-
     flag = "--resume" if opts.resume else "--append"
     if not saved_path.is_file():
         warnings.warn(f"{flag}: no saved settings ({saved_path}) to compare this run's with", stacklevel=2)
@@ -188,8 +192,6 @@ def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namesp
     """Play the episodes (after every check has passed), print the summary; 0, or 1 when nothing ran well.
 
     ``--out`` is locked from before it is read until the run ends (a second run into it is refused)."""
-    from agent_loop.runners.outputs import OutputLockedError, RunLock
-
     path = check_world(opts, task)
     out = Path(opts.out)
     try:
@@ -203,10 +205,7 @@ def play(opts: RolloutOptions, task, save_options=None, *, args: argparse.Namesp
 
 
 def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path, args) -> int:
-    from transformers import AutoTokenizer
-
-    from agent_loop.runners.jsonl import OutputExistsError
-    from agent_loop.runners.local import plan_output
+    from transformers import AutoTokenizer  # torch: every command's module loads at the CLI's start
 
     argv = getattr(args, "argv", None)
     try:  # before anything is loaded or opened: an existing --out is never touched without --resume/--append
@@ -232,7 +231,6 @@ def _play_locked(opts: RolloutOptions, task, save_options, path: str, out: Path,
     stats, timing = _stream(opts, spec, path, out, total, argv)
     if not report(opts, stats, tokenizer, timing, path, out, task.name):
         return 1
-    from agent_loop.runners.local import error_status
 
     status, error_lines = error_status(stats, opts.max_error_fraction)
     for line in error_lines:
@@ -266,9 +264,6 @@ class Timing:
 def engine_log_of(opts: RolloutOptions, out: Path) -> str | None:
     """Where ``--backend vllm``'s engine logs go: ``<out>.vllm.log`` beside the output (the first free name), or
     the terminal (None) with ``--verbose`` or a ``VLLM_LOGGING_LEVEL`` of the user's."""
-    from agent_loop.backends.vllm_engine import engine_log
-    from agent_loop.runners.outputs import fresh_path
-
     if opts.backend != "vllm":
         return None
     log = engine_log(fresh_path(str(out.with_name(out.stem + ".vllm.log"))), verbose=opts.verbose)
@@ -277,10 +272,6 @@ def engine_log_of(opts: RolloutOptions, out: Path) -> str | None:
 
 def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: int, argv: list[str] | None):
     """Start the backend, play, stop it: the stats and the :class:`Timing`."""
-    from agent_loop.runners.jsonl import count_lines
-    from agent_loop.runners.local import stream_rollouts
-    from agent_loop.runners.outputs import is_write_failure
-
     threads = apply_threads(opts.threads)  # vllm on CPU: its engine's threads bound to as many cores
     timing = Timing(started=time.perf_counter())
     backend = make_backend(opts.backend, path, BackendSettings.from_options(  # --server, deadlines
@@ -290,7 +281,6 @@ def _stream(opts: RolloutOptions, spec: RunSpec, path: str, out: Path, total: in
     async def play_all():
         try:
             if opts.agent:  # the user's own agent, through an in-process recording proxy (docs/agents.md)
-                from agent_loop.proxy.agents import load_agent, stream_agent_rollouts
 
                 played = await stream_agent_rollouts(spec, backend, load_agent(opts.agent), concurrency=opts.concurrency,
                                                      sample_size=RETURNS_SAMPLE, total=total,

@@ -29,7 +29,8 @@ import sys
 
 import torch
 
-from advantages import TURN_LEVEL, gae, reinforce_plus_plus  # TURN_LEVEL: registered as agent_loop_*
+from advantages import TURN_LEVEL, gae, get_estimator, reinforce_plus_plus  # TURN_LEVEL: registered as agent_loop_*
+from agent_loop.episode.contracts import state_key
 from agent_loop.integrations.spans import spans_from_masks
 from masking.rewards import OBSERVATION_REWARD_POLICIES, relocate_observation_rewards
 from masking.spans import SpanKind, spans_from_response_mask
@@ -148,8 +149,6 @@ def _batch_fields(data, b: int) -> dict:
 def _states_within(turn_states: list, spans: torch.Tensor) -> list:
     """Each row's keys, hashable (lists as tuples), cut to the turns its response kept (verl cuts a response at
     ``response_length``: the keys of turns cut off go)."""
-    from agent_loop.episode.contracts import state_key
-
     assistant = spans == SpanKind.ASSISTANT
     starts = assistant & ~torch.nn.functional.pad(assistant, (1, 0))[:, :-1]
     turns = starts.sum(dim=1).tolist()  # host: the keys are host objects anyway
@@ -175,8 +174,6 @@ def turn_level_for_verl(name: str):
     config and the uids: the rest (``responses``: gigpo's anchor states are the tool results' tokens;
     ``attention_mask``; ``values`` for turn_gae; ``turn_states`` a task records, in ``agent_loop_info``) is read
     from the batch that ``compute_advantage`` is computing (:func:`capture_batches`), or given as keywords."""
-    from advantages import get_estimator
-
     entry = get_estimator(name)
 
     def estimator(token_level_rewards, response_mask, config=None, index=None, values=None, *, responses=None,

@@ -29,6 +29,7 @@ from pydantic import Field
 
 from agent_loop.backends.registry import BACKENDS
 from agent_loop.backends.vllm_engine import VLLM_LORA_RANKS  # (imports no vllm: that is done when an engine starts)
+from agent_loop.model_folders import ModelError, check_model_dir
 
 AUTO = "auto"
 ROLLOUT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --rollout-dtype -> the torch dtype name backends take
@@ -112,8 +113,6 @@ def _why_not_vllm(model: str | Path, *, lora_rank: int, processes: int, device: 
     if device != "cpu":
         return (f"--device {device}: the trainer and an in-process engine would share the accelerator's memory "
                 "(serve it with agent-loop serve and pass --server)")
-    from agent_loop.model_folders import ModelError, check_model_dir
-
     try:
         check_model_dir(model, "vllm", load_tokenizer=False)
     except ModelError as error:

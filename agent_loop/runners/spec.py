@@ -87,7 +87,7 @@ def estimators(per_row: bool = False) -> list[str]:
     """The registered advantage estimators (``advantages.ESTIMATORS``; imports torch when called). ``per_row``:
     only those a file of rollouts can show, needing no critic values (the group estimators take the group ids
     of ``group_size`` samples per question: :func:`check_group_estimator`)."""
-    from advantages import ESTIMATORS
+    from advantages import ESTIMATORS  # torch: the options load at the CLI's start without it
 
     return sorted(n for n, e in ESTIMATORS.items() if not per_row or not e.needs_values)
 
@@ -119,7 +119,7 @@ def check_row_estimator(name: str) -> str:
 def check_group_estimator(name: str, group_size: int) -> None:
     """OptionError unless ``group_size`` is 2 or more for an estimator that compares a group's samples
     (``needs_index``): with one sample per question it would have no baseline."""
-    from advantages import get_estimator
+    from advantages import get_estimator  # torch: as estimators()
 
     if get_estimator(name).needs_index and group_size < 2:
         raise OptionError("estimator", "compares samples of the same question; needs {group_size} 2 or more "
@@ -164,7 +164,7 @@ class EstimatorOptions:
     def estimator_settings(self, name: str | None = None):
         """The settings instance of estimator ``name`` (default: ``estimator``) from these options, for its registry
         entry's ``settings=``; None for an estimator without settings (imports torch: ``advantages.get_estimator``)."""
-        from advantages import get_estimator
+        from advantages import get_estimator  # torch: as estimators()
 
         settings = get_estimator(name or self.estimator).settings
         if settings is None:

@@ -39,7 +39,7 @@ def build_threads() -> int:
 
 def numerics() -> dict:
     """The numerics this process trains with, for the build record."""
-    import torch
+    import torch  # the tiny package loads on the rollout path, which stays free of torch
 
     return {"aten": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -63,7 +63,7 @@ def run_pinned(target: str, *args: str) -> None:
 
 
 def _call(target: str, args) -> None:
-    import torch
+    import torch  # as numerics()
 
     torch.set_num_threads(build_threads())
     module, name = target.split(":")

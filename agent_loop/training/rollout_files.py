@@ -16,9 +16,11 @@ import re
 import warnings
 from pathlib import Path
 
+from advantages import gigpo_anchor_groups
 from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.files import move_aside
 from agent_loop.options import pick, plural
+from agent_loop.runners.batch import estimator_arguments
 from agent_loop.runners.jsonl import JsonlWriter
 from agent_loop.tasks.registry import TaskOptions
 
@@ -71,9 +73,6 @@ def anchor_groups(estimator, batch) -> tuple | None:
     step computed them; None for another estimator or no batch."""
     if batch is None or estimator.name != "gigpo":
         return None
-    from advantages import gigpo_anchor_groups
-    from agent_loop.runners.batch import estimator_arguments
-
     arguments = {name: value for name, value in estimator_arguments(estimator, batch).items()
                  if name in ("index", "spans", "turn_ids", "responses", "turn_states")}
     sets, others = gigpo_anchor_groups(batch.response_mask, **arguments)
