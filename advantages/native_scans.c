@@ -67,19 +67,29 @@ static void merge(moments row, double *n, double *mean, double *m2) {
         }                                                                                             \
     }
 
-/* returns: R = x + gamma R on a step (returned), carried elsewhere (0 returned) */
+/* returns: R = x + gamma R on a step (returned), carried elsewhere (0 returned); rows at base[k],
+ * each starting from state[k], which is left holding the state at the row's start (column 0) */
 #define RETURNS(N, T)                                                                                 \
-    static void returns_group_##N(const T *x, const T *steps, T *out, int64_t group, int64_t cols,    \
-                                  double gamma) {                                                     \
-        double state[ROWS] = {0};                                                                     \
+    static void returns_rows_##N(const T *x, const T *steps, T *out, const int64_t *base_in,          \
+                                 int64_t group, int64_t cols, double gamma, double *state_in) {        \
+        int64_t base[ROWS];                                                                           \
+        double state[ROWS];                                                                           \
+        for (int64_t k = 0; k < group; k++) base[k] = base_in[k], state[k] = state_in[k];             \
         for (int64_t j = cols - 1; j >= 0; j--) {                                                     \
             for (int64_t k = 0; k < group; k++) {                                                     \
-                int64_t at = k * cols + j;                                                            \
+                int64_t at = base[k] + j;                                                             \
                 int on = steps[at] != 0;                                                              \
                 state[k] = on ? x[at] + gamma * state[k] : state[k];                                  \
                 out[at] = on ? (T)state[k] : (T)0;                                                    \
             }                                                                                         \
         }                                                                                             \
+        for (int64_t k = 0; k < group; k++) state_in[k] = state[k];                                   \
+    }                                                                                                 \
+    static void returns_group_##N(const T *x, const T *steps, T *out, int64_t group, int64_t cols,    \
+                                  double gamma) {                                                     \
+        int64_t base[ROWS] = {0, cols, 2 * cols, 3 * cols};                                           \
+        double state[ROWS] = {0};                                                                     \
+        returns_rows_##N(x, steps, out, base, group, cols, gamma, state);                             \
     }                                                                                                 \
     void returns_##N(const T *x, const T *steps, T *out, int64_t rows, int64_t cols, double gamma) {  \
         for (int64_t first = 0; first < rows; first += ROWS) {                                        \
@@ -97,17 +107,42 @@ static void merge(moments row, double *n, double *mean, double *m2) {
                 merge(row_moments_##N(returns + row, steps + row, cols), &n, &mean, &m2);             \
         }                                                                                             \
         whiten_##N(returns, steps, advantages, rows * cols, n, mean, m2, eps);                        \
+    }                                                                                                 \
+    /* chained: rows are segments of sessions; each row starts from the state its session's next     \
+     * segment (row next[row], or none: -1) ended with, as if the two were one row (CHAIN below);    \
+     * eps >= 0 also whitens into advantages */                                                       \
+    void chained_returns_##N(const T *x, const T *steps, T *returns, T *advantages, int64_t rows,     \
+                             int64_t cols, double gamma, double eps, const int64_t *order,            \
+                             const int64_t *next, const int64_t *level, double *carry) {              \
+        double n = 0, mean = 0, m2 = 0;                                                               \
+        for (int64_t first = 0; first < rows;) {                                                      \
+            int64_t base[ROWS], group;                                                                \
+            double state[ROWS];                                                                       \
+            CHAIN_GROUP(first, group, base, state, 1, cols, rows, order, next, level, carry);         \
+            returns_rows_##N(x, steps, returns, base, group, cols, gamma, state);                     \
+            for (int64_t k = 0; k < group; k++) {                                                     \
+                carry[order[first + k]] = state[k];                                                   \
+                if (eps >= 0) merge(row_moments_##N(returns + base[k], steps + base[k], cols), &n, &mean, &m2); \
+            }                                                                                         \
+            first += group;                                                                           \
+        }                                                                                             \
+        if (eps >= 0) whiten_##N(returns, steps, advantages, rows * cols, n, mean, m2, eps);          \
     }
 
 /* GAE: on a step delta = r + gamma V_next - V, A = delta + gamma lam A, V_next = V; A and A + V
- * returned; both carried elsewhere (0 returned) */
+ * returned; both carried elsewhere (0 returned); rows at base[k], each starting from (A, V_next) =
+ * state[2k], state[2k + 1], which are left holding the state at the row's start */
 #define GAE(N, T)                                                                                     \
-    static void gae_group_##N(const T *rewards, const T *values, const T *steps, T *advantages,       \
-                              T *returns, int64_t group, int64_t cols, double gamma, double lam) {    \
-        double running[ROWS] = {0}, next_value[ROWS] = {0};                                           \
+    static void gae_rows_##N(const T *rewards, const T *values, const T *steps, T *advantages,        \
+                             T *returns, const int64_t *base_in, int64_t group, int64_t cols,         \
+                             double gamma, double lam, double *state_in) {                            \
+        int64_t base[ROWS];                                                                           \
+        double running[ROWS], next_value[ROWS];                                                       \
+        for (int64_t k = 0; k < group; k++)                                                           \
+            base[k] = base_in[k], running[k] = state_in[2 * k], next_value[k] = state_in[2 * k + 1];  \
         for (int64_t j = cols - 1; j >= 0; j--) {                                                     \
             for (int64_t k = 0; k < group; k++) {                                                     \
-                int64_t at = k * cols + j;                                                            \
+                int64_t at = base[k] + j;                                                             \
                 int on = steps[at] != 0;                                                              \
                 double value = values[at];                                                            \
                 double delta = rewards[at] + gamma * next_value[k] - value;                           \
@@ -117,6 +152,13 @@ static void merge(moments row, double *n, double *mean, double *m2) {
                 returns[at] = on ? (T)(running[k] + value) : (T)0;                                    \
             }                                                                                         \
         }                                                                                             \
+        for (int64_t k = 0; k < group; k++) state_in[2 * k] = running[k], state_in[2 * k + 1] = next_value[k]; \
+    }                                                                                                 \
+    static void gae_group_##N(const T *rewards, const T *values, const T *steps, T *advantages,       \
+                              T *returns, int64_t group, int64_t cols, double gamma, double lam) {    \
+        int64_t base[ROWS] = {0, cols, 2 * cols, 3 * cols};                                           \
+        double state[2 * ROWS] = {0};                                                                 \
+        gae_rows_##N(rewards, values, steps, advantages, returns, base, group, cols, gamma, lam, state); \
     }                                                                                                 \
     void gae_##N(const T *rewards, const T *values, const T *steps, T *advantages, T *returns,        \
                  int64_t rows, int64_t cols, double gamma, double lam) {                              \
@@ -139,6 +181,38 @@ static void merge(moments row, double *n, double *mean, double *m2) {
                 merge(row_moments_##N(advantages + row, steps + row, cols), &n, &mean, &m2);          \
         }                                                                                             \
         whiten_##N(advantages, steps, advantages, rows * cols, n, mean, m2, eps);                     \
+    }                                                                                                 \
+    /* chained as chained_returns; eps >= 0 whitens the advantages in place; carry is (rows, 2) */    \
+    void chained_gae_##N(const T *rewards, const T *values, const T *steps, T *advantages,            \
+                         T *returns, int64_t rows, int64_t cols, double gamma, double lam,            \
+                         double eps, const int64_t *order, const int64_t *next, const int64_t *level, \
+                         double *carry) {                                                             \
+        double n = 0, mean = 0, m2 = 0;                                                               \
+        for (int64_t first = 0; first < rows;) {                                                     \
+            int64_t base[ROWS], group;                                                                \
+            double state[2 * ROWS];                                                                   \
+            CHAIN_GROUP(first, group, base, state, 2, cols, rows, order, next, level, carry);         \
+            gae_rows_##N(rewards, values, steps, advantages, returns, base, group, cols, gamma, lam, state); \
+            for (int64_t k = 0; k < group; k++) {                                                     \
+                int64_t row = order[first + k];                                                       \
+                carry[2 * row] = state[2 * k], carry[2 * row + 1] = state[2 * k + 1];                 \
+                if (eps >= 0) merge(row_moments_##N(advantages + base[k], steps + base[k], cols), &n, &mean, &m2); \
+            }                                                                                         \
+            first += group;                                                                           \
+        }                                                                                             \
+        if (eps >= 0) whiten_##N(advantages, steps, advantages, rows * cols, n, mean, m2, eps);       \
+    }
+
+/* CHAIN_GROUP: the next group of rows of a chained scan. Rows go in order[] (every session's last
+ * segments first: level[i], the segment number of order[i], never increases), up to ROWS rows of one
+ * level together (so none waits on another of its group); row r starts from the WIDTH doubles its
+ * session's next segment next[r] ended with (carry[WIDTH * next[r]..], already written: a higher
+ * level), or from 0 for a session's last segment (next[r] = -1). Sets group, base[] and state[]. */
+#define CHAIN_GROUP(first, group, base, state, WIDTH, cols, rows, order, next, level, carry)           \
+    for (group = 0; group < ROWS && first + group < rows && level[first + group] == level[first]; group++) { \
+        int64_t row_ = order[first + group], next_ = next[row_];                                      \
+        base[group] = row_ * cols;                                                                    \
+        for (int w_ = 0; w_ < WIDTH; w_++) state[WIDTH * group + w_] = next_ >= 0 ? carry[WIDTH * next_ + w_] : 0.0; \
     }
 
 WHITENING(f32, float)

@@ -26,8 +26,8 @@ THREADS_TO_MATCH = 6  # from the torch scan's measured one-thread ratio to the l
 
 @functools.cache
 def compiled_scans() -> dict[tuple[str, torch.dtype], Callable] | None:
-    """``{(kind, dtype): function}`` for the kinds returns, whitened_returns, gae and whitened_gae,
-    or None (no compiler)."""
+    """``{(kind, dtype): function}`` for the kinds returns, whitened_returns, gae, whitened_gae,
+    chained_returns and chained_gae, or None (no compiler)."""
     lib = native.load(SOURCE)
     if lib is None:
         return None
@@ -38,6 +38,11 @@ def compiled_scans() -> dict[tuple[str, torch.dtype], Callable] | None:
         ):  # pointers, rows and cols, gamma (and lam, and the whitening's eps)
             function = functions[kind, dtype] = getattr(lib, f"{kind}_{name}")
             function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 2 + [ctypes.c_double] * numbers
+            function.restype = None
+        for kind, pointers, numbers in (("chained_returns", 4, 2), ("chained_gae", 5, 3)):  # + order, next, level, carry
+            function = functions[kind, dtype] = getattr(lib, f"{kind}_{name}")
+            function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 2 + [ctypes.c_double] * numbers \
+                + [ctypes.c_void_p] * 4
             function.restype = None
     return functions
 
@@ -99,4 +104,43 @@ def native_gae(
         rewards.data_ptr(), values.data_ptr(), steps.data_ptr(), advantages.data_ptr(), returns.data_ptr(),
         *rewards.shape, gamma, lam, *whiten,
     )
+    return advantages, returns
+
+
+def native_chained_returns(
+    rewards: torch.Tensor, steps: torch.Tensor, gamma: float, chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    whiten_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`native_returns` (with ``whiten_eps``: :func:`native_whitened_returns`) of rows that are segments
+    of sessions, each row's scan starting from the state its session's next segment ended with: the
+    returns of the segments laid end to end, with no copy. ``chain``: ``(order, next, level)``, ``(b,)``
+    int64 CPU tensors (:func:`masking.sessions.segment_chain`). ``(advantages, returns)`` ``(b, t)``
+    (the advantages are the returns without ``whiten_eps``), exactly 0 off the steps; or None."""
+    function = _function("chained_returns", rewards, steps)
+    if function is None:
+        return None
+    returns = torch.empty_like(rewards)
+    advantages = returns if whiten_eps is None else torch.empty_like(rewards)
+    carry = torch.empty(rewards.shape[0], dtype=torch.float64)
+    function(rewards.data_ptr(), steps.data_ptr(), returns.data_ptr(), advantages.data_ptr(), *rewards.shape, gamma,
+             -1.0 if whiten_eps is None else whiten_eps, *(x.data_ptr() for x in chain), carry.data_ptr())
+    return advantages, returns
+
+
+def native_chained_gae(
+    rewards: torch.Tensor, values: torch.Tensor, steps: torch.Tensor, gamma: float, lam: float,
+    chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor], whiten_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`native_gae` of rows that are segments of sessions (``chain`` as in :func:`native_chained_returns`):
+    each row's scan starts from the advantage and the value its session's next segment's scan ended with,
+    so the last step of segment k bootstraps from the value at segment k + 1's first step.
+    ``(advantages, returns)`` ``(b, t)``, exactly 0 off the steps; or None."""
+    function = _function("chained_gae", rewards, values, steps)
+    if function is None:
+        return None
+    advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)
+    carry = torch.empty(rewards.shape[0], 2, dtype=torch.float64)
+    function(rewards.data_ptr(), values.data_ptr(), steps.data_ptr(), advantages.data_ptr(), returns.data_ptr(),
+             *rewards.shape, gamma, lam, -1.0 if whiten_eps is None else whiten_eps, *(x.data_ptr() for x in chain),
+             carry.data_ptr())
     return advantages, returns

@@ -43,6 +43,7 @@ from advantages.estimators import GRPO_EPS, group_ids
 from advantages.native_turns import native_broadcast, native_check_turn_ids, native_turn_tables
 from advantages.registry import AdvantageEstimator, register_adv_est
 from advantages.returns import check_batch, check_discount, discounted_returns
+from advantages.sessions import FAST_PATHS, fast_path_key, turns_by_session
 from advantages.settings import DiscountSettings, GAESettings, GiGPOSettings
 from advantages.stats import accumulation_dtype, masked_whiten
 from masking.spans import SPAN_DTYPE, SpanKind
@@ -734,3 +735,9 @@ def gigpo(
     dtype = token_level_rewards.dtype
     advantages, returns = tables.broadcast([advantages, G], dtype)
     return advantages, returns
+
+
+# Session-aware without joining the tokens (advantages/sessions.py): these read per-turn tables only, so a
+# session's turns are laid out from its rows' tables (gigpo's observation keys, read from the tokens, join instead).
+FAST_PATHS.update({fast_path_key(fn): functools.partial(turns_by_session, _tables)
+                   for fn in (turn_rloo, turn_index_normalized, turn_gae, gigpo)})

@@ -11,8 +11,8 @@ one of 12 per turn. Rows are float32, as the trainer's.
 
 For each estimator: "session-free" is the call without sessions (``session=None``: every row its
 own episode, the row-per-segment ablation), "session-aware" the call with ``session``/``segment``
-(:func:`advantages.sessions.estimate_by_session`: join, estimate, split back); the ratio is
-aware / free. Both with ``validate=False`` (the hot path) and, with ``--validate``, also with the
+(:func:`advantages.sessions.estimate_by_session`: a fast path of ``advantages.sessions.FAST_PATHS`` where the
+estimator has one, else join, estimate, split back); the ratio is aware / free. Both with ``validate=False`` (the hot path) and, with ``--validate``, also with the
 checks on. Times are medians of ``--repeats`` calls after a warm-up, process CPU time with
 ``--threads`` torch threads (``--wall`` for wall time). Usage::
 

@@ -185,6 +185,49 @@ def session_join(spans: torch.Tensor, session, segment, validate: bool = True) -
     return SessionJoin(spans, dense, length, dense * width + offset, total, order[first], sessions, width, segments, order)
 
 
+def session_rows(session, segment, b: int, device: torch.device | str, validate: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The sessions of ``b`` rows without joining them: ``(b,)`` dense session ids on ``device``, ``(sessions,)``
+    each session's segment-0 row (the row whose per-row fields, as its group, stand for the session; its
+    lowest-numbered row if unvalidated) and the number of sessions. The host reads only the ids
+    (:func:`host_layout`; ``validate``: :func:`check_segments`); the rest is a scatter on ``device``, no host sync."""
+    dense_cpu, segment_cpu, sessions, _ = host_layout(session, segment, b, validate)
+    dense, segment_ = dense_cpu.to(device), segment_cpu.to(device)
+    key = segment_ * max(b, 1) + torch.arange(b, device=device)  # the lowest segment (0, when validated) wins
+    first = torch.full((sessions,), torch.iinfo(torch.long).max, dtype=torch.long, device=device)
+    return dense, first.scatter_reduce(0, dense, key, "amin") % max(b, 1), sessions
+
+
+def segment_chain(session, segment, b: int, validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How a scan carries a session across its rows without joining them: ``(order, next, level)``, ``(b,)``
+    int64 CPU tensors. ``order``: the rows, every session's later segments first (segment numbers
+    descending, stable); ``level``: the segment number of ``order[i]``; ``next``: for each row, the row of
+    its session's next segment, -1 for a session's last. A right-to-left scan over the rows in ``order``,
+    each starting from the state its ``next`` row ended with, is the scan of each session's segments laid
+    end to end. ``validate``: :func:`check_segments` (host reads of the ids only, :func:`host_layout`)."""
+    dense, segment_, sessions, segments = host_layout(session, segment, b, validate)
+    order = torch.argsort(segment_, descending=True, stable=True)
+    table = torch.full((sessions, segments + 1), -1, dtype=torch.long)
+    table[dense, segment_] = torch.arange(b)
+    return order, table[dense, segment_ + 1], segment_[order].contiguous()
+
+
+def turn_layout(session, segment, turn_count: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row's turns go in its session's per-turn table, without joining the tokens: ``(b, n)`` the
+    flat index (``session * N + turns of the session's earlier segments + k``) of row turn ``k`` in a
+    ``(sessions, N)`` table, ``sessions * N`` (a spare slot) for ``k >= turn_count``; ``(sessions,)`` each
+    session's turns; ``N`` (at least 1), the most turns of a session. ``turn_count`` ``(b,)`` long, each
+    row's turns; ``n`` its per-row table width. Reads the ids and ``N`` on the host (a CPU path; the
+    segments are not validated here: :func:`session_rows` does that)."""
+    dense_cpu, segment_cpu, sessions, segments = host_layout(session, segment, turn_count.shape[0], False)
+    device = turn_count.device
+    dense = dense_cpu.to(device)
+    order = torch.argsort(dense * max(segments, 1) + segment_cpu.to(device))
+    offset, total = _exclusive_sums_in_session(turn_count, order, dense[order], sessions)
+    most = max(int(total.max()) if sessions else 0, 1)
+    k = torch.arange(n, device=device)
+    return torch.where(k < turn_count.unsqueeze(1), (dense * most + offset).unsqueeze(1) + k, sessions * most), total, most
+
+
 def check_segments(session: torch.Tensor, segment: torch.Tensor) -> None:
     """ValueError naming the rows unless the ``(b,)`` segment numbers of each session (dense ``(b,)``
     CPU ids) are exactly ``0, 1, .., n-1``: no duplicate, no gap, none negative."""
