@@ -171,17 +171,158 @@ class VersionedBackend(Backend):
         self.inner.close()
 
 
+class GroupTable:
+    """The producer's question stream and hand-over table (the module docstring: admission, the staleness rule).
+
+    Groups start in id order from ``position`` (a checkpoint's :meth:`RolloutProducer.position`: its pending groups
+    first, then its ``next_group`` on; None: from group ``first_step x groups_per_step``); each episode's admission
+    version is noted; finished episodes wait under their group until it is complete. The admission budget counts
+    groups started less groups dropped as stale or set aside; ``freed`` is called whenever one of its places frees,
+    so that admission is checked again. ``counts``: episodes started, finished, taken, dropped as stale and filtered
+    (started = finished + in flight; finished = taken + dropped + filtered + waiting). It has no lock of its own:
+    the producer calls it under its hand-over lock (:meth:`may_start` aside, a read that admission repeats)."""
+
+    def __init__(self, *, group_size: int, groups_per_step: int, max_staleness: int, first_step: int,
+                 last_step: int | None, position: dict | None, freed: Callable[[], None]):
+        self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
+        self.last_step = last_step  # no group beyond what steps up to this one can train on is started
+        self.freed = freed
+        position = position or {"next_group": first_step * groups_per_step, "pending": []}
+        self.replay = deque(sorted(position["pending"]))  # started before a resume, never trained on: first
+        self.next_group = position["next_group"]  # the first group never started
+        self.open: set[int] = set()  # groups started, neither taken nor dropped
+        self.group, self.members = -1, group_size  # the group being started, how many of its members started
+        self.budget_used = first_step * groups_per_step  # groups started - groups dropped (the admission rule)
+        self.admitted: dict[int, int] = {}  # episode in flight -> the version it was admitted under
+        self.finished: dict[int, list[Trajectory]] = {}  # group -> its finished members (waiting to complete)
+        self.oldest: dict[int, int] = {}  # group -> the oldest version among its finished members
+        self.complete: set[int] = set()  # groups whose every member finished: ready to take
+        self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0, filtered=0)
+        self.last_take = (time.perf_counter(), 0)  # (when, episodes finished then): the producer's throughput
+
+    def may_start(self, version: int) -> bool:
+        """Whether the next episode may start under weights ``version``: a group's later members always (a group is
+        never half started); the first member of the next group only within the staleness budget."""
+        if self.members < self.group_size:
+            return True
+        steps = version + self.max_staleness + 1
+        budget = (steps if self.last_step is None else min(steps, self.last_step)) * self.groups_per_step
+        return self.budget_used < budget
+
+    def start_next(self, version: int) -> int:
+        """The next episode's index (the next member of the group being started, or the first of the next group: a
+        pending one from before a resume, else the next never started), noted as admitted under ``version``."""
+        if self.members == self.group_size:
+            if self.replay:
+                self.group = self.replay.popleft()
+            else:
+                self.group, self.next_group = self.next_group, self.next_group + 1
+            self.members = 0
+            self.open.add(self.group)
+            self.budget_used += 1
+        index = self.group * self.group_size + self.members
+        self.members += 1
+        self.counts["started"] += 1
+        self.admitted[index] = version
+        return index
+
+    def file(self, trajectory: Trajectory) -> bool:
+        """A finished episode (its ``info`` stamped) into its group; True when it was the group's last member."""
+        index = trajectory.info["index"]
+        group = index // self.group_size
+        started = self.admitted.pop(index)
+        self.counts["finished"] += 1
+        self.finished.setdefault(group, []).append(trajectory)
+        # its oldest token's version (an episode admitted under one version may sample its first token under a
+        # later one: it waited at the gate during a push); ``started`` only for an episode without tokens
+        oldest = oldest_version(trajectory, started)
+        self.oldest[group] = min(self.oldest.get(group, oldest), oldest)
+        if len(self.finished[group]) < self.group_size:
+            return False
+        self.complete.add(group)
+        return True
+
+    def drop_stale(self, version: int) -> list[Trajectory]:
+        """Drop the complete groups whose oldest token is more than ``max_staleness`` behind ``version`` (their
+        places in the budget go to new groups); returns their episodes, each marked ``info["stale"]`` (its
+        staleness)."""
+        dropped = []
+        for group in sorted(g for g in self.complete if self.oldest[g] < version - self.max_staleness):
+            self.complete.discard(group)
+            members = sorted(self.finished.pop(group), key=lambda t: t.info["index"])
+            for trajectory in members:
+                trajectory.info["stale"] = version - oldest_version(trajectory, self.oldest[group])
+            del self.oldest[group]
+            dropped += members
+            self.open.discard(group)
+            self.budget_used -= 1
+        self.counts["dropped_stale"] += len(dropped)
+        if dropped:
+            self.freed()
+        return dropped
+
+    def ready(self, selection: GroupSelection | None) -> bool:
+        """Whether a step can be taken: ``groups_per_step`` complete groups; with dynamic sampling, the complete
+        groups not yet examined are offered to ``selection`` (in id order, until it is done) first, and a group it
+        sets aside frees its place in the budget."""
+        if selection is None:
+            return len(self.complete) >= self.groups_per_step
+        for group in sorted(self.complete):
+            if selection.done:
+                break
+            members = self._remove(group)
+            if not selection.offer(members):
+                self.budget_used -= 1
+                self.counts["filtered"] += len(members)
+                self.freed()
+        return selection.done
+
+    def take(self, selection: GroupSelection | None) -> list[Trajectory]:
+        """A ready step's episodes (:meth:`ready`): the ``groups_per_step`` complete groups with the lowest ids, in
+        index order, or those ``selection`` kept (a short step still spends a whole step's places in the budget)."""
+        if selection is None:
+            taken = [t for group in sorted(self.complete)[: self.groups_per_step] for t in self._remove(group)]
+        else:
+            taken = selection.trajectories()
+            self.budget_used += self.groups_per_step - len(selection.kept)
+        self.counts["taken"] += len(taken)
+        return taken
+
+    def _remove(self, group: int) -> list[Trajectory]:
+        """A complete group out of the table (neither in flight nor waiting any more): its members in index order."""
+        self.complete.discard(group)
+        self.open.discard(group)
+        del self.oldest[group]
+        return sorted(self.finished.pop(group), key=lambda t: t.info["index"])
+
+    def position(self) -> dict[str, int | list[int]]:
+        """``next_group`` and ``pending`` (:meth:`RolloutProducer.position`)."""
+        return {"next_group": self.next_group, "pending": sorted(self.open | set(self.replay))}
+
+    def throughput(self, now: float) -> dict[str, float]:
+        """``producer/episodes_per_s`` (finished since the last call), ``producer/in_flight`` and
+        ``producer/waiting`` (finished, not yet taken)."""
+        when, finished = self.last_take
+        self.last_take = (now, self.counts["finished"])
+        return {"producer/episodes_per_s": (self.counts["finished"] - finished) / max(now - when, 1e-9),
+                "producer/in_flight": float(self.counts["started"] - self.counts["finished"]),
+                "producer/waiting": float(sum(len(members) for members in self.finished.values()))}
+
+
 class _Handover(TrajectorySink):
     """The producer's sink: every runner's ``TrajectorySink`` (the run's ``info`` stamped, running statistics;
-    no file, no progress bar), then ``file`` puts the episode under its group for the trainer to take."""
+    no file, no progress bar), then the episode is filed under its group in ``groups`` for the trainer to take,
+    under the hand-over lock ``lock``, whose waiters are woken when a group completes."""
 
-    def __init__(self, file: Callable[[Trajectory], None], *, info: dict):
+    def __init__(self, groups: GroupTable, lock: threading.Condition, *, info: dict):
         super().__init__(0, "rollout producer", progress=False, info=info)
-        self.file_group = file
+        self.groups, self.lock = groups, lock
 
     def add(self, trajectory: Trajectory) -> None:
         super().add(trajectory)
-        self.file_group(trajectory)
+        with self.lock:
+            if self.groups.file(trajectory):
+                self.lock.notify_all()
 
 
 class RolloutProducer:
@@ -195,8 +336,8 @@ class RolloutProducer:
     ``last_step``: the run's last step (no group is started that no step up to it could take).
     ``filter_rounds``: dynamic sampling (``agent_loop.runners.group_filter``; None: off): a step keeps only
     groups whose sessions' outcomes differ, examining at most ``(1 + filter_rounds) x groups_per_step``.
-    ``counts``: episodes started, finished, taken, dropped as stale and filtered, for the metrics and the
-    no-episode-lost check (started = finished + in flight; finished = taken + dropped + filtered + waiting)."""
+    ``groups``: the question stream and hand-over table (:class:`GroupTable`); ``counts``: its episodes started,
+    finished, taken, dropped as stale and filtered, for the metrics and the no-episode-lost check."""
 
     def __init__(self, task, backend: VersionedBackend, tokenizer, config: LoopConfig, *, seed: int,
                  concurrency: int, group_size: int, groups_per_step: int, max_staleness: int, first_step: int = 0,
@@ -208,24 +349,15 @@ class RolloutProducer:
         self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
         backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
         self.spec = RunSpec(task, tokenizer, (), config, seed, progress=False)
-        self._sink = _Handover(self._file, info=self.spec.recorded())  # stamps info as every runner's sink does
-        self._admitted: dict[int, int] = {}  # episode in flight -> the version it was admitted under
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
-        self.concurrency, self.filter_rounds = concurrency, filter_rounds
-        self.last_step = last_step  # no group beyond what steps up to this one can train on is started
-        position = position or {"next_group": first_step * groups_per_step, "pending": []}
-        self._replay = deque(sorted(position["pending"]))  # started before a resume, never trained on: first
-        self._next_group = position["next_group"]  # the first group never started
-        self._open: set[int] = set()  # groups started, neither taken nor dropped
-        self._group, self._members = -1, group_size  # the group being started, how many of its members started
-        self._budget_used = first_step * groups_per_step  # groups started - groups dropped (the admission rule)
-        self._finished: dict[int, list[Trajectory]] = {}  # group -> its finished members (waiting to complete)
-        self._oldest: dict[int, int] = {}  # group -> the oldest version among its finished members
-        self._complete: set[int] = set()  # groups whose every member finished: ready to take
-        self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0, filtered=0)
+        self.concurrency, self.filter_rounds, self.last_step = concurrency, filter_rounds, last_step
+        self.groups = GroupTable(group_size=group_size, groups_per_step=groups_per_step, max_staleness=max_staleness,
+                                 first_step=first_step, last_step=last_step, position=position, freed=self._wake)
+        self.counts = self.groups.counts
+        self._handover = threading.Condition()  # guards the table: the producer files, the trainer takes
+        # stamps info as every runner's sink does, then files the episode into the table
+        self._sink = _Handover(self.groups, self._handover, info=self.spec.recorded())
         self._error: BaseException | None = None
-        self._handover = threading.Condition()
-        self._last_take = (time.perf_counter(), 0)  # (when, episodes finished then): the producer's throughput
         self.loop = asyncio.new_event_loop()
         self._changed = asyncio.Event()  # set (on the loop) when the version moved or a group was dropped
         self._main = self.loop.create_task(self._produce())
@@ -257,74 +389,20 @@ class RolloutProducer:
         finally:
             await self.backend.inner.end_run()
 
-    def _may_start(self) -> bool:
-        """Whether the next episode may start: a group's later members always (a group is never half
-        started); the first member of the next group only within the staleness budget."""
-        if self._members < self.group_size:
-            return True
-        steps = self.backend.version + self.max_staleness + 1
-        budget = (steps if self.last_step is None else min(steps, self.last_step)) * self.groups_per_step
-        return self._budget_used < budget
-
     async def _admit(self) -> int:
-        """The next episode's index (the next member of the group being started, or the first of the next
-        group: a pending one from before a resume, else the next never started); the version it starts under
-        is noted for :meth:`_file`. The stream never ends: the pool plays until :meth:`close`."""
-        while not self._may_start():
+        """The next episode's index once the staleness budget allows it (:meth:`GroupTable.start_next`), admitted
+        under the backend's version. The stream never ends: the pool plays until :meth:`close`."""
+        while not self.groups.may_start(self.backend.version):
             self._changed.clear()
             await self._changed.wait()
         with self._handover:  # position() reads the stream from the trainer's thread
-            if self._members == self.group_size:
-                if self._replay:
-                    self._group = self._replay.popleft()
-                else:
-                    self._group, self._next_group = self._next_group, self._next_group + 1
-                self._members = 0
-                self._open.add(self._group)
-                self._budget_used += 1
-            index = self._group * self.group_size + self._members
-            self._members += 1
-            self.counts["started"] += 1
-            self._admitted[index] = self.backend.version
-        return index
-
-    def _file(self, trajectory: Trajectory) -> None:
-        """A finished episode (its ``info`` stamped) into its group; the group is released when its last member arrives."""
-        index = trajectory.info["index"]
-        group = index // self.group_size
-        with self._handover:
-            started = self._admitted.pop(index)
-            self.counts["finished"] += 1
-            self._finished.setdefault(group, []).append(trajectory)
-            # its oldest token's version (an episode admitted under one version may sample its first token under a
-            # later one: it waited at the gate during a push); ``started`` only for an episode without tokens
-            oldest = oldest_version(trajectory, started)
-            self._oldest[group] = min(self._oldest.get(group, oldest), oldest)
-            if len(self._finished[group]) == self.group_size:
-                self._complete.add(group)
-                self._handover.notify_all()
+            return self.groups.start_next(self.backend.version)
 
     def _wake(self) -> None:
         """Re-check admission (from any thread)."""
         self.loop.call_soon_threadsafe(self._changed.set)
 
     # --- the trainer's side ----------------------------------------------------------------------------
-
-    def _drop_stale(self, version: int) -> list[Trajectory]:
-        """Drop the complete groups whose oldest token is more than ``max_staleness`` behind ``version``; returns
-        their episodes, each marked ``info["stale"]`` (its staleness). Caller holds the hand-over lock."""
-        dropped = []
-        for group in sorted(g for g in self._complete if self._oldest[g] < version - self.max_staleness):
-            self._complete.discard(group)
-            members = sorted(self._finished.pop(group), key=lambda t: t.info["index"])
-            for trajectory in members:
-                trajectory.info["stale"] = version - oldest_version(trajectory, self._oldest[group])
-            del self._oldest[group]
-            dropped += members
-            self._open.discard(group)
-            self._budget_used -= 1
-        self.counts["dropped_stale"] += len(dropped)
-        return dropped
 
     def take(self, version: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """Wait for ``groups_per_step`` complete groups fit for a step at weights ``version``, dropping the stale
@@ -342,60 +420,24 @@ class RolloutProducer:
         selection = None if self.filter_rounds is None else GroupSelection(self.groups_per_step, self.filter_rounds)
         with self._handover:
             while True:
-                if stale := self._drop_stale(version):
-                    dropped += stale
-                    self._wake()  # their places in the budget go to new groups (which this wait may need)
-                if self._ready(selection):
+                dropped += self.groups.drop_stale(version)  # their places go to new groups (which this wait may need)
+                if self.groups.ready(selection):
                     break
                 self._raise_if_stopped()
                 self._handover.wait(timeout=1.0)  # woken by each finished group; the timeout re-checks the thread
-            metrics = {}
-            if selection is None:
-                taken = [t for group in sorted(self._complete)[: self.groups_per_step] for t in self._remove(group)]
-            else:
-                taken, metrics = selection.trajectories(), selection.metrics()
-                self._budget_used += self.groups_per_step - len(selection.kept)
-            self.counts["taken"] += len(taken)
-            metrics.update(self._handover_metrics(time.perf_counter(), started, len(dropped)))
+            taken = self.groups.take(selection)
+            metrics = {} if selection is None else selection.metrics()
+            now = time.perf_counter()
+            metrics.update({"time/idle_s": now - started, "episodes/dropped_stale": float(len(dropped))})
+            metrics.update(self.groups.throughput(now))
         return taken, dropped + (selection.set_aside if selection else []), metrics
-
-    def _ready(self, selection: GroupSelection | None) -> bool:
-        """Whether a step can be taken: ``groups_per_step`` complete groups; with dynamic sampling, the complete
-        groups not yet examined are offered to ``selection`` (in id order, until it is done) first. Caller holds
-        the hand-over lock."""
-        if selection is None:
-            return len(self._complete) >= self.groups_per_step
-        for group in sorted(self._complete):
-            if selection.done:
-                break
-            members = self._remove(group)
-            if not selection.offer(members):  # set aside: its place in the budget goes to a new group
-                self._budget_used -= 1
-                self.counts["filtered"] += len(members)
-                self._wake()
-        return selection.done
-
-    def _remove(self, group: int) -> list[Trajectory]:
-        """A complete group out of the table (neither in flight nor waiting any more): its members in index order."""
-        self._complete.discard(group)
-        self._open.discard(group)
-        del self._oldest[group]
-        return sorted(self._finished.pop(group), key=lambda t: t.info["index"])
-
-    def _handover_metrics(self, now: float, started: float, dropped: int) -> dict[str, float]:
-        when, finished = self._last_take
-        self._last_take = (now, self.counts["finished"])
-        return {"time/idle_s": now - started, "episodes/dropped_stale": float(dropped),
-                "producer/episodes_per_s": (self.counts["finished"] - finished) / max(now - when, 1e-9),
-                "producer/in_flight": float(self.counts["started"] - self.counts["finished"]),
-                "producer/waiting": float(sum(len(members) for members in self._finished.values()))}
 
     def position(self) -> dict[str, int | list[int]]:
         """Where the question stream stands, for a checkpoint (plain ints): ``next_group``, the first group never
         started, and ``pending``, the groups started (or queued to replay) but neither taken nor dropped; a
         producer made with this ``position`` plays ``pending`` first, then goes on from ``next_group``."""
         with self._handover:
-            return {"next_group": self._next_group, "pending": sorted(self._open | set(self._replay))}
+            return self.groups.position()
 
     def _raise_if_stopped(self) -> None:
         if self._error is not None:

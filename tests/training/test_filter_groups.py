@@ -327,7 +327,7 @@ def test_asynchronous_steps_keep_only_mixed_groups_hold_their_batch_and_lose_not
         seen += list(groups)
     assert len(seen) == len(set(seen))  # every group trained on, set aside or dropped once
     counts, producer = trainer.producer.counts, trainer.producer
-    waiting = sum(len(members) for members in producer._finished.values())
+    waiting = sum(len(members) for members in producer.groups.finished.values())
     assert counts["finished"] == counts["taken"] + counts["dropped_stale"] + counts["filtered"] + waiting
     assert counts["taken"] == 3 * 4 * 2 and counts["filtered"] == 2 * sum(h["filter_groups/filtered"] for h in history)
 
