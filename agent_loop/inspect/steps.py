@@ -256,7 +256,7 @@ def figure(run: RunSteps):
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(3, 2, figsize=(12, 9), constrained_layout=True, squeeze=False)
