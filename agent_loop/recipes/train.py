@@ -96,18 +96,18 @@ class Trainer:
     def _set_up_rollouts(self, start, *, backend, weight_sync, task) -> None:
         """The rollout backend, the weight transport to it (the weights pushed once, as ``start.step``), the
         question stream of the (grouped) task; with ``max_staleness`` the producer, from ``start.stream_position``."""
-        run, rollout, options = self.config.run, self.config.rollout, self.config.sampler
-        self.backend = backend or make_rollout_backend(
-            options, start=start, policy=self.policy, lora_rank=run.lora_rank, train_dtype=run.dtype,
+        run, rollout, sampler = self.config.run, self.config.rollout, self.config.sampler
+        self.backend = backend if backend is not None else make_rollout_backend(
+            sampler, start=start, policy=self.policy, lora_rank=run.lora_rank, train_dtype=run.dtype,
             concurrency=run.concurrency, device=self.device, processes=self.dp.world_size, threads=self.threads,
             output_dir=self.output_dir, pad_token_id=self.pad_token_id, verbose=self.config.output.verbose,
             announce=self.dp.is_main)
         self.rollout_backend = VersionedBackend(self.backend, version=start.step)  # each token's weights' version
         destination = make_destination(backend=self.backend, given=weight_sync,
-                                       servers=options.server if backend is None else (),
+                                       servers=sampler.server if backend is None else (),
                                        lora_policy=self.policy if run.lora_rank else None,
                                        folder=self.output_dir / "weight_sync",
-                                       served_name=options.served_name(start.initial_model))
+                                       served_name=sampler.served_name(start.initial_model))
         self.transport = make_transport(destination, rollout_backend=self.rollout_backend, dp=self.dp)
         self.push_weights(start.step)
         self.base_task = task if task is not None else rollout.load()
