@@ -17,7 +17,7 @@ and output (2-3x the estimate itself on the CPU: BENCHMARKS.md, issue 54 item 6)
 that can carry a session across rows without copying do (:data:`FAST_PATHS`, by the registered
 function): GRPO and RLOO sum each session's rows' scores (:func:`outcome_by_session`); REINFORCE++
 and GAE scan the rows with each segment starting from the state its session's next segment ended
-with (:func:`returns_by_session`, :func:`gae_by_session`: compiled, CPU); turn_rloo,
+with (:func:`returns_by_session`, :func:`gae_by_session`: compiled, CPU); turn_returns, turn_rloo,
 turn_index_normalized, turn_gae and gigpo with ``turn_states`` lay the rows' per-turn tables out per
 session (:func:`turns_by_session`, registered by ``advantages/turn_credit.py``). Each equals the join
 path (tests/advantages/test_sessions_fast_paths.py) and falls back to it where it cannot run.
@@ -38,7 +38,7 @@ import torch
 import masking.sessions as masking_sessions
 from advantages.native_scans import native_chained_gae, native_chained_returns
 from advantages.returns import assistant_steps, check_batch, check_discount
-from advantages.stats import WHITEN_EPS, accumulation_dtype, check_whitenable
+from advantages.stats import WHITEN_EPS, accumulation_dtype, check_whitenable, masked_whiten
 from masking.sessions import (
     SessionJoin,
     join_tokens,
@@ -245,7 +245,7 @@ def turns_by_session(
     kwargs: dict,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`estimate_by_session` without joining the tokens, for a turn-level estimator that reads per-turn
-    tables only (turn_rloo, turn_index_normalized, turn_gae, and gigpo with ``turn_states``;
+    tables only (turn_returns, turn_rloo, turn_index_normalized, turn_gae, and gigpo with ``turn_states``;
     ``advantages/turn_credit.py`` registers it with its ``tables`` builder, ``advantages.turn_credit._tables``).
 
     The rows' per-turn tables (``(b, n)`` rewards summed per turn, the value at each turn's first ASSISTANT
@@ -253,7 +253,8 @@ def turns_by_session(
     its session's earlier segments' (:func:`masking.sessions.turn_layout`; ``(sessions, N)``, small); ``fn``
     runs on the *turn batch* of :func:`turn_batch` (one ASSISTANT token per turn), one group per session;
     its per-turn results go back to the rows' turns and are broadcast to their ASSISTANT tokens, as ``fn``
-    broadcasts (``turn_states`` ``(b, m)`` are laid out per session the same way). ``(advantages, returns)``
+    broadcasts (``turn_states`` ``(b, m)`` are laid out per session the same way; turn_returns' ``whiten``
+    then whitens over the rows' ASSISTANT tokens, as ``fn`` does). ``(advantages, returns)``
     ``(b, t)`` in the rewards' dtype, equal to the join path's. Validation as ``fn``'s plus the segments, one
     group per session and the turn states' turns. Joins instead (:func:`estimate_by_joining`) on an
     accelerator (``N`` would be a host read), for other keywords and for gigpo's observation keys
@@ -283,13 +284,19 @@ def turns_by_session(
         rows = torch.nn.functional.pad(rows.long(), (0, max(built.n - rows.shape[1], 0)), value=-1)[:, : built.n]
         batch["turn_states"] = _join_per_turn(rows, target, sessions, most, fill=-1)
     settings = {k: v for k, v in kwargs.items() if k not in _TURN_BATCH}
+    whiten = settings.pop("whiten", _default(fn, "whiten"))  # turn_returns: whitened over the rows' tokens, below
+    if whiten is not inspect.Parameter.empty:
+        settings["whiten"] = False
     advantages, returns = fn(**batch, **settings, validate=False)
     rows = [_split_per_turn(x[:, 0::2], target) for x in (advantages, returns)]
-    return tuple(built.broadcast(rows, token_level_rewards.dtype))
+    advantages, returns = built.broadcast(rows, token_level_rewards.dtype)
+    if whiten is not inspect.Parameter.empty and whiten:
+        advantages = masked_whiten(returns, response_mask, check=validate).to(token_level_rewards.dtype)
+    return advantages, returns
 
 
 _TURN_BATCH = {"spans", "turn_ids", "values", "index", "validate", "responses", "turn_states"}  # the rest: settings
-_TURN_KEYWORDS = _TURN_BATCH | {"gamma", "lam", "epsilon", "step_advantage_w", "gigpo_mode"}
+_TURN_KEYWORDS = _TURN_BATCH | {"gamma", "lam", "epsilon", "step_advantage_w", "gigpo_mode", "whiten"}
 
 
 def turn_batch(rewards: torch.Tensor, turns: torch.Tensor, values: torch.Tensor | None = None) -> dict:

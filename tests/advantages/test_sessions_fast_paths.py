@@ -22,8 +22,8 @@ A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 FAST = {"grpo": "outcome_by_session", "rloo": "outcome_by_session",
         "reinforce_plus_plus": "returns_by_session", "gae": "gae_by_session",
         "turn_rloo": "turns_by_session", "turn_index_normalized": "turns_by_session", "turn_gae": "turns_by_session",
-        "gigpo": "turns_by_session"}
-TURNS = ("turn_rloo", "turn_index_normalized", "turn_gae", "gigpo")
+        "gigpo": "turns_by_session", "turn_returns": "turns_by_session"}
+TURNS = ("turn_returns", "turn_rloo", "turn_index_normalized", "turn_gae", "gigpo")
 
 
 def _path(name: str):
@@ -111,6 +111,7 @@ def test_the_fast_path_equals_the_join_path_in_float64(name, settings, seed, val
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("name,settings", [
+    ("turn_returns", {"gamma": 0.9}), ("turn_returns", {"gamma": 0.9, "whiten": False}), ("turn_returns", {}),
     ("turn_rloo", {"gamma": 0.9}), ("turn_rloo", {}), ("turn_index_normalized", {"gamma": 0.8}),
     ("turn_index_normalized", {"gamma": 1.0, "epsilon": 0.1}), ("turn_gae", {"gamma": 0.9, "lam": 0.7}), ("turn_gae", {}),
 ])
@@ -177,7 +178,7 @@ def test_the_turn_fast_path_without_the_compiled_pass(monkeypatch):
 
 @pytest.mark.parametrize("name,settings", [
     ("grpo", {}), ("rloo", {}), ("reinforce_plus_plus", {"gamma": 0.95}), ("gae", {"gamma": 1.0, "lam": 0.95}),
-    ("turn_rloo", {}), ("turn_index_normalized", {}), ("turn_gae", {"gamma": 1.0, "lam": 0.95}),
+    ("turn_rloo", {}), ("turn_index_normalized", {}), ("turn_gae", {"gamma": 1.0, "lam": 0.95}), ("turn_returns", {}),
 ])
 def test_the_fast_path_equals_the_join_path_in_float32(name, settings):
     fast, joined = _both(name, _random_batch(11, torch.float32, n_sessions=40, opens=True), validate=False, **settings)
