@@ -123,6 +123,94 @@ def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
+def _restore_vllm_logs(handlers: list[logging.Handler]) -> None:
+    """vLLM's logger back on ``handlers``, its own before :func:`_vllm_logs_to` (whose file is closed)."""
+    logger = logging.getLogger("vllm")
+    for handler in logger.handlers:
+        handler.close()
+    logger.handlers = handlers
+
+
+def _start_engine(model_path: str, engine_kwargs: dict, bind: str | None):
+    """vLLM's ``AsyncLLM`` on ``model_path``, started on an event loop of its own, run by a new thread. Returns the
+    engine, that loop and that thread. A start that fails or is stopped (SIGINT/SIGTERM) leaves nothing running
+    (:func:`_stop_interrupted_start`) and raises."""
+    from vllm import AsyncEngineArgs  # vllm: optional (the vllm extras)
+    from vllm.v1.engine.async_llm import AsyncLLM  # vllm: optional (the vllm extras)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vllm-engine-loop", daemon=True)
+    thread.start()
+
+    async def create():  # on the engine's loop, where the engine starts its output handler
+        with _environment({"VLLM_CPU_OMP_THREADS_BIND": bind}):  # read by the worker process it starts
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_path, **engine_kwargs))
+
+    known = spawned_processes()
+    starting = asyncio.run_coroutine_threadsafe(create(), loop)
+    try:
+        return starting.result(), loop, thread
+    except BaseException:  # a failed start, or a stop (SIGINT/SIGTERM) while the engine starts
+        _stop_interrupted_start(starting, known, loop, thread)
+        starting = None  # the traceback keeps this frame: the stopped engine must not live on (its __del__ at exit)
+        raise
+
+
+def _stop_interrupted_start(starting, known: set[int], loop: asyncio.AbstractEventLoop,
+                            thread: threading.Thread) -> None:
+    """After an interrupted start: the engine shut down if the loop thread has finished creating it; otherwise
+    the processes its start has spawned so far (those not in ``known``, and theirs) stopped at once and
+    without a word (frozen, then killed: :func:`agent_loop.signals.kill`), again until the start gives up
+    (the loop thread may still be about to spawn the engine core). Then the loop stops. Waiting for the start
+    to finish instead would take a whole engine start, minutes on a slow machine."""
+    while not starting.done():
+        frozen = freeze(spawned_processes() - known)
+        if starting.done():  # it finished meanwhile: shut down below, the clean way
+            resume(frozen)
+        else:
+            kill(frozen)
+            with contextlib.suppress(TimeoutError):  # a second signal here ends the wait (and the stop)
+                starting.exception(timeout=0.5)
+    if not starting.cancelled() and starting.exception() is None:
+        asyncio.run_coroutine_threadsafe(_shut_down(starting.result()), loop).result()
+    _stop_loop(loop, thread)
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the engine's event loop, wait for its thread to end, and close the loop."""
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+async def _shut_down(engine) -> None:
+    """Shut ``engine`` down, from its own event loop: its output handler is cancelled before it can see the
+    engine process go away (it would log an EngineDeadError), and its helper tasks are finished."""
+    engine.shutdown()
+    # Shut down once: an engine still referenced at interpreter exit (a stop's traceback holds the frames)
+    # would run shutdown again from its __del__ with the modules torn down ("Exception ignored ... TypeError").
+    engine.shutdown = lambda *args, **kwargs: None
+    pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _swap_adapter(engine, adapter, previous) -> None:
+    """Load ``adapter`` (a ``LoRARequest``) into ``engine``, then remove ``previous`` (another, or None)."""
+    if not await engine.add_lora(adapter):
+        raise RuntimeError("add_lora returned False")
+    if previous is not None:
+        await engine.remove_lora(previous.lora_int_id)
+
+
+async def _reload_weights(engine, folder: str) -> bool:
+    """``engine``'s weights reloaded in place from the safetensors file in ``folder``, then its prefix cache reset;
+    returns whether the reset took."""
+    await engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+    return await engine.reset_prefix_cache()
+
+
 def _close_at_exit(ref: weakref.ref) -> None:
     backend = ref()
     if backend is not None:
@@ -166,6 +254,7 @@ class VLLMEngineBackend(Backend):
         self.model_path = str(model_path)
         self._engine_kwargs = kwargs
         self._engine = None
+        self._request_ids = itertools.count()
         route_sigterm()  # SIGTERM unwinds the code that owns the engine, which closes it (no orphaned processes)
         self._start_logged()
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -177,22 +266,21 @@ class VLLMEngineBackend(Backend):
                    **precision)
 
     def _start_logged(self) -> None:
-        """:meth:`_start`, its output in ``self.log`` when set; then our one line (stderr): the engine is ready,
-        its settings, where its log is. A start that fails prints the end of its log first."""
+        """Start the engine (:func:`_start_engine`), its output in ``self.log`` when set; then our one line (stderr):
+        the engine is ready, its settings, where its log is. A start that fails prints the end of its log first."""
         started = time.perf_counter()
         if self.log is None:
-            self._start()
+            self._engine, self._loop, self._thread = _start_engine(self.model_path, self._engine_kwargs, self._bind)
         else:
             try:
                 with _output_to(self.log):
-                    self._start()
-                    self._vllm_handlers = _vllm_logs_to(self.log)  # after the start: it configures vLLM's logger
-            except BaseException as error:  # a failed start, or a stop while it starts (nothing to print then)
-                self._restore_logs()
-                if isinstance(error, Exception):
-                    print(f"the vLLM engine failed to start; the end of its log {self.log}:\n{log_tail(self.log)}",
-                          file=sys.stderr, flush=True)
+                    self._engine, self._loop, self._thread = _start_engine(self.model_path, self._engine_kwargs,
+                                                                           self._bind)
+            except Exception:  # a failed start (a stop while it starts has nothing to print)
+                print(f"the vLLM engine failed to start; the end of its log {self.log}:\n{log_tail(self.log)}",
+                      file=sys.stderr, flush=True)
                 raise
+            self._vllm_handlers = _vllm_logs_to(self.log)  # after the start: it configures vLLM's logger
         print(f"vLLM engine ready in {time.perf_counter() - started:.1f} s ({self.describe()}); its log: "
               f"{self.log or 'on the terminal'}", file=sys.stderr, flush=True)
 
@@ -209,61 +297,10 @@ class VLLMEngineBackend(Backend):
             words.append(f"CPU cores {self._bind}, KV cache {os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB")
         return ", ".join(words)
 
-    def _restore_logs(self) -> None:
-        """vLLM's logger back on its own handlers (after :func:`_vllm_logs_to`)."""
-        if self._vllm_handlers is not None:
-            logger = logging.getLogger("vllm")
-            for handler in logger.handlers:
-                handler.close()
-            logger.handlers, self._vllm_handlers = self._vllm_handlers, None
-
     @property
     def cores(self) -> str | None:
         """The cores the engine's threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``; None off the CPU)."""
         return self._bind
-
-    def _start(self) -> None:
-        """Start the engine (and its loop thread) on ``self.model_path``."""
-        from vllm import AsyncEngineArgs  # vllm: optional (the vllm extras)
-        from vllm.v1.engine.async_llm import AsyncLLM  # vllm: optional (the vllm extras)
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
-        self._thread.start()
-
-        async def create():  # on the engine's loop, where the engine starts its output handler
-            with _environment({"VLLM_CPU_OMP_THREADS_BIND": self._bind}):  # read by the worker process it starts
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self._engine_kwargs))
-
-        known = spawned_processes()
-        starting = asyncio.run_coroutine_threadsafe(create(), self._loop)
-        try:
-            self._engine = starting.result()
-        except BaseException:  # a failed start, or a stop (SIGINT/SIGTERM) while the engine starts
-            self._shut_down_started(starting, known)
-            starting = None  # the traceback keeps this frame: the stopped engine must not live on (its __del__ at exit)
-            raise
-        self._request_ids = itertools.count()
-
-    def _shut_down_started(self, starting, known: set[int]) -> None:
-        """After an interrupted start: the engine closed if the loop thread has finished creating it; otherwise
-        the processes its start has spawned so far (those not in ``known``, and theirs) stopped at once and
-        without a word (frozen, then killed: :func:`agent_loop.signals.kill`), again until the start gives up
-        (the loop thread may still be about to spawn the engine core). Then the loop stops. Waiting for the start
-        to finish instead would take a whole engine start, minutes on a slow machine."""
-        while not starting.done():
-            frozen = freeze(spawned_processes() - known)
-            if starting.done():  # it finished meanwhile: closed below, the clean way
-                resume(frozen)
-            else:
-                kill(frozen)
-                with contextlib.suppress(TimeoutError):  # a second signal here ends the wait (and the stop)
-                    starting.exception(timeout=0.5)
-        self._engine = None if starting.cancelled() or starting.exception() is not None else starting.result()
-        if self._engine is not None:
-            self.close()
-        else:
-            self._stop_loop()
 
     @property
     def context_length(self) -> int | None:
@@ -324,16 +361,9 @@ class VLLMEngineBackend(Backend):
                                   "this vLLM engine serves no LoRA adapters (started without lora_rank)")
         adapter_id = next(self._adapter_ids)
         adapter = LoRARequest(f"policy-v{version}-{adapter_id}", adapter_id, str(folder))
-        previous = self._adapter
-
-        async def swap():
-            if not await self._engine.add_lora(adapter):
-                raise RuntimeError("add_lora returned False")
-            if previous is not None:
-                await self._engine.remove_lora(previous[0].lora_int_id)
-
+        previous = self._adapter[0] if self._adapter is not None else None
         try:
-            asyncio.run_coroutine_threadsafe(swap(), self._loop).result()
+            asyncio.run_coroutine_threadsafe(_swap_adapter(self._engine, adapter, previous), self._loop).result()
         except Exception as error:
             raise WeightSyncError(f"the vLLM engine did not load the adapter {folder}: {error}") from error
         self._adapter = (adapter, version)
@@ -354,13 +384,8 @@ class VLLMEngineBackend(Backend):
                                   "(load_adapter, agent_loop.training.transports.engine_lora), not merged weights")
         with tempfile.TemporaryDirectory(prefix="agent-loop-reload-") as folder:
             save_weights(state_dict, folder)
-
-            async def reload():
-                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
-                return await self._engine.reset_prefix_cache()
-
             try:
-                reset = asyncio.run_coroutine_threadsafe(reload(), self._loop).result()
+                reset = asyncio.run_coroutine_threadsafe(_reload_weights(self._engine, folder), self._loop).result()
             except Exception as error:
                 raise WeightSyncError(f"the vLLM engine did not reload the weights: {error}") from error
         if reset is False:
@@ -370,24 +395,9 @@ class VLLMEngineBackend(Backend):
         """Shut the engine process and the loop thread down; idempotent."""
         if self._engine is None:
             return
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        asyncio.run_coroutine_threadsafe(_shut_down(self._engine), self._loop).result()
         self._engine = None
-        self._stop_loop()
-        self._restore_logs()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    async def _shutdown(self) -> None:
-        # From the engine's own loop, so its output handler is cancelled before it can see the engine
-        # process go away (it would log an EngineDeadError), and its helper tasks are finished.
-        self._engine.shutdown()
-        # Shut down once: an engine still referenced at interpreter exit (a stop's traceback holds the frames)
-        # would run shutdown again from its __del__ with the modules torn down ("Exception ignored ... TypeError").
-        self._engine.shutdown = lambda *args, **kwargs: None
-        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        _stop_loop(self._loop, self._thread)
+        if self._vllm_handlers is not None:
+            _restore_vllm_logs(self._vllm_handlers)
+            self._vllm_handlers = None
