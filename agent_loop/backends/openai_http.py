@@ -77,6 +77,157 @@ class _Server:
         return self.down_since is None
 
 
+async def _read_json(response: aiohttp.ClientResponse, url: str) -> dict:
+    """The JSON object a server answered; _TransientError for HTTP 5xx/429 and for a 200 whose body is not one
+    (worth another try), HTTPBackendError for any other refusal."""
+    if response.status in TRANSIENT_STATUS:
+        raise _TransientError(f"HTTP {response.status}: {(await response.text())[:500]}")
+    if response.status != 200:
+        raise HTTPBackendError(f"{url} rejected the request: HTTP {response.status}: {(await response.text())[:2000]}")
+    text = await response.text()
+    try:  # a 200 with a cut or garbled body: a proxy or a server in trouble; worth another try
+        body = json.loads(text)
+    except ValueError as error:
+        raise _TransientError(f"{url} answered HTTP 200 with a body that is not JSON ({error}; "
+                              f"{len(text)} characters: {text[:200]!r})") from None
+    if not isinstance(body, dict):
+        raise _TransientError(f"{url} answered HTTP 200 with JSON that is not an object: {text[:200]!r}")
+    return body
+
+
+async def _served_models(http: aiohttp.ClientSession, server: _Server, timeout: aiohttp.ClientTimeout) -> list[str]:
+    """The model names ``server`` lists in ``/v1/models``; records its ``max_model_len`` when it lists one."""
+    url = f"{server.url}/v1/models"
+    async with http.get(url, timeout=timeout) as response:
+        body = await _read_json(response, url)
+    entries = [entry for entry in body.get("data") or [] if isinstance(entry, dict) and "id" in entry]
+    lengths = [e["max_model_len"] for e in entries if isinstance(e.get("max_model_len"), int) and e["max_model_len"] > 0]
+    if lengths:
+        server.max_model_len = min(lengths)
+    return [entry["id"] for entry in entries]
+
+
+async def _answers(http: aiohttp.ClientSession, server: _Server, timeout: aiohttp.ClientTimeout) -> bool:
+    """Whether ``server`` answers a probe (``/v1/models``) within ``timeout``."""
+    try:
+        await _served_models(http, server, timeout)
+        return True
+    except (_RETRYABLE + (aiohttp.ClientError,)):
+        return False
+
+
+async def _complete(http: aiohttp.ClientSession, server: _Server, payload: dict) -> GenerationResult:
+    """One ``/v1/completions`` request to ``server``, its answer checked: token ids, one logprob each, a finish."""
+    url = f"{server.url}/v1/completions"
+    async with http.post(url, json=payload) as response:
+        body = await _read_json(response, url)
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _TransientError(f"{url} answered HTTP 200 without a completion ('choices' is {choices!r:.100}; "
+                              f"keys {sorted(body)[:10]})")
+    choice = choices[0]
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise HTTPBackendError(
+            f"{url} returned no token ids: the server must support `return_token_ids` on /v1/completions "
+            "(vLLM >= 0.10.2) so that sampled tokens are not re-tokenized"
+        )
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise HTTPBackendError(f"{url} returned no per-token logprobs for the {len(token_ids)} sampled tokens")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason not in ("stop", "length"):
+        raise HTTPBackendError(f"{url} returned finish_reason={finish_reason!r}")
+    return GenerationResult(list(token_ids), [float(lp) for lp in logprobs], finish_reason)
+
+
+class _ServerPool:
+    """Which server takes each request, and which servers are up.
+
+    A session (one trajectory) stays on the server that served its first turn while that server is up (the
+    ``max_sessions`` most recently used are remembered); a new session, or a request without one, goes to the
+    live server with the fewest requests in flight. A server marked down is probed (``/v1/models``) every
+    ``probe_interval_s`` until it serves the model again. ``all_down_since``: the monotonic time the last live
+    server went down (None while one is up), the circuit breaker's clock.
+    """
+
+    def __init__(self, servers: list[_Server], *, probe_interval_s: float, max_sessions: int):
+        self.servers = servers
+        self.probe_interval_s = probe_interval_s
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, _Server] = OrderedDict()  # least recently used first
+        self.all_down_since: float | None = None
+        self.probes: set[asyncio.Task] = set()
+
+    def route(self, session_id: str | None, avoid: _Server | None = None) -> _Server | None:
+        """The session's server while it is up (unless it is ``avoid`` and another is up), else the least busy
+        live one but ``avoid`` (which the session moves to); None when none is up."""
+        if session_id is not None and session_id in self.sessions:
+            pinned = self.sessions[session_id]
+            if pinned.up and (pinned is not avoid or not any(s.up for s in self.servers if s is not pinned)):
+                self.sessions.move_to_end(session_id)
+                return pinned
+        live = [s for s in self.servers if s.up]
+        if not live:
+            return None
+        if avoid is not None and len(live) > 1:
+            live = [s for s in live if s is not avoid]
+        server = min(live, key=lambda s: s.in_flight)
+        if session_id is not None:
+            self.sessions[session_id] = server  # a session moves with its tokens: each request carries them all
+            self.sessions.move_to_end(session_id)
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        return server
+
+    def mark_down(self, server: _Server, error: BaseException) -> None:
+        if not server.up:
+            return
+        now = time.monotonic()
+        server.down_since, server.next_probe = now, now + self.probe_interval_s
+        live = sum(s.up for s in self.servers)
+        log.warning("%s marked down (%s: %s); %d of %d servers up", server.url, type(error).__name__, error,
+                    live, len(self.servers))
+        if live == 0 and self.all_down_since is None:
+            self.all_down_since = now
+
+    def mark_up(self, server: _Server) -> None:
+        if server.up:
+            return
+        log.warning("%s is back up after %.0f s", server.url, time.monotonic() - server.down_since)
+        server.down_since = None
+        self.all_down_since = None
+
+    def probe_due(self, http: aiohttp.ClientSession | None, model: str, timeout: aiohttp.ClientTimeout) -> None:
+        """Start a probe (in the background, over ``http``: none while it is None) of every down server whose next
+        probe is due: it is marked up if it serves ``model``."""
+        now = time.monotonic()
+        for server in self.servers:
+            if not server.up and not server.probing and now >= server.next_probe and http is not None:
+                server.probing = True
+                probe = asyncio.ensure_future(self._probe(http, server, model, timeout))
+                self.probes.add(probe)
+                probe.add_done_callback(self.probes.discard)
+
+    async def _probe(self, http: aiohttp.ClientSession, server: _Server, model: str,
+                     timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            served = await _served_models(http, server, timeout)
+            if model in served:
+                self.mark_up(server)
+            else:
+                log.warning("%s answers but serves %s, not %r: kept down", server.url, served, model)
+        except (_RETRYABLE + (aiohttp.ClientError,)):
+            pass
+        finally:
+            server.probing = False
+            server.next_probe = time.monotonic() + self.probe_interval_s
+
+    def stop_probes(self) -> None:
+        for probe in list(self.probes):
+            probe.cancel()
+
+
 class OpenAIHTTPBackend(Backend):
     """`Backend` over OpenAI-compatible completion servers (vLLM `api_server`).
 
@@ -130,12 +281,10 @@ class OpenAIHTTPBackend(Backend):
         self.stall_timeout_s, self.probe_interval_s = stall_timeout_s, probe_interval_s
         self.max_connections = max_connections
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, _Server] = OrderedDict()
+        self._pool = _ServerPool(self.servers, probe_interval_s=probe_interval_s, max_sessions=max_sessions)
         self._http: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
-        self._all_down_since: float | None = None
-        self._probes: set[asyncio.Task] = set()
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -161,8 +310,7 @@ class OpenAIHTTPBackend(Backend):
 
     async def end_run(self) -> None:
         """Close the connection pool and stop the probes (the next `generate` reopens them)."""
-        for probe in list(self._probes):
-            probe.cancel()
+        self._pool.stop_probes()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -186,7 +334,7 @@ class OpenAIHTTPBackend(Backend):
 
     def describe(self, session_id: str | None = None) -> str:
         """The server that serves ``session_id`` (the one its last request went to)."""
-        server = self._sessions.get(session_id) if session_id is not None else None
+        server = self._pool.sessions.get(session_id) if session_id is not None else None
         return f"server {server.url}" if server is not None else "server " + ", ".join(s.url for s in self.servers)
 
     # --- generation ----------------------------------------------------------------------------------
@@ -225,7 +373,7 @@ class OpenAIHTTPBackend(Backend):
             except _RETRYABLE as error:
                 last_error = error
                 if isinstance(error, _DOWN_ERRORS):
-                    self._mark_down(server, error)
+                    self._pool.mark_down(server, error)
                 avoid = server
             attempt += 1
             delay = backoff_delay(attempt - 1, base_s=self.backoff_s, cap_s=self.max_backoff_s)
@@ -254,13 +402,13 @@ class OpenAIHTTPBackend(Backend):
 
     async def _attempt(self, server: _Server, payload: dict) -> GenerationResult:
         """One request, watched: with no answer for `stall_timeout_s`, a probe decides whether to keep waiting."""
-        request = asyncio.ensure_future(self._complete(server, payload))
+        request = asyncio.ensure_future(_complete(self._http, server, payload))
         try:
             while True:
                 done, _ = await asyncio.wait({request}, timeout=self.stall_timeout_s)
                 if done:
                     return request.result()
-                if not await self._answers(server):
+                if not await _answers(self._http, server, self.probe_timeout):
                     log.warning("%s: no answer for %.0f s and no answer to a probe: stalled; retrying elsewhere",
                                 server.url, self.stall_timeout_s)
                     raise _Stalled(f"no answer for {self.stall_timeout_s:g} s and none to a probe")
@@ -279,91 +427,22 @@ class OpenAIHTTPBackend(Backend):
         every server has been down for longer than the retry deadline.
         """
         while True:
-            self._probe_due()
-            server = self._route(session_id, avoid)
+            self._pool.probe_due(self._http, self.model, self.probe_timeout)
+            server = self._pool.route(session_id, avoid)
             if server is not None:
                 return server
             now = time.monotonic()
-            if self._all_down_since is not None and now - self._all_down_since >= self.retry_deadline_s:
+            all_down_since = self._pool.all_down_since
+            if all_down_since is not None and now - all_down_since >= self.retry_deadline_s:
                 raise ServersUnavailableError(
-                    f"all {len(self.servers)} servers down for {now - self._all_down_since:.0f} s "
+                    f"all {len(self.servers)} servers down for {now - all_down_since:.0f} s "
                     f"(longer than the {self.retry_deadline_s:g} s retry deadline): "
                     + ", ".join(s.url for s in self.servers)
                     + (f"; last error {type(last_error).__name__}: {last_error}" if last_error else ""))
-            if now >= deadline and self._all_down_since is None:
+            if now >= deadline and all_down_since is None:
                 raise HTTPBackendError(f"no live server within the {self.retry_deadline_s:g} s retry deadline")
             # every server down: wait for one to come back, or for the circuit breaker to stop the run
             await asyncio.sleep(self.probe_interval_s / 4)
-
-    def _route(self, session_id: str | None, avoid: _Server | None = None) -> _Server | None:
-        if session_id is not None and session_id in self._sessions:
-            pinned = self._sessions[session_id]
-            if pinned.up and (pinned is not avoid or not self._others_up(pinned)):
-                self._sessions.move_to_end(session_id)
-                return pinned
-        live = [s for s in self.servers if s.up]
-        if not live:
-            return None
-        if avoid is not None and len(live) > 1:
-            live = [s for s in live if s is not avoid]
-        server = min(live, key=lambda s: s.in_flight)
-        if session_id is not None:
-            self._sessions[session_id] = server  # a session moves with its tokens: each request carries them all
-            self._sessions.move_to_end(session_id)
-            if len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-        return server
-
-    def _others_up(self, server: _Server) -> bool:
-        return any(s.up for s in self.servers if s is not server)
-
-    def _mark_down(self, server: _Server, error: BaseException) -> None:
-        if not server.up:
-            return
-        now = time.monotonic()
-        server.down_since, server.next_probe = now, now + self.probe_interval_s
-        live = sum(s.up for s in self.servers)
-        log.warning("%s marked down (%s: %s); %d of %d servers up", server.url, type(error).__name__, error,
-                    live, len(self.servers))
-        if live == 0 and self._all_down_since is None:
-            self._all_down_since = now
-
-    def _mark_up(self, server: _Server) -> None:
-        if server.up:
-            return
-        log.warning("%s is back up after %.0f s", server.url, time.monotonic() - server.down_since)
-        server.down_since = None
-        self._all_down_since = None
-
-    def _probe_due(self) -> None:
-        """Start a probe of every down server whose next probe is due (in the background)."""
-        now = time.monotonic()
-        for server in self.servers:
-            if not server.up and not server.probing and now >= server.next_probe and self._http is not None:
-                server.probing = True
-                probe = asyncio.ensure_future(self._probe(server))
-                self._probes.add(probe)
-                probe.add_done_callback(self._probes.discard)
-
-    async def _probe(self, server: _Server) -> None:
-        try:
-            served = await self._served_models(self._http, server, self.probe_timeout)
-            if self.model in served:
-                self._mark_up(server)
-            else:
-                log.warning("%s answers but serves %s, not %r: kept down", server.url, served, self.model)
-        except (_RETRYABLE + (aiohttp.ClientError,)):
-            pass
-        finally:
-            server.probing = False
-            server.next_probe = time.monotonic() + self.probe_interval_s
-
-    async def _answers(self, server: _Server) -> bool:
-        try:
-            await self._served_models(self._http, server, self.probe_timeout)
-            return True
-        except (_RETRYABLE + (aiohttp.ClientError,)):
-            return False
 
     async def _check_servers(self, http: aiohttp.ClientSession) -> None:
         """Ask every server for its models at once; retry (backoff, deadline) only while none answers.
@@ -373,7 +452,7 @@ class OpenAIHTTPBackend(Backend):
         deadline = time.monotonic() + self.retry_deadline_s
         attempt = 0
         while True:
-            outcomes = await asyncio.gather(*(self._served_models(http, s, self.probe_timeout) for s in self.servers),
+            outcomes = await asyncio.gather(*(_served_models(http, s, self.probe_timeout) for s in self.servers),
                                             return_exceptions=True)
             for server, served in zip(self.servers, outcomes):
                 if isinstance(served, list) and self.model not in served:
@@ -383,7 +462,7 @@ class OpenAIHTTPBackend(Backend):
             failed = [(s, o) for s, o in zip(self.servers, outcomes) if isinstance(o, BaseException)]
             if len(failed) < len(self.servers):
                 for server, error in failed:
-                    self._mark_down(server, error)
+                    self._pool.mark_down(server, error)
                 return
             server, error = failed[0]
             attempt += 1
@@ -393,53 +472,3 @@ class OpenAIHTTPBackend(Backend):
                     f"no server answered ({len(self.servers)} tried, {server.url} still failing after {attempt} "
                     f"attempts): {type(error).__name__}: {error}") from error
             await asyncio.sleep(delay)
-
-    @staticmethod
-    async def _read_json(response: aiohttp.ClientResponse, url: str) -> dict:
-        if response.status in TRANSIENT_STATUS:
-            raise _TransientError(f"HTTP {response.status}: {(await response.text())[:500]}")
-        if response.status != 200:
-            raise HTTPBackendError(f"{url} rejected the request: HTTP {response.status}: {(await response.text())[:2000]}")
-        text = await response.text()
-        try:  # a 200 with a cut or garbled body: a proxy or a server in trouble; worth another try
-            body = json.loads(text)
-        except ValueError as error:
-            raise _TransientError(f"{url} answered HTTP 200 with a body that is not JSON ({error}; "
-                                  f"{len(text)} characters: {text[:200]!r})") from None
-        if not isinstance(body, dict):
-            raise _TransientError(f"{url} answered HTTP 200 with JSON that is not an object: {text[:200]!r}")
-        return body
-
-    @classmethod
-    async def _served_models(cls, http: aiohttp.ClientSession, server: _Server, timeout: aiohttp.ClientTimeout) -> list[str]:
-        url = f"{server.url}/v1/models"
-        async with http.get(url, timeout=timeout) as response:
-            body = await cls._read_json(response, url)
-        entries = [entry for entry in body.get("data") or [] if isinstance(entry, dict) and "id" in entry]
-        lengths = [e["max_model_len"] for e in entries if isinstance(e.get("max_model_len"), int) and e["max_model_len"] > 0]
-        if lengths:
-            server.max_model_len = min(lengths)
-        return [entry["id"] for entry in entries]
-
-    async def _complete(self, server: _Server, payload: dict) -> GenerationResult:
-        url = f"{server.url}/v1/completions"
-        async with self._http.post(url, json=payload) as response:
-            body = await self._read_json(response, url)
-        choices = body.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise _TransientError(f"{url} answered HTTP 200 without a completion ('choices' is {choices!r:.100}; "
-                                  f"keys {sorted(body)[:10]})")
-        choice = choices[0]
-        token_ids = choice.get("token_ids")
-        if token_ids is None:
-            raise HTTPBackendError(
-                f"{url} returned no token ids: the server must support `return_token_ids` on /v1/completions "
-                "(vLLM >= 0.10.2) so that sampled tokens are not re-tokenized"
-            )
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if logprobs is None or len(logprobs) != len(token_ids):
-            raise HTTPBackendError(f"{url} returned no per-token logprobs for the {len(token_ids)} sampled tokens")
-        finish_reason = choice.get("finish_reason")
-        if finish_reason not in ("stop", "length"):
-            raise HTTPBackendError(f"{url} returned finish_reason={finish_reason!r}")
-        return GenerationResult(list(token_ids), [float(lp) for lp in logprobs], finish_reason)
