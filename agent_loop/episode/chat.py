@@ -94,6 +94,21 @@ def turn_difference(sampled: str, rendered: str) -> dict | None:
     return {"char": pos, "sampled": sampled[max(0, pos - 40): pos + 40], "rendered": rendered[max(0, pos - 40): pos + 40]}
 
 
+def assistant_message(text: str, tool_calls: list[dict] | None = None, *, reasoning: str | None = None) -> dict:
+    """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts);
+    ``reasoning`` (:attr:`ParsedTurn.reasoning`) as its ``reasoning_content``, the field templates that render
+    reasoning apart from the content read (Command R7B's plan), as vLLM, verl and TRL name it."""
+    message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [
+            {"id": c.get("id", default_call_id(i)), "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for i, c in enumerate(tool_calls)]
+    return message
+
+
 def _plain_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` that ``tokenizer(text)`` only forwards to (transformers' fast tokenizer without
     its own ``__call__``/``_encode_plus``/input mode), or None."""
@@ -152,6 +167,54 @@ def _added_token_splitter(backend) -> tuple[re.Pattern, dict[str, int]] | None:
     return re.compile("|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True))), ids
 
 
+class TokenEncoder:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]``, read straight from a fast tokenizer's backend where
+    that call would only forward to it (:func:`_plain_backend`), and there encoded by pieces between added tokens,
+    each piece's ids kept (the tools' system text is the same in every episode), where that gives the same ids as
+    encoding the whole text (:func:`_added_token_splitter`)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.backend = _plain_backend(tokenizer)
+        self.splitter = _added_token_splitter(self.backend) if self.backend is not None else None
+        # how many added tokens the splitter knows: one added later ends the piece path
+        self.splitter_added = len(self.backend.get_added_tokens_decoder()) if self.splitter else None
+        self.pieces: dict[str, tuple[int, ...]] = {}  # piece text -> its ids (at most PIECE_CACHE_SIZE)
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer(text, add_special_tokens=False)["input_ids"]``: taken straight from a fast tokenizer's backend
+        when that call would only forward to it (transformers' own ``__call__``/``_encode_plus``, no truncation or
+        padding set on the backend, special tokens split as the tokenizer says), which skips transformers' per-call
+        wrapping (about half of a prompt's encoding time on the verl loop benchmark); else that call."""
+        backend = self.backend
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(self.tokenizer.split_special_tokens)):
+            if (self.splitter is not None and not backend.encode_special_tokens
+                    and len(backend.get_added_tokens_decoder()) == self.splitter_added):  # ~4 us; not get_vocab_size (55 ms)
+                return self._encode_pieces(text)
+            return backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        """The backend's ids of ``text``, encoded piece by piece between its added tokens (what the backend itself
+        does first), each piece's ids kept by its text: the same ids (tests/episode/test_chat_encode_pieces.py)."""
+        pattern, added = self.splitter
+        pieces, ids, start = self.pieces, [], 0
+        for match in (*pattern.finditer(text), None):
+            piece = text[start: match.start() if match is not None else len(text)]
+            if piece:
+                known = pieces.get(piece)
+                if known is None:
+                    if len(pieces) >= PIECE_CACHE_SIZE:
+                        pieces.clear()
+                    known = pieces[piece] = tuple(self.backend.encode(piece, add_special_tokens=False).ids)
+                ids += known
+            if match is not None:
+                ids.append(added[match.group()])
+                start = match.end()
+        return ids
+
+
 class ChatFormatter:
     """Renders prompts and observations with a chat template, as token ids.
 
@@ -160,6 +223,9 @@ class ChatFormatter:
     are not append-only), ``"keep_seen"`` (run them, recording the drift) or ``"new_segment"`` (run them without a
     warning: the caller starts a new context where one rewrites, :data:`FORMATTER_MODES`); ``template_kwargs`` are
     extra template variables (e.g. ``enable_thinking=False``).
+
+    Its parts: ``encoder`` (:class:`TokenEncoder`), ``probe`` (:class:`TemplateProbe`, the up-front append-only
+    check), the stop tokens found once (:func:`find_end_of_turn_ids`) and each observation derived by :func:`observe`.
     """
 
     def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None, *,
@@ -173,20 +239,14 @@ class ChatFormatter:
         self.template_kwargs = template_kwargs
         self.template_text = chat_template or getattr(tokenizer, "chat_template", None) or ""
         self.tool_format = find_tool_format(self.template_text)  # None: a template without tool calls
-        self._special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-        self._probed: dict[tuple, TemplateError | None] = {}
-        self._history_dependent: dict[tuple, str | None] = {}  # the probe's finding per message structure
-        self._synthetic: dict[tuple, tuple[list[dict], str]] = {}
-        self.warned = False
-        self.stop_opens_next_turn = False  # True for families whose turn ends on the next role's token (GLM-4)
-        self.end_of_turn_ids: list[int] = self._find_end_of_turn_ids()
+        self.probe = TemplateProbe(self)
+        self.warned = False  # the keep_seen warning was given (once per formatter)
+        # stop_opens_next_turn: True for families whose turn ends on the next role's token (GLM-4)
+        self.end_of_turn_ids, self.stop_opens_next_turn = find_end_of_turn_ids(self)
         self._stop_texts = {t: tokenizer.decode([t]) for t in self.end_of_turn_ids}
-        self._backend = _plain_backend(tokenizer)
-        # encoding by pieces between added tokens, each piece's ids kept (the tools' system text is the same in
-        # every episode): only where that gives the same ids as encoding the whole text (_added_token_splitter)
-        self._splitter = _added_token_splitter(self._backend) if self._backend is not None else None
-        self._splitter_added = len(self._backend.get_added_tokens_decoder()) if self._splitter else None
-        self._pieces: dict[str, tuple[int, ...]] = {}
+        self.encoder = TokenEncoder(tokenizer)
+
+    assistant_message = staticmethod(assistant_message)  # needs no formatter: the module function
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -204,37 +264,8 @@ class ChatFormatter:
                 "or need template variables: pass them as ChatFormatter keyword arguments), or pass chat_template=") from e
 
     def encode(self, text: str) -> list[int]:
-        """``tokenizer(text, add_special_tokens=False)["input_ids"]``: taken straight from a fast tokenizer's backend
-        when that call would only forward to it (transformers' own ``__call__``/``_encode_plus``, no truncation or
-        padding set on the backend, special tokens split as the tokenizer says), which skips transformers' per-call
-        wrapping (about half of a prompt's encoding time on the verl loop benchmark); else that call."""
-        backend = self._backend
-        if (backend is not None and backend.truncation is None and backend.padding is None
-                and backend.encode_special_tokens == bool(self.tokenizer.split_special_tokens)):
-            if (self._splitter is not None and not backend.encode_special_tokens
-                    and len(backend.get_added_tokens_decoder()) == self._splitter_added):  # ~4 us; not get_vocab_size (55 ms)
-                return self._encode_pieces(text)
-            return backend.encode(text, add_special_tokens=False).ids
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _encode_pieces(self, text: str) -> list[int]:
-        """The backend's ids of ``text``, encoded piece by piece between its added tokens (what the backend itself
-        does first), each piece's ids kept by its text: the same ids (tests/episode/test_chat_encode_pieces.py)."""
-        pattern, added = self._splitter
-        pieces, ids, start = self._pieces, [], 0
-        for match in (*pattern.finditer(text), None):
-            piece = text[start: match.start() if match is not None else len(text)]
-            if piece:
-                known = pieces.get(piece)
-                if known is None:
-                    if len(pieces) >= PIECE_CACHE_SIZE:
-                        pieces.clear()
-                    known = pieces[piece] = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
-                ids += known
-            if match is not None:
-                ids.append(added[match.group()])
-                start = match.end()
-        return ids
+        """``tokenizer(text, add_special_tokens=False)["input_ids"]``, by the formatter's :class:`TokenEncoder`."""
+        return self.encoder.encode(text)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         """Token ids of the template's text, encoded as ``apply_chat_template(tokenize=True)`` does."""
@@ -269,73 +300,10 @@ class ChatFormatter:
         """
         if not new_messages:
             raise ValueError("an observation needs at least one new message")
-        self._probe(new_messages)
-        if self.history_mode == "strict" and (why := self._reused_call_ids(history, new_messages)) is not None:
+        self.probe.check(new_messages)
+        if self.history_mode == "strict" and (why := self.probe.reused_call_ids(history, new_messages)) is not None:
             raise TemplateError(why)
-        return self._observe(history, seen, new_messages, stop_id, sampled)
-
-    def _reused_call_ids(self, history: list[dict], new_messages: list[dict]) -> str | None:
-        """Why results answering the last turn's calls would render as answers to earlier calls, or None: their
-        call ids are also ids of calls in an earlier turn (ids restarting per turn), and the template finds a
-        result's call by its id over the whole chat (Command R7B numbers the result as the first call with that
-        id), which renaming the earlier calls shows by changing the new results' text."""
-        last = history[-1] if history and history[-1].get("role") == "assistant" else {}
-        ids = {c.get("id") for c in last.get("tool_calls") or []}
-        earlier = {c.get("id"): n for n, m in enumerate(history[:-1]) for c in m.get("tool_calls") or []}
-        reused = [m["tool_call_id"] for m in new_messages
-                  if m.get("role") == "tool" and m.get("tool_call_id") in ids and m.get("tool_call_id") in earlier]
-        if not reused:
-            return None
-        fresh = {cid: f"dup{k:06d}" for k, cid in enumerate(reused)}  # 9 alphanumerics, as Mistral wants ids
-        renamed = [{**m, "tool_calls": [{**c, "id": fresh.get(c.get("id"), c.get("id"))} for c in m["tool_calls"]]}
-                   if m.get("tool_calls") else {**m, "tool_call_id": fresh[m["tool_call_id"]]}
-                   if m.get("role") == "tool" and m.get("tool_call_id") in fresh else m for m in history[:-1]]
-        try:
-            given, other = (self.render_text(h + [last] + list(new_messages), True) for h in (list(history[:-1]), renamed))
-        except TemplateError:
-            return None
-        for cid, new_id in fresh.items():  # where the template writes ids themselves (Mistral), write them back
-            other = other.replace(new_id, cid)
-        if given == other:
-            return None  # the template does not look results up by id across turns: harmless
-        turns = sorted({earlier[cid] for cid in reused})
-        return (f"tool call id(s) {reused} of the last turn are also ids of calls in earlier messages {turns}, and this "
-                "chat template finds a result's call by its id over the whole chat: the results would render as "
-                "answers to the earlier calls (Command R7B numbers them as those calls). Give every call an id "
-                "unique in the conversation (the loop does: ChatFormatter.call_id counts over the episode; a tool "
-                "message's tool_call_id is its ToolCallRecord.call_id)")
-
-    def _observe(self, history: list[dict], seen: str, new_messages: list[dict], stop_id: int | None,
-                 sampled: str | None = None) -> Observation:
-        """:meth:`observation` without the up-front probe (which itself observes)."""
-        messages = list(history) + list(new_messages)
-        fresh = self.render_text(messages, add_generation_prompt=True)
-        mismatch, before, rerender = None, seen, None
-        if fresh.startswith(seen):
-            marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
-            at = len(seen) + len(sampled) if sampled is not None and fresh.startswith(sampled, len(seen)) else None
-            if at is not None and (other := self._rendered_stop(fresh, at, stop_id)) is not None:
-                marker = (at, at + len(other))  # the turn ends here, with the marker the template writes
-                mismatch = {"char": at, "token": len(self.encode(fresh[:at])), "seen": self._stop_texts[stop_id],
-                            "fresh": other}
-            if marker is not None and sampled is not None:
-                rerender = turn_difference(sampled, fresh[len(seen): marker[0]])
-            if marker is not None and fresh[len(seen): marker[0]] != sampled:
-                alone = self.render_text(history)  # the turn as it rendered when it was the last message
-                end = self._marker(alone, len(seen), len(alone), stop_id, first=True)
-                before = alone[: end[1] if end else len(alone)]
-        if not fresh.startswith(before):
-            pos = first_difference(before, fresh)
-            mismatch = {"char": pos, "token": len(self.encode(fresh[:pos])),
-                        "seen": before[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
-            marker = self._marker(fresh, 0, self._new_content_start(history, new_messages, fresh), stop_id, first=False)
-        if marker is None:
-            raise TemplateError(
-                f"no end-of-turn marker {list(self._stop_texts.values())} closes the assistant turn in the render "
-                f"{fresh[len(seen) if mismatch is None else 0:][-300:]!r}; pass chat_template= a template that "
-                "closes assistant turns with a special token")
-        start, end = marker
-        return Observation(self.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch, rerender)
+        return observe(self, history, seen, new_messages, stop_id, sampled)
 
     def final_mismatch(self, messages: list[dict], seen: str, *, fresh: str | None = None) -> dict | None:
         """Check a finished episode that ends with an assistant turn: the one-go render of ``messages`` must
@@ -356,9 +324,10 @@ class ChatFormatter:
         fresh = self.render_text(messages) if fresh is None else fresh
         if not fresh.startswith(seen):
             return None
-        marker = self._marker(fresh, len(seen), len(fresh), stop_id, first=True)
+        marker = end_of_turn_marker(fresh, len(seen), len(fresh), self._stop_texts, stop_id, first=True)
         at = len(seen) + len(sampled)
-        if fresh.startswith(sampled, len(seen)) and (rendered := self._rendered_stop(fresh, at, stop_id)) is not None:
+        if (fresh.startswith(sampled, len(seen))
+                and (rendered := other_rendered_stop(fresh, at, self._stop_texts, stop_id)) is not None):
             if self.history_mode == "strict":  # a final answer sampled with <|flush|> (harmony: <|return|>), rendered <|end|>
                 raise TemplateError(
                     f"the model ended its turn with {self._stop_texts[stop_id]!r}, which this chat template renders as "
@@ -369,13 +338,6 @@ class ChatFormatter:
             return {"char": len(sampled), "sampled": self._stop_texts[stop_id], "rendered": rendered}
         return turn_difference(sampled, fresh[len(seen): marker[0] if marker else len(fresh)])
 
-    def _rendered_stop(self, text: str, at: int, stop_id: int | None) -> str | None:
-        """The end-of-turn marker the template writes at ``text[at]``, where a turn ended with the stop token
-        ``stop_id``, if it is another marker than that token (a mismatch: the model's context holds its own)."""
-        sampled = self._stop_texts.get(stop_id)
-        rendered = next((t for t in self._stop_texts.values() if t and text.startswith(t, at)), None)
-        return rendered if sampled is not None and rendered is not None and rendered != sampled else None
-
     def observation_ids(self, new_messages: list[dict], after_stop: bool = True) -> list[int]:
         """Observation ids after a fixed synthetic conversation (for tests and tools that have no episode).
 
@@ -383,7 +345,7 @@ class ChatFormatter:
         """
         if not new_messages:
             raise ValueError("observation_ids needs at least one new message")
-        history, seen = self._synthetic_history(self._tool_key(new_messages))
+        history, seen = self.probe.synthetic_history(tool_key(new_messages))
         stop = self.end_of_turn_ids[0] if after_stop else None
         ids = self.observation(history, seen, new_messages, stop_id=stop).ids
         if (why := self.history_dependence(new_messages)) is not None:
@@ -397,82 +359,175 @@ class ChatFormatter:
         second round of the same calls renders otherwise than a first: Command R7B numbers results over every call
         of the chat, R1-distill opens its outputs block once), or None. The loop is exact either way (it renders
         the episode's own messages); a fixed synthetic prefix (:meth:`observation_ids`) is not."""
-        self._probe(new_messages)
-        return self._history_dependent.get(self._probe_key(new_messages))
+        self.probe.check(new_messages)
+        return self.probe.history_dependent.get(probe_key(new_messages))
 
-    @staticmethod
-    def assistant_message(text: str, tool_calls: list[dict] | None = None, *, reasoning: str | None = None) -> dict:
-        """The chat message of an assistant turn (``tool_calls`` as ``{"name", "arguments"[, "id"]}`` dicts);
-        ``reasoning`` (:attr:`ParsedTurn.reasoning`) as its ``reasoning_content``, the field templates that render
-        reasoning apart from the content read (Command R7B's plan), as vLLM, verl and TRL name it."""
-        message = {"role": "assistant", "content": text}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        if tool_calls:
-            message["tool_calls"] = [
-                {"id": c.get("id", default_call_id(i)), "type": "function",
-                 "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for i, c in enumerate(tool_calls)]
-        return message
 
-    def _marker(self, text: str, lo: int, hi: int, stop_id: int | None, first: bool) -> tuple[int, int] | None:
-        """(start, end) of the end-of-turn marker closing the assistant turn within ``text[lo:hi]``.
+# -- observations -------------------------------------------------------------------------------
 
-        ``first``: the first marker after ``lo`` (the turn starts at ``lo``); else the last before ``hi``
-        (``hi`` is where the new messages' content starts). The model's own stop token is preferred.
-        """
-        texts = [self._stop_texts[stop_id]] if stop_id in self._stop_texts else []
-        texts += [t for t in self._stop_texts.values() if t and t not in texts]
-        for candidates in (texts[:1], texts):
-            found = [(text.find(t, lo, hi), t) if first else (text.rfind(t, lo, hi), t) for t in candidates]
-            found = [(i, t) for i, t in found if i >= 0]
-            if found:
-                i, t = (min if first else max)(found)
-                return i, i + len(t)
-        return None
+def observe(formatter: ChatFormatter, history: list[dict], seen: str, new_messages: list[dict], stop_id: int | None,
+            sampled: str | None = None) -> Observation:
+    """:meth:`ChatFormatter.observation` without the up-front probe and the call-id check (the probe itself
+    observes): the one-go render of the episode's messages, checked against ``seen``, and the ids after the
+    assistant turn's end-of-turn marker."""
+    stop_texts = formatter._stop_texts
+    fresh = formatter.render_text(list(history) + list(new_messages), add_generation_prompt=True)
+    mismatch, before, rerender = None, seen, None
+    if fresh.startswith(seen):
+        marker = end_of_turn_marker(fresh, len(seen), len(fresh), stop_texts, stop_id, first=True)
+        at = len(seen) + len(sampled) if sampled is not None and fresh.startswith(sampled, len(seen)) else None
+        if at is not None and (other := other_rendered_stop(fresh, at, stop_texts, stop_id)) is not None:
+            marker = (at, at + len(other))  # the turn ends here, with the marker the template writes
+            mismatch = {"char": at, "token": len(formatter.encode(fresh[:at])), "seen": stop_texts[stop_id],
+                        "fresh": other}
+        if marker is not None and sampled is not None:
+            rerender = turn_difference(sampled, fresh[len(seen): marker[0]])
+        if marker is not None and fresh[len(seen): marker[0]] != sampled:
+            alone = formatter.render_text(history)  # the turn as it rendered when it was the last message
+            end = end_of_turn_marker(alone, len(seen), len(alone), stop_texts, stop_id, first=True)
+            before = alone[: end[1] if end else len(alone)]
+    if not fresh.startswith(before):
+        pos = first_difference(before, fresh)
+        mismatch = {"char": pos, "token": len(formatter.encode(fresh[:pos])),
+                    "seen": before[max(0, pos - 40): pos + 40], "fresh": fresh[max(0, pos - 40): pos + 40]}
+        marker = end_of_turn_marker(fresh, 0, new_content_start(formatter, history, new_messages, fresh), stop_texts,
+                                    stop_id, first=False)
+    if marker is None:
+        raise TemplateError(
+            f"no end-of-turn marker {list(stop_texts.values())} closes the assistant turn in the render "
+            f"{fresh[len(seen) if mismatch is None else 0:][-300:]!r}; pass chat_template= a template that "
+            "closes assistant turns with a special token")
+    start, end = marker
+    return Observation(formatter.encode(fresh[end if stop_id is not None else start:]), fresh, mismatch, rerender)
 
-    def _new_content_start(self, history: list[dict], new_messages: list[dict], fresh: str) -> int:
-        """Where the first new message's content starts in ``fresh`` (a render with it marked differs there)."""
-        marked = [dict(m) for m in new_messages]
-        marked[0]["content"] = _SENTINEL + str(marked[0].get("content") or "")
-        other = self.render_text(list(history) + marked, add_generation_prompt=True)
-        return first_difference(fresh, other)
 
-    # -- the up-front probe ----------------------------------------------------------------------
+def new_content_start(formatter: ChatFormatter, history: list[dict], new_messages: list[dict], fresh: str) -> int:
+    """Where the first new message's content starts in ``fresh`` (a render with it marked differs there)."""
+    marked = [dict(m) for m in new_messages]
+    marked[0]["content"] = _SENTINEL + str(marked[0].get("content") or "")
+    other = formatter.render_text(list(history) + marked, add_generation_prompt=True)
+    return first_difference(fresh, other)
 
-    def _probe_key(self, new_messages: list[dict]) -> tuple:
-        return tuple(m.get("role") for m in new_messages), self._tool_key(new_messages)
 
-    def _probe(self, new_messages: list[dict]) -> None:
+def end_of_turn_marker(text: str, lo: int, hi: int, stop_texts: dict[int, str], stop_id: int | None,
+                       first: bool) -> tuple[int, int] | None:
+    """(start, end) of the end-of-turn marker closing the assistant turn within ``text[lo:hi]``; ``stop_texts``:
+    each end-of-turn token's text (:attr:`ChatFormatter.end_of_turn_ids`).
+
+    ``first``: the first marker after ``lo`` (the turn starts at ``lo``); else the last before ``hi``
+    (``hi`` is where the new messages' content starts). The model's own stop token ``stop_id`` is preferred.
+    """
+    texts = [stop_texts[stop_id]] if stop_id in stop_texts else []
+    texts += [t for t in stop_texts.values() if t and t not in texts]
+    for candidates in (texts[:1], texts):
+        found = [(text.find(t, lo, hi), t) if first else (text.rfind(t, lo, hi), t) for t in candidates]
+        found = [(i, t) for i, t in found if i >= 0]
+        if found:
+            i, t = (min if first else max)(found)
+            return i, i + len(t)
+    return None
+
+
+def other_rendered_stop(text: str, at: int, stop_texts: dict[int, str], stop_id: int | None) -> str | None:
+    """The end-of-turn marker the template writes at ``text[at]``, where a turn ended with the stop token
+    ``stop_id``, if it is another marker than that token (a mismatch: the model's context holds its own)."""
+    sampled = stop_texts.get(stop_id)
+    rendered = next((t for t in stop_texts.values() if t and text.startswith(t, at)), None)
+    return rendered if sampled is not None and rendered is not None and rendered != sampled else None
+
+
+# -- the up-front probe ---------------------------------------------------------------------------
+
+def tool_key(messages: list[dict]) -> tuple:
+    """The (name, call id) of each tool message: the synthetic turn before them makes these calls."""
+    return tuple((m.get("name"), m.get("tool_call_id")) for m in messages if m.get("role") == "tool")
+
+
+def probe_key(new_messages: list[dict]) -> tuple:
+    """The message structure the probe checks once: the new messages' roles and their tool messages' keys."""
+    return tuple(m.get("role") for m in new_messages), tool_key(new_messages)
+
+
+class TemplateProbe:
+    """The formatter's up-front check that its template is append-only for each message structure
+    (:func:`probe_key`), played once on a fixed synthetic conversation that ends with an assistant turn making one
+    call per tool message (:meth:`synthetic_history`), and the check that a turn's results do not reuse earlier
+    call ids where the template looks results up by id. ``probed``: each structure's refusal (None: append-only);
+    ``history_dependent``: why a structure's observation depends on the conversation before it (a second round
+    renders otherwise than a first); ``synthetic``: the synthetic conversation per tool key (:func:`tool_key`)."""
+
+    def __init__(self, formatter: ChatFormatter):
+        self.formatter = formatter
+        self.probed: dict[tuple, TemplateError | None] = {}
+        self.history_dependent: dict[tuple, str | None] = {}
+        self.synthetic: dict[tuple, tuple[list[dict], str]] = {}
+
+    def reused_call_ids(self, history: list[dict], new_messages: list[dict]) -> str | None:
+        """Why results answering the last turn's calls would render as answers to earlier calls, or None: their
+        call ids are also ids of calls in an earlier turn (ids restarting per turn), and the template finds a
+        result's call by its id over the whole chat (Command R7B numbers the result as the first call with that
+        id), which renaming the earlier calls shows by changing the new results' text."""
+        last = history[-1] if history and history[-1].get("role") == "assistant" else {}
+        ids = {c.get("id") for c in last.get("tool_calls") or []}
+        earlier = {c.get("id"): n for n, m in enumerate(history[:-1]) for c in m.get("tool_calls") or []}
+        reused = [m["tool_call_id"] for m in new_messages
+                  if m.get("role") == "tool" and m.get("tool_call_id") in ids and m.get("tool_call_id") in earlier]
+        if not reused:
+            return None
+        fresh = {cid: f"dup{k:06d}" for k, cid in enumerate(reused)}  # 9 alphanumerics, as Mistral wants ids
+        renamed = [{**m, "tool_calls": [{**c, "id": fresh.get(c.get("id"), c.get("id"))} for c in m["tool_calls"]]}
+                   if m.get("tool_calls") else {**m, "tool_call_id": fresh[m["tool_call_id"]]}
+                   if m.get("role") == "tool" and m.get("tool_call_id") in fresh else m for m in history[:-1]]
+        render = self.formatter.render_text
+        try:
+            given, other = (render(h + [last] + list(new_messages), True) for h in (list(history[:-1]), renamed))
+        except TemplateError:
+            return None
+        for cid, new_id in fresh.items():  # where the template writes ids themselves (Mistral), write them back
+            other = other.replace(new_id, cid)
+        if given == other:
+            return None  # the template does not look results up by id across turns: harmless
+        turns = sorted({earlier[cid] for cid in reused})
+        return (f"tool call id(s) {reused} of the last turn are also ids of calls in earlier messages {turns}, and this "
+                "chat template finds a result's call by its id over the whole chat: the results would render as "
+                "answers to the earlier calls (Command R7B numbers them as those calls). Give every call an id "
+                "unique in the conversation (the loop does: ChatFormatter.call_id counts over the episode; a tool "
+                "message's tool_call_id is its ToolCallRecord.call_id)")
+
+    def check(self, new_messages: list[dict]) -> None:
         """Check once per message structure that the template is append-only for it (strict mode: raise)."""
-        key = self._probe_key(new_messages)
-        if key not in self._probed:
-            self._probed[key] = None  # the probe itself calls observation(): do not recurse
+        key = probe_key(new_messages)
+        if key not in self.probed:
+            self.probed[key] = None  # the probe itself calls observation(): do not recurse
             try:
-                self._probed[key] = self._probe_error(new_messages)
+                self.probed[key] = self._error(new_messages)
             except TemplateError as e:
-                self._probed[key] = e
-        error = self._probed[key]
+                self.probed[key] = e
+        error = self.probed[key]
         if error is None:
             return
-        if self.history_mode == "strict":
+        formatter = self.formatter
+        if formatter.history_mode == "strict":
             raise error
-        if not self.warned and self.history_mode == "keep_seen":
-            self.warned = True
+        if not formatter.warned and formatter.history_mode == "keep_seen":
+            formatter.warned = True
             warnings.warn(f"history_mode='keep_seen': {error.args[0].split('. ')[0]}; episodes keep the tokens the "
                           "model saw and record the drift from a fresh render (Trajectory.metrics['template_drift'])",
                           stacklevel=3)
 
-    def _probe_error(self, new_messages: list[dict]) -> TemplateError | None:
-        roles = [m.get("role") for m in new_messages]
-        history, seen = self._synthetic_history(self._tool_key(new_messages))
-        got = self._observe(history, seen, new_messages, stop_id=self.end_of_turn_ids[0])
+    def _error(self, new_messages: list[dict]) -> TemplateError | None:
+        """Why the template is not append-only for messages like ``new_messages`` after the synthetic conversation
+        (their render rewrites earlier text, the generation prompt after them is not how the next turn renders, or
+        a second round rewrites the first), or None."""
+        formatter, roles = self.formatter, [m.get("role") for m in new_messages]
+        history, seen = self.synthetic_history(tool_key(new_messages))
+        got = observe(formatter, history, seen, new_messages, stop_id=formatter.end_of_turn_ids[0])
         if got.mismatch is not None:
             return TemplateError(
                 f"chat template is not append-only: appending messages with roles {roles} rewrites the earlier "
                 f"text at character {got.mismatch['char']}: before {got.mismatch['seen']!r}, after "
                 f"{got.mismatch['fresh']!r} (it drops or rewrites earlier turns, e.g. their reasoning). {_KEEP_SEEN_FIX}")
-        answered = self.render_text(history + list(new_messages) + [{"role": "assistant", "content": _EOT_PROBE}])
+        answered = formatter.render_text(history + list(new_messages) + [{"role": "assistant", "content": _EOT_PROBE}])
         if not answered.startswith(got.rendered):
             pos = first_difference(got.rendered, answered)
             return TemplateError(
@@ -488,23 +543,23 @@ class ChatFormatter:
         over the conversation rewrites the first round once a second follows (tool results numbered by a count
         of the whole chat, say) is append-only for one round and not for two; one-go and incremental differ.
         Where it only appends, the second round's observation is compared with the same round rendered as the
-        first (after ``seen``, the synthetic generation prompt): a difference is recorded
-        (:meth:`history_dependence`)."""
+        first (after ``seen``, the synthetic generation prompt): a difference is recorded in ``history_dependent``
+        (:meth:`ChatFormatter.history_dependence`)."""
+        formatter, stop_id = self.formatter, self.formatter.end_of_turn_ids[0]
         calls = history[-1].get("tool_calls") or []
         offset = len(calls)
-        renamed = {c["id"]: self.call_id(c["function"]["name"], offset + i) for i, c in enumerate(calls)}
+        renamed = {c["id"]: formatter.call_id(c["function"]["name"], offset + i) for i, c in enumerate(calls)}
         again = {**history[-1], "tool_calls": [{**c, "id": renamed[c["id"]]} for c in calls]} if calls else history[-1]
         results = [{**m, "tool_call_id": renamed.get(m.get("tool_call_id"), m.get("tool_call_id"))}
                    if m.get("role") == "tool" and "tool_call_id" in m else m for m in new_messages]
-        got = self._observe(list(history) + list(new_messages) + [again], first.rendered, results,
-                            stop_id=self.end_of_turn_ids[0])
+        got = observe(formatter, list(history) + list(new_messages) + [again], first.rendered, results, stop_id=stop_id)
         roles = [m.get("role") for m in new_messages]
         if got.mismatch is None:
-            alone = self._observe(list(history[:-1]) + [again], seen, results, stop_id=self.end_of_turn_ids[0])
+            alone = observe(formatter, list(history[:-1]) + [again], seen, results, stop_id=stop_id)
             if alone.ids != got.ids:
-                second, one = self.tokenizer.decode(got.ids), self.tokenizer.decode(alone.ids)
+                second, one = formatter.tokenizer.decode(got.ids), formatter.tokenizer.decode(alone.ids)
                 pos = first_difference(second, one)
-                self._history_dependent[self._probe_key(new_messages)] = (
+                self.history_dependent[probe_key(new_messages)] = (
                     f"the observation of messages with roles {roles} depends on the conversation before it: after a "
                     f"first round of the same calls it renders {second[max(0, pos - 30): pos + 30]!r} where the "
                     f"round as the chat's first renders {one[max(0, pos - 30): pos + 30]!r} (state kept over the whole "
@@ -516,38 +571,35 @@ class ChatFormatter:
             f"{got.mismatch['fresh']!r} (state kept over the whole conversation, e.g. tool results numbered by a "
             f"count of the chat, changes text the model has already seen). {_KEEP_SEEN_FIX}")
 
-    def _synthetic_history(self, key: tuple) -> tuple[list[dict], str]:
+    def synthetic_history(self, key: tuple) -> tuple[list[dict], str]:
         """A fixed conversation ending in an assistant turn that made one call per tool message of ``key``,
         and the render the model would have seen before that turn (its generation prompt).
 
         Templates that check that tool results answer the preceding calls (Mistral) need matching calls.
         """
-        if key not in self._synthetic:
-            calls = [{"id": call_id or self.call_id(name or "tool", i), "type": "function",
+        if key not in self.synthetic:
+            formatter = self.formatter
+            calls = [{"id": call_id or formatter.call_id(name or "tool", i), "type": "function",
                       "function": {"name": name or "tool", "arguments": {}}}
                      for i, (name, call_id) in enumerate(key)]
             head = self._synthetic_head()
-            seen = self.render_text(head, add_generation_prompt=True)
+            seen = formatter.render_text(head, add_generation_prompt=True)
             assistant, turn = self._render_synthetic_turn(head, calls)
-            if not turn.startswith(seen) and self.history_mode == "strict":
+            if not turn.startswith(seen) and formatter.history_mode == "strict":
                 pos = first_difference(seen, turn)
                 raise TemplateError(
                     "chat template is not append-only: its generation prompt is not how it renders the assistant "
                     f"turn after the generation prompt (at character {pos}: generation prompt "
                     f"{seen[max(0, pos - 40):]!r}, rendered turn {turn[max(0, pos - 40): pos + 40]!r}). {_KEEP_SEEN_FIX}")
-            self._synthetic[key] = (head + [assistant], seen)
-        return self._synthetic[key]
-
-    @staticmethod
-    def _tool_key(messages: list[dict]) -> tuple:
-        return tuple((m.get("name"), m.get("tool_call_id")) for m in messages if m.get("role") == "tool")
+            self.synthetic[key] = (head + [assistant], seen)
+        return self.synthetic[key]
 
     def _synthetic_head(self) -> list[dict]:
         """A system and a user message, or only the user message where the template rejects a system role."""
-        user = {"role": "user", "content": _SYNTHETIC_USER}
+        system, user = {"role": "system", "content": _SYNTHETIC_SYSTEM}, {"role": "user", "content": _SYNTHETIC_USER}
         try:
-            self.render_text([{"role": "system", "content": _SYNTHETIC_SYSTEM}, user], add_generation_prompt=True)
-            return [{"role": "system", "content": _SYNTHETIC_SYSTEM}, user]
+            self.formatter.render_text([system, user], add_generation_prompt=True)
+            return [system, user]
         except TemplateError:
             return [user]
 
@@ -563,81 +615,92 @@ class ChatFormatter:
         for n, (content, turn_calls) in enumerate(attempts):
             assistant = {"role": "assistant", "content": content, **({"tool_calls": turn_calls} if turn_calls else {})}
             try:
-                return assistant, self.render_text(head + [assistant])
+                return assistant, self.formatter.render_text(head + [assistant])
             except TemplateError:
                 if n == len(attempts) - 1:
                     raise
 
-    # -- end of turn -----------------------------------------------------------------------------
 
-    def _specials_after(self, text: str, end: int, lo: int = 0) -> tuple[list[int], set[int]]:
-        """The run of adjacent special tokens that starts with the first special token at or after ``end``,
-        and the special tokens of ``text[lo:end]`` but its first (which closes the message before ``lo``)."""
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        run, last_end, before = [], None, []
-        for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-            if s < end:
-                if s >= lo and tid in self._special_ids:
-                    before.append(tid)
+# -- end of turn ---------------------------------------------------------------------------------
+
+def _specials_after(tokenizer, special_ids: set[int], text: str, end: int,
+                    lo: int = 0) -> tuple[list[int], set[int]]:
+    """The run of adjacent special tokens that starts with the first special token at or after ``end``, and the
+    special tokens of ``text[lo:end]`` but its first (which closes the message before ``lo``); ``special_ids``: the
+    tokenizer's special and added tokens."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    run, last_end, before = [], None, []
+    for tid, (s, e) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        if s < end:
+            if s >= lo and tid in special_ids:
+                before.append(tid)
+            continue
+        if tid in special_ids and (last_end is None or s == last_end):
+            run.append(tid)
+            last_end = e
+        elif run:
+            break
+    return run, set(before[1:])
+
+
+def _check_eos_text(formatter: ChatFormatter, text: str, end: int, run: list[int]) -> None:
+    """Refuse a template that closes an assistant turn with its ``eos_token`` text (``</s>``) where this tokenizer
+    does not encode that text as a special token: generation cannot stop on it, and the next special token
+    (``[TOOL_RESULTS]``) would be taken for the end of the turn, with the text before it lost or repeated."""
+    tokenizer = formatter.tokenizer
+    eos = formatter.template_kwargs.get("eos_token", tokenizer.eos_token)
+    gap = text[end: text.find(tokenizer.decode(run[:1]), end) if run else len(text)]
+    if isinstance(eos, str) and eos and eos in gap:
+        raise TemplateError(
+            f"this chat template ends an assistant turn with its eos_token {eos!r}, which this tokenizer does not "
+            f"encode as one special token (its eos_token is {tokenizer.eos_token!r}), so generation cannot "
+            "stop on it; use the model's own tokenizer, or add that marker with tokenizer.add_special_tokens")
+
+
+def find_end_of_turn_ids(formatter: ChatFormatter) -> tuple[list[int], bool]:
+    """The formatter's stop tokens: the last of the special tokens right after an assistant's content (plus eos and
+    ``<|eom_id|>``); for families that write none, the tokens that open the next user or tool turn. And whether
+    the turn ends on such an opening token (:attr:`ChatFormatter.stop_opens_next_turn`: GLM-4)."""
+    tokenizer = formatter.tokenizer
+    special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    opens_next_turn = False
+    head = [{"role": "user", "content": _SYNTHETIC_USER}]
+    assistant = {"role": "assistant", "content": _EOT_PROBE}
+    text = formatter.render_text(head + [assistant])
+    end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
+    run, openers = _specials_after(tokenizer, special_ids, text, end,
+                                   lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
+    _check_eos_text(formatter, text, end, run)
+    # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
+    # the next turn (a token that also opened this one after the user's closing token, e.g.
+    # <|eot_id|><|start_header_id|> from templates that always add the header)
+    closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
+    ids = closing[-1:]
+    if not ids:  # GLM-4 style: the model ends its turn by opening the next one
+        followers = [[{"role": "user", "content": _SYNTHETIC_USER}]]
+        if formatter.tools:
+            followers.append([{"role": "tool", "name": "tool", "tool_call_id": formatter.call_id("tool", 0),
+                               "content": "5"}])
+        for follower in followers:
+            try:
+                following = formatter.render_text(head + [assistant] + follower)
+            except TemplateError:
                 continue
-            if tid in self._special_ids and (last_end is None or s == last_end):
-                run.append(tid)
-                last_end = e
-            elif run:
-                break
-        return run, set(before[1:])
-
-    def _check_eos_text(self, text: str, end: int, run: list[int]) -> None:
-        """Refuse a template that closes an assistant turn with its ``eos_token`` text (``</s>``) where this tokenizer
-        does not encode that text as a special token: generation cannot stop on it, and the next special token
-        (``[TOOL_RESULTS]``) would be taken for the end of the turn, with the text before it lost or repeated."""
-        eos = self.template_kwargs.get("eos_token", self.tokenizer.eos_token)
-        gap = text[end: text.find(self.tokenizer.decode(run[:1]), end) if run else len(text)]
-        if isinstance(eos, str) and eos and eos in gap:
-            raise TemplateError(
-                f"this chat template ends an assistant turn with its eos_token {eos!r}, which this tokenizer does not "
-                f"encode as one special token (its eos_token is {self.tokenizer.eos_token!r}), so generation cannot "
-                "stop on it; use the model's own tokenizer, or add that marker with tokenizer.add_special_tokens")
-
-    def _find_end_of_turn_ids(self) -> list[int]:
-        """Stop tokens: the last of the special tokens right after an assistant's content (plus eos and
-        ``<|eom_id|>``); for families that write none, the tokens that open the next user or tool turn."""
-        head = [{"role": "user", "content": _SYNTHETIC_USER}]
-        assistant = {"role": "assistant", "content": _EOT_PROBE}
-        text = self.render_text(head + [assistant])
-        end = text.rindex(_EOT_PROBE) + len(_EOT_PROBE)
-        run, openers = self._specials_after(text, end, lo=text.rindex(_SYNTHETIC_USER) + len(_SYNTHETIC_USER))
-        self._check_eos_text(text, end, run)
-        # the turn ends with the last of the run (<|END_RESPONSE|><|END_OF_TURN_TOKEN|>), up to where the run opens
-        # the next turn (a token that also opened this one after the user's closing token, e.g.
-        # <|eot_id|><|start_header_id|> from templates that always add the header)
-        closing = next((run[:k] for k in range(1, len(run)) if run[k] in openers), run)
-        ids = closing[-1:]
-        if not ids:  # GLM-4 style: the model ends its turn by opening the next one
-            followers = [[{"role": "user", "content": _SYNTHETIC_USER}]]
-            if self.tools:
-                followers.append([{"role": "tool", "name": "tool", "tool_call_id": self.call_id("tool", 0), "content": "5"}])
-            for follower in followers:
-                try:
-                    following = self.render_text(head + [assistant] + follower)
-                except TemplateError:
-                    continue
-                if following.startswith(text):
-                    ids += [t for t in self._specials_after(following, len(text))[0][:1] if t not in ids]
-            self.stop_opens_next_turn = bool(ids)
-        if not ids:
-            after = text[end:end + 20] or self.render_text(head + [assistant, head[0]])[end:end + 20]
-            raise TemplateError(
-                f"no special token ends an assistant turn of this template: its content is followed by {after!r}, "
-                "which this tokenizer does not encode as a special token, so generation cannot stop on it; add that "
-                "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
-                "the next turn opens) with a special token")
-        extra = [self.tokenizer.eos_token_id]
-        # the end of a turn that expects a tool result, in the formats that render results inside the model's
-        # turn, opened by a token the model writes (ToolFormat.stop_tokens: Llama 3.1, harmony, Apertus, Gemma 4)
-        for token in self.tool_format.stop_tokens if self.tool_format else ():
-            if token in self.template_text:
-                extra.append(self.tokenizer.convert_tokens_to_ids(token))
-        ids += [t for t in extra if t is not None and t != self.tokenizer.unk_token_id and t not in ids]
-        return ids
-
+            if following.startswith(text):
+                ids += [t for t in _specials_after(tokenizer, special_ids, following, len(text))[0][:1] if t not in ids]
+        opens_next_turn = bool(ids)
+    if not ids:
+        after = text[end:end + 20] or formatter.render_text(head + [assistant, head[0]])[end:end + 20]
+        raise TemplateError(
+            f"no special token ends an assistant turn of this template: its content is followed by {after!r}, "
+            "which this tokenizer does not encode as a special token, so generation cannot stop on it; add that "
+            "marker with tokenizer.add_special_tokens, or pass chat_template= a template whose turns end (or "
+            "the next turn opens) with a special token")
+    extra = [tokenizer.eos_token_id]
+    # the end of a turn that expects a tool result, in the formats that render results inside the model's
+    # turn, opened by a token the model writes (ToolFormat.stop_tokens: Llama 3.1, harmony, Apertus, Gemma 4)
+    for token in formatter.tool_format.stop_tokens if formatter.tool_format else ():
+        if token in formatter.template_text:
+            extra.append(tokenizer.convert_tokens_to_ids(token))
+    ids += [t for t in extra if t is not None and t != tokenizer.unk_token_id and t not in ids]
+    return ids, opens_next_turn

@@ -53,9 +53,9 @@ def test_observation_of_a_real_turn_matches_the_full_render(tokenizer, formatter
 def test_synthetic_prefix_is_cached(formatter):
     tool = [{"role": "tool", "name": "calculator", "content": "1"}]
     formatter.observation_ids(tool)
-    cached = dict(formatter._synthetic)
+    cached = dict(formatter.probe.synthetic)
     formatter.observation_ids([{**tool[0], "content": "a different result"}])
-    assert formatter._synthetic == cached
+    assert formatter.probe.synthetic == cached
 
 
 def test_empty_observation_is_rejected(formatter):
@@ -94,7 +94,7 @@ def test_encode_equals_the_tokenizer_call_and_follows_the_backend_settings(token
 
     own = copy.deepcopy(tokenizer)
     formatter = ChatFormatter(own)
-    assert formatter._backend is own._tokenizer  # the fast path is taken for Qwen2.5
+    assert formatter.encoder.backend is own._tokenizer  # the fast path is taken for Qwen2.5
     expected = [list(own(t, add_special_tokens=False)["input_ids"]) for t in ENCODE_TEXTS]
     assert [formatter.encode(t) for t in ENCODE_TEXTS] == expected
     long = ENCODE_TEXTS[2]

@@ -23,7 +23,7 @@ def formatter(qwen_tokenizer):
 def test_pieces_give_the_ids_of_the_whole_text(formatter, qwen_tokenizer):
     """Random texts of special tokens (alone, doubled, cut in half), whitespace and unicode, and real renders: the
     piece-by-piece ids equal ``tokenizer(text)``'s, first while pieces are encoded and again from the kept ones."""
-    assert formatter._splitter is not None  # Qwen2.5 (Split + ByteLevel, NFC, plain added tokens) takes it
+    assert formatter.encoder.splitter is not None  # Qwen2.5 (Split + ByteLevel, NFC, plain added tokens) takes it
     rng = random.Random(0)
     texts = ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12))) for _ in range(400)]
     tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up.", "parameters": {
@@ -35,9 +35,9 @@ def test_pieces_give_the_ids_of_the_whole_text(formatter, qwen_tokenizer):
     texts += [qwen_tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False, add_generation_prompt=True)
               for n in (1, 3)]
     expected = [list(qwen_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    formatter._pieces.clear()
+    formatter.encoder.pieces.clear()
     assert [formatter.encode(t) for t in texts] == expected
-    assert formatter._pieces  # kept
+    assert formatter.encoder.pieces  # kept
     assert [formatter.encode(t) for t in texts] == expected  # from the kept pieces
 
 
@@ -47,10 +47,10 @@ def test_a_full_piece_cache_is_cleared_and_a_new_added_token_ends_the_piece_path
     monkeypatch.setattr(chat, "PIECE_CACHE_SIZE", 3)
     texts = [f"a{i}<|im_end|>b{i}" for i in range(5)]
     assert [formatter.encode(t) for t in texts] == [own(t, add_special_tokens=False)["input_ids"] for t in texts]
-    assert len(formatter._pieces) <= 3
+    assert len(formatter.encoder.pieces) <= 3
     own.add_tokens(["zq<x>"])  # the pieces would not split at it: the whole text is encoded
     assert formatter.encode("azq<x>b") == own("azq<x>b", add_special_tokens=False)["input_ids"]
-    assert "azq<x>b" not in formatter._pieces and "a" not in formatter._pieces
+    assert "azq<x>b" not in formatter.encoder.pieces and "a" not in formatter.encoder.pieces
 
 
 def _tiny(pre_tokenizer, added):

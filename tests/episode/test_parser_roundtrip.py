@@ -14,7 +14,7 @@ import json
 import pytest
 from test_chat_templates import CALCULATOR, TEMPLATE_KWARGS, tokenizer  # noqa: F401 (fixture)
 
-from agent_loop.episode.chat import ChatFormatter, TemplateError, first_difference
+from agent_loop.episode.chat import ChatFormatter, TemplateError, end_of_turn_marker, first_difference
 from agent_loop.episode.tool_formats import find_tool_format, parser_for_template
 from tests.helpers.testdata import TEMPLATE_FILES, read_template
 
@@ -62,7 +62,7 @@ def rendered_turn(formatter: ChatFormatter, pairs, string_args: bool, content) -
     tail = formatter.render_text(head, add_generation_prompt=True).rstrip()[-12:]  # a tool-call turn's own header
     if tail and (found := full.find(tail, start, start + 80)) >= 0:
         start = found + len(tail)
-    marker = formatter._marker(full, start, len(full), None, first=True) if formatter else None
+    marker = end_of_turn_marker(full, start, len(full), formatter._stop_texts, None, first=True)
     return full[start: marker[0] if marker else len(full)]
 
 
