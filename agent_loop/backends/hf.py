@@ -26,8 +26,10 @@ is not bit-identical to a request decoded alone: :class:`TransformersBackend`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +66,62 @@ class _Kept:
     nbytes: int
 
 
+class _KeptCaches:
+    """The sessions' kept caches, least recently used first; safe to use from any thread. ``nbytes``: their size."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._caches: OrderedDict[str, _Kept] = OrderedDict()
+        self.nbytes = 0
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def take(self, request: _Request) -> _Kept | None:
+        """The session's kept cache if ``request``'s prompt strictly extends its tokens (it leaves the store: the
+        request's own cache replaces it when it ends); else None, and a cache that does not fit is dropped."""
+        if request.session_id is None:
+            return None
+        with self._lock:
+            kept = self._caches.pop(request.session_id, None)
+            if kept is not None:
+                self.nbytes -= kept.nbytes
+        prompt = request.prompt_ids
+        if kept is None or len(kept.ids) >= len(prompt) or prompt[: len(kept.ids)] != kept.ids:
+            return None
+        return kept
+
+    def keep(self, request: _Request, layers: Layers, limit: int) -> int:
+        """Keep a copy of ``layers`` (1, heads, t, head_dim), the keys and values of ``request``'s prompt and its
+        tokens but the last, for its session's next turn; drop the least recently used sessions beyond ``limit``
+        bytes (0: keep nothing). Returns how many sessions were dropped."""
+        if limit <= 0 or request.session_id is None or request.cancelled:
+            return 0
+        ids = request.prompt_ids + request.token_ids[:-1]
+        if layers[0][0].shape[2] != len(ids):  # the rows' bookkeeping is wrong: never reuse such a cache
+            raise RuntimeError(f"kept cache of {layers[0][0].shape[2]} positions for {len(ids)} tokens")
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if nbytes > limit:
+            return 0
+        layers = [(k.clone(), v.clone()) for k, v in layers]  # its own memory, not a view of the batch's buffers
+        evicted = 0
+        with self._lock:
+            old = self._caches.pop(request.session_id, None)
+            self.nbytes += nbytes - (old.nbytes if old is not None else 0)
+            self._caches[request.session_id] = _Kept(ids, layers, nbytes)
+            while self.nbytes > limit:
+                _, dropped = self._caches.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+                evicted += 1
+        return evicted
+
+    def clear(self) -> None:
+        with self._lock:
+            self._caches.clear()
+            self.nbytes = 0
+
+
 @dataclass
 class _Batch:
     """The rows decoding together. ``lengths[r]``: tokens in row r's cache, its last ``lengths[r]`` columns (no
@@ -77,6 +135,56 @@ class _Batch:
     cache: DynamicCache | None = None
     attention: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+
+    def decode(self, model) -> torch.Tensor:
+        """Feed every row its pending token (b, 1) through ``model`` (the cache grows in place); returns the logits
+        of each row's next token (b, v), float32. The caller samples them into ``pending``."""
+        attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)  # (b, T + 1)
+        position_ids = attention.sum(-1, keepdim=True) - 1  # (b, 1): the row's own position, padding not counted
+        out = model(input_ids=self.pending[:, None], attention_mask=attention, position_ids=position_ids,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.attention = attention
+        self.lengths = [length + 1 for length in self.lengths]
+        return out.logits[:, -1, :].float()
+
+    def row_cache(self, row: int) -> Layers:
+        """Row ``row``'s cache, (1, heads, lengths[row], head_dim) per layer: views of its own columns."""
+        start = self.attention.shape[1] - self.lengths[row]
+        return [(k[row : row + 1, :, start:], v[row : row + 1, :, start:]) for k, v in _layers_of(self.cache)]
+
+    def drop(self, rows: list[int]) -> None:
+        """Take ``rows`` out of the batch and cut the columns that only they needed."""
+        if not rows:
+            return
+        leaving = set(rows)
+        keep = [r for r in range(len(self.requests)) if r not in leaving]
+        self.requests = [self.requests[r] for r in keep]
+        self.generators = [self.generators[r] for r in keep]
+        self.lengths = [self.lengths[r] for r in keep]
+        if not keep:
+            self.cache = self.attention = self.pending = None
+            return
+        width, index = max(self.lengths), torch.tensor(keep, device=self.attention.device)
+        self.cache = _cache_of([(k[index, :, k.shape[2] - width :], v[index, :, v.shape[2] - width :])
+                                for k, v in _layers_of(self.cache)])
+        self.attention = self.attention[index, self.attention.shape[1] - width :]
+        self.pending = self.pending[index]
+
+    def join(self, joining: list[tuple[_Request, torch.Generator, Layers]], device: torch.device) -> None:
+        """Merge prefilled rows (each with its generator and its cache (1, heads, len(prompt), head_dim) per layer,
+        on ``device``) into the batch: every cache left-padded to the longest along time."""
+        lengths = self.lengths + [len(request.prompt_ids) for request, _, _ in joining]
+        width = max(lengths)
+        parts = ([_pad_left(_layers_of(self.cache), width)] if self.cache is not None else []) + [
+            _pad_left(layers, width) for _, _, layers in joining]
+        self.cache = _cache_of([(torch.cat([part[i][0] for part in parts]), torch.cat([part[i][1] for part in parts]))
+                                for i in range(len(parts[0]))])
+        self.attention = _left_mask(lengths, width, device)
+        pending = [torch.tensor([request.token_ids[-1]], device=device) for request, _, _ in joining]
+        self.pending = torch.cat(([self.pending] if self.pending is not None else []) + pending)
+        self.requests = self.requests + [request for request, _, _ in joining]
+        self.generators = self.generators + [generator for _, generator, _ in joining]
+        self.lengths = lengths
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -163,6 +271,98 @@ def _deliver(request: _Request, result: GenerationResult | None, error: BaseExce
         pass
 
 
+class _DecodeThread:
+    """The requests waiting to decode, and the one thread that decodes them.
+
+    ``submit`` queues a request from its event loop; the requests of one event-loop tick reach the thread together.
+    Between two steps the thread admits the requests waiting (at most ``max_batch_size`` rows decode together;
+    none while a weight update is :meth:`paused`) and calls ``step(batch, admitted)`` under ``weights_lock``, in
+    inference mode. A step that raises delivers its error to every request of the batch and to those admitted, and
+    the batch starts empty. The thread ends once no request runs or waits; the next request starts another.
+    """
+
+    def __init__(self, step: Callable[[_Batch, list[_Request]], None], weights_lock: threading.Lock,
+                 max_batch_size: int):
+        self.step = step
+        self.weights_lock = weights_lock
+        self.max_batch_size = max_batch_size
+        self.state = threading.Condition()  # guards everything below; the decode thread waits on it
+        self.incoming: list[_Request] = []  # issued in this event-loop tick, not yet visible to the decode thread
+        self.queue: list[_Request] = []  # waiting for admission
+        self.running = 0  # rows in the batch after the last step
+        self.swaps_waiting = 0  # weight updates waiting for the running rows to finish
+        self.thread: threading.Thread | None = None
+
+    def submit(self, request: _Request) -> None:
+        with self.state:
+            self.incoming.append(request)
+        request.loop.call_soon(self._hand_over)  # after the other requests of this tick: they are admitted together
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No request is admitted inside the block, which starts once the running rows have finished."""
+        with self.state:
+            self.swaps_waiting += 1
+            self.state.wait_for(lambda: self.running == 0)
+        try:
+            yield
+        finally:
+            with self.state:
+                self.swaps_waiting -= 1
+                self.state.notify_all()
+
+    def _hand_over(self) -> None:
+        """Make the requests issued so far visible to the decode thread; start it if it is not running."""
+        with self.state:
+            if not self.incoming:
+                return
+            self.queue.extend(self.incoming)
+            self.incoming.clear()
+            self.state.notify_all()
+            if self.thread is None:
+                # not a daemon: the interpreter's exit waits for its step (it ends once no request is left, and a
+                # cancelled one leaves at the next step); a daemon still computing while the interpreter tears
+                # torch down aborted a stopped train ("terminate called without an active exception")
+                self.thread = threading.Thread(target=self._serve, name="hf-decode")
+                self.thread.start()
+
+    def _serve(self) -> None:
+        """Admit, step, deliver, until no request is running or waiting (then the thread ends)."""
+        batch = _Batch()
+        while True:
+            admitted = self._admissions(len(batch.requests))
+            if admitted is None:
+                return
+            try:
+                with self.weights_lock, torch.inference_mode():
+                    self.step(batch, admitted)
+            except Exception as error:  # surface to every caller in the batch; the loop maps it to finish "error"
+                for request in batch.requests + admitted:
+                    _deliver(request, None, error)
+                batch = _Batch()
+            with self.state:
+                self.running = len(batch.requests)
+                self.state.notify_all()
+
+    def _admissions(self, running: int) -> list[_Request] | None:
+        """The requests to admit now (none while a weight update waits, none past ``max_batch_size``); None: nothing
+        runs or waits, the thread ends."""
+        with self.state:
+            while True:
+                self.queue = [r for r in self.queue if not r.loop.is_closed()]  # cancelled: leave after a step
+                room = self.max_batch_size - running
+                if self.queue and room > 0 and not self.swaps_waiting:
+                    admitted, self.queue = self.queue[:room], self.queue[room:]
+                    self.running = running + len(admitted)  # from now on a weight update waits for them
+                    return admitted
+                if running:
+                    return []
+                if not self.queue:
+                    self.thread = None
+                    return None
+                self.state.wait()  # a weight update is under way
+
+
 class TransformersBackend(Backend):
     """``Backend`` over a local causal LM (CPU and float32 by default; ``device="cuda"``, ``dtype=torch.bfloat16``
     on a GPU; ``update_weights`` casts the pushed weights to ``dtype``).
@@ -200,14 +400,8 @@ class TransformersBackend(Backend):
         self.weights_lock = threading.Lock()  # held by every decode step; update_weights takes it to swap weights
         self.batch_sizes: list[int] = []  # rows decoding together after each admission, for metrics and tests
         self.stats = {"decode_steps": 0, "prefilled_tokens": 0, "reused_tokens": 0, "evicted_sessions": 0}
-        self._state = threading.Condition()  # guards everything below; the decode thread waits on it
-        self._incoming: list[_Request] = []  # issued in this event-loop tick, not yet visible to the decode thread
-        self._queue: list[_Request] = []  # waiting for admission
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently used first
-        self._kept_bytes = 0
-        self._running = 0  # rows in the batch after the last step
-        self._swaps_waiting = 0
-        self._thread: threading.Thread | None = None
+        self._kept = _KeptCaches()
+        self._decode_thread = _DecodeThread(self._step, self.weights_lock, max_batch_size)
 
     @classmethod
     def from_settings(cls, model, settings: BackendSettings) -> "TransformersBackend":
@@ -224,37 +418,22 @@ class TransformersBackend(Backend):
     @property
     def kept_sessions(self) -> list[str]:
         """The sessions whose cache is kept, least recently used first."""
-        with self._state:
-            return list(self._kept)
+        return self._kept.sessions()
 
     @property
     def kept_bytes(self) -> int:
-        with self._state:
-            return self._kept_bytes
+        return self._kept.nbytes
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new policy weights (the trainer's push after each step). No request is admitted meanwhile; the
         running rows finish on the old weights first; the kept caches (old weights' keys) are dropped."""
-        with self._state:
-            self._swaps_waiting += 1
-            self._state.wait_for(lambda: self._running == 0)
-        try:
-            with self.weights_lock, torch.no_grad():
-                self.model.load_state_dict(state_dict)
-                self._drop_kept()
-        finally:
-            with self._state:
-                self._swaps_waiting -= 1
-                self._state.notify_all()
+        with self._decode_thread.paused(), self.weights_lock, torch.no_grad():
+            self.model.load_state_dict(state_dict)
+            self._kept.clear()
 
     async def end_run(self) -> None:
         """A run of rollouts ended: its episodes' kept caches are of no further use."""
-        self._drop_kept()
-
-    def _drop_kept(self) -> None:
-        with self._state:
-            self._kept.clear()
-            self._kept_bytes = 0
+        self._kept.clear()
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
@@ -264,99 +443,36 @@ class TransformersBackend(Backend):
         loop = asyncio.get_running_loop()
         request = _Request(list(prompt_ids), sampling, loop.create_future(), loop, session_id)
         request.future.add_done_callback(lambda future: setattr(request, "cancelled", future.cancelled()))
-        with self._state:
-            self._incoming.append(request)
-        loop.call_soon(self._hand_over)  # after the other requests of this tick: they are admitted together
+        self._decode_thread.submit(request)
         return await request.future
 
-    def _hand_over(self) -> None:
-        """Make the requests issued so far visible to the decode thread; start it if it is not running."""
-        with self._state:
-            if not self._incoming:
-                return
-            self._queue.extend(self._incoming)
-            self._incoming.clear()
-            self._state.notify_all()
-            if self._thread is None:
-                # not a daemon: the interpreter's exit waits for its step (it ends once no request is left, and a
-                # cancelled one leaves at the next step); a daemon still computing while the interpreter tears
-                # torch down aborted a stopped train ("terminate called without an active exception")
-                self._thread = threading.Thread(target=self._serve, name="hf-decode")
-                self._thread.start()
-
-    # The decode thread.
-
-    def _serve(self) -> None:
-        """Admit, step, deliver, until no request is running or waiting (then the thread ends)."""
-        batch = _Batch()
-        while True:
-            admitted = self._admissions(len(batch.requests))
-            if admitted is None:
-                return
-            try:
-                with self.weights_lock, torch.inference_mode():
-                    self._step(batch, admitted)
-            except Exception as error:  # surface to every caller in the batch; the loop maps it to finish "error"
-                for request in batch.requests + admitted:
-                    _deliver(request, None, error)
-                batch = _Batch()
-            with self._state:
-                self._running = len(batch.requests)
-                self._state.notify_all()
-
-    def _admissions(self, running: int) -> list[_Request] | None:
-        """The requests to admit now (none while a weight update waits, none past ``max_batch_size``); None: nothing
-        runs or waits, the thread ends."""
-        with self._state:
-            while True:
-                self._queue = [r for r in self._queue if not r.loop.is_closed()]  # cancelled: leave after a step
-                room = self.max_batch_size - running
-                if self._queue and room > 0 and not self._swaps_waiting:
-                    admitted, self._queue = self._queue[:room], self._queue[room:]
-                    self._running = running + len(admitted)  # from now on a weight update waits for them
-                    return admitted
-                if running:
-                    return []
-                if not self._queue:
-                    self._thread = None
-                    return None
-                self._state.wait()  # a weight update is under way
-
     def _step(self, batch: _Batch, admitted: list[_Request]) -> None:
-        """One decode step of the running rows, then the admitted requests prefilled and joined."""
-        self._drop_rows(batch, [r for r, request in enumerate(batch.requests)
-                                if request.cancelled or request.loop.is_closed()])  # nobody waits for these
+        """One decode step of the running rows, then the admitted requests prefilled and joined (the decode thread
+        runs it under ``weights_lock``); the requests that end are delivered and their caches kept."""
+        batch.drop([r for r, request in enumerate(batch.requests)
+                    if request.cancelled or request.loop.is_closed()])  # nobody waits for these
         if batch.requests:
-            self._decode(batch)
-            self._retire(batch)
+            logits = batch.decode(self.model)
+            self.stats["decode_steps"] += 1
+            batch.pending = self._sample(batch.requests, batch.generators, logits)
+            done = [r for r, request in enumerate(batch.requests) if request.finish_reason is not None]
+            self._retire([(batch.requests[r], batch.row_cache(r)) for r in done])
+            batch.drop(done)
         joining = [self._prefill(request) for request in admitted]
-        for request, _, layers in joining:
-            if request.finish_reason is not None:  # its first token ended it
-                self._keep(request, layers)
-                _deliver(request, GenerationResult(request.token_ids, request.logprobs, request.finish_reason), None)
+        self._retire([(request, layers) for request, _, layers in joining
+                      if request.finish_reason is not None])  # its first token ended it
         joining = [row for row in joining if row[0].finish_reason is None]
         if joining:
-            self._join(batch, joining)
+            batch.join(joining, self.device)
         if admitted:
             self.batch_sizes.append(len(batch.requests))
-
-    def _decode(self, batch: _Batch) -> None:
-        """Feed every row its pending token (b, 1); sample each row's next token."""
-        attention = torch.cat([batch.attention, torch.ones_like(batch.attention[:, :1])], dim=1)  # (b, T + 1)
-        position_ids = attention.sum(-1, keepdim=True) - 1  # (b, 1): the row's own position, padding not counted
-        out = self.model(input_ids=batch.pending[:, None], attention_mask=attention, position_ids=position_ids,
-                         past_key_values=batch.cache, use_cache=True, logits_to_keep=1)  # the cache grows in place
-        self.stats["decode_steps"] += 1
-        batch.attention = attention
-        batch.lengths = [length + 1 for length in batch.lengths]
-        batch.pending = self._sample(batch.requests, batch.generators, out.logits[:, -1, :].float())
 
     def _prefill(self, request: _Request) -> tuple[_Request, torch.Generator, Layers]:
         """Run ``request``'s prompt as one row on top of its session's kept cache (if its prompt extends it) and
         sample its first token. Returns the request, its generator and its cache (1, heads, len(prompt), head_dim)."""
         generator = torch.Generator(device=self.device)  # on the model's device: the draws stay there
         generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else torch.seed())
-        kept = self._take_kept(request)
+        kept = self._kept.take(request)
         reused = len(kept.ids) if kept is not None else 0
         new = request.prompt_ids[reused:]  # at least one token: a kept cache is a strict prefix
         input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
@@ -387,86 +503,11 @@ class TransformersBackend(Backend):
                 request.finish_reason = "length"
         return tokens.to(self.device)
 
-    def _retire(self, batch: _Batch) -> None:
-        """Deliver the finished rows' results, keep their caches, and take them out of the batch."""
-        done = [r for r, request in enumerate(batch.requests) if request.finish_reason is not None]
-        width, layers = batch.attention.shape[1], _layers_of(batch.cache)
-        for r in done:
-            request = batch.requests[r]
-            if self.kept_cache_bytes > 0 and request.session_id is not None:
-                start = width - batch.lengths[r]
-                self._keep(request, [(k[r : r + 1, :, start:], v[r : r + 1, :, start:]) for k, v in layers])
+    def _retire(self, finished: list[tuple[_Request, Layers]]) -> None:
+        """Keep the ended requests' caches (each (1, heads, t, head_dim) per layer) and deliver their results."""
+        for request, layers in finished:
+            self.stats["evicted_sessions"] += self._kept.keep(request, layers, self.kept_cache_bytes)
             _deliver(request, GenerationResult(request.token_ids, request.logprobs, request.finish_reason), None)
-        self._drop_rows(batch, done)
-
-    def _drop_rows(self, batch: _Batch, rows: list[int]) -> None:
-        """Take ``rows`` out of the batch and cut the columns that only they needed."""
-        if not rows:
-            return
-        leaving = set(rows)
-        keep = [r for r in range(len(batch.requests)) if r not in leaving]
-        for name in ("requests", "generators", "lengths"):
-            setattr(batch, name, [getattr(batch, name)[r] for r in keep])
-        if not keep:
-            batch.cache = batch.attention = batch.pending = None
-            return
-        width, index = max(batch.lengths), torch.tensor(keep, device=self.device)
-        batch.cache = _cache_of([(k[index, :, k.shape[2] - width :], v[index, :, v.shape[2] - width :])
-                                 for k, v in _layers_of(batch.cache)])
-        batch.attention = batch.attention[index, batch.attention.shape[1] - width :]
-        batch.pending = batch.pending[index]
-
-    def _join(self, batch: _Batch, joining: list[tuple[_Request, torch.Generator, Layers]]) -> None:
-        """Merge prefilled rows into the batch: every cache left-padded to the longest along time."""
-        lengths = batch.lengths + [len(request.prompt_ids) for request, _, _ in joining]
-        width = max(lengths)
-        parts = ([_pad_left(_layers_of(batch.cache), width)] if batch.cache is not None else []) + [
-            _pad_left(layers, width) for _, _, layers in joining]
-        batch.cache = _cache_of([(torch.cat([part[i][0] for part in parts]), torch.cat([part[i][1] for part in parts]))
-                                 for i in range(len(parts[0]))])
-        batch.attention = _left_mask(lengths, width, self.device)
-        pending = [torch.tensor([request.token_ids[-1]], device=self.device) for request, _, _ in joining]
-        batch.pending = torch.cat(([batch.pending] if batch.pending is not None else []) + pending)
-        batch.requests = batch.requests + [request for request, _, _ in joining]
-        batch.generators = batch.generators + [generator for _, generator, _ in joining]
-        batch.lengths = lengths
-
-    # Kept caches.
-
-    def _take_kept(self, request: _Request) -> _Kept | None:
-        """The session's kept cache if ``request``'s prompt strictly extends its tokens (it leaves the store: the
-        request's own cache replaces it when it ends); else None, and a cache that does not fit is dropped."""
-        if request.session_id is None:
-            return None
-        with self._state:
-            kept = self._kept.pop(request.session_id, None)
-            if kept is not None:
-                self._kept_bytes -= kept.nbytes
-        prompt = request.prompt_ids
-        if kept is None or len(kept.ids) >= len(prompt) or prompt[: len(kept.ids)] != kept.ids:
-            return None
-        return kept
-
-    def _keep(self, request: _Request, layers: Layers) -> None:
-        """Keep a copy of ``layers`` (1, heads, t, head_dim), the keys and values of ``request``'s prompt and its tokens but the
-        last, for its session's next turn; drop the least recently used sessions beyond ``kept_cache_bytes``."""
-        if self.kept_cache_bytes <= 0 or request.session_id is None or request.cancelled:
-            return
-        ids = request.prompt_ids + request.token_ids[:-1]
-        if layers[0][0].shape[2] != len(ids):  # the rows' bookkeeping is wrong: never reuse such a cache
-            raise RuntimeError(f"kept cache of {layers[0][0].shape[2]} positions for {len(ids)} tokens")
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        if nbytes > self.kept_cache_bytes:
-            return
-        layers = [(k.clone(), v.clone()) for k, v in layers]  # its own memory, not a view of the batch's buffers
-        with self._state:
-            old = self._kept.pop(request.session_id, None)
-            self._kept_bytes += nbytes - (old.nbytes if old is not None else 0)
-            self._kept[request.session_id] = _Kept(ids, layers, nbytes)
-            while self._kept_bytes > self.kept_cache_bytes:
-                _, evicted = self._kept.popitem(last=False)
-                self._kept_bytes -= evicted.nbytes
-                self.stats["evicted_sessions"] += 1
 
 
 def sample_tokens(logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator], *,

@@ -213,7 +213,7 @@ def test_a_weight_update_waits_for_running_rows_admits_nothing_meanwhile_and_dro
         await pause.wait()
         update = asyncio.ensure_future(asyncio.to_thread(backend.update_weights, new.state_dict()))
         deadline = time.monotonic() + 60
-        while not backend._swaps_waiting:  # the update has stopped admissions
+        while not backend._decode_thread.swaps_waiting:  # the update has stopped admissions
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         c = asyncio.ensure_future(backend.generate(PROMPTS[1], params))
