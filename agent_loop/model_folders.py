@@ -23,7 +23,7 @@ from agent_loop.builtin_models import (
     looks_builtin,
     unknown_name_error,
 )
-from agent_loop.episode.chat import ChatFormatter, TemplateError
+from agent_loop.episode.chat import ChatFormatter, TemplateError, assistant_message
 from agent_loop.episode.tool_formats import default_call_id, tool_format_for_template
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
@@ -201,7 +201,7 @@ def tool_render_problems(tokenizer, template: str) -> list[str]:
     schema = {"type": "function", "function": {"name": "probe", "description": _PROBE["schema"], "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
     call = {"name": "probe", "arguments": {"text": _PROBE["call"]}, "id": default_call_id(0)}
-    messages = [{"role": "user", "content": "Call the probe."}, ChatFormatter.assistant_message("", [call]),
+    messages = [{"role": "user", "content": "Call the probe."}, assistant_message("", [call]),
                 {"role": "tool", "name": "probe", "tool_call_id": call["id"], "content": _PROBE["result"]}]
     try:
         text = ChatFormatter(tokenizer, tools=[schema], chat_template=template).render_text(messages)

@@ -246,8 +246,6 @@ class ChatFormatter:
         self._stop_texts = {t: tokenizer.decode([t]) for t in self.end_of_turn_ids}
         self.encoder = TokenEncoder(tokenizer)
 
-    assistant_message = staticmethod(assistant_message)  # needs no formatter: the module function
-
     # -- rendering -------------------------------------------------------------------------------
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:

@@ -38,7 +38,7 @@ from agent_loop.backends.base import (
     is_fatal,
 )
 from agent_loop.backends.retry import backoff_delay
-from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError
+from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError, assistant_message
 from agent_loop.episode.context import load_summarizer, summarized, windowed
 from agent_loop.episode.contracts import (
     AssistantTurn,
@@ -380,10 +380,10 @@ def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, f
     ids += [formatter.call_id("", state.calls_made + len(ids) + i) for i in range(len(parsed.errors))]
     state.calls_made += len(ids)
     if parsed.errors:  # calls that did not parse have no structured form: keep the turn as sampled text
-        message = formatter.assistant_message(text)
+        message = assistant_message(text)
     else:
         calls = [{"name": c.name, "arguments": c.arguments, "id": i} for c, i in zip(parsed.calls, ids)]
-        message = formatter.assistant_message(parsed.content, calls or None, reasoning=parsed.reasoning)
+        message = assistant_message(parsed.content, calls or None, reasoning=parsed.reasoning)
     state.messages.append(message)
     state.chat.append(message)
     final = finish_reason == "length" or turn == ctx.config.max_turns - 1

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from agent_loop.episode.chat import ChatFormatter, Observation
+from agent_loop.episode.chat import ChatFormatter, Observation, assistant_message
 from agent_loop.episode.info import episode_info
 from agent_loop.episode.loop import _EpisodeState
 from agent_loop.types import ToolCallRecord, Trajectory
@@ -115,7 +115,7 @@ class Session:
         stopped = result.finish_reason == "stop" and result.token_ids[-1] in seg.formatter.end_of_turn_ids
         text = tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
         content, calls = _parsed(seg, parse, text, turn)
-        state.messages.append(seg.formatter.assistant_message(content, calls or None))
+        state.messages.append(assistant_message(content, calls or None))
         seg.keys = [message_key(m) for m in pending.messages] + [message_key(state.messages[-1])]
         seg.stop_id, seg.sampled = (result.token_ids[-1] if stopped else None), text
         seg.finish = "length" if result.finish_reason == "length" else "tool_calls" if calls else "stop"

@@ -66,7 +66,8 @@ class Trainer:
         self.device = resolve_device(run.device, self.dp.local_rank)
         self.output_dir = Path(output.output_dir)
         start = starting_point(run.model, tiny_stage=run.tiny_stage, resume=output.resume, lora=run.lora_rank > 0,
-                               settings=config.resolved(), allow_config_change=output.allow_config_change,
+                               settings=config.resolved(), resolve_saved=TrainConfig.resolve_saved,
+                               allow_config_change=output.allow_config_change,
                                output_dir=self.output_dir, trim_metrics=self.dp.is_main)
         self.step, self.initial_model = start.step, start.initial_model
         self.tokenizer = AutoTokenizer.from_pretrained(start.policy_path)
@@ -202,10 +203,9 @@ class Trainer:
         steps and at the end. Returns the metrics of the steps run."""
         run, rollout, output, history, main = self.config.run, self.config.rollout, self.config.output, [], self.dp.is_main
         figures = {"sampling": sampling_label(rollout.temperature), "episodes_per_step": self.config.episodes_per_step}
-        eval_every, eval_episodes = rollout.eval_every, rollout.eval_episodes
         if main:
-            tqdm.write(reports.step_legend(**figures, eval_episodes=eval_episodes if eval_every else 0))
-        if eval_every and self.step == 0:
+            tqdm.write(reports.step_legend(**figures, eval_episodes=rollout.eval_episodes if rollout.eval_every else 0))
+        if rollout.eval_every and self.step == 0:
             initial = self.evaluate()
             self.logger.log(0, initial)
             if main:
@@ -214,7 +214,7 @@ class Trainer:
         try:
             while self.step < run.steps:
                 metrics = self.train_step()
-                if eval_every and self.step % eval_every == 0:
+                if rollout.eval_every and self.step % rollout.eval_every == 0:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
@@ -229,7 +229,7 @@ class Trainer:
             self.rollouts.close()
             self.logger.close()
         self.closing_line = reports.progress_summary(history, **figures, evaluations=self.eval_history,
-                                                     eval_episodes=eval_episodes)  # sampled and held-out success
+                                                     eval_episodes=rollout.eval_episodes)  # sampled, held-out success
         return history
 
     def save_checkpoint(self) -> Path:

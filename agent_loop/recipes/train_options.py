@@ -227,6 +227,15 @@ class TrainConfig:
         """Every option, flat, with the values the run uses (the learning rate chosen): the saved config."""
         return {**flatten(self), "lr": self.learning_rate}
 
+    @classmethod
+    def resolve_saved(cls, saved: dict) -> dict:
+        """A checkpoint's saved settings as :meth:`resolved` writes them: an unset ``lr`` (checkpoints from before
+        the rate was saved resolved) becomes the rate those settings scale to."""
+        if saved.get("lr", 0) is not None:
+            return saved
+        known = set(flatten(cls()))
+        return {**saved, "lr": cls.from_flat(**{k: v for k, v in saved.items() if k in known}).learning_rate}
+
     def check(self) -> None:
         """The rules that tie training settings together (OptionError); then what follows from them: the resume
         folder, the default ``output_dir``, the rollout correction of a sampler in another precision, the learning

@@ -280,10 +280,7 @@ def optimizer_tensors(state: dict):
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
     """``"name: saved -> now"`` for every setting of the run's resolved settings ``now`` (``resolved()``: the
-    learning rate as used) that differs from the checkpoint's, resumable ones aside. A saved ``lr`` of None (an
-    unset one, from before the resolved rate was saved) follows the batch, whose settings are compared."""
-    if saved.get("lr", 0) is None:
-        saved = {**saved, "lr": now.get("lr")}
+    learning rate as used) that differs from the checkpoint's resolved ones ``saved``, resumable ones aside."""
     return differing(saved, now, set(now) - RESUMABLE_SETTINGS)
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from agent_loop.backends.base import Backend, GenerationResult, SamplingParams
-from agent_loop.episode.chat import ChatFormatter
+from agent_loop.episode.chat import ChatFormatter, assistant_message
 from agent_loop.episode.contracts import Task, as_task, episode_rng
 from agent_loop.episode.loop import formatter_for, model_limits
 from agent_loop.episode.loop_config import LoopConfig
@@ -98,7 +98,7 @@ async def loop_messages(turns: list[dict], toolbox: ToolExecutor, formatter: Cha
             continue
         ids = [formatter.call_id(name, made + k) for k, (name, _) in enumerate(item["calls"])]
         made += len(ids)
-        messages.append(formatter.assistant_message(item["content"], [
+        messages.append(assistant_message(item["content"], [
             {"name": name, "arguments": arguments, "id": call_id} for (name, arguments), call_id in zip(item["calls"], ids)]
             or None))
         given = [t["content"] for t in itertools.takewhile(lambda t: t["role"] == "tool", turns[i + 1:])]

@@ -36,11 +36,12 @@ class Start:
     next_group: int | None = None  # a synchronous run's first question never played (None: step x prompts_per_step)
 
 
-def starting_point(model: str | None, *, tiny_stage: str, resume, lora: bool, settings: dict,
+def starting_point(model: str | None, *, tiny_stage: str, resume, lora: bool, settings: dict, resolve_saved,
                    allow_config_change: bool, output_dir: Path, trim_metrics: bool) -> Start:
     """Step 0 from ``model`` (``tiny_stage`` for the built-in tiny agent), or (``resume``) the checkpoint's
-    state, its settings checked against the run's ``settings`` (``TrainConfig.resolved()``; a difference is refused
-    unless ``allow_config_change``); ``lora``: the policy is the frozen base plus the checkpoint's adapter;
+    state, its settings (resolved by ``resolve_saved``, e.g. ``TrainConfig.resolve_saved``) checked against the
+    run's ``settings`` (``TrainConfig.resolved()``; a difference is refused unless ``allow_config_change``);
+    ``lora``: the policy is the frozen base plus the checkpoint's adapter;
     ``trim_metrics`` (rank 0): the metrics after its step are dropped from ``output_dir/metrics.jsonl``, so no
     step is logged twice."""
     initial_model = model_path(model, tiny_stage)
@@ -48,7 +49,7 @@ def starting_point(model: str | None, *, tiny_stage: str, resume, lora: bool, se
         return Start(step=0, initial_model=initial_model, policy_path=initial_model)
     folder = checkpoint.resolve_checkpoint(resume)
     state = checkpoint.load_state(folder)
-    checkpoint.check_settings(state["config"], settings, allow_config_change=allow_config_change)
+    checkpoint.check_settings(resolve_saved(state["config"]), settings, allow_config_change=allow_config_change)
     if trim_metrics:
         checkpoint.trim_metrics(output_dir / "metrics.jsonl", state["step"])
     # the KL reference stays the run's starting policy; LoRA: the frozen base is it too, the adapter is in adapter/

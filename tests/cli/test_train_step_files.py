@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from advantages import get_estimator
-from agent_loop import Trainer
 from agent_loop.cli.train import main as train_main
 from agent_loop.runners.batch import trajectories_to_batch
 from agent_loop.tiny import tiny_agent_path
+from agent_loop.training.ppo import PPO
 from agent_loop.training.rollout_files import keeps, move_aside_after, step_file
 from agent_loop.types import Trajectory
 
@@ -21,14 +21,14 @@ from agent_loop.types import Trajectory
 @pytest.mark.slow
 def test_train_two_steps_leaves_one_file_per_step_with_the_advantages_used(tmp_path, monkeypatch):
     captured = []  # per step: the batch's (advantages, returns) right after scoring
-    score = Trainer.score
+    score = PPO.score
 
     def recording_score(self, batch, **kwargs):
         metrics = score(self, batch, **kwargs)
         captured.append((batch.advantages.detach().cpu().clone(), batch.returns.detach().cpu().clone()))
         return metrics
 
-    monkeypatch.setattr(Trainer, "score", recording_score)
+    monkeypatch.setattr(PPO, "score", recording_score)
     out = tmp_path / "run"
     status = train_main(["--model", str(tiny_agent_path(stage="mid")), "--steps", "2", "--prompts-per-step", "3",
                          "--group-size", "2", "--mini-batches", "1", "--gamma", "0.9", "--output-dir", str(out),

@@ -22,7 +22,7 @@ from rich.console import Console
 import advantages
 import agent_loop.cli.inspect as inspect_cli
 from agent_loop.cli.inspect import main
-from agent_loop.episode.chat import ChatFormatter
+from agent_loop.episode.chat import ChatFormatter, assistant_message
 from agent_loop.inspect import html, plots, terminal
 from agent_loop.inspect import view as view_module
 from agent_loop.inspect.load import Problems, iter_records
@@ -73,7 +73,7 @@ def build_trajectory(tokenizer, question: str, turns: list[tuple[str, list[dict]
         spans += [SpanKind.ASSISTANT] * len(ids)
         turn_ids += [turn] * len(ids)
         logprobs += (-torch.rand(len(ids), generator=generator) * 3).tolist()
-        messages.append(fmt.assistant_message(text, [{"name": c["name"], "arguments": c["arguments"]} for c in calls]))
+        messages.append(assistant_message(text, [{"name": c["name"], "arguments": c["arguments"]} for c in calls]))
         if not calls:
             continue
         tool_messages = [{"role": "tool", "name": c["name"], "content": c.get("result") or c["error"]} for c in calls]

@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 from agent_loop.cli.inspect import add_arguments, main, selection_of
-from agent_loop.episode.chat import ChatFormatter
+from agent_loop.episode.chat import ChatFormatter, assistant_message
 from agent_loop.inspect import html, plots, runs, steps, terminal
 from agent_loop.inspect.load import Problems
 from agent_loop.inspect.sessions import sessions_of
@@ -51,7 +51,7 @@ def segment(tokenizer, messages: list[dict], turns: list[tuple[str, str | None]]
         spans += [A] * len(ids)
         turn_ids += [turn] * len(ids)
         logprobs += [-0.5] * len(ids)
-        messages.append(fmt.assistant_message(text))
+        messages.append(assistant_message(text))
         if result is not None:
             tool = [{"role": "tool", "name": "calculator", "content": result}]
             observation = fmt.observation_ids(tool)

@@ -167,7 +167,7 @@ def test_trainer_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     settings = dict(model=str(tiny_agent_path(stage="mid")), steps=3, prompts_per_step=2, group_size=2, concurrency=4,
                     mini_batches=1, micro_batch_size=4, save_every=1, output_dir=str(run), threads=1)
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--no-progress"]
-    process = subprocess.Popen([sys.executable, "-m", "trainer", *argv], env=ENV, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen([sys.executable, "-m", "agent_loop.recipes", *argv], env=ENV, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     saving = run / "checkpoints" / ".tmp-step_000002"
     deadline = time.monotonic() + 300

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from advantages import get_estimator
+from advantages.settings import GiGPOSettings
 from agent_loop import Trainer
 from agent_loop.episode.contracts import StepResult, Task, TurnEnvironment
 from agent_loop.runners.batch import estimator_arguments, trajectories_to_batch, turn_state_ids
@@ -129,11 +130,13 @@ def test_turn_states_are_recorded_and_reach_gigpo(played):
         seen.update(kwargs)
         return gigpo.fn(*args, **kwargs)
 
-    trainer.ppo.estimator = dataclasses.replace(gigpo, fn=recording)  # the trainer's path, gigpo's function
+    trained_with = trainer.ppo.estimator, trainer.ppo.settings
+    # the trainer's path, gigpo's function and settings
+    trainer.ppo.estimator, trainer.ppo.settings = dataclasses.replace(gigpo, fn=recording), GiGPOSettings(gamma=0.5)
     try:
         trainer.ppo.score(batch)
     finally:
-        trainer.ppo.estimator = get_estimator(trainer.config.advantage.estimator)
+        trainer.ppo.estimator, trainer.ppo.settings = trained_with
     assert torch.equal(seen["turn_states"], batch.turn_states) and torch.equal(seen["index"], batch.index)
     # the same advantages as gigpo given the keys themselves (it numbers them on its own)
     want, _ = gigpo(batch.token_level_rewards, batch.response_mask, index=batch.index, spans=batch.spans,
