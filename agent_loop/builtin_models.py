@@ -81,7 +81,7 @@ SMOLLM2_135M = WheelModel(
     parameters=134_515_008,
     dtype="float32",
     template="smollm2-135m.jinja",
-    version="v1",
+    version="v2",  # v2: the template names agent_loop/builtin_models.py (the module was renamed)
 )
 BUILTIN_MODELS: dict[str, WheelModel] = {SMOLLM2_135M.name: SMOLLM2_135M}
 

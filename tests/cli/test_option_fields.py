@@ -121,12 +121,15 @@ def test_a_saved_train_config_loads_with_config_and_resumes_unchanged(tmp_path):
     path.write_text(yaml.safe_dump(saved_train_config(), sort_keys=False))
     config = resolve(TrainConfig, build_parser().parse_args(["train", "--config", str(path)]))
     assert config.sampler.server == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and config.run.threads == 2
-    assert checkpoint.changed_settings(saved_train_config(), config.resolved()) == []  # no change
+    saved = TrainConfig.resolve_saved(saved_train_config())  # the unset lr: the rate its own settings scale to
+    assert saved["lr"] == config.learning_rate == 2e-4 * min(1.0, 64 / 2 / 32)
+    assert checkpoint.changed_settings(saved, config.resolved()) == []  # no change
     # a run of today resumes from the checkpoint's config with other servers and the default name
     today = validate(TrainConfig, {"output_dir": "runs/old", "threads": 2})
-    assert checkpoint.changed_settings(saved_train_config(), today.resolved()) == []
-    assert checkpoint.changed_settings(saved_train_config(), today.replace(temperature=0.5).resolved()) == [
+    assert checkpoint.changed_settings(saved, today.resolved()) == []
+    assert checkpoint.changed_settings(saved, today.replace(temperature=0.5).resolved()) == [
         "temperature: 1.0 -> 0.5"]
+    assert checkpoint.changed_settings(saved, today.replace(lr=1e-3).resolved()) == ["lr: 0.0002 -> 0.001"]
 
 
 def test_an_old_warmstart_and_rollout_config_load(tmp_path):

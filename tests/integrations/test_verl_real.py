@@ -252,7 +252,7 @@ def test_verl_check_exits_0_with_only_documented_differences(name):
 
 def test_verl_check_fails_on_an_exception_inside_a_check():
     """An exception in a check is a FAIL row (not "n/a"), and the other sections still run."""
-    code = ("import sys; from agent_loop.integrations import verl_check as c; "
+    code = ("import sys; from agent_loop.integrations import verl_comparison as c; "
             "c.SECTIONS = {'broken': lambda seed: [('raises', 1e-9, lambda: 1 / 0)], 'estimators': c.estimator_checks}; "
             "rows = c.run_checks(range(1)); print([(r.section, r.status, r.note) for r in rows][:2]); "
             "sys.exit(0 if rows[0].status == 'FAIL' and 'ZeroDivisionError' in rows[0].note and len(rows) > 1 "
