@@ -1,0 +1,127 @@
+"""Learning comparisons of ``agent-loop train`` settings over seeds, runs that a stop cuts going on where they stood
+(issue 57: ``--filter-groups`` against none at equal rollout tokens, bf16 rollouts against fp32; issue 54: a
+context policy's sessions).
+
+    python examples/learning_comparison.py --out runs/cmp-filter --variant none= --variant filter=--filter-groups \\
+        --seeds 0 1 2 -- --model smollm2-135m --task arithmetic --estimator grpo --group-size 4 --steps 40
+
+Each cell (variant x seed) is one ``agent-loop train`` run in ``OUT/VARIANT/seed-N``, with the common flags given
+after ``--``, then the variant's own, then ``--seed N``. A cell that stopped goes on from its latest checkpoint
+(``--resume``); a cell with a result is not run again. Then the cell's last checkpoint plays the held-out questions
+(train's evaluation stream: seed N + 1,000,003) sampled at ``--temperature`` (``agent-loop rollout``,
+``--eval-episodes`` of them). ``OUT/results.json`` holds per cell the held-out success, the steps and the rollout
+tokens played (every step's assistant and observation tokens per episode times the episodes it played, those
+``--filter-groups`` set aside too), and ``OUT/results.md`` the table: mean and standard deviation over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from agent_loop.recipes.train import EVAL_SEED_OFFSET
+from agent_loop.runners.local import read_trajectories
+from agent_loop.training.checkpoint import resolve_checkpoint
+
+AGENT_LOOP = [sys.executable, "-m", "agent_loop.cli"]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the comparison's folder (a cut run goes on from it)")
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
+                        help="a setting: its name and its own train flags (repeatable; NAME= for none)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--eval-episodes", type=int, default=100, help="held-out questions per cell")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the held-out questions' sampling")
+    args = parser.parse_args(argv)
+    args.variants = dict(variant.partition("=")[::2] for variant in args.variant)
+    if "" in args.variants or any("/" in name for name in args.variants):
+        parser.error("each --variant is NAME=FLAGS with a NAME that is a folder name")
+    return args, common
+
+
+def train_cell(folder: Path, flags: list[str]) -> None:
+    """``agent-loop train`` of one cell: going on from its latest checkpoint, or from the start (a cell cut before
+    its first checkpoint: what it wrote is replaced)."""
+    saved = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").glob("step_*"))
+    again = ["--resume"] if saved else ["--overwrite"] if folder.exists() else []
+    subprocess.run([*AGENT_LOOP, "train", *flags, "--output-dir", str(folder), *again, "--no-progress"], check=True)
+
+
+def rollout_tokens(folder: Path) -> float:
+    """The tokens a cell's steps played: per step, assistant and observation tokens per episode times its
+    episodes (``--filter-groups``: the groups it examined, each ``group_size`` of them)."""
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    total = 0.0
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        step = json.loads(line)
+        if "assistant_tokens" not in step:  # an evaluation's line (step 0)
+            continue
+        groups = step.get("filter_groups/examined", config["prompts_per_step"])
+        total += (step["assistant_tokens"] + step["observation_tokens"]) * groups * config["group_size"]
+    return total
+
+
+def held_out_success(folder: Path, seed: int, args, flags: list[str]) -> float:
+    """The cell's last checkpoint on the held-out questions, sampled (``agent-loop rollout``, its task flags)."""
+    model = resolve_checkpoint(folder) / "model"
+    out = folder / "held_out.jsonl"
+    out.unlink(missing_ok=True)  # a cut evaluation: played again whole
+    keep = {"--task", "--prompts", "--reward", "--tools", "--system", "--max-turns", "--max-tokens",
+            "--max-response-tokens", "--context", "--context-window", "--context-budget", "--summarizer"}
+    played_with = [flag for i, flag in enumerate(flags) if flag in keep or (i and flags[i - 1] in keep)]
+    subprocess.run([*AGENT_LOOP, "rollout", *played_with, "--model", str(model), "--episodes", str(args.eval_episodes),
+                    "--seed", str(seed + EVAL_SEED_OFFSET), "--temperature", str(args.temperature),
+                    "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+    trajectories = read_trajectories(out)
+    return sum(t.success for t in trajectories) / len(trajectories)
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+    """Markdown: per variant, held-out success and rollout tokens, mean and std over seeds."""
+    lines = ["| variant | seeds | held-out success | rollout tokens | steps |", "|---|---:|---:|---:|---:|"]
+    for name, cells in results.items():
+        success = [c["held_out_success"] for c in cells.values()]
+        tokens = [c["rollout_tokens"] for c in cells.values()]
+        spread = f" +- {statistics.stdev(success):.3f}" if len(success) > 1 else ""
+        lines.append(f"| {name} | {len(cells)} | {statistics.mean(success):.3f}{spread} | "
+                     f"{statistics.mean(tokens):,.0f} | {max(c['steps'] for c in cells.values())} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, common = parse_args(argv)
+    out = Path(args.out)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    for name, own in args.variants.items():
+        for seed in args.seeds:
+            cells = results.setdefault(name, {})
+            if str(seed) in cells:
+                continue
+            folder = out / name / f"seed-{seed}"
+            flags = [*common, *shlex.split(own), "--seed", str(seed)]
+            train_cell(folder, flags)
+            steps = sum(1 for line in (folder / "metrics.jsonl").read_text().splitlines() if "assistant_tokens" in line)
+            cells[str(seed)] = {"held_out_success": held_out_success(folder, seed, args, flags),
+                                "rollout_tokens": rollout_tokens(folder), "steps": steps}
+            out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=1))  # after each cell: a stop loses no finished cell
+    (out / "results.md").write_text(table(results))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""examples/learning_comparison.py on the tiny agent: two settings, their held-out success and rollout tokens, a
+cell that goes on from its checkpoint, and finished cells left alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from agent_loop.runners.local import read_trajectories
+from examples.learning_comparison import main
+
+COMMON = ["--model", "tiny", "--task", "arithmetic", "--estimator", "grpo", "--group-size", "2", "--prompts-per-step",
+          "2", "--mini-batches", "1", "--threads", "1", "--no-tensorboard", "--save-every", "1", "--max-turns", "2"]
+
+
+def serial_tokens(folder) -> float:
+    """Every step's assistant and observation tokens per episode times the episodes it played, summed plainly."""
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    total = 0.0
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        step = json.loads(line)
+        if "assistant_tokens" in step:
+            episodes = step.get("filter_groups/examined", config["prompts_per_step"]) * config["group_size"]
+            total += step["assistant_tokens"] * episodes + step["observation_tokens"] * episodes
+    return total
+
+
+@pytest.mark.slow
+def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
+    out = tmp_path / "cmp"
+    argv = ["--out", str(out), "--variant", "none=", "--variant", "filter=--filter-groups --filter-groups-max-rounds 1",
+            "--seeds", "0", "--eval-episodes", "4", "--"]
+    results = main([*argv, *COMMON, "--steps", "1"])
+    assert set(results) == {"none", "filter"}
+    for name, cells in results.items():
+        folder = out / name / "seed-0"
+        held_out = read_trajectories(folder / "held_out.jsonl")
+        assert len(held_out) == 4 and {t.info["seed"] for t in held_out} == {1_000_003}  # train's eval stream
+        assert cells["0"] == {"held_out_success": sum(t.success for t in held_out) / 4,
+                              "rollout_tokens": serial_tokens(folder), "steps": 1}
+        assert cells["0"]["rollout_tokens"] > 0
+    assert "| filter | 1 |" in (out / "results.md").read_text()
+    # a finished cell is not run again; one whose result is gone goes on from its checkpoint to the new length
+    del results["none"]["0"]
+    (out / "results.json").write_text(json.dumps(results))
+    again = main([*argv, *COMMON, "--steps", "2"])
+    assert again["none"]["0"]["steps"] == 2 and again["filter"] == results["filter"]
+    assert (out / "none" / "seed-0" / "checkpoints" / "step_000002").is_dir()
