@@ -63,7 +63,7 @@ def measure(name: str, dtype: str, trainer_dtype: str, model: Path, args, work: 
     try:
         trainer = Trainer(config, backend=backend)
         started = time.perf_counter()
-        trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
+        trajectories = trainer.rollouts.play_groups(0)
         seconds = time.perf_counter() - started
         kept, _ = usable_episodes(trajectories, 1, False)
         if len(kept) < len(trajectories):

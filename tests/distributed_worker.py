@@ -25,7 +25,7 @@ def main(out: str, config_json: str, *flags: str) -> None:
     if "--no-share-prefix" in flags:  # one process computing as FSDP does (agent_loop/training/distributed.py)
         trainer.model.share_prefix = False
     try:
-        trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
+        trajectories = trainer.rollouts.play_groups(0)
         batch = batch_of(trainer, trajectories)
         metrics = rollout_metrics(trajectories)
         metrics.update(trainer.ppo.score(batch))

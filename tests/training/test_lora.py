@@ -39,7 +39,7 @@ def test_lora_trains_adapters_only_and_saves_base_plus_adapter(tiny_mid, tmp_pat
     before = {n: p.detach().clone() for n, p in named.items()}
 
     # one mini-batch's gradient: on the adapters only
-    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step))
+    batch = batch_of(trainer, trainer.rollouts.play_groups(0))
     trainer.ppo.score(batch)
     trainer.optimizer.zero_grad(set_to_none=True)
     loss, _ = trainer.ppo.micro_batch_loss(batch)

@@ -66,7 +66,7 @@ def test_a_step_with_correction_equals_the_hand_computed_weighted_loss(tiny_mid,
     trainer = Trainer(small_config(tiny_mid, tmp_path, mini_batches=1, lr=1e-2, rollout_is="token",
                                    rollout_is_threshold=CAP, rollout_rs="token", rollout_rs_lower=LOWER,
                                    rollout_rs_upper=UPPER))
-    trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
+    trajectories = trainer.rollouts.play_groups(0)
     batch = batch_of(trainer, trajectories)
     # a sampler that disagrees with the trainer: its logprobs moved by noise on the ASSISTANT tokens
     noise = 0.15 * torch.randn(batch.responses.shape, generator=torch.Generator().manual_seed(0))

@@ -75,7 +75,7 @@ def test_step_is_finite_changes_every_parameter_and_pushes_weights(tiny_mid, tmp
 @pytest.mark.slow
 def test_ppo_loss_equals_serial_reference_after_an_update(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, lr=1e-2))
-    trajectories = trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
+    trajectories = trainer.rollouts.play_groups(0)
     batch = batch_of(trainer, trajectories)
     trainer.ppo.score(batch)
     random_advantages(batch)

@@ -80,7 +80,7 @@ def played(tiny_mid, tmp_path_factory):
     """One step's episodes (4 questions x 2) of the rooms task, played by the tiny agent through the trainer."""
     trainer = Trainer(small_config(tiny_mid, tmp_path_factory.mktemp("rooms"), estimator="turn_returns", gamma=0.5,
                                    max_turns=TURNS, steps=1), task=RoomsTask())
-    return trainer, trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step)
+    return trainer, trainer.rollouts.play_groups(0)
 
 
 @pytest.mark.slow
@@ -183,7 +183,7 @@ def test_turn_gae_trains_with_the_value_head_gae_uses(tiny_mid, tmp_path):
     trainer = Trainer(small_config(tiny_mid, tmp_path, estimator="turn_gae", gamma=0.9, lam=0.8, steps=1))
     assert trainer.value_head is not None  # the critic of any estimator that needs values
     torch.nn.init.normal_(trainer.value_head.linear.weight, generator=torch.Generator().manual_seed(0))
-    batch = batch_of(trainer, trainer.rollouts.play_groups(0 * trainer.config.rollout.prompts_per_step))
+    batch = batch_of(trainer, trainer.rollouts.play_groups(0))
     trainer.ppo.score(batch)
     assert batch.values is not None and torch.isfinite(batch.advantages).all()
     want, returns = get_estimator("turn_gae")(batch.token_level_rewards, batch.response_mask, values=batch.values,
