@@ -43,8 +43,9 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/train_tiny_agent")
     args = parser.parse_args()
 
-    config = TrainConfig.from_flat(model=args.model, prompts_per_step=args.prompts_per_step, lr=args.lr, steps=args.steps, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-                         seed=args.seed, threads=args.threads, output_dir=args.output_dir, progress=False)
+    config = TrainConfig.from_flat(model=args.model, prompts_per_step=args.prompts_per_step, lr=args.lr,
+                                   steps=args.steps, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
+                                   seed=args.seed, threads=args.threads, output_dir=args.output_dir, progress=False)
     started = time.perf_counter()
     trainer = Trainer(config)
     threads = torch.get_num_threads()  # what the Trainer resolved (agent_loop.threads): config.run.threads may be None

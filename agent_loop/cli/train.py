@@ -48,24 +48,26 @@ def options_from(values: dict, *, keys: bool = False) -> TrainConfig:
 def check_world(config: TrainConfig, task=None) -> None:
     """The output folder is not in use by a live run (first: its run may not have saved a checkpoint yet), then
     the model folder, the checkpoint to resume, the output folder and wandb (when asked for) are usable. Reads only."""
+    run, sampler, output = config.run, config.sampler, config.output
     if not os.environ.get(HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:  # as in claim_output
         try:
-            RunLock(config.output.output_dir, folder=True).check_free()
+            RunLock(output.output_dir, folder=True).check_free()
         except OutputLockedError as error:
-            raise UsageError(f"--output-dir {config.output.output_dir}: {error}") from None
-    if config.run.model is not None:
-        preflight.check_model_dir(config.run.model, "hf", task=task)
-    if config.run.model is not None and config.sampler.backend == "vllm" and not config.sampler.server:  # asked for: vLLM must run it
-        preflight.check_model_dir(config.run.model, "vllm", task=task)
-        preflight.check_vllm_binding(config.run.threads)
-    if config.output.resume is not None:
-        preflight.check_resume(config.output.resume)
-    preflight.check_output_dir(config.output.output_dir)
-    if config.output.wandb_project is not None:
+            raise UsageError(f"--output-dir {output.output_dir}: {error}") from None
+    if run.model is not None:
+        preflight.check_model_dir(run.model, "hf", task=task)
+    if run.model is not None and sampler.backend == "vllm" and not sampler.server:  # asked for: vLLM must run it
+        preflight.check_model_dir(run.model, "vllm", task=task)
+        preflight.check_vllm_binding(run.threads)
+    if output.resume is not None:
+        preflight.check_resume(output.resume)
+    preflight.check_output_dir(output.output_dir)
+    if output.wandb_project is not None:
         try:
             import wandb  # noqa: F401  (optional: only whether it is installed)
         except ImportError:
-            raise UsageError(f"--wandb-project {config.output.wandb_project}: wandb is not installed (pip install wandb)") from None
+            raise UsageError(f"--wandb-project {output.wandb_project}: wandb is not installed "
+                             "(pip install wandb)") from None
 
 
 def claim_output(config: TrainConfig) -> RunLock | None:
@@ -94,7 +96,8 @@ def stop_note(config: TrainConfig, argv: list[str]):
         if not steps:
             again = go_on_command(PROG, argv, drop={"--output-dir": True, "--resume": "?", "--overwrite": False},
                                   add=["--output-dir", config.output.output_dir, "--overwrite"])
-            return f"no checkpoint was saved yet in {config.output.output_dir} (--save-every {config.output.save_every}); to start again: {again}"
+            return (f"no checkpoint was saved yet in {config.output.output_dir} (--save-every "
+                    f"{config.output.save_every}); to start again: {again}")
         return (f"checkpoints up to {steps[-1].name} are in {config.output.output_dir}/checkpoints; to go on from the "
                 f"latest complete one: {go_on(config, argv)}")
 

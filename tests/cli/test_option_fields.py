@@ -226,4 +226,5 @@ def test_one_backend_option_for_rollout_and_train():
     for cls in (RolloutOptions, TrainConfig):
         with pytest.raises(UsageError, match="--backend http: needs at least one --server URL"):
             validate(cls, {"backend": "http", "output_dir": "unused"} if cls is TrainConfig else {"backend": "http"})
-    assert validate(TrainConfig, {"backend": "http", "server": ["http://127.0.0.1:9"], "output_dir": "unused"}).sampler.backend == "http"
+    served = validate(TrainConfig, {"backend": "http", "server": ["http://127.0.0.1:9"], "output_dir": "unused"})
+    assert served.sampler.backend == "http"

@@ -163,7 +163,8 @@ def test_bad_filter_flags_are_refused_in_one_line(capsys, argv, message):
 def test_the_options_reach_the_config_and_a_config_file_is_checked_the_same():
     config = options_from({"filter_groups": True, "filter_groups_max_rounds": 3, "group_size": 2}, keys=True)
     assert config.rollout.filter_groups and config.rollout.filter_groups_max_rounds == 3
-    assert options_from({}, keys=True).rollout.filter_groups is False and options_from({}, keys=True).rollout.filter_groups_max_rounds == 9
+    defaults = options_from({}, keys=True).rollout
+    assert defaults.filter_groups is False and defaults.filter_groups_max_rounds == 9
     with pytest.raises(UsageError, match=r"^filter_groups: compares the outcomes .* needs group_size 2 or more"):
         options_from({"filter_groups": True}, keys=True)
 
