@@ -13,7 +13,16 @@
  * 128-bit product and a reduction here); two of different kinds make a chance merge ~2^-128, and
  * gigpo's validation compares the tokens anyway. turn_broadcast: per token, the (rows, n) double
  * tables' values at the token's turn on ASSISTANT tokens, exactly 0 elsewhere, in the outputs'
- * type (one or two outputs per pass). Turn ids outside [0, n) are skipped. */
+ * type (one or two outputs per pass). Turn ids outside [0, n) are skipped.
+ *
+ * Sessions (advantages/sessions.py, issue 54 item 6): with order, previous and carry, turn_tables
+ * reads the rows in order (every row after its session's previous segment) and hashes each row's
+ * observations as the row joined after its session's earlier segments would: previous[row] is the
+ * row of the session's previous segment (-1 for segment 0), carry (rows, 4) gets each row's hash
+ * state (the three hashes and the length) of the observation before the turn after its last one
+ * (zeros when ASSISTANT tokens follow its last observation), and a row starts from its previous
+ * row's: the key of a later segment's first turn hashes the previous segments' trailing observation
+ * tokens followed by its own opening ones, as on the joined row. */
 #include <stdint.h>
 #include <string.h>
 
@@ -43,17 +52,23 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
 #define TABLES(NAME, T)                                                                              \
     void NAME(const T *rewards, const T *values, const int8_t *spans, const void *turn_ids, int turn_kind, \
               const int64_t *tokens, int64_t rows, int64_t cols, int64_t n, double *r, double *v,    \
-              int64_t *h1, int64_t *h2, int64_t *h3, int64_t *length, int64_t *count) {              \
+              int64_t *h1, int64_t *h2, int64_t *h3, int64_t *length, int64_t *count,                \
+              const int64_t *order, const int64_t *previous, uint64_t *carry) {                       \
         memset(r, 0, sizeof(double) * rows * n);                                                     \
         if (h3) { memset(h3, 0, sizeof(int64_t) * rows * n); memset(length, 0, sizeof(int64_t) * rows * n); } \
         if (v) memset(v, 0, sizeof(double) * rows * n);                                              \
         if (tokens) { memset(h1, 0, sizeof(int64_t) * rows * n); memset(h2, 0, sizeof(int64_t) * rows * n); } \
-        for (int64_t row = 0; row < rows; row++) {                                                   \
+        for (int64_t i = 0; i < rows; i++) {                                                         \
+            const int64_t row = order ? order[i] : i;                                                \
             const int64_t base = row * cols;                                                         \
             double *rr = r + row * n;                                                                \
             int64_t last = -1, top = -1, current = -1; /* last ASSISTANT turn, largest, the run's */ \
             double sum = 0.0;                                                                        \
             uint64_t a = 0, b = 0, c = 0, m = 0; /* the hashes and length of the observation read */ \
+            if (carry && previous[row] >= 0) {  /* the session's previous segment's trailing one */  \
+                const uint64_t *in = carry + 4 * previous[row];                                      \
+                a = in[0]; b = in[1]; c = in[2]; m = in[3];                                          \
+            }                                                                                        \
             int64_t into = 0;      /* the turn it precedes */                                        \
             int previous = 0;                                                                        \
             for (int64_t t = 0; t < cols; t++) {                                                     \
@@ -90,6 +105,11 @@ static inline int64_t turn_at(const void *turn_ids, int turn_kind, int64_t i) {
             }                                                                                        \
             if (current >= 0 && current < n) rr[current] += sum;                                     \
             if (tokens && into >= 0 && into < n) STORE(into);                                        \
+            if (carry) { /* the observation before the turn after the row's last, read so far */     \
+                const int keep = into == last + 1;                                                   \
+                uint64_t *out = carry + 4 * row;                                                     \
+                out[0] = keep ? a : 0; out[1] = keep ? b : 0; out[2] = keep ? c : 0; out[3] = keep ? m : 0; \
+            }                                                                                        \
             count[row] = top + 1;                                                                    \
         }                                                                                            \
     }

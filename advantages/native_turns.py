@@ -32,7 +32,7 @@ def compiled_turns() -> dict | None:
     functions = {}
     for dtype, name in _TYPES.items():
         tables = functions["tables", dtype] = getattr(lib, f"turn_tables_{name}")
-        tables.argtypes = [p, p, p, p, i32, p, i64, i64, i64, p, p, p, p, p, p, p]
+        tables.argtypes = [p, p, p, p, i32, p, i64, i64, i64, p, p, p, p, p, p, p, p, p, p]
         broadcast = functions["broadcast", dtype] = getattr(lib, f"turn_broadcast_{name}")
         broadcast.argtypes = [p, p, p, p, i32, i64, i64, i64, p, p]
     for function in functions.values():
@@ -69,21 +69,29 @@ def native_check_turn_ids(spans, turn_ids) -> int | None:
     return functions["check"](spans.data_ptr(), turn_ids.data_ptr(), _TURN_KINDS[turn_ids.dtype], *spans.shape)
 
 
-def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None, check=False):
+def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None, check=False, chain=None):
     """``(r, count, n, keys, first_values)`` for ``(b, t)`` rewards (float32/float64), int8 spans,
     int16/int64 turn ids (None: derived from the spans), optional long token ids (the observation
     hashes) and values (at each turn's first ASSISTANT token): ``r`` ``(b, n)`` float64 per-turn
     reward sums, ``count`` ``(b,)`` turns per row, ``keys`` ``(h1, h2)`` ``(b, n)`` int64 or None,
     ``first_values`` ``(b, n)`` float64 or None; or None. One pass (two when a row has more than
     :data:`FIRST_COLUMNS` turns). With ``check`` (and tokens) ``keys`` holds two more tables: a third
-    hash and the length of each observation, for gigpo's collision check."""
+    hash and the length of each observation, for gigpo's collision check.
+
+    ``chain`` ``(order, previous)`` (``(b,)`` int64 CPU tensors; with ``tokens``): the rows are segments of
+    sessions, ``order`` every row after its session's previous segment, ``previous`` that segment's row (-1
+    for a segment 0); each row's observation hashes then continue its session's earlier segments' as on the
+    joined row (a later segment's first turn is keyed by the previous segments' trailing observation tokens
+    followed by its own opening ones: ``native_turns.c``)."""
     if tokens is not None and tokens.dtype != torch.int64:
         return None
     if values is not None and values.dtype != rewards.dtype:
         return None
-    functions = _usable(rewards.dtype, spans, turn_ids, rewards, tokens, values)
-    if functions is None:
+    functions = _usable(rewards.dtype, spans, turn_ids, rewards, tokens, values, *(chain or ()))
+    if functions is None or (chain is not None and (tokens is None or any(x.dtype != torch.int64 for x in chain))):
         return None
+    order, previous = chain or (None, None)
+    carry = torch.empty(rewards.shape[0], 4, dtype=torch.int64) if chain is not None else None
     b, t = rewards.shape
     kind = 0 if turn_ids is None else _TURN_KINDS[turn_ids.dtype]
     count = torch.empty(b, dtype=torch.int64)
@@ -96,7 +104,7 @@ def native_turn_tables(rewards, spans, turn_ids, tokens=None, values=None, check
         functions["tables", rewards.dtype](
             rewards.data_ptr(), _pointer(values), spans.data_ptr(), _pointer(turn_ids), kind, _pointer(tokens),
             b, t, n, r.data_ptr(), _pointer(v), _pointer(h1), _pointer(h2), _pointer(h3), _pointer(length),
-            count.data_ptr())
+            count.data_ptr(), _pointer(order), _pointer(previous), _pointer(carry))
         needed = max(int(count.max()) if b else 0, 1)
         if needed <= n:
             break

@@ -18,8 +18,9 @@ that can carry a session across rows without copying do (:data:`FAST_PATHS`, by 
 function): GRPO and RLOO sum each session's rows' scores (:func:`outcome_by_session`); REINFORCE++
 and GAE scan the rows with each segment starting from the state its session's next segment ended
 with (:func:`returns_by_session`, :func:`gae_by_session`: compiled, CPU); turn_returns, turn_rloo,
-turn_index_normalized, turn_gae and gigpo with ``turn_states`` lay the rows' per-turn tables out per
-session (:func:`turns_by_session`, registered by ``advantages/turn_credit.py``). Each equals the join
+turn_index_normalized, turn_gae and gigpo lay the rows' per-turn tables out per session
+(:func:`turns_by_session`, registered by ``advantages/turn_credit.py``; gigpo keyed by the observation
+tokens hashes them across each session's rows, :func:`observation_turns_by_session`). Each equals the join
 path (tests/advantages/test_sessions_fast_paths.py) and falls back to it where it cannot run.
 
 The ablation, today's row-per-segment treatment, is ``session=None`` on a batch collated without
@@ -37,6 +38,7 @@ import torch
 
 import masking.sessions as masking_sessions
 from advantages.native_scans import native_chained_gae, native_chained_returns
+from advantages.native_turns import native_broadcast, native_check_turn_ids, native_turn_tables
 from advantages.returns import assistant_steps, check_batch, check_discount
 from advantages.stats import WHITEN_EPS, accumulation_dtype, check_whitenable, masked_whiten
 from masking.sessions import (
@@ -47,6 +49,7 @@ from masking.sessions import (
     number_keys,
     row_ids,
     segment_chain,
+    segment_numbers,
     session_join,
     session_rows,
     split_tokens,
@@ -243,6 +246,7 @@ def turns_by_session(
     session,
     segment,
     kwargs: dict,
+    collisions: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`estimate_by_session` without joining the tokens, for a turn-level estimator that reads per-turn
     tables only (turn_returns, turn_rloo, turn_index_normalized, turn_gae, and gigpo with ``turn_states``;
@@ -256,15 +260,16 @@ def turns_by_session(
     broadcasts (``turn_states`` ``(b, m)`` are laid out per session the same way; turn_returns' ``whiten``
     then whitens over the rows' ASSISTANT tokens, as ``fn`` does). ``(advantages, returns)``
     ``(b, t)`` in the rewards' dtype, equal to the join path's. Validation as ``fn``'s plus the segments, one
-    group per session and the turn states' turns. Joins instead (:func:`estimate_by_joining`) on an
-    accelerator (``N`` would be a host read), for other keywords and for gigpo's observation keys
-    (``responses`` without ``turn_states``: they hash the tokens).
+    group per session and the turn states' turns. gigpo keyed by the observations (``responses`` without
+    ``turn_states``; ``collisions`` is its hash check) takes :func:`observation_turns_by_session`. Joins
+    instead (:func:`estimate_by_joining`) on an accelerator (``N`` would be a host read) and for other keywords.
     """
     values, states = kwargs.get("values"), kwargs.get("turn_states")
     if masking_sessions._sync_free(token_level_rewards) or not kwargs.keys() <= _TURN_KEYWORDS or (
-            values is not None and (not isinstance(values, torch.Tensor) or values.shape != token_level_rewards.shape)) or (
-            states is None and kwargs.get("responses") is not None):  # gigpo's observation keys need the tokens
+            values is not None and (not isinstance(values, torch.Tensor) or values.shape != token_level_rewards.shape)):
         return estimate_by_joining(fn, token_level_rewards, response_mask, session, segment, kwargs)
+    if states is None and kwargs.get("responses") is not None:  # gigpo's observation keys: hashed across the rows
+        return observation_turns_by_session(fn, token_level_rewards, response_mask, session, segment, kwargs, collisions)
     validate = kwargs.get("validate", True)
     for name in ("gamma", "lam"):
         if name in kwargs:
@@ -293,6 +298,85 @@ def turns_by_session(
     if whiten is not inspect.Parameter.empty and whiten:
         advantages = masked_whiten(returns, response_mask, check=validate).to(token_level_rewards.dtype)
     return advantages, returns
+
+
+def observation_turns_by_session(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    session,
+    segment,
+    kwargs: dict,
+    collisions: Callable | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`turns_by_session` for gigpo keyed by the observation tokens (``responses``, no ``turn_states``).
+
+    On the joined row the key of a later segment's first turn hashes the previous segments' trailing
+    observation tokens followed by its own opening ones: it spans rows. The compiled turn pass reads the rows
+    in segment order instead, each continuing the hash state its session's previous segment ended with
+    (:func:`~advantages.native_turns.native_turn_tables` with ``chain``), so every row's turns get the keys the
+    joined row's would. Laid out per session (turn 0 of each session marked as the prompt, as gigpo marks a
+    row's), equal key pairs are numbered as ``turn_states`` of the per-session turn batch; ``validate`` also
+    runs ``collisions`` (gigpo's third-hash check) on the per-session tables. Equal to the join path. Joins
+    where the compiled pass does not run, where ``validate`` finds a bad turn id (the join path names it) and,
+    without ``turn_ids``, where a later segment opens with an ASSISTANT token (the joined row may merge it into
+    the turn before)."""
+    validate = kwargs.get("validate", True)
+    if kwargs.get("index") is None:  # gigpo's ValueError, on the join path
+        return estimate_by_joining(fn, token_level_rewards, response_mask, session, segment, kwargs)
+    b = token_level_rewards.shape[0]
+    dense, first_row, sessions = session_rows(session, segment, b, token_level_rewards.device, validate)
+    built = _chained_observation_tables(token_level_rewards, response_mask, session, segment, kwargs, validate)
+    if built is None:
+        return estimate_by_joining(fn, token_level_rewards, response_mask, session, segment, kwargs)
+    r, count, n, hashes, _ = built
+    target, total, most = turn_layout(session, segment, count, n)
+    keys = [_join_per_turn(h, target, sessions, most) for h in hashes]
+    keys[1] = torch.where(torch.arange(most) == 0, -1 - keys[1], keys[1])  # the joined row's turn 0: the prompt
+    exists = torch.arange(most) < total.unsqueeze(1)
+    group = session_groups(kwargs["index"], dense, first_row, validate)
+    if validate and collisions is not None:
+        collisions(tuple(keys[:2]), tuple(keys[2:]), exists, group)
+    pairs = _pair_ids(keys[0].reshape(-1), keys[1].reshape(-1)).reshape(sessions, most)
+    batch = turn_batch(_join_per_turn(r, target, sessions, most), total)
+    batch.update(index=group, turn_states=torch.where(exists, pairs, -1))
+    settings = {k: v for k, v in kwargs.items() if k not in _TURN_BATCH}
+    advantages, returns = fn(**batch, **settings, validate=False)
+    rows = [_split_per_turn(x[:, 0::2], target) for x in (advantages, returns)]
+    return tuple(native_broadcast(rows, kwargs["spans"], kwargs.get("turn_ids"), token_level_rewards.dtype))
+
+
+def _pair_ids(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Equal ``(first, second)`` int64 pairs -> equal ids in ``[0, N)`` (two stable sorts and a cumsum)."""
+    order = torch.sort(second, stable=True).indices
+    order = order[torch.sort(first[order], stable=True).indices]
+    a, b = first[order], second[order]
+    starts = torch.zeros_like(order, dtype=torch.bool)
+    starts[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    return torch.empty_like(order).scatter_(0, order, starts.long().cumsum(0))
+
+
+def _chained_observation_tables(rewards, response_mask, session, segment, kwargs: dict, validate: bool):
+    """:func:`~advantages.native_turns.native_turn_tables` of the rows with their observation hashes chained
+    across each session's segments (:func:`observation_turns_by_session`), after gigpo's checks of the rows;
+    None where the join path must run instead."""
+    spans, turn_ids, responses = kwargs["spans"], kwargs.get("turn_ids"), kwargs["responses"]
+    for x in (responses, turn_ids):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != rewards.shape or x.dtype.is_floating_point
+                              or x.dtype.is_complex or x.dtype == torch.bool):
+            return None  # gigpo's ValueError, on the join path
+    check_batch(rewards, response_mask, spans, validate)
+    if validate and turn_ids is not None and native_check_turn_ids(spans, turn_ids) != -1:
+        return None  # a bad turn id (named on the join path), or the loop cannot run
+    b, t = rewards.shape
+    if turn_ids is None and t and bool(((spans[:, 0] == SpanKind.ASSISTANT) & (segment_numbers(segment, b) > 0)).any()):
+        return None
+    order, following, _ = segment_chain(session, segment, b, False)
+    previous = torch.full((b,), -1, dtype=torch.long)
+    later = following >= 0
+    previous[following[later]] = torch.arange(b)[later]
+    return native_turn_tables(rewards, spans, turn_ids, as_dtype(responses, torch.long), check=validate,
+                              chain=(order.flip(0).contiguous(), previous))
 
 
 _TURN_BATCH = {"spans", "turn_ids", "values", "index", "validate", "responses", "turn_states"}  # the rest: settings

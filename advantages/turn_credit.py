@@ -738,6 +738,7 @@ def gigpo(
 
 
 # Session-aware without joining the tokens (advantages/sessions.py): these read per-turn tables only, so a
-# session's turns are laid out from its rows' tables (gigpo's observation keys, read from the tokens, join instead).
+# session's turns are laid out from its rows' tables (gigpo's observation keys hashed across each session's rows).
 FAST_PATHS.update({fast_path_key(fn): functools.partial(turns_by_session, _tables)
-                   for fn in (turn_returns, turn_rloo, turn_index_normalized, turn_gae, gigpo)})
+                   for fn in (turn_returns, turn_rloo, turn_index_normalized, turn_gae)})
+FAST_PATHS[fast_path_key(gigpo)] = functools.partial(turns_by_session, _tables, collisions=_check_collisions_by_hash)

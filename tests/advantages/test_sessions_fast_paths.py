@@ -3,20 +3,24 @@
 on random batches: sessions of 1 to 4 segments whose rows are shuffled (not adjacent, not in segment
 order), later segments opening with OBSERVATION tokens or not, trailing PAD of any length. The chained
 scans are bit for bit the joined scans before whitening; whitening and the outcome scores add in
-another order (1e-12 in float64, float32 to its rounding).
+another order (1e-12 in float64, float32 to its rounding). gigpo keyed by the observation tokens (no
+turn_states) is bit for bit the join path's: its chained turn pass gives the joined rows' keys exactly.
 """
 
+import functools
 import random
 
 import pytest
 import torch
 
+import advantages.native_turns as native_turns
 import advantages.sessions as sessions
 import advantages.turn_credit as turn_credit
 from advantages import get_estimator
+from advantages.native_turns import native_turn_tables
 from advantages.turn_credit import turn_ids_from_spans
 from masking.kinds import SpanKind
-from masking.sessions import segment_chain, session_rows, turn_layout
+from masking.sessions import join_tokens, join_turn_ids, segment_chain, session_join, session_rows, turn_layout
 
 A, O, P = int(SpanKind.ASSISTANT), int(SpanKind.OBSERVATION), int(SpanKind.PAD)
 FAST = {"grpo": "outcome_by_session", "rloo": "outcome_by_session",
@@ -140,16 +144,134 @@ def test_the_gigpo_fast_path_with_turn_states_equals_the_join_path(settings, see
         torch.testing.assert_close(f, j, rtol=0, atol=1e-12)
 
 
-def test_gigpo_on_observation_keys_joins(monkeypatch):
-    """Without turn_states gigpo's anchor keys hash the observation tokens: it joins."""
-    batch = _random_batch(2, opens=True)
+def _observation_batch(seed: int, dtype=torch.float64, opens: bool = False, turn_ids: str = "given", **more) -> dict:
+    """:func:`_random_batch` without turn_states: gigpo keys each turn by the observation tokens before it."""
+    batch = _random_batch(seed, dtype, opens=opens, **more)
     batch.pop("turn_states")
+    if turn_ids == "derived":
+        batch.pop("turn_ids")
+    elif turn_ids == "int16":
+        batch["turn_ids"] = batch["turn_ids"].to(torch.int16)
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("turn_ids", ["given", "int16", "derived"])
+@pytest.mark.parametrize("opens", [True, False])
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("settings", [{}, {"gigpo_mode": "mean_std_norm", "gamma": 0.9, "step_advantage_w": 0.5}])
+def test_the_gigpo_fast_path_on_observation_keys_equals_the_join_path(settings, seed, validate, opens, turn_ids, dtype):
+    """Shuffled rows, 1-4 segments, later segments opening with OBSERVATION tokens or not (without turn ids those
+    join: the joined row may merge the turns), trailing PAD: bit for bit the join path's outputs."""
+    fast, joined = _both("gigpo", _observation_batch(seed, dtype, opens, turn_ids), validate=validate, **settings)
+    for f, j in zip(fast, joined):
+        assert f.dtype == dtype
+        assert torch.equal(f, j)
+
+
+def _joined_tables(batch: dict, chained: bool):
+    """The compiled turn tables (reward sums, the two keys, the check hash and length) of ``batch``'s sessions:
+    ``chained``, the rows' own with hashes carried across each session's segments, laid out per session;
+    else the joined rows'."""
+    spans, rewards, tokens = batch["spans"], batch["token_level_rewards"], batch["responses"]
+    if chained:
+        kwargs = {"spans": spans, "turn_ids": batch["turn_ids"], "responses": tokens}
+        r, count, n, hashes, _ = sessions._chained_observation_tables(
+            rewards, batch["response_mask"], batch["session"], batch["segment"], kwargs, True)
+        target, total, most = turn_layout(batch["session"], batch["segment"], count, n)
+        sessions_ = len(total)
+        return total, [sessions._join_per_turn(x, target, sessions_, most) for x in (r, *hashes)]
+    join = session_join(spans, batch["session"], batch["segment"])
+    r, count, n, hashes, _ = native_turn_tables(join_tokens(rewards, join), join_tokens(spans, join, SpanKind.PAD),
+                                                join_turn_ids(batch["turn_ids"], join), join_tokens(tokens, join),
+                                                check=True)
+    return count, [torch.where(torch.arange(n) < count.unsqueeze(1), x, 0) for x in (r, *hashes)]
+
+
+@pytest.mark.parametrize("opens", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_chained_turn_pass_gives_the_joined_rows_keys(seed, opens):
+    """Every session turn's reward sum, both keys, check hash and observation length equal the joined row's, the
+    first turn of a later segment hashing the previous segments' trailing observation and its own opening one."""
+    batch = _observation_batch(seed, opens=opens, n_sessions=20)
+    total, chained = _joined_tables(batch, True)
+    count, joined = _joined_tables(batch, False)
+    assert torch.equal(total, count)
+    for c, j in zip(chained, joined):
+        assert torch.equal(c, j)
+    unchained = native_turn_tables(batch["token_level_rewards"], batch["spans"], batch["turn_ids"], batch["responses"],
+                                   check=True)  # each row on its own: some keys differ (what the chain is for)
+    target, _, most = turn_layout(batch["session"], batch["segment"], unchained[1], unchained[2])
+    assert not torch.equal(sessions._join_per_turn(unchained[3][0], target, len(total), most), joined[1])
+
+
+def test_the_chained_turn_pass_with_more_turns_than_its_first_columns(monkeypatch):
+    """Rows with more turns than the first try's columns: the pass runs again, the chain from the start."""
+    monkeypatch.setattr(native_turns, "FIRST_COLUMNS", 2)
+    for seed in range(3):
+        fast, joined = _both("gigpo", _observation_batch(seed), validate=True)
+        for f, j in zip(fast, joined):
+            assert torch.equal(f, j)
+
+
+@pytest.mark.parametrize("turn_ids,opens", [("given", False), ("int16", False), ("derived", True)])
+def test_gigpo_on_observation_keys_takes_the_fast_path(turn_ids, opens, monkeypatch):
+    batch = _observation_batch(2, opens=opens, turn_ids=turn_ids)
     joined = sessions.estimate_by_joining(get_estimator("gigpo").fn, batch["token_level_rewards"], batch["response_mask"],
                                           batch["session"], batch["segment"], _kwargs("gigpo", batch))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("joined")
+
+    monkeypatch.setattr(sessions, "estimate_by_joining", refuse)
     got = get_estimator("gigpo")(batch["token_level_rewards"], batch["response_mask"], **_kwargs("gigpo", batch),
                                  session=batch["session"], segment=batch["segment"])
     for f, j in zip(got, joined):
         assert torch.equal(f, j)
+
+
+def test_gigpo_on_observation_keys_joins_where_the_chained_pass_cannot_run(monkeypatch):
+    """Without turn ids a later segment opening with an ASSISTANT token joins (the joined row may merge it into the
+    turn before); without the compiled pass it joins (torch's hashes, the same groups)."""
+    joins = []
+    join = sessions.estimate_by_joining
+    monkeypatch.setattr(sessions, "estimate_by_joining", lambda *args: joins.append(1) or join(*args))
+    batch = _observation_batch(3, opens=False, turn_ids="derived")
+    assert bool(((batch["spans"][:, 0] == A) & (batch["segment"] > 0)).any())
+    fast, joined = _both("gigpo", batch)
+    assert len(joins) == 2 and all(torch.equal(f, j) for f, j in zip(fast, joined))
+    batch = _observation_batch(3)
+    want = _both("gigpo", batch)[1]
+    monkeypatch.setattr(sessions, "native_turn_tables", lambda *args, **kwargs: None)
+    fast, _ = _both("gigpo", batch)
+    assert len(joins) == 5
+    for f, w in zip(fast, want):
+        torch.testing.assert_close(f, w, rtol=0, atol=1e-12)
+
+
+def test_the_gigpo_fast_path_checks_observation_keys_and_turn_ids(monkeypatch):
+    """validate: a hash collision (here: a perturbed check hash) is gigpo's ValueError on the per-session tables;
+    a bad turn id is the join path's (which names it); unvalidated neither is checked."""
+    batch = _observation_batch(4, opens=True)
+    call = functools.partial(get_estimator("gigpo"), batch["token_level_rewards"], batch["response_mask"],
+                             session=batch["session"], segment=batch["segment"])
+    turn_ids = batch["turn_ids"].clone()
+    turn_ids[batch["spans"] == A] += 1
+    with pytest.raises(ValueError, match=r"turn_ids: row \d+, position \d+: .*joined by session"):
+        call(**_kwargs("gigpo", {**batch, "turn_ids": turn_ids}))
+    tables = sessions.native_turn_tables
+
+    def perturbed(*args, **kwargs):
+        r, count, n, hashes, values = tables(*args, **kwargs)
+        if len(hashes) > 2:  # validating: the check hash differs in every turn
+            hashes = (*hashes[:2], hashes[2] + torch.arange(hashes[2].numel()).reshape(hashes[2].shape), *hashes[3:])
+        return r, count, n, hashes, values
+
+    monkeypatch.setattr(sessions, "native_turn_tables", perturbed)
+    with pytest.raises(ValueError, match=r"gigpo: hash collision: the observation before row \d+, turn \d+"):
+        call(**_kwargs("gigpo", batch))
+    call(**_kwargs("gigpo", batch), validate=False)
 
 
 def test_the_gigpo_fast_path_checks_the_turn_states():
@@ -237,6 +359,11 @@ def test_fast_paths_check_what_the_join_path_checks():
         bad[batch["spans"] == O] = 1.0
         with pytest.raises(ValueError, match=r"reward"):
             get_estimator(name)(bad, args[1], **kwargs, session=batch["session"], segment=batch["segment"])
+    kwargs = _kwargs("gigpo", _observation_batch(5, opens=True))  # gigpo keyed by the observations
+    with pytest.raises(ValueError, match=r"are both segment 0"):
+        get_estimator("gigpo")(*args, **kwargs, session=batch["session"], segment=torch.zeros_like(batch["segment"]))
+    with pytest.raises(ValueError, match=r"reward"):
+        get_estimator("gigpo")(bad, args[1], **kwargs, session=batch["session"], segment=batch["segment"])
 
 
 def test_segment_chain_session_rows_and_turn_layout():
