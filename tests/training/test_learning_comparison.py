@@ -3,13 +3,24 @@ cell that goes on from its checkpoint, and finished cells left alone."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
 from agent_loop.runners.local import read_trajectories
-from examples.learning_comparison import main
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "learning_comparison.py"
+
+
+def load_example():
+    """The example as a module of its own (examples/ is not a package the tests import)."""
+    spec = importlib.util.spec_from_file_location("learning_comparison", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 COMMON = ["--model", "tiny", "--task", "arithmetic", "--estimator", "grpo", "--group-size", "2", "--prompts-per-step",
           "2", "--mini-batches", "1", "--threads", "1", "--no-tensorboard", "--save-every", "1", "--max-turns", "2"]
@@ -32,6 +43,7 @@ def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
     out = tmp_path / "cmp"
     argv = ["--out", str(out), "--variant", "none=", "--variant", "filter=--filter-groups --filter-groups-max-rounds 1",
             "--seeds", "0", "--eval-episodes", "4", "--"]
+    main = load_example().main
     results = main([*argv, *COMMON, "--steps", "1"])
     assert set(results) == {"none", "filter"}
     for name, cells in results.items():
