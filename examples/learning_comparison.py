@@ -2,8 +2,14 @@
 (issue 57: ``--filter-groups`` against none at equal rollout tokens, bf16 rollouts against fp32; issue 54: a
 context policy's sessions).
 
-    python examples/learning_comparison.py --out runs/cmp-filter --variant none= --variant filter=--filter-groups \\
-        --seeds 0 1 2 -- --model smollm2-135m --task arithmetic --estimator grpo --group-size 4 --steps 40
+    # issue 57's --filter-groups table (started 2026-12-07): a partial warm start (no warm-up: 2 steps are the
+    # whole of it), then both settings over 3 seeds; rerun the second command to go on where a stop left it
+    agent-loop warmstart --model smollm2-135m --task arithmetic --steps 2 --lr 1e-4 --warmup-steps 0 \\
+        --episodes 64 --batch-size 8 --check-episodes 0 --output-dir runs/warm-smollm2-arith
+    python examples/learning_comparison.py --out runs/cmp-filter-groups --variant none= \\
+        --variant filter=--filter-groups --seeds 0 1 2 --eval-episodes 100 -- --model runs/warm-smollm2-arith/model \\
+        --task arithmetic --estimator grpo --group-size 4 --prompts-per-step 8 --steps 20 --save-every 2 \\
+        --no-tensorboard --threads 2
 
 Each cell (variant x seed) is one ``agent-loop train`` run in ``OUT/VARIANT/seed-N``, with the common flags given
 after ``--``, then the variant's own, then ``--seed N``. A cell that stopped goes on from its latest checkpoint
