@@ -101,8 +101,8 @@ def train(scratch: Path, name: str, task, steps: int, prompts: int, seed: int = 
     from agent_loop.tiny import tiny_agent_path
 
     config = TrainConfig.from_flat(model=str(tiny_agent_path(stage="mid")), steps=steps, prompts_per_step=prompts,
-                         group_size=1, threads=1, seed=seed, save_every=10**6, save_rollouts_every=0,
-                         tensorboard=False, progress=False, output_dir=str(scratch / name), **settings)
+                                   group_size=1, threads=1, seed=seed, save_every=10**6, save_rollouts_every=0,
+                                   tensorboard=False, progress=False, output_dir=str(scratch / name), **settings)
     trainer = Trainer(config, task=task)
     history = trainer.train()
     return history, trainer.policy

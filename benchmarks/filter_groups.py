@@ -32,9 +32,9 @@ def run(setting: dict, args, out: Path) -> dict[str, float]:
     from agent_loop.tiny import tiny_agent_path
 
     config = TrainConfig.from_flat(model=str(tiny_agent_path(stage="mid")), steps=args.steps, estimator="grpo",
-                         group_size=args.group_size, prompts_per_step=args.prompts_per_step, mini_batches=1,
-                         concurrency=32, threads=1, output_dir=str(out), progress=False, tensorboard=False,
-                         save_every=1000, save_rollouts_every=0, seed=args.seed, **setting)
+                                   group_size=args.group_size, prompts_per_step=args.prompts_per_step, mini_batches=1,
+                                   concurrency=32, threads=1, output_dir=str(out), progress=False, tensorboard=False,
+                                   save_every=1000, save_rollouts_every=0, seed=args.seed, **setting)
     started = time.perf_counter()
     history = Trainer(config).train()
     wall = time.perf_counter() - started

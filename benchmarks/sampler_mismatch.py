@@ -55,10 +55,10 @@ def make_backend(name: str, dtype: str, model: Path):
 def measure(name: str, dtype: str, trainer_dtype: str, model: Path, args, work: Path) -> dict:
     """One step's episodes on ``name`` in ``dtype``, scored by a trainer in ``trainer_dtype``: its metrics."""
     config = TrainConfig.from_flat(model=str(model), dtype=trainer_dtype, device="cpu", threads=args.threads, seed=args.seed,
-                         prompts_per_step=args.episodes, group_size=1, concurrency=args.concurrency,
-                         micro_batch_size=32, mini_batches=1, tensorboard=False, progress=False,
-                         output_dir=str(work / f"{name}-{dtype}-{trainer_dtype}"), rollout_is="token",
-                         rollout_rs="token")
+                                   prompts_per_step=args.episodes, group_size=1, concurrency=args.concurrency,
+                                   micro_batch_size=32, mini_batches=1, tensorboard=False, progress=False,
+                                   output_dir=str(work / f"{name}-{dtype}-{trainer_dtype}"), rollout_is="token",
+                                   rollout_rs="token")
     backend = make_backend(name, dtype, model)
     try:
         trainer = Trainer(config, backend=backend)

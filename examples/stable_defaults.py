@@ -27,9 +27,9 @@ from agent_loop import TrainConfig, Trainer
 
 def run(prompts: int, seed: int, args: argparse.Namespace) -> dict:
     config = TrainConfig.from_flat(prompts_per_step=prompts, seed=seed, steps=args.steps, threads=args.threads, lr=args.lr,
-                         warmup_steps=args.warmup_steps,
-                         eval_episodes=args.eval_episodes, save_every=args.steps, progress=False,
-                         output_dir=str(Path(args.runs_dir) / f"prompts{prompts}_seed{seed}"))
+                                   warmup_steps=args.warmup_steps,
+                                   eval_episodes=args.eval_episodes, save_every=args.steps, progress=False,
+                                   output_dir=str(Path(args.runs_dir) / f"prompts{prompts}_seed{seed}"))
     started = time.perf_counter()
     trainer = Trainer(config)
     start = {**trainer.evaluate(sampled=True), **trainer.evaluate()}

@@ -23,7 +23,6 @@ then :meth:`TrainConfig.check`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from pydantic import AfterValidator, Field
 
 from agent_loop.backends.server_options import ServerOptions, server_url
 from agent_loop.episode.loop_config import LoopConfig
-from agent_loop.options import OptionError, closest, compose, flatten, integer, number, one_of, override_defaults
+from agent_loop.options import OptionError, closest, compose, flatten, integer, number, one_of, override_defaults, pick
 from agent_loop.proxy import AgentOptions
 from agent_loop.runners.backend_choice import AUTO, BackendOptions
 from agent_loop.runners.spec import EstimatorOptions, ResumeOptions, RunOptions, check_group_estimator
@@ -126,7 +125,7 @@ class TrainRollouts(AgentOptions, LoopConfig, TaskOptions):
 
     def loop_config(self) -> LoopConfig:
         """The loop's own options of these (a plain :class:`LoopConfig`)."""
-        return LoopConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoopConfig)})
+        return LoopConfig(**pick(LoopConfig, self))
 
 
 @dataclass

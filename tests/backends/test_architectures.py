@@ -145,8 +145,8 @@ def test_one_training_step(arch, tmp_path):
 
     name, path = arch
     config = TrainConfig.from_flat(model=str(path), steps=1, prompts_per_step=2, mini_batches=1, micro_batch_size=2,
-                         max_turns=2, max_tokens=8, max_response_tokens=48, concurrency=2, threads=1,
-                         entropy_coef=0.01, lr=1e-2, output_dir=str(tmp_path), progress=False)
+                                   max_turns=2, max_tokens=8, max_response_tokens=48, concurrency=2, threads=1,
+                                   entropy_coef=0.01, lr=1e-2, output_dir=str(tmp_path), progress=False)
     trainer = Trainer(config, task=reverse_task())
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     metrics = trainer.train_step()

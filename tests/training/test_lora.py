@@ -84,7 +84,7 @@ def test_lora_run_resumes_from_its_checkpoint(tiny_mid, tmp_path):
     straight = Trainer(config)
     history = straight.train()
     resumed = Trainer(config.replace(resume=str(step_folder(straight.output_dir, 1)),
-                                          output_dir=str(tmp_path / "resumed")))
+                                     output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()
     assert metrics["loss/first"] == pytest.approx(history[1]["loss/first"], abs=1e-6)

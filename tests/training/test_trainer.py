@@ -212,7 +212,7 @@ def test_resume_reproduces_the_next_step(tiny_mid, tmp_path):
     history = straight.train()
 
     resumed = Trainer(config.replace(resume=str(step_folder(straight.output_dir, 1)),
-                                          output_dir=str(tmp_path / "resumed")))
+                                     output_dir=str(tmp_path / "resumed")))
     assert resumed.step == 1
     metrics = resumed.train_step()
 
