@@ -287,6 +287,13 @@ class _Context:
     summarize: Callable[[list[dict]], str] | None = None  # context="summarize": the summarizer (messages -> text)
 
 
+def _context_limit(ctx: _Context) -> int | None:
+    """The tokens one context may hold: the model's (the backend's, else config.json's), cut to
+    ``max_context_tokens`` when that is set; None: unknown and unset."""
+    limits = [n for n in (ctx.backend.context_length or ctx.context_length, ctx.config.max_context_tokens) if n]
+    return min(limits, default=None)
+
+
 def _template_diff(config: LoopConfig, state: _EpisodeState, turn: int, mismatch: dict | None) -> None:
     """Record where a fresh one-go render differs from what the model saw (an error if the config says so)."""
     if mismatch is None:
@@ -316,7 +323,7 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
     config, formatter = ctx.config, ctx.formatter
     prompt = state.prompt_ids + state.response_ids
     room = config.max_tokens
-    context = ctx.backend.context_length or ctx.context_length
+    context = _context_limit(ctx)
     if context is not None:
         room = min(room, context - len(prompt))
     sampling = SamplingParams(
@@ -325,8 +332,9 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
         stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(ctx.seed, ctx.index, turn),
     )
     if room < 1:  # only a segment's first prompt can (later ones end in observation_overflow first)
-        state.error = (f"ContextLengthError: turn {turn}: the prompt of {len(prompt)} tokens leaves no room in the "
-                       f"model's context of {context} tokens")
+        limit = "--max-context-tokens" if context == config.max_context_tokens else "the model's context"
+        state.error = (f"ContextLengthError: turn {turn}: the prompt of {len(prompt)} tokens leaves no room in "
+                       f"{limit} of {context} tokens")
         return None, sampling
     t0 = time.perf_counter()
     result, state.error = await _generate_with_retries(ctx.backend, prompt, sampling, ctx.session_id, config)
@@ -425,7 +433,7 @@ def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict
     config, formatter = ctx.config, ctx.formatter
     obs, new_messages, cut = _fit_observation(formatter, state, messages, stop_id, text, config.max_observation_tokens)
     state.observation_truncations += cut
-    context = ctx.backend.context_length or ctx.context_length
+    context = _context_limit(ctx)
     room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(state.prompt_ids))
     overflow = len(state.response_ids) + len(obs.ids) >= room
     if (kept := _rewritten(ctx, state, obs, new_messages, overflow)) is not None:

@@ -55,6 +55,9 @@ class LoopConfig:
                     "earlier reasoning dropped), window (keep the system prompt, the task and the last "
                     "--context-window turns), summarize (at --context-budget a summary replaces the turns so far); "
                     "each rewrite starts a new segment of the episode's session (docs/design.md section 5)")] = "keep"
+    max_context_tokens: _count("tokens of one context, prompt and response (a turn asks for no more than is left, "
+                               "an observation that does not fit ends the episode in observation_overflow or, under "
+                               "a --context policy, starts a new segment); 0 = the model's own context", low=0) = 0
     context_window: _count("turns (an assistant turn and its observation) --context window keeps") = 2
     context_budget: _count("tokens of prompt and response at which --context summarize rewrites the history; 0 = "
                            "only where the next observation would not fit (observation_overflow)", low=0) = 0

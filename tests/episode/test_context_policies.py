@@ -338,3 +338,28 @@ def test_the_commands_name_a_broken_context_rule_as_flags():
     with pytest.raises(UsageError, match="^--summarizer nomodule: expected module:function"):
         validate(RolloutOptions, {"context": "summarize", "summarizer": "nomodule"})
     assert validate(RolloutOptions, {"context": "window", "context_window": "1"}).context_window == 1
+
+
+def test_max_context_tokens_bounds_each_context_and_a_window_plays_on_past_it(tiny_tokenizer):
+    """``max_context_tokens`` (issue 54 item 5's small context): a turn asks for no more than the context has left;
+    with keep the episode ends in observation_overflow where the next observation would not fit, a window
+    starts a new segment there instead and the session finishes, every segment within the bound."""
+    whole = session(tiny_tokenizer, LoopConfig(max_turns=4))[0]
+    # room for turn 1's reply but not for its observation: its last ASSISTANT token's position, plus 1
+    turn_1 = max(i for i, (s, t) in enumerate(zip(whole.spans, whole.turn_ids)) if s == A and t == 1)
+    limit = len(whole.prompt_ids) + turn_1 + 2
+    assert limit < len(whole.prompt_ids) + len(whole.response_ids)
+    kept = session(tiny_tokenizer, LoopConfig(max_turns=4, max_context_tokens=limit))
+    assert len(kept) == 1 and kept[0].finish_reason == "observation_overflow" and kept[0].reward < 2.0
+    assert len(kept[0].prompt_ids) + len(kept[0].response_ids) <= limit
+    windowed_ = session(tiny_tokenizer, LoopConfig(max_turns=4, max_context_tokens=limit, context="window",
+                                                   context_window=1))
+    assert windowed_[-1].finish_reason == "stop" and windowed_[-1].reward == 2.0 and len(windowed_) > 1
+    assert all(len(s.prompt_ids) + len(s.response_ids) <= limit for s in windowed_)
+    asked = []
+    backend = ScriptedBackend(lambda prompt: asked.append(prompt) or [])
+    short = dataclasses.replace(LoopConfig(max_turns=1), max_context_tokens=len(whole.prompt_ids))
+    refused = asyncio.run(run_episode(EchoThrice(), 0, backend, tiny_tokenizer, short))
+    assert refused.finish_reason == "error" and asked == []  # no room for a single token: nothing generated
+    assert refused.metrics["backend_error"] == (f"ContextLengthError: turn 0: the prompt of {len(whole.prompt_ids)} "
+                                                f"tokens leaves no room in --max-context-tokens of {len(whole.prompt_ids)} tokens")
