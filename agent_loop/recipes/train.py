@@ -146,7 +146,7 @@ class Trainer:
         batch = None
         if trainable:
             batch = training_batch(kept, group_size=self.config.run.group_size, pad_token_id=self.pad_token_id,
-                                   device=self.device)  # 2. batch
+                                   device=self.device, credit=self.config.advantage.session_credit)  # 2. batch
             # asynchronous: tokens sampled by older weights (each token's logprob is that of the weights that
             # sampled it, Trajectory.policy_versions says which): the sampler's logprobs are the behaviour policy
             metrics.update(staleness_metrics(kept, self.step, self.config.rollout.max_staleness))

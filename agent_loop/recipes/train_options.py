@@ -147,6 +147,11 @@ class TrainAdvantage(EstimatorOptions):
     kl_kind: Annotated[str, AfterValidator(check_kl_kind), Field(
         description="KL estimator (a sampled-token mode of advantages.kl_penalty)",
         json_schema_extra={"allowed": kl_kind_names})] = "k1"
+    session_credit: Annotated[Literal["session", "segment"], Field(
+        description="where an agent or a --context policy rewrote the history (a session of several segments): "
+                    "session = one sample per session, its returns running across its segments; segment = each "
+                    "segment its own episode carrying the session's reward (the row-per-segment ablation, biased: "
+                    "docs/design.md section 3)")] = "session"
 
 
 @dataclass

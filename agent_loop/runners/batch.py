@@ -14,7 +14,7 @@ from masking.spans import SpanKind
 
 def trajectories_to_batch(
     trajectories: Sequence[Trajectory], pad_token_id: int = 0, dtype: torch.dtype = torch.float32, *,
-    index: Sequence[int] | None = None,
+    index: Sequence[int] | None = None, sessions: bool = True,
 ) -> Batch:
     """Collate trajectories into the batch tensors of docs/design.md section 2 (see ``masking.collate``);
     each is checked first (:meth:`Trajectory.check`), a ValueError naming its row.
@@ -23,7 +23,8 @@ def trajectories_to_batch(
     ``segment``, and collate checks each session's segments: numbered in order, one reward, one task row and,
     given ``index`` (one group per row), one group (the batch's ``index`` is then set, renumbered). The
     estimators then treat each session as one sample. Where every session has one segment, the batch is what it
-    always was."""
+    always was. ``sessions=False``: every segment its own row, carrying its session's reward (the row-per-segment
+    ablation, biased: docs/design.md section 3)."""
     for row, trajectory in enumerate(trajectories):
         try:
             trajectory.check()
@@ -39,7 +40,7 @@ def trajectories_to_batch(
         turn_rewards=[t.turn_rewards for t in trajectories],
         pad_token_id=pad_token_id,
         dtype=dtype,
-        **_sessions(trajectories, index),
+        **(_sessions(trajectories, index) if sessions else {}),
     )
     batch.turn_states = turn_state_ids(trajectories)
     return batch

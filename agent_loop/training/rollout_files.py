@@ -61,10 +61,12 @@ def made_with(estimator, played_with, kl_coef: float = 0.0) -> dict:
     """How the step's values were computed and its episodes played, recorded as ``agent-loop rollout`` records
     it: ``estimator.made_with`` (an ``agent_loop.runners.spec.EstimatorOptions``: ``gamma``, ``estimator``, the
     estimator's other settings as it used them, ``lam``, ``step_advantage_w``, ``gigpo_mode`` where it takes them)
-    of the loop's and the task's options in ``played_with`` (what the episodes were played with), and ``kl_coef``
-    when on."""
+    of the loop's and the task's options in ``played_with`` (what the episodes were played with), ``kl_coef``
+    when on, and ``session_credit`` when it is the row-per-segment ablation."""
     options = {**pick(LoopConfig, played_with), **pick(TaskOptions, played_with)}
-    return estimator.made_with(options, kl_coef=float(kl_coef) if kl_coef > 0 else None)
+    ablation = getattr(estimator, "session_credit", "session") == "segment"
+    return estimator.made_with(options, kl_coef=float(kl_coef) if kl_coef > 0 else None,
+                               session_credit="segment" if ablation else None)
 
 
 def anchor_groups(estimator, batch) -> tuple | None:

@@ -63,11 +63,12 @@ def usable_episodes(trajectories, group_size: int, grouped: bool) -> tuple[list,
     return kept, dropped
 
 
-def training_batch(trajectories, *, group_size: int, pad_token_id: int, device) -> Batch:
+def training_batch(trajectories, *, group_size: int, pad_token_id: int, device, credit: str = "session") -> Batch:
     """Collated tensors plus ``index`` (b,), the group id of each row (and, where an agent rewrote its history,
-    ``session``/``segment``: a session is one sample to the estimator), on ``device``."""
+    ``session``/``segment``: a session is one sample to the estimator; ``credit="segment"``: the row-per-segment
+    ablation, every segment its own sample), on ``device``."""
     groups = [group_of(t, group_size) for t in trajectories]
-    batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id, index=groups)
+    batch = trajectories_to_batch(trajectories, pad_token_id=pad_token_id, index=groups, sessions=credit == "session")
     batch.index = torch.tensor(groups, dtype=torch.long)
     return batch.to(device)
 

@@ -52,3 +52,35 @@ def test_every_segment_gets_its_sessions_advantage(tiny_mid, tmp_path, estimator
             values = [a for a, span in zip(segment["advantages"], segment["spans"]) if span == ASSISTANT]
             assert values and all(v == pytest.approx(expected, abs=1e-6) for v in values), (index, values[:3], expected)
     assert metrics["reward"] == pytest.approx(sum(session_reward(i) for i in range(8)) / 8)
+
+
+def test_segment_credit_is_the_row_per_segment_ablation(tiny_mid, tmp_path):
+    """``session_credit="segment"`` (``train --session-credit segment``): every segment its own sample carrying its
+    session's reward, so RLOO's baseline of a summarised session's segment holds its own other segment (the bias
+    of docs/design.md section 3: (R_i - R_j) / 2 where the session-level value is R_i - R_j)."""
+    config = small_config(tiny_mid, tmp_path, steps=1, estimator="rloo", kl_coef=0.0, group_size=2,
+                          prompts_per_step=4, agent="tests/helpers/summarising_agent.py:agent", concurrency=4,
+                          session_credit="segment")
+    metrics = Trainer(config).train_step()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and metrics["segments"] == pytest.approx(12 / 8)  # still counted by session
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["info"]["index"] // 2, []).append(row)
+    for members in groups.values():  # serially: each row against the mean of the other rows of its question
+        rewards = [session_reward(m["info"]["index"]) for m in members]
+        assert len(members) == 3  # session 2g's two segments and session 2g+1's one
+        for row, own in zip(members, rewards):
+            others = list(rewards)
+            others.remove(own)
+            expected = own - statistics.mean(others)
+            values = [a for a, span in zip(row["advantages"], row["spans"]) if span == ASSISTANT]
+            assert values and all(v == pytest.approx(expected, abs=1e-6) for v in values), (values[:3], expected)
+            assert row["info"]["session_credit"] == "segment"
+        # the bias, in closed form: the summarised session (even index) gets half its session-level value
+        split = [row for row in members if row["info"]["index"] % 2 == 0]
+        own, other = (session_reward(members[0]["info"]["index"] // 2 * 2 + k) for k in (0, 1))
+        assert len(split) == 2 and own != other
+        for row in split:
+            value = next(a for a, span in zip(row["advantages"], row["spans"]) if span == ASSISTANT)
+            assert value == pytest.approx((own - other) / 2, abs=1e-6)
