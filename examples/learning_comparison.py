@@ -23,6 +23,7 @@ tokens played (every step's assistant and observation tokens per episode times t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -32,11 +33,17 @@ from pathlib import Path
 
 import yaml
 
+from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.recipes.train import EVAL_SEED_OFFSET
 from agent_loop.runners.local import read_trajectories
+from agent_loop.tasks.registry import TaskOptions
 from agent_loop.training.checkpoint import resolve_checkpoint
 
 AGENT_LOOP = [sys.executable, "-m", "agent_loop.cli"]
+# the flags of how episodes are played (the loop's and the task's options, as train took them), for the held-out
+# rollout; its sampling temperature is the comparison's own
+PLAYED_WITH = {f"--{f.name.replace('_', '-')}" for options in (LoopConfig, TaskOptions)
+               for f in dataclasses.fields(options)} - {"--temperature"}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -84,9 +91,7 @@ def held_out_success(folder: Path, seed: int, args, flags: list[str]) -> float:
     model = resolve_checkpoint(folder) / "model"
     out = folder / "held_out.jsonl"
     out.unlink(missing_ok=True)  # a cut evaluation: played again whole
-    keep = {"--task", "--prompts", "--reward", "--tools", "--system", "--max-turns", "--max-tokens",
-            "--max-response-tokens", "--context", "--context-window", "--context-budget", "--summarizer"}
-    played_with = [flag for i, flag in enumerate(flags) if flag in keep or (i and flags[i - 1] in keep)]
+    played_with = [flag for i, flag in enumerate(flags) if flag in PLAYED_WITH or (i and flags[i - 1] in PLAYED_WITH)]
     subprocess.run([*AGENT_LOOP, "rollout", *played_with, "--model", str(model), "--episodes", str(args.eval_episodes),
                     "--seed", str(seed + EVAL_SEED_OFFSET), "--temperature", str(args.temperature),
                     "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
@@ -106,13 +111,31 @@ def table(results: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def curves(out: Path, results: dict[str, dict[str, dict]]) -> str:
+    """Markdown: the training success of each step (sampled, on the step's own questions), mean over each variant's
+    finished seeds: the learning curves."""
+    by_step: dict[str, dict[int, list[float]]] = {}
+    for name, cells in results.items():
+        for seed in cells:
+            for line in (out / name / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines():
+                step = json.loads(line)
+                if "assistant_tokens" in step:
+                    by_step.setdefault(name, {}).setdefault(step["step"], []).append(step["success"])
+    steps = sorted({step for series in by_step.values() for step in series})
+    lines = ["| step | " + " | ".join(by_step) + " |", "|---:|" + "---:|" * len(by_step)]
+    for step in steps:
+        row = [f"{statistics.mean(by_step[name][step]):.3f}" if step in by_step[name] else "" for name in by_step]
+        lines.append(f"| {step} | " + " | ".join(row) + " |")
+    return "Training success by step (sampled), mean over seeds:\n\n" + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, common = parse_args(argv)
     out = Path(args.out)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    for name, own in args.variants.items():
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed by seed: a comparison cut midway holds whole pairs
+        for name, own in args.variants.items():
             cells = results.setdefault(name, {})
             if str(seed) in cells:
                 continue
@@ -124,8 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 "rollout_tokens": rollout_tokens(folder), "steps": steps}
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=1))  # after each cell: a stop loses no finished cell
-    (out / "results.md").write_text(table(results))
-    print(table(results))
+    report = table(results) + "\n" + curves(out, results)
+    (out / "results.md").write_text(report)
+    print(report)
     return results
 
 

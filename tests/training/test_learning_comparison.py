@@ -38,6 +38,12 @@ def serial_tokens(folder) -> float:
     return total
 
 
+def metrics_of(out, name):
+    """A cell's step metrics (not its evaluations)."""
+    lines = (out / name / "seed-0" / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "assistant_tokens" in m]
+
+
 @pytest.mark.slow
 def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
     out = tmp_path / "cmp"
@@ -53,7 +59,11 @@ def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
         assert cells["0"] == {"held_out_success": sum(t.success for t in held_out) / 4,
                               "rollout_tokens": serial_tokens(folder), "steps": 1}
         assert cells["0"]["rollout_tokens"] > 0
-    assert "| filter | 1 |" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    assert "| filter | 1 |" in report
+    none, filtered = metrics_of(out, "none"), metrics_of(out, "filter")  # the curve: each step's training success
+    assert [m["step"] for m in none] == [m["step"] for m in filtered] == [1]
+    assert f"| 1 | {none[0]['success']:.3f} | {filtered[0]['success']:.3f} |" in report
     # a finished cell is not run again; one whose result is gone goes on from its checkpoint to the new length
     del results["none"]["0"]
     (out / "results.json").write_text(json.dumps(results))
