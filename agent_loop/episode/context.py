@@ -68,16 +68,27 @@ def digest(messages: list[dict], max_chars: int = SUMMARY_CHARS) -> str:
 
 
 def summarized(messages: list[dict], summarize: Callable[[list[dict]], str]) -> list[dict]:
-    """The head of ``messages`` with the summary of every turn after it (``summarize(turns)``) appended to the task
-    (the first user message) under :data:`SUMMARY_HEADER`: a chat of the system prompt and one user message, which
-    every template renders (a second user message in a row is not)."""
+    """The head of ``messages`` with the summary of every turn after it (``summarize(turns)``): :func:`with_summary`."""
     head = head_length(messages)
     summary = summarize([dict(m) for m in messages[head:]])
     if not isinstance(summary, str):
         raise TypeError(f"the summarizer returned {type(summary).__name__}, not the summary text (str)")
-    kept = [dict(m) for m in messages[:head]]
-    kept[-1]["content"] = f"{kept[-1].get('content') or ''}\n\n{SUMMARY_HEADER}\n{summary}"
-    return kept
+    return with_summary(messages[:head], summary)
+
+
+def with_summary(head: list[dict], summary: str, kept: list[dict] = ()) -> list[dict]:
+    """``head`` (the system prompt and the task) with ``summary`` appended to the task (its last message, the first
+    user message) under :data:`SUMMARY_HEADER`, then the ``kept`` messages as they were: the system prompt and one
+    user message open the chat, which every template renders (a second user message in a row is not)."""
+    out = [dict(m) for m in head]
+    out[-1]["content"] = f"{out[-1].get('content') or ''}\n\n{SUMMARY_HEADER}\n{summary}"
+    return out + [dict(m) for m in kept]
+
+
+def latest_turn(messages: list[dict]) -> list[dict]:
+    """The last turn of ``messages``: its last assistant message after the head and every message after it."""
+    starts = turn_starts(messages)
+    return [dict(m) for m in messages[starts[-1]:]] if starts else []
 
 
 def load_summarizer(spec: str | None) -> Callable[[list[dict]], str]:

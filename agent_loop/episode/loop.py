@@ -39,7 +39,7 @@ from agent_loop.backends.base import (
 )
 from agent_loop.backends.retry import backoff_delay
 from agent_loop.episode.chat import ChatFormatter, Observation, TemplateError, assistant_message
-from agent_loop.episode.context import load_summarizer, summarized, windowed
+from agent_loop.episode.context import head_length, latest_turn, load_summarizer, summarized, windowed, with_summary
 from agent_loop.episode.contracts import (
     AssistantTurn,
     StepLimits,
@@ -52,7 +52,7 @@ from agent_loop.episode.contracts import (
     turn_state_keys,
 )
 from agent_loop.episode.info import episode_info
-from agent_loop.episode.loop_config import LoopConfig
+from agent_loop.episode.loop_config import POLICY_SUMMARIZER, LoopConfig
 from agent_loop.episode.tool_formats import NO_TOOLS, tool_format_for_template
 from agent_loop.episode.tools import TRUNCATION_MARK, ToolEnvironment, cut_text
 from agent_loop.types import Episode, ToolCallRecord, Trajectory, episode_session_id
@@ -64,7 +64,8 @@ CHARS_PER_TOKEN_BUDGET = 16
 
 
 def request_seed(seed: int, index: int, turn: int) -> int:
-    """A stable per-request sampling seed, so an episode replays the same whatever runs beside it."""
+    """A stable per-request sampling seed, so an episode replays the same whatever runs beside it. The policy's
+    summary after turn ``k`` asks with ``turn = -1 - k``, a number no turn has."""
     digest = hashlib.blake2b(f"{seed}:{index}:{turn}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
@@ -259,6 +260,7 @@ class _EpisodeState:
     step_rewards: list[float | None] = field(default_factory=list)  # per assistant turn: its step's reward, if any
     steps: list[dict] = field(default_factory=list)  # steps with a reward or metadata (Trajectory.info["steps"])
     env_error: str | None = None  # why the environment's step failed (the episode ends with "error")
+    summary: dict | None = None  # the policy's summary that closes this segment (metrics["context"]["summary"])
 
     def append(self, ids: list[int], kind: SpanKind, turn: int, logprobs: list[float] | None = None,
                version: int | None = None) -> None:
@@ -285,6 +287,7 @@ class _Context:
     vocab_size: int | None = None  # the model's (model_limits): a sampled id must be below it
     context_length: int | None = None  # the model's, when the backend does not know its own
     summarize: Callable[[list[dict]], str] | None = None  # context="summarize": the summarizer (messages -> text)
+    summary_reserve: int = 0  # --summarizer policy: the tokens every turn leaves for the request and the summary
 
 
 def _context_limit(ctx: _Context) -> int | None:
@@ -319,32 +322,65 @@ async def _generate_turn(ctx: _Context, state: _EpisodeState, turn: int) -> tupl
     """Turn ``turn``'s checked generation (None: ``state.error`` says why) and the sampling it asked for.
 
     The prompt must leave room in the model's context (else an error before anything is generated, however
-    long the prompt: no backend builds tensors for it), and a turn asks for no more tokens than that room."""
-    config, formatter = ctx.config, ctx.formatter
+    long the prompt: no backend builds tensors for it), and a turn asks for no more tokens than that room;
+    under ``--summarizer policy`` it leaves ``summary_reserve`` tokens of it (and of the segment's response
+    budget) for the summary that may follow it."""
+    config, reserve = ctx.config, ctx.summary_reserve
     prompt = state.prompt_ids + state.response_ids
     room = config.max_tokens
     context = _context_limit(ctx)
     if context is not None:
-        room = min(room, context - len(prompt))
-    sampling = SamplingParams(
-        max_tokens=min(room, config.max_response_tokens - len(state.response_ids)),
-        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        stop_token_ids=formatter.end_of_turn_ids, seed=request_seed(ctx.seed, ctx.index, turn),
-    )
-    if room < 1:  # only a segment's first prompt can (later ones end in observation_overflow first)
-        limit = "--max-context-tokens" if context == config.max_context_tokens else "the model's context"
-        state.error = (f"ContextLengthError: turn {turn}: the prompt of {len(prompt)} tokens leaves no room in "
-                       f"{limit} of {context} tokens")
+        room = min(room, context - len(prompt) - reserve)
+    budget = config.max_response_tokens - len(state.response_ids) - reserve
+    sampling = _sampling(ctx, min(room, budget), request_seed(ctx.seed, ctx.index, turn))
+    if room < 1 or budget < 1:  # only a segment's first prompt can (later ones end in observation_overflow first)
+        state.error = _no_room(ctx, turn, len(prompt), context, in_context=room < 1)
         return None, sampling
+    return await _checked_generation(ctx, state, prompt, sampling, f"turn {turn}"), sampling
+
+
+def _sampling(ctx: _Context, max_tokens: int, seed: int) -> SamplingParams:
+    """The episode's sampling settings for one request of at most ``max_tokens`` tokens."""
+    config = ctx.config
+    return SamplingParams(max_tokens=max_tokens, temperature=config.temperature, top_p=config.top_p,
+                          top_k=config.top_k, stop_token_ids=ctx.formatter.end_of_turn_ids, seed=seed)
+
+
+def _no_room(ctx: _Context, turn: int, prompt_length: int, context: int | None, *, in_context: bool) -> str:
+    """Why turn ``turn`` cannot generate: its prompt of ``prompt_length`` tokens fills the ``context`` limit
+    (``in_context``), else the segment's response budget is spent, beside the policy's summary where one is kept."""
+    config, reserve = ctx.config, ctx.summary_reserve
+    beside = (f", beside the {reserve} tokens each turn keeps for the policy's summary and its request "
+              "(--summary-tokens)") if reserve else ""
+    if not in_context:
+        return (f"ContextLengthError: turn {turn}: --max-response-tokens {config.max_response_tokens} leaves no "
+                f"room{beside}")
+    limit = "--max-context-tokens" if context == config.max_context_tokens else "the model's context"
+    return (f"ContextLengthError: turn {turn}: the prompt of {prompt_length} tokens leaves no room in {limit} of "
+            f"{context} tokens{beside}")
+
+
+async def _checked_generation(ctx: _Context, state: _EpisodeState, prompt: list[int], sampling: SamplingParams,
+                              what: str) -> GenerationResult | None:
+    """The backend's answer to ``prompt`` after retries, checked whichever backend sent it (a bad answer is not
+    retried); None where there is none (``state.error`` says why; ``what`` names the request in a bad answer's)."""
     t0 = time.perf_counter()
-    result, state.error = await _generate_with_retries(ctx.backend, prompt, sampling, ctx.session_id, config)
+    result, state.error = await _generate_with_retries(ctx.backend, prompt, sampling, ctx.session_id, ctx.config)
     state.timings["generate_s"] += time.perf_counter() - t0
     if result is not None:
-        try:  # what came back is checked, whichever backend sent it; a bad answer is not retried
+        try:
             check_result(result, sampling, ctx.vocab_size)
         except BadOutputError as bad:
-            result, state.error = None, f"BadOutputError: turn {turn}: {ctx.backend.describe(ctx.session_id)} {bad}"
-    return result, sampling
+            result, state.error = None, f"BadOutputError: {what}: {ctx.backend.describe(ctx.session_id)} {bad}"
+    return result
+
+
+def _sampled_text(ctx: _Context, result: GenerationResult, sampling: SamplingParams) -> tuple[str, int | None]:
+    """A generation's text as sampled (special tokens kept) without its end-of-turn token, and that token (None:
+    the generation was cut)."""
+    stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
+    text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
+    return text, result.token_ids[-1] if stopped else None
 
 
 async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | None:
@@ -356,9 +392,8 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
     state.turn_tokens.append({"assistant": len(result.token_ids), "observation": 0})
     state.step_rewards.append(None)
 
-    stopped = result.finish_reason == "stop" and result.token_ids[-1] in sampling.stop_token_ids
-    text = ctx.tokenizer.decode(result.token_ids[: -1 if stopped else None], skip_special_tokens=False)
-    state.last_turn = (text, result.token_ids[-1] if stopped else None)
+    text, stop_id = _sampled_text(ctx, result, sampling)
+    state.last_turn = (text, stop_id)
     assistant = _assistant_turn(ctx, state, turn, text, result.finish_reason)
     step = await _step(ctx, state, assistant)
     if step is None:
@@ -378,7 +413,7 @@ async def _play_turn(ctx: _Context, state: _EpisodeState, turn: int) -> str | No
         state.env_error = (f"EnvironmentError: turn {turn}: {type(ctx.env).__name__}'s step neither ended the "
                            "episode (done) nor gave an observation")
         return "error"
-    return _observe(ctx, state, turn, step.observations, state.last_turn[1], text)
+    return await _observe(ctx, state, turn, step.observations, stop_id, text)
 
 
 def _assistant_turn(ctx: _Context, state: _EpisodeState, turn: int, text: str, finish_reason: str) -> AssistantTurn:
@@ -425,32 +460,48 @@ async def _step(ctx: _Context, state: _EpisodeState, turn: AssistantTurn) -> Ste
     return None
 
 
-def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict], stop_id: int | None,
-             text: str) -> str | None:
+async def _observe(ctx: _Context, state: _EpisodeState, turn: int, messages: list[dict], stop_id: int | None,
+                   text: str) -> str | None:
     """Append the observation of ``messages`` (rendered by the chat template after the episode so far, checked
     against a fresh one-go render, cut to the observation budget); "observation_overflow" if it does not fit.
-    Where the context policy rewrites the history (:func:`_rewritten`), a new segment starts instead."""
+    Where the context policy rewrites the history (:func:`_rewritten`, or the policy's own summary:
+    :func:`_summarize_by_policy`), a new segment starts instead."""
     config, formatter = ctx.config, ctx.formatter
     obs, new_messages, cut = _fit_observation(formatter, state, messages, stop_id, text, config.max_observation_tokens)
     state.observation_truncations += cut
-    context = _context_limit(ctx)
-    room = config.max_response_tokens if context is None else min(config.max_response_tokens, context - len(state.prompt_ids))
+    room = _response_room(ctx, state)
     overflow = len(state.response_ids) + len(obs.ids) >= room
+    if config.summarizer == POLICY_SUMMARIZER and _summary_due(ctx, state, obs, room):
+        return await _summarize_by_policy(ctx, state, turn, obs, new_messages, room)
     if (kept := _rewritten(ctx, state, obs, new_messages, overflow)) is not None:
         state.chat += new_messages
         _new_segment(ctx, state, kept)
         return None
-    state.messages += new_messages
+    _record_observation(ctx, state, turn, obs, new_messages)
     state.chat += new_messages
-    _template_diff(config, state, turn, obs.mismatch)
-    if obs.rerender is not None:
-        state.rerender_diffs.append({"turn": turn - state.first_turn, **obs.rerender})
-    state.seen = obs.rendered
     if overflow:
         return "observation_overflow"  # no room left (budget or model context) for the observation and a next turn
     state.append(obs.ids, SpanKind.OBSERVATION, turn)
     state.turn_tokens[-1]["observation"] = len(obs.ids)
     return None
+
+
+def _response_room(ctx: _Context, state: _EpisodeState) -> int:
+    """The response tokens the current segment may hold: ``max_response_tokens``, less where the context left after
+    its prompt is smaller."""
+    context = _context_limit(ctx)
+    budget = ctx.config.max_response_tokens
+    return budget if context is None else min(budget, context - len(state.prompt_ids))
+
+
+def _record_observation(ctx: _Context, state: _EpisodeState, turn: int, obs: Observation, messages: list[dict]) -> None:
+    """``messages`` join the segment's context as the template rendered them (``obs``: its template diffs recorded,
+    its render what the model has seen); their tokens are the caller's to append."""
+    state.messages += messages
+    _template_diff(ctx.config, state, turn, obs.mismatch)
+    if obs.rerender is not None:
+        state.rerender_diffs.append({"turn": turn - state.first_turn, **obs.rerender})
+    state.seen = obs.rendered
 
 
 def _rewritten(ctx: _Context, state: _EpisodeState, obs: Observation, new_messages: list[dict],
@@ -465,11 +516,74 @@ def _rewritten(ctx: _Context, state: _EpisodeState, obs: Observation, new_messag
         return windowed(messages, config.context_window)
     if config.context == "drop_reasoning":
         return messages if obs.mismatch is not None else None
-    if config.context == "summarize":
+    if config.context == "summarize" and ctx.summarize is not None:  # else the policy's: _summarize_by_policy
         size = len(state.prompt_ids) + len(state.response_ids) + len(obs.ids)
         if overflow or (config.context_budget and size > config.context_budget):
             return summarized(messages, ctx.summarize)
     return None
+
+
+def _summary_due(ctx: _Context, state: _EpisodeState, obs: Observation, room: int) -> bool:
+    """Whether the policy writes its summary after this observation (``obs``): where it leaves a next turn no room
+    beside the summary's reserve (a later summary might not fit; an observation that does not fit at all is such a
+    case), or where prompt + response + observation would pass ``context_budget``."""
+    size = len(state.response_ids) + len(obs.ids)
+    budget = ctx.config.context_budget
+    return size + ctx.summary_reserve >= room or bool(budget and len(state.prompt_ids) + size > budget)
+
+
+async def _summarize_by_policy(ctx: _Context, state: _EpisodeState, turn: int, obs: Observation, results: list[dict],
+                               room: int) -> str | None:
+    """The policy writes the summary of the segment after turn ``turn`` and the next segment starts on it
+    (docs/design.md section 5, "Context policies"). The request (``summary_prompt``, a user message) is
+    OBSERVATION tokens of turn ``turn``, after the turn's tool ``results`` (``obs``: their observation) where the
+    summary still fits ``room`` with them, else right after the assistant turn; the summary is ASSISTANT tokens of
+    a turn of its own, with its logprobs. The next segment: the head with the summary, then the latest turn (the
+    assistant message and ``results``) verbatim. The task's chat gets ``results``, never the request or the
+    summary. "observation_overflow" where the summary has no room even so (``state.summary`` says why), "error"
+    where the backend fails (``state.error``)."""
+    latest, head = latest_turn(state.messages) + results, state.messages[:head_length(state.messages)]
+    state.chat += results
+    asked, placed = _summary_request(ctx, state, results, room)
+    if asked is None:
+        _record_observation(ctx, state, turn, obs, results)
+        state.summary = {"overflow": f"turn {turn}: no room for the policy's summary of {ctx.config.summary_size()} "
+                                     f"tokens and its request in the {room - len(state.response_ids)} response tokens "
+                                     "left; raise --max-response-tokens or lower --summary-tokens"}
+        return "observation_overflow"
+    _record_observation(ctx, state, turn, asked, placed)
+    state.append(asked.ids, SpanKind.OBSERVATION, turn)
+    state.turn_tokens[-1]["observation"] = len(asked.ids)
+    sampling = _sampling(ctx, ctx.config.summary_size(), request_seed(ctx.seed, ctx.index, -1 - turn))
+    result = await _checked_generation(ctx, state, state.prompt_ids + state.response_ids, sampling,
+                                       f"turn {turn}'s summary")
+    if result is None:
+        state.error = f"SummaryError: turn {turn}: the policy's summary failed: {state.error}"
+        return "error"
+    state.append(result.token_ids, SpanKind.ASSISTANT, turn + 1, result.logprobs, result.policy_version)
+    summary, stop_id = _sampled_text(ctx, result, sampling)
+    state.messages.append(assistant_message(summary))  # the segment's messages render its tokens, summary included
+    rerender = ctx.formatter.final_rerender(state.messages, state.seen, summary, stop_id)
+    if rerender is not None:
+        state.rerender_diffs.append({"turn": turn + 1 - state.first_turn, **rerender})
+    state.summary = {"turn": turn + 1 - state.first_turn, "request_tokens": len(asked.ids),
+                     "tokens": len(result.token_ids), "finish": result.finish_reason, "after_results": len(placed) > 1}
+    _new_segment(ctx, state, with_summary(head, summary, latest))
+    return None
+
+
+def _summary_request(ctx: _Context, state: _EpisodeState, results: list[dict],
+                     room: int) -> tuple[Observation | None, list[dict]]:
+    """The observation of the summary request and the messages it renders: ``results`` and the request where the
+    summary fits ``room`` after them, else the request alone (right after the latest assistant turn, whose room every
+    turn keeps: ``summary_reserve``); (None, []) where neither fits."""
+    request = {"role": "user", "content": ctx.config.summary_prompt}
+    text, stop_id = state.last_turn
+    for placed in (results + [request], [request]):
+        asked = ctx.formatter.observation(state.messages, state.seen, placed, stop_id, text)
+        if len(state.response_ids) + len(asked.ids) + ctx.config.summary_size() <= room:
+            return asked, placed
+    return None, []
 
 
 def _new_segment(ctx: _Context, state: _EpisodeState, messages: list[dict]) -> None:
@@ -483,6 +597,7 @@ def _new_segment(ctx: _Context, state: _EpisodeState, messages: list[dict]) -> N
     state.template_diffs, state.rerender_diffs, state.observation_truncations = [], [], 0
     state.timings, state.started = Counter(), time.perf_counter()
     state.first_turn, state.first_record = len(state.turn_tokens), len(state.records)
+    state.summary = None
 
 
 def environment_of(episode: Episode) -> TurnEnvironment:
@@ -593,10 +708,22 @@ def _begin(task: Task, episode: Episode, env: TurnEnvironment, index: int, backe
         backend=backend, tokenizer=tokenizer, formatter=formatter,
         parser=episode.tool_format.parser_for(env.tool_schemas), env=env, config=config,
         session_id=episode_session_id(task.name, seed, index),  # one per episode: multi-server backends keep it on one server
-        seed=seed, index=index, summarize=load_summarizer(config.summarizer) if config.context == "summarize" else None,
+        seed=seed, index=index,
     )
     ctx.vocab_size, ctx.context_length = model_limits(tokenizer)
+    if config.summarizer == POLICY_SUMMARIZER:  # the loop asks the policy itself (_summarize_by_policy)
+        ctx.summary_reserve = _request_tokens(formatter, state, config.summary_prompt) + config.summary_size()
+    elif config.context == "summarize":
+        ctx.summarize = load_summarizer(config.summarizer)
     return ctx, state
+
+
+def _request_tokens(formatter: ChatFormatter, state: _EpisodeState, prompt: str) -> int:
+    """The tokens of the policy's summary request right after an assistant turn: the observation of it after an
+    empty turn that follows the prompt (the template's tokens around a user message do not depend on the turn)."""
+    history = state.messages + [assistant_message("")]
+    request = {"role": "user", "content": prompt}
+    return len(formatter.observation(history, state.seen, [request], formatter.end_of_turn_ids[0], "").ids)
 
 
 def with_step_rewards(reward: float, turn_rewards: list[float] | None,
@@ -671,6 +798,19 @@ def _finish(task: Task, episode: Episode, ctx: _Context, state: _EpisodeState, f
     return out
 
 
+def _summary_turn(seg: _EpisodeState, turn_rewards: list[float] | None, turn_states: list | None, first: int,
+                  end_turn: int) -> tuple[list[float] | None, list | None]:
+    """The session's turn rewards and turn states of the segment's turns ``first`` to ``end_turn``, and of the policy's
+    summary that closes it, a turn of its own: reward 0 (the session's return reaches it through the later turns'),
+    state ``("summary", the state of the turn it follows)`` (GiGPO compares it with summaries after that state)."""
+    turn_rewards = turn_rewards[first:end_turn] if turn_rewards is not None else None
+    turn_states = turn_states[first:end_turn] if turn_states is not None else None
+    if seg.summary is None or "turn" not in seg.summary:
+        return turn_rewards, turn_states
+    return (turn_rewards and [*turn_rewards, 0.0],
+            turn_states and [*turn_states, ("summary", turn_states[-1])])
+
+
 def _segment_record(task: Task, episode: Episode, ctx: _Context, seg: _EpisodeState, n: int, count: int, score: _Score,
                     end_turn: int, end_record: int, finish_reason: str, total_s: float, last: bool) -> Trajectory:
     """Segment ``n`` of ``count`` (``seg``: its state; its turns end at the session's turn ``end_turn``, its tool
@@ -710,10 +850,11 @@ def _segment_record(task: Task, episode: Episode, ctx: _Context, seg: _EpisodeSt
     if last and (seg.env_error or score.error):
         metrics["error"] = seg.env_error or score.error
     if ctx.config.context != "keep":  # how the session's history was managed (docs/design.md section 5)
-        metrics["context"] = {"policy": ctx.config.context, "segment": n, "segments": count}
+        metrics["context"] = {"policy": ctx.config.context, "segment": n, "segments": count,
+                              **({"summary": seg.summary} if seg.summary else {})}
     # steps: the environment's per-turn rewards, done/truncated and metadata, as it gave them
     steps = [{**s, "turn": s["turn"] - first} for s in seg.steps if first <= s["turn"] < end_turn]
-    turn_states = score.turn_states[first:end_turn] if score.turn_states is not None else None
+    turn_rewards, turn_states = _summary_turn(seg, score.turn_rewards, score.turn_states, first, end_turn)
     info = episode_info(task.name, ctx.index, ctx.seed, success=score.success, tokenizer=ctx.tokenizer,
                         identity={"answer": episode.answer, "session_id": ctx.session_id, "segment": n},
                         extra={**episode.info, **({"steps": steps} if steps else {}),
@@ -721,7 +862,7 @@ def _segment_record(task: Task, episode: Episode, ctx: _Context, seg: _EpisodeSt
     return Trajectory(
         prompt_ids=seg.prompt_ids, response_ids=seg.response_ids, spans=seg.spans, turn_ids=seg.turn_ids,
         logprobs=seg.logprobs, messages=seg.messages, tool_calls=records, reward=score.reward,
-        turn_rewards=score.turn_rewards[first:end_turn] if score.turn_rewards is not None else None,
+        turn_rewards=turn_rewards,
         finish_reason=finish_reason, truncated=finish_reason == "length", metrics=metrics, info=info,
         policy_versions=seg.policy_versions if any(v >= 0 for v in seg.policy_versions) else None,
     )

@@ -18,6 +18,9 @@ HISTORY_MODES = ("strict", "keep_seen")
 MISMATCH_POLICIES = ("record", "error")
 # how the loop manages a history that outgrows its context (docs/design.md section 5, "Context policies")
 CONTEXT_POLICIES = ("keep", "drop_reasoning", "window", "summarize")
+POLICY_SUMMARIZER = "policy"  # --summarizer policy: the policy writes the summary itself (beside module:function)
+SUMMARY_PROMPT = ("Summarize the conversation so far for yourself: what you did, what the tools returned that you "
+                  "still need, and what is left to do. Reply with the summary only.")
 
 
 @dataclass
@@ -63,7 +66,16 @@ class LoopConfig:
                            "only where the next observation would not fit (observation_overflow)", low=0) = 0
     summarizer: Annotated[str | None, Field(
         description="module:function that turns the messages being replaced into the summary text for --context "
-                    "summarize (messages -> str); default: a digest of the tool results so far")] = None
+                    "summarize (messages -> str), or policy: the policy writes it, asked with --summary-prompt; "
+                    "default: a digest of the tool results so far")] = None
+    summary_prompt: Annotated[str, Field(
+        description="the user message that asks the policy for its summary (--summarizer policy). The request is "
+                    "OBSERVATION and the summary ASSISTANT tokens of the segment they close, trained: the session's "
+                    "return reaches them, so the policy learns to write summaries that let the session succeed; "
+                    "the task never sees them (docs/design.md section 5)")] = SUMMARY_PROMPT
+    summary_tokens: _count("tokens of the policy's summary (--summarizer policy); every turn leaves room for it and "
+                           "its request, and the history is rewritten before that room is gone; 0 = --max-tokens",
+                           low=0) = 0
 
     def __post_init__(self):  # the choices hold for configs built in code too
         if self.history_mode not in HISTORY_MODES:
@@ -78,6 +90,31 @@ class LoopConfig:
         for name in ("summarizer", "context_budget"):
             if getattr(self, name) and self.context != "summarize":
                 raise OptionError(name, f"is for {{context}} summarize, not {self.context}", getattr(self, name))
-        if self.summarizer is not None and ":" not in self.summarizer:
+        if self.summarizer is not None and self.summarizer != POLICY_SUMMARIZER and ":" not in self.summarizer:
             raise OptionError("summarizer", "expected module:function (a function of the messages being replaced "
-                              "that returns the summary text)", self.summarizer)
+                              f"that returns the summary text) or {POLICY_SUMMARIZER}", self.summarizer)
+        self._check_policy_summary()
+
+    def summary_size(self) -> int:
+        """The most tokens the policy's summary may take (``summary_tokens``, else ``max_tokens``)."""
+        return self.summary_tokens or self.max_tokens
+
+    def _check_policy_summary(self) -> None:
+        """``summary_prompt`` and ``summary_tokens`` go with ``--summarizer policy``, whose summary must leave room
+        for a turn in one segment's budget."""
+        policy = self.summarizer == POLICY_SUMMARIZER
+        if self.summary_tokens and not policy:
+            raise OptionError("summary_tokens", f"is for {{summarizer}} {POLICY_SUMMARIZER}", self.summary_tokens)
+        if self.summary_prompt != SUMMARY_PROMPT and not policy:
+            raise OptionError("summary_prompt", f"is for {{summarizer}} {POLICY_SUMMARIZER} (the request for the "
+                              "policy's summary)")
+        if not policy:
+            return
+        if not self.summary_prompt.strip():
+            raise OptionError("summary_prompt", "is empty: it is the request that asks the policy for its summary")
+        for name in ("max_response_tokens", "max_context_tokens"):
+            limit = getattr(self, name)
+            if limit and self.summary_size() >= limit:
+                raise OptionError("summary_tokens", f"the policy's summary of up to {self.summary_size()} tokens "
+                                  f"(0: {{max_tokens}}) leaves no room for a turn in {{{name}}} {limit}",
+                                  self.summary_tokens)
