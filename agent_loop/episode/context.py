@@ -10,11 +10,14 @@ touches tokens.
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable
 
 from agent_loop.episode.plugin_import import PluginError, import_object
 
 SUMMARY_HEADER = "Summary of your earlier turns:"
+SUMMARY_MARK = f"\n\n{SUMMARY_HEADER}\n"  # where a summary joins the task
+NO_RESULTS = "(no tool results)"  # the digest of a history without tool results
 SUMMARY_CHARS = 4096  # the default digest keeps its most recent lines within this many characters
 
 
@@ -46,11 +49,19 @@ def windowed(messages: list[dict], turns: int) -> list[dict] | None:
 
 def digest(messages: list[dict], max_chars: int = SUMMARY_CHARS) -> str:
     """The default summary: one line per tool call and result of ``messages``, in order (``name(arguments) ->
-    result``), the most recent kept within ``max_chars`` (a first line says how many earlier ones were left out).
-    Deterministic: the same messages give the same text."""
+    result``), after the lines of an earlier summary among them (:func:`earlier_summary`), the most recent kept
+    within ``max_chars`` (a first line says how many earlier ones were left out, counting those an earlier digest
+    left out). Deterministic: the same messages give the same text."""
     calls = {c.get("id"): c["function"] for m in messages for c in m.get("tool_calls") or []}
-    lines = []
+    lines, left_out = [], 0
     for m in messages:
+        if (earlier := earlier_summary(m)) is not None:
+            for line in earlier.splitlines():
+                counted = re.fullmatch(r"\((\d+) earlier results left out\)", line)
+                if counted:
+                    left_out += int(counted.group(1))
+                elif line != NO_RESULTS:
+                    lines.append(line)
         if m.get("role") != "tool":
             continue
         call = calls.get(m.get("tool_call_id"), {"name": m.get("name", "tool"), "arguments": {}})
@@ -63,14 +74,28 @@ def digest(messages: list[dict], max_chars: int = SUMMARY_CHARS) -> str:
             break
         kept.append(line)
         size += len(line) + 1
-    left_out = len(lines) - len(kept)
-    return "\n".join(([f"({left_out} earlier results left out)"] if left_out else []) + kept[::-1]) or "(no tool results)"
+    left_out += len(lines) - len(kept)
+    return "\n".join(([f"({left_out} earlier results left out)"] if left_out else []) + kept[::-1]) or NO_RESULTS
+
+
+def earlier_summary(message: dict) -> str | None:
+    """The summary a task message carries from an earlier rewrite (the text after :data:`SUMMARY_HEADER`), else
+    None."""
+    content = message.get("content")
+    opening = f"{SUMMARY_HEADER}\n"
+    if message.get("role") != "user" or not isinstance(content, str) or opening not in content:
+        return None
+    return content.split(opening, 1)[1]
 
 
 def summarized(messages: list[dict], summarize: Callable[[list[dict]], str]) -> list[dict]:
-    """The head of ``messages`` with the summary of every turn after it (``summarize(turns)``): :func:`with_summary`."""
+    """The head of ``messages`` with the summary of what it replaces (:func:`with_summary`): ``summarize`` gets the
+    messages being replaced, the turns after the head, opened by the earlier summary where the task carries one
+    (a user message: :data:`SUMMARY_HEADER` and its text), so a summary of summaries loses nothing it kept."""
     head = head_length(messages)
-    summary = summarize([dict(m) for m in messages[head:]])
+    earlier = earlier_summary(messages[head - 1])
+    opened = [] if earlier is None else [{"role": "user", "content": f"{SUMMARY_HEADER}\n{earlier}"}]
+    summary = summarize(opened + [dict(m) for m in messages[head:]])
     if not isinstance(summary, str):
         raise TypeError(f"the summarizer returned {type(summary).__name__}, not the summary text (str)")
     return with_summary(messages[:head], summary)
@@ -79,9 +104,11 @@ def summarized(messages: list[dict], summarize: Callable[[list[dict]], str]) -> 
 def with_summary(head: list[dict], summary: str, kept: list[dict] = ()) -> list[dict]:
     """``head`` (the system prompt and the task) with ``summary`` appended to the task (its last message, the first
     user message) under :data:`SUMMARY_HEADER`, then the ``kept`` messages as they were: the system prompt and one
-    user message open the chat, which every template renders (a second user message in a row is not)."""
+    user message open the chat, which every template renders (a second user message in a row is not). An earlier
+    summary in the task is replaced, never stacked: the context stays bounded however many times it is rewritten."""
     out = [dict(m) for m in head]
-    out[-1]["content"] = f"{out[-1].get('content') or ''}\n\n{SUMMARY_HEADER}\n{summary}"
+    task = (out[-1].get("content") or "").split(SUMMARY_MARK, 1)[0]
+    out[-1]["content"] = f"{task}{SUMMARY_MARK}{summary}"
     return out + [dict(m) for m in kept]
 
 

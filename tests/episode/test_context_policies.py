@@ -200,7 +200,11 @@ def test_summarize_with_a_user_summarizer_and_a_token_budget(tiny_tokenizer):
     assert all(len(s.prompt_ids) + len(s.response_ids) <= 220 for s in segments)
     unbounded = session(tiny_tokenizer, dataclasses.replace(config, context_budget=0),
                         [call("big", n=5), call("big", n=6), call("big", n=7), "done"], BigResults())
-    assert len(unbounded) == 1 and unbounded[0].finish_reason == "stop"  # the same episode fits the context    assert segments[1].messages[0]["content"].endswith(f"{SUMMARY_HEADER}\n{len(segments[0].tool_calls)} results so far")
+    assert len(unbounded) == 1 and unbounded[0].finish_reason == "stop"  # the same episode fits the context
+    assert segments[1].messages[0]["content"].endswith(f"{SUMMARY_HEADER}\n{len(segments[0].tool_calls)} results so far")
+    # the next summary replaces that one (never stacked): one header, the count of segment 1's own results
+    task = segments[2].messages[0]["content"]
+    assert task.count(SUMMARY_HEADER) == 1 and task.endswith(f"{SUMMARY_HEADER}\n{len(segments[1].tool_calls)} results so far")
 
 
 def test_summarizer_and_policy_options_are_checked():
@@ -242,6 +246,29 @@ def test_digest_is_deterministic_and_keeps_the_latest_results_within_its_size():
     assert digest(messages, max_chars=60) == ('(1 earlier results left out)\n- echo({"text": "1"}) -> r1\n'
                                               '- echo({"text": "2"}) -> r2')
     assert digest([]) == "(no tool results)"
+    # a digest of a context that carries an earlier digest goes on from its lines and its count of left-out ones
+    earlier = {"role": "user", "content": f"{SUMMARY_HEADER}\n{digest(messages[:4], max_chars=30)}"}
+    assert earlier["content"].endswith('(1 earlier results left out)\n- echo({"text": "1"}) -> r1')
+    assert digest([earlier, *messages[4:]]) == ('(1 earlier results left out)\n- echo({"text": "1"}) -> r1\n'
+                                                '- echo({"text": "2"}) -> r2')
+    assert digest([{"role": "user", "content": f"{SUMMARY_HEADER}\n(no tool results)"}]) == "(no tool results)"
+
+
+def test_summaries_replace_each_other_and_the_digest_keeps_every_result(tiny_tokenizer):
+    """A later rewrite replaces the earlier summary in the task (the context stays bounded however often it is
+    rewritten) and the digest carries the earlier summary's lines: no result is lost."""
+    config = LoopConfig(max_turns=5, context="summarize", context_budget=220)
+    replies = [call("big", n=5), call("big", n=6), call("big", n=7), "done"]
+    segments = session(tiny_tokenizer, config, replies, BigResults())
+    assert len(segments) >= 3, [s.finish_reason for s in segments]
+    results = [r for s in segments for r in s.tool_calls]
+    for before, after in zip(segments, segments[1:]):
+        task = after.messages[0]["content"]
+        assert task.count(SUMMARY_HEADER) == 1 and task.startswith("Fetch twice, then say done.")
+        lines = task.split(f"{SUMMARY_HEADER}\n", 1)[1].splitlines()
+        played = [r for s in segments[: segments.index(after)] for r in s.tool_calls]
+        assert len(lines) == len(played) and all(line.endswith(f"-> {r.result}") for line, r in zip(lines, played))
+    assert len(results) == 3
 
 
 QWQ_REPLY = 'I think.\n</think>\n\n<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call><|im_end|>'
