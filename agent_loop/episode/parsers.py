@@ -9,11 +9,12 @@ chat templates render; see docs/templates.md for which template gets which):
 - ``glm45``: GLM-4.5+ ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``
 - ``llama3_json``: Llama 3.x/4 ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated)
 - ``pythonic``: Llama 3.2/4, Gemma 3, ToolACE ``[f(a=1, b="x"), g()]``; ``lfm2``: the same list inside
-  ``<|tool_call_start|>...<|tool_call_end|>``, after any text
+  ``<|tool_call_start|>...<|tool_call_end|>``, after any text; ``minicpm3``: one call per line in a ```python fence
+  inside those markers; ``olmo3``: one call per line inside ``<function_calls>...</function_calls>``
 - ``mistral``: ``[TOOL_CALLS][{...}, ...]`` (JSON list) and ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` forms
 - ``deepseek``: DeepSeek V3/R1 (``function<｜tool▁sep｜>NAME`` + a fenced JSON block) and V3.1 (``NAME<｜tool▁sep｜>{...}``)
 - ``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter></invoke>``;
-  ``deepseek_v32``: the same with ``<｜DSML｜...>`` tags
+  ``deepseek_v32``: the same with ``<｜DSML｜...>`` tags; ``muse_glimmer``: with ``<atem:...>`` tags, one call per message
 - ``kimi_k2``: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``
 - ``granite``: ``<|tool_call|>[{...}]``; ``granite_20b_fc``: ``<function_call> {...}``
 - ``command_r``: ``Action: ```json [{"tool_name": ..., "parameters": {...}}] ````
@@ -26,6 +27,8 @@ chat templates render; see docs/templates.md for which template gets which):
 - ``harmony``: gpt-oss ``to=functions.NAME<|channel|>commentary json<|message|>{...}``
 - ``gemma``: Gemma 4 ``<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`` and FunctionGemma ``<start_function_call>...``
 - ``xlam``: a bare JSON list ``[{"name": ..., "arguments": {...}}]``
+- ``hyperclovax``: ``-> tool/function_call\\n[{"name", "arguments"}, ...]`` (a message of its own);
+  ``tools_tag``: vLLM's Qwen2.5-Coder ``<tools>{"name", "arguments"}</tools>``
 
 Malformed calls become :class:`ParseError` items (error kind ``malformed_json``), never exceptions, so
 the loop can answer them with an error observation. A parser that finds one of its own call markers in
@@ -256,6 +259,22 @@ parse_minimax_m2 = _invoke_parser("parse_minimax_m2", "<minimax:tool_call>")
 parse_minimax_m2.__doc__ = "MiniMax-M2: ``<minimax:tool_call><invoke name=\"NAME\"><parameter name=\"K\">V</parameter></invoke>``."
 parse_deepseek_v32 = _invoke_parser("parse_deepseek_v32", "<｜DSML｜function_calls>", "｜DSML｜")
 parse_deepseek_v32.__doc__ = "DeepSeek V3.2: the same form with ``<｜DSML｜...>`` tags (DSML)."
+_muse_glimmer_calls = _invoke_parser("parse_muse_glimmer", "<atem:function_calls>", "atem:")
+_MUSE_HEADER = re.compile(r"(?:<\|eom\|>)?(?:<\|start\|>assistant)?\s*to=[^<\s]*\s*<\|message\|>")
+_MUSE_REASONING = re.compile(r"^\s*to=self\s*<\|message\|>(.*?)<\|eom\|>", re.DOTALL)
+
+
+def parse_muse_glimmer(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
+    """Muse Glimmer (ATEM): one call per message, ``to=NAME<|message|><atem:function_calls><atem:invoke name="NAME">
+    <atem:parameter name="K">V</atem:parameter></atem:invoke></atem:function_calls>``, parallel calls as consecutive
+    messages (``<|eom|><|start|>assistant to=NAME<|message|>...``) in one turn; values typed as in
+    :func:`parse_qwen3_xml`. The message headers are not content; a first ``to=self`` message is the turn's
+    reasoning (the template renders it from ``reasoning_content``)."""
+    thought = _MUSE_REASONING.match(text)
+    turn = _muse_glimmer_calls(text[thought.end():] if thought else text, schemas)
+    turn.content = _MUSE_HEADER.sub("", turn.content).removesuffix("<|eom|>").strip()
+    turn.reasoning = thought.group(1) if thought else None
+    return turn
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -328,6 +347,42 @@ def parse_pythonic(text: str) -> ParsedTurn:
     if not body.startswith("["):
         return ParsedTurn(text.strip())
     return _turn("", _python_calls(body))
+
+
+def _python_statements(body: str) -> list[Item]:
+    """Pythonic calls one per line (``f(a='x')\\ng(b=1)``, OLMo 3, MiniCPM3), or a call list ``[f(), g()]``; JSON
+    ``true``/``false``/``null`` read as literals. A body with no call is a malformed call, never no call."""
+    try:
+        statements = ast.parse(body.strip()).body
+    except SyntaxError as e:
+        return [ParseError(body, f"malformed pythonic tool calls: {e.msg}")]
+    if len(statements) == 1 and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.List):
+        statements = [ast.Expr(node) for node in statements[0].value.elts]
+    if not statements:
+        return [ParseError(body, "a tool-call block must hold calls NAME(keyword=value, ...), one per line")]
+    return [_python_call(s.value, body) if isinstance(s, ast.Expr) else
+            ParseError(body, "each pythonic tool call must be NAME(keyword=value, ...)") for s in statements]
+
+
+def parse_olmo3(text: str) -> ParsedTurn:
+    """OLMo 3: ``<function_calls>\\nf(a='x', n=1)\\ng(b=null)\\n</function_calls>``, one pythonic call per line, after
+    any text."""
+    bodies, content = _blocks(text, "<function_calls>", "</function_calls>")
+    return _turn(content, [item for body in bodies for item in _python_statements(body)])
+
+
+_PYTHON_FENCE = re.compile(r"^\s*```(?:python)?\s*\n?(.*?)\s*```\s*$", re.DOTALL)
+
+
+def parse_minicpm3(text: str) -> ParsedTurn:
+    """MiniCPM3: ``<|tool_call_start|>\\n```python\\nf(a="x",n=1)\\n```\\n<|tool_call_end|>``, one call per line with
+    JSON values; the text around the block is the content."""
+    bodies, content = _blocks(text, "<|tool_call_start|>", "<|tool_call_end|>")
+    items: list[Item] = []
+    for body in bodies:
+        fenced = _PYTHON_FENCE.match(body)
+        items += _python_statements(fenced.group(1) if fenced else body)
+    return _turn(content, items)
 
 
 def parse_lfm2(text: str) -> ParsedTurn:
@@ -474,6 +529,27 @@ def parse_tool_calls_block(text: str) -> ParsedTurn:
     for body in map(str.strip, bodies):
         items += _calls_from_json_list(body) if body.startswith("[") else _json_sequence(body, "arguments")
     return _turn(content, items)
+
+
+_HCX_CALLS = "-> tool/function_call"
+_HCX_OPEN = re.compile(r"(?:<\|im_end\|>)?\s*(?:<\|im_start\|>assistant)?\s*$")
+
+
+def parse_hyperclovax(text: str) -> ParsedTurn:
+    """HyperCLOVA X SEED Think: the calls are a message of their own, ``<|im_start|>assistant -> tool/function_call\\n
+    [{"name", "arguments"}, ...]<|im_end|><|stop|>``; after the generation prompt ``<|im_start|>assistant`` the turn
+    is `` -> tool/function_call\\n[...]``. The text before it (a content message of its own) is the content."""
+    content, sep, rest = text.partition(_HCX_CALLS)
+    if not sep:
+        return ParsedTurn(text.strip())
+    body = rest.split("<|im_end|>", 1)[0].strip()
+    return _turn(_HCX_OPEN.sub("", content), _calls_from_json_list(body))
+
+
+def parse_tools_tag(text: str) -> ParsedTurn:
+    """vLLM's Qwen2.5-Coder template: each call is ``<tools>\\n{"name", "arguments"}\\n</tools>``, after any text."""
+    bodies, content = _blocks(text, "<tools>", "</tools>")
+    return _turn(content, [_call_from_json(b.strip()) for b in bodies])
 
 
 def parse_apertus(text: str) -> ParsedTurn:

@@ -55,6 +55,8 @@ TOOL_FORMATS: list[ToolFormat] = [
                schema_typed=True),
     ToolFormat("deepseek_v32", (("｜DSML｜", "function_calls>"),), p.parse_deepseek_v32,
                ("<｜DSML｜function_calls>", "<｜DSML｜invoke"), schema_typed=True),
+    ToolFormat("muse_glimmer", (("<atem:function_calls>",),), p.parse_muse_glimmer,
+               ("<atem:function_calls>", "<atem:invoke"), schema_typed=True),
     ToolFormat("seed_oss", (("<seed:tool_call>",),), p.parse_seed_oss, ("<seed:tool_call>", "<function="), schema_typed=True),
     ToolFormat("qwen3_xml", (("<function=", "<parameter="),), p.parse_qwen3_xml, ("<tool_call>", "<function="),
                schema_typed=True),
@@ -71,6 +73,8 @@ TOOL_FORMATS: list[ToolFormat] = [
     ToolFormat("apertus", (("<|tools_prefix|>",),), p.parse_apertus, ("<|tools_prefix|>",), ("<|tools_suffix|>",)),
     ToolFormat("solar_open", (("<|tool_call:begin|>",),), p.parse_solar_open, ("<|tool_calls|>", "<|tool_call:begin|>"),
                ("<|calls|>",)),
+    ToolFormat("minicpm3", (("<|tool_call_start|>", "```python"),), p.parse_minicpm3, ("<|tool_call_start|>",)),
+    ToolFormat("olmo3", (("<function_calls>",),), p.parse_olmo3, ("<function_calls>",)),
     ToolFormat("lfm2", (("<|tool_call_start|>",), ("<|tool_list_start|>",), ("List of tools: [",)), p.parse_lfm2, ("<|tool_call_start|>",)),
     ToolFormat("harmony", (("<|call|>", "<|channel|>"),), p.parse_harmony, ("to=functions.",), ("<|call|>",)),
     ToolFormat("gemma", (("<|tool_call>",), ("<start_function_call>",)), p.parse_gemma,
@@ -83,8 +87,12 @@ TOOL_FORMATS: list[ToolFormat] = [
     ToolFormat("llama3_json", (("<|python_tag|>",),), p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
     ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic, ("<|python_start|>",)),
     ToolFormat("xlam", (('[{"name": "tool_call_name"',),), p.parse_xlam),
+    ToolFormat("hyperclovax", (("-> tool/function_call",),), p.parse_hyperclovax, ("-> tool/function_call",),
+               ("<|stop|>",)),
     ToolFormat("llama3_json", (("<|start_header_id|>", "parameters"), ("<|header_start|>", "parameters")),
                p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
+    # last: Hermes-style templates also hold these, and match the hermes row first
+    ToolFormat("tools_tag", (("<tools>", "</tools>", "<tool_response>"),), p.parse_tools_tag, ("<tools>",)),
 ]
 
 def parse_plain(text: str) -> p.ParsedTurn:

@@ -40,6 +40,9 @@ NOT_APPEND_ONLY = {
     "deepseek-r1-distill-qwen-32b.jinja": REWRITES_REASONING,
     # the generation prompt opens <think>\n\n, which the turn loses once messages follow it
     "nemotron-nano-v2.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
+    # vLLM's Nemotron JSON templates: the same, and the calls of a last assistant message are not rendered at all
+    "vllm_tool_chat_template_nemotron_json.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
+    "vllm_tool_chat_template_nemotron_nano_v2.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
     # the reasoning of a tool-calling turn is dropped once its results follow
     "qwq-32b.jinja": "appending messages with roles \\['tool', 'tool'\\] rewrites the earlier text",
     # harmony: the analysis channel of a tool-calling turn is dropped once the final answer follows
@@ -59,6 +62,13 @@ NOT_APPEND_ONLY = {
     "vllm_tool_chat_template_deepseekv31.jinja": "assistant turn after the generation prompt",
     "vllm_tool_chat_template_gemma4.jinja": "assistant turn after the generation prompt",
     "vllm_tool_chat_template_granite_20b_fc.jinja": "assistant turn after the generation prompt",
+    # the generation prompt's whitespace differs from the rendered turn's ("    <｜Assistant｜>      </think>")
+    "vllm_tool_chat_template_deepseekv32.jinja": "assistant turn after the generation prompt",
+    # the system prompt and tools move into the LAST user message
+    "vllm_tool_chat_template_mistral_official.jinja": "assistant turn after the generation prompt",
+    # Command R's closing instruction turn ("Write 'Action:' ...") is rendered after the last message, so an
+    # assistant turn does not follow the generation prompt once it is in the history
+    "vllm_command_r_tool_chat_template.jinja": "assistant turn after the generation prompt",
     # tool results are rendered inside the assistant turn; the generation prompt after them opens a new
     # <|assistant_start|> that the continued turn does not render
     "vllm_tool_chat_template_apertus.jinja": "not how the next assistant turn renders",

@@ -34,10 +34,13 @@ LOSSY = {
     "vllm_tool_chat_template_toolace.jinja": "not valid Python",
     "vllm_tool_chat_template_gemma3_pythonic.jinja": "not valid Python",
     "vllm_tool_chat_template_llama4_pythonic.jinja": "not valid Python",
+    # the arguments are joined without commas ("set first = false" does not outlive its loop iteration)
+    "vllm_tool_chat_template_gemma3_pythonic_both.jinja": "not valid Python",
     # object arguments are written with Jinja's string filter: a Python repr inside the XML parameter
     "bytedance-seed-oss.jinja": "Python repr",
     # a turn with calls gets no end-of-turn token: the template's next system turn follows the calls directly
     "command-r-plus-tool_use.jinja": "no end of turn",
+    "vllm_command_r_tool_chat_template.jinja": "no end of turn",
 }
 # Templates whose call format no parser reads: parser_for_template refuses them (ValueError) instead of choosing a
 # parser that would read their calls as no call; the value is the format's own call marker in the template.
@@ -50,11 +53,15 @@ def _calls(formatter, pairs, string_args: bool):
              "function": {"name": n, "arguments": json.dumps(a) if string_args else a}} for i, (n, a) in enumerate(pairs)]
 
 
-def rendered_turn(formatter: ChatFormatter, pairs, string_args: bool, content) -> str:
+def rendered_turn(formatter: ChatFormatter, pairs, string_args: bool, content, followed: bool = False) -> str:
     """The text of the assistant turn: from where it differs from a plain-text turn (the generation prompt
-    may differ from the rendered turn's opening), up to its end-of-turn marker."""
+    may differ from the rendered turn's opening), up to its end-of-turn marker. ``followed``: the calls' results
+    after the turn (vLLM's Nemotron JSON templates render the calls of a last assistant message not at all)."""
     head = [{"role": "user", "content": "Compute."}]
-    full = formatter.render_text(head + [{"role": "assistant", "content": content, "tool_calls": _calls(formatter, pairs, string_args)}])
+    results = [{"role": "tool", "name": n, "tool_call_id": formatter.call_id(n, i), "content": "5"}
+               for i, (n, _) in enumerate(pairs)] if followed else []
+    full = formatter.render_text(head + [{"role": "assistant", "content": content,
+                                          "tool_calls": _calls(formatter, pairs, string_args)}] + results)
     plain = formatter.render_text(head + [{"role": "assistant", "content": "\u2603"}])
     start = first_difference(full, plain[: plain.index("\u2603") + 1])
     offsets = formatter.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -91,12 +98,16 @@ def test_template_tool_calls_round_trip(tokenizer, name):  # noqa: F811
         formatter._stop_texts, formatter.template_text = {}, template
         formatter.tool_format = find_tool_format(template)
     got, texts = None, []
-    attempts = [(pairs, string_args, content) for pairs in (CALLS, ONE_CALL)  # Llama 3.x, harmony: one call per turn
+    attempts = [(followed, pairs, string_args, content)
+                for followed in (False, True)  # results after the turn: only where no call rendered without them
+                for pairs in (CALLS, ONE_CALL)  # Llama 3.x, harmony: one call per turn
                 for string_args in (False, True)  # some templates want JSON-string arguments
                 for content in ("", None)]  # the R1 distills render calls only when content is None
-    for pairs, string_args, content in attempts:
+    for followed, pairs, string_args, content in attempts:
+        if followed and any("calculator" in t for t in texts):
+            break
         try:
-            text = rendered_turn(formatter, pairs, string_args, content)
+            text = rendered_turn(formatter, pairs, string_args, content, followed)
         except TemplateError:
             continue
         texts.append(text)
