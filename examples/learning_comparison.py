@@ -11,13 +11,26 @@ context policy's sessions).
         --task arithmetic --estimator grpo --group-size 4 --prompts-per-step 8 --steps 20 --save-every 2 \\
         --no-tensorboard --threads 2
 
+    # issue 54's sessions table (started 2026-12-07): a keydoor warm start (full history), then train under a
+    # 600-token context with a 2-turn window, session credit against the row-per-segment ablation
+    agent-loop warmstart --model smollm2-135m --task keydoor --steps 8 --lr 1e-4 --warmup-steps 0 --episodes 64 \
+        --batch-size 8 --check-episodes 32 --output-dir runs/warm-smollm2-keydoor
+    python examples/learning_comparison.py --out runs/cmp-sessions --start --variant session= \
+        --variant "segment=--session-credit segment" --seeds 0 1 2 --eval-episodes 64 -- \
+        --model runs/warm-smollm2-keydoor/model --task keydoor --estimator grpo --group-size 4 --prompts-per-step 4 \
+        --steps 8 --save-every 2 --warmup-steps 1 --no-recompute-old-logprobs --max-turns 8 \
+        --max-response-tokens 1024 --max-context-tokens 600 --context window --context-window 2 \
+        --no-tensorboard --threads 2
+
 Each cell (variant x seed) is one ``agent-loop train`` run in ``OUT/VARIANT/seed-N``, with the common flags given
 after ``--``, then the variant's own, then ``--seed N``. A cell that stopped goes on from its latest checkpoint
 (``--resume``); a cell with a result is not run again. Then the cell's last checkpoint plays the held-out questions
 (train's evaluation stream: seed N + 1,000,003) sampled at ``--temperature`` (``agent-loop rollout``,
-``--eval-episodes`` of them). ``OUT/results.json`` holds per cell the held-out success, the steps and the rollout
+``--eval-episodes`` of them); with ``--start`` the model every cell starts from plays them too (the row
+``start``). ``OUT/results.json`` holds per cell the held-out success, the steps and the rollout
 tokens played (every step's assistant and observation tokens per episode times the episodes it played, those
-``--filter-groups`` set aside too), and ``OUT/results.md`` the table: mean and standard deviation over seeds.
+``--filter-groups`` set aside too), and ``OUT/results.md`` the table (mean and standard deviation over seeds) and the
+learning curves (training success by step, mean over seeds; ``OUT/curves.png`` draws them).
 """
 
 from __future__ import annotations
@@ -31,15 +44,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
 import yaml
 
-from agent_loop.episode.loop_config import LoopConfig
-from agent_loop.recipes.train import EVAL_SEED_OFFSET
-from agent_loop.runners.local import read_trajectories
-from agent_loop.tasks.registry import TaskOptions
-from agent_loop.training.checkpoint import resolve_checkpoint
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from agent_loop.episode.loop_config import LoopConfig  # noqa: E402
+from agent_loop.recipes.train import EVAL_SEED_OFFSET  # noqa: E402
+from agent_loop.runners.local import read_trajectories  # noqa: E402
+from agent_loop.tasks.registry import TaskOptions  # noqa: E402
+from agent_loop.training.checkpoint import resolve_checkpoint  # noqa: E402
 
 AGENT_LOOP = [sys.executable, "-m", "agent_loop.cli"]
+START = "start"  # the row of the untrained starting model (--start)
 # the flags of how episodes are played (the loop's and the task's options, as train took them), for the held-out
 # rollout; its sampling temperature is the comparison's own
 PLAYED_WITH = {f"--{f.name.replace('_', '-')}" for options in (LoopConfig, TaskOptions)
@@ -57,10 +75,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-episodes", type=int, default=100, help="held-out questions per cell")
     parser.add_argument("--temperature", type=float, default=1.0, help="the held-out questions' sampling")
+    parser.add_argument("--start", action="store_true",
+                        help=f"also play each seed's held-out questions with the --model every cell starts from "
+                             f"(the row {START!r}: 0 steps)")
     args = parser.parse_args(argv)
     args.variants = dict(variant.partition("=")[::2] for variant in args.variant)
-    if "" in args.variants or any("/" in name for name in args.variants):
-        parser.error("each --variant is NAME=FLAGS with a NAME that is a folder name")
+    if "" in args.variants or START in args.variants or any("/" in name for name in args.variants):
+        parser.error(f"each --variant is NAME=FLAGS with a NAME that is a folder name other than {START!r}")
+    if args.start and "--model" not in common:
+        parser.error("--start plays the --model of the common flags (after --): give one")
     return args, common
 
 
@@ -86,11 +109,12 @@ def rollout_tokens(folder: Path) -> float:
     return total
 
 
-def held_out_success(folder: Path, seed: int, args, flags: list[str]) -> float:
-    """The cell's last checkpoint on the held-out questions, sampled (``agent-loop rollout``, its task flags)."""
-    model = resolve_checkpoint(folder) / "model"
+def held_out_success(model: Path, folder: Path, seed: int, args, flags: list[str]) -> float:
+    """``model`` on seed ``seed``'s held-out questions, sampled (``agent-loop rollout`` with the loop's and the
+    task's ``flags``), played into ``folder/held_out.jsonl``."""
     out = folder / "held_out.jsonl"
     out.unlink(missing_ok=True)  # a cut evaluation: played again whole
+    folder.mkdir(parents=True, exist_ok=True)
     played_with = [flag for i, flag in enumerate(flags) if flag in PLAYED_WITH or (i and flags[i - 1] in PLAYED_WITH)]
     subprocess.run([*AGENT_LOOP, "rollout", *played_with, "--model", str(model), "--episodes", str(args.eval_episodes),
                     "--seed", str(seed + EVAL_SEED_OFFSET), "--temperature", str(args.temperature),
@@ -111,22 +135,40 @@ def table(results: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def curves(out: Path, results: dict[str, dict[str, dict]]) -> str:
-    """Markdown: the training success of each step (sampled, on the step's own questions), mean over each variant's
-    finished seeds: the learning curves."""
-    by_step: dict[str, dict[int, list[float]]] = {}
+def training_success(out: Path, results: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict[int, float]]]:
+    """Per variant and finished seed, each step's training success (sampled, on the step's own questions)."""
+    curves: dict[str, dict[str, dict[int, float]]] = {}
     for name, cells in results.items():
-        for seed in cells:
-            for line in (out / name / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines():
-                step = json.loads(line)
-                if "assistant_tokens" in step:
-                    by_step.setdefault(name, {}).setdefault(step["step"], []).append(step["success"])
-    steps = sorted({step for series in by_step.values() for step in series})
-    lines = ["| step | " + " | ".join(by_step) + " |", "|---:|" + "---:|" * len(by_step)]
+        for seed in cells if name != START else ():  # the starting model has no steps
+            lines = (out / name / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
+            steps = [m for m in map(json.loads, lines) if "assistant_tokens" in m]  # not the evaluations' lines
+            curves.setdefault(name, {})[seed] = {m["step"]: m["success"] for m in steps}
+    return curves
+
+
+def curves(out: Path, results: dict[str, dict[str, dict]]) -> str:
+    """The learning curves: markdown of the training success by step, mean over each variant's finished seeds, and
+    ``OUT/curves.png`` (each seed thin, the mean thick)."""
+    by_seed = training_success(out, results)
+    mean = {name: {step: statistics.mean(c[step] for c in seeds.values() if step in c)
+                   for step in sorted({s for c in seeds.values() for s in c})} for name, seeds in by_seed.items()}
+    steps = sorted({step for series in mean.values() for step in series})
+    lines = ["| step | " + " | ".join(mean) + " |", "|---:|" + "---:|" * len(mean)]
     for step in steps:
-        row = [f"{statistics.mean(by_step[name][step]):.3f}" if step in by_step[name] else "" for name in by_step]
+        row = [f"{mean[name][step]:.3f}" if step in mean[name] else "" for name in mean]
         lines.append(f"| {step} | " + " | ".join(row) + " |")
-    return "Training success by step (sampled), mean over seeds:\n\n" + "\n".join(lines) + "\n"
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    for (name, seeds), color in zip(by_seed.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        for curve in seeds.values():
+            axes.plot(list(curve), list(curve.values()), color=color, alpha=0.3, linewidth=1)
+        axes.plot(list(mean[name]), list(mean[name].values()), color=color, linewidth=2.5,
+                  label=f"{name} ({len(seeds)} seeds)")
+    axes.set(xlabel="step", ylabel="training success (sampled)", ylim=(-0.02, 1.02))
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out / "curves.png", dpi=120)
+    plt.close(figure)
+    return "Training success by step (sampled), mean over seeds (OUT/curves.png):\n\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -134,18 +176,26 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
+    out.mkdir(parents=True, exist_ok=True)
+    variants = {START: "", **args.variants} if args.start else args.variants
     for seed in args.seeds:  # seed by seed: a comparison cut midway holds whole pairs
-        for name, own in args.variants.items():
+        for name, own in variants.items():
             cells = results.setdefault(name, {})
             if str(seed) in cells:
                 continue
             folder = out / name / f"seed-{seed}"
             flags = [*common, *shlex.split(own), "--seed", str(seed)]
-            train_cell(folder, flags)
-            steps = sum(1 for line in (folder / "metrics.jsonl").read_text().splitlines() if "assistant_tokens" in line)
-            cells[str(seed)] = {"held_out_success": held_out_success(folder, seed, args, flags),
-                                "rollout_tokens": rollout_tokens(folder), "steps": steps}
-            out.mkdir(parents=True, exist_ok=True)
+            if name == START:  # the model every variant starts from, untrained
+                model = Path(common[common.index("--model") + 1])
+                cells[str(seed)] = {"held_out_success": held_out_success(model, folder, seed, args, flags),
+                                    "rollout_tokens": 0.0, "steps": 0}
+            else:
+                train_cell(folder, flags)
+                lines = (folder / "metrics.jsonl").read_text().splitlines()
+                steps = sum("assistant_tokens" in line for line in lines)  # not the evaluations' lines
+                model = resolve_checkpoint(folder) / "model"  # its last checkpoint
+                cells[str(seed)] = {"held_out_success": held_out_success(model, folder, seed, args, flags),
+                                    "rollout_tokens": rollout_tokens(folder), "steps": steps}
             path.write_text(json.dumps(results, indent=1))  # after each cell: a stop loses no finished cell
     report = table(results) + "\n" + curves(out, results)
     (out / "results.md").write_text(report)

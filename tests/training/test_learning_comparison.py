@@ -48,11 +48,17 @@ def metrics_of(out, name):
 def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
     out = tmp_path / "cmp"
     argv = ["--out", str(out), "--variant", "none=", "--variant", "filter=--filter-groups --filter-groups-max-rounds 1",
-            "--seeds", "0", "--eval-episodes", "4", "--"]
+            "--seeds", "0", "--eval-episodes", "4", "--start", "--"]
     main = load_example().main
     results = main([*argv, *COMMON, "--steps", "1"])
-    assert set(results) == {"none", "filter"}
+    assert set(results) == {"start", "none", "filter"}
+    start = read_trajectories(out / "start" / "seed-0" / "held_out.jsonl")  # the untrained model, the same questions
+    assert [t.info["seed"] for t in start] == [1_000_003] * 4 and start[0].info["model_path"].endswith("final")
+    assert results["start"]["0"] == {"held_out_success": sum(t.success for t in start) / 4, "rollout_tokens": 0.0,
+                                     "steps": 0}
     for name, cells in results.items():
+        if name == "start":
+            continue
         folder = out / name / "seed-0"
         held_out = read_trajectories(folder / "held_out.jsonl")
         assert len(held_out) == 4 and {t.info["seed"] for t in held_out} == {1_000_003}  # train's eval stream
@@ -60,10 +66,11 @@ def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
                               "rollout_tokens": serial_tokens(folder), "steps": 1}
         assert cells["0"]["rollout_tokens"] > 0
     report = (out / "results.md").read_text()
-    assert "| filter | 1 |" in report
+    assert "| filter | 1 |" in report and "| start | 1 |" in report
     none, filtered = metrics_of(out, "none"), metrics_of(out, "filter")  # the curve: each step's training success
     assert [m["step"] for m in none] == [m["step"] for m in filtered] == [1]
     assert f"| 1 | {none[0]['success']:.3f} | {filtered[0]['success']:.3f} |" in report
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
     # a finished cell is not run again; one whose result is gone goes on from its checkpoint to the new length
     del results["none"]["0"]
     (out / "results.json").write_text(json.dumps(results))
