@@ -296,19 +296,25 @@ def parse_glm45(text: str, schemas: list[dict] | None = None) -> ParsedTurn:
 
 
 _PYTHON_TAG = "<|python_tag|>"
+_PYTHON_BLOCK = re.compile(r"^<\|python_start\|>(.*?)(?:<\|python_end\|>|$)", re.DOTALL)
 
 
 def parse_llama3_json(text: str) -> ParsedTurn:
-    """Llama 3.x/4 JSON: the turn is ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated).
+    """Llama 3.x/4 JSON: the turn is ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (``;``-separated); vLLM's
+    Llama 4 JSON template (an earlier revision) writes a call turn as ``<|python_start|>CONTENT<|python_end|>{...}{...}``.
 
-    A turn that does not start with ``{`` (after the optional tag) is plain content.
+    A turn that does not start with ``{`` (after the optional tag or python block) is plain content.
     """
-    body = text.strip()
+    body, content = text.strip(), ""
+    if (block := _PYTHON_BLOCK.match(body)) is not None:  # the row's call markers flag a block with no call after it
+        content, body = block.group(1), body[block.end():].strip()
+        if not body.startswith("{"):
+            return ParsedTurn((content + body).strip())
     tagged = body.startswith(_PYTHON_TAG)
     body = body.removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return ParsedTurn(text.strip() if not tagged else body)
-    return _turn("", _json_sequence(body, "parameters"))
+    return _turn(content, _json_sequence(body, "parameters"))
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON literals some templates write inside Python calls
@@ -340,11 +346,17 @@ def _python_calls(body: str) -> list[Item]:
     return [_python_call(node, body) for node in tree.elts]
 
 
+_BARE_CALL = re.compile(r"^[A-Za-z_][\w.]*\([^()\s]*\s*=")  # NAME(keyword= (or a mangled one) opening the turn
+
+
 def parse_pythonic(text: str) -> ParsedTurn:
     """Pythonic calls (Llama 3.2/4, Gemma 3, ToolACE): ``[f(a=1, b="x"), g()]``, optionally inside
-    ``<|python_start|>...<|python_end|>``. A turn that does not start with ``[`` is plain content."""
+    ``<|python_start|>...<|python_end|>``; also without the brackets, ``f(a=1), g(b=2)``, as an earlier revision of
+    vLLM's Llama 4 pythonic template renders them. Any other turn that does not start with ``[`` is plain content."""
     body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
     if not body.startswith("["):
+        if _BARE_CALL.match(body):
+            return _turn("", _python_calls(f"[{body}]"))
         return ParsedTurn(text.strip())
     return _turn("", _python_calls(body))
 

@@ -85,12 +85,12 @@ TOOL_FORMATS: list[ToolFormat] = [
     ToolFormat("command_r", (("<|START_ACTION|>",), ("Action:", "tool_name")), p.parse_command_r,
                ("<|START_ACTION|>", "Action:")),
     ToolFormat("llama3_json", (("<|python_tag|>",),), p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
-    ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic, ("<|python_start|>",)),
+    ToolFormat("pythonic", (("[func_name",),), p.parse_pythonic, ("<|python_start|>",), ("<|eom|>",)),
     ToolFormat("xlam", (('[{"name": "tool_call_name"',),), p.parse_xlam),
     ToolFormat("hyperclovax", (("-> tool/function_call",),), p.parse_hyperclovax, ("-> tool/function_call",),
                ("<|stop|>",)),
     ToolFormat("llama3_json", (("<|start_header_id|>", "parameters"), ("<|header_start|>", "parameters")),
-               p.parse_llama3_json, ("<|python_tag|>",), ("<|eom_id|>",)),
+               p.parse_llama3_json, ("<|python_tag|>", "<|python_start|>"), ("<|eom_id|>",)),
     # last: Hermes-style templates also hold these, and match the hermes row first
     ToolFormat("tools_tag", (("<tools>", "</tools>", "<tool_response>"),), p.parse_tools_tag, ("<tools>",)),
 ]

@@ -53,6 +53,8 @@ NOT_APPEND_ONLY = {
     "vllm_tool_chat_template_hermes.jinja": "next assistant turn",
     # the generation prompt after a tool result ("\n<|header_start|>") is not how the answer renders
     "vllm_tool_chat_template_llama4_json.jinja": "next assistant turn",
+    # the same for an earlier revision of vLLM's DeepSeek R1 template (whitespace before <｜tool▁outputs▁end｜>)
+    "vllm_tool_chat_template_deepseekr1.80b25c67e1e2.jinja": "next assistant turn",
     # the system prompt (and tools) are rendered into the LAST user message only
     "mistral-nemo-instruct-2407.jinja": "assistant turn after the generation prompt",
     "vllm_tool_chat_template_mistral.jinja": "assistant turn after the generation prompt",

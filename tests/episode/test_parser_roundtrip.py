@@ -34,6 +34,8 @@ LOSSY = {
     "vllm_tool_chat_template_toolace.jinja": "not valid Python",
     "vllm_tool_chat_template_gemma3_pythonic.jinja": "not valid Python",
     "vllm_tool_chat_template_llama4_pythonic.jinja": "not valid Python",
+    # an earlier revision: the same values, and the calls without the list brackets (read, and reported malformed)
+    "vllm_tool_chat_template_llama4_pythonic.5a6541db9bfa.jinja": "not valid Python",
     # the arguments are joined without commas ("set first = false" does not outlive its loop iteration)
     "vllm_tool_chat_template_gemma3_pythonic_both.jinja": "not valid Python",
     # object arguments are written with Jinja's string filter: a Python repr inside the XML parameter

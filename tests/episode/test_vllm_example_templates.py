@@ -125,3 +125,34 @@ def test_nemotron_json_renders_the_calls_only_once_results_follow(tokenizer, nam
     text = turn[turn.index("<TOOLCALL>"): turn.index("</TOOLCALL>") + len("</TOOLCALL>")]
     parsed = parser_for_template(read_template(name))(text)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "2+3"})]
+
+
+def test_llama4_json_python_block_before_the_calls_is_not_a_silent_miss():
+    """vLLM's Llama 4 JSON template at c0d4a465b32f writes a call turn as ``<|python_start|>CONTENT<|python_end|>``
+    + the JSON calls: the Llama 3 JSON parser took the whole turn for content (rendered calls read as no call and no
+    error). Now the calls are read after the block, and a block with no call after it is a malformed call."""
+    parse = parser_for_template(read_template("vllm_tool_chat_template_llama4_json.c0d4a465b32f.jinja"))
+    turn = parse('<|python_start|>Let me check.<|python_end|>{"name": "calculator", "parameters": {"expression": '
+                 '"2+3"}}{"name": "lookup", "parameters": {"key": "x"}}')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2+3"}), ("lookup", {"key": "x"})]
+    assert turn.content == "Let me check." and not turn.errors
+    empty = parse("<|python_start|>Let me check.<|python_end|>")
+    assert not empty.calls and len(empty.errors) == 1 and "<|python_start|>" in empty.errors[0].error
+    assert parse("The answer is 5.").content == "The answer is 5."
+
+
+def test_pythonic_calls_without_brackets_are_read_or_reported():
+    """vLLM's Llama 4 pythonic template at 5a6541db9bfa writes the calls without the list brackets,
+    ``f(a=1), g(b=2)``, and ends the turn with ``<|eom|>``: the pythonic parser read them as content (a silent miss).
+    Valid ones are calls now, invalid ones (the template writes values unquoted) malformed calls; a turn that only
+    mentions a call stays content."""
+    template = read_template("vllm_tool_chat_template_llama4_pythonic.5a6541db9bfa.jinja")
+    assert find_tool_format(template).stop_tokens == ("<|eom|>",)
+    parse = parser_for_template(template)
+    turn = parse("calculator(expression='2+3'), lookup(key='x')")
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2+3"}), ("lookup", {"key": "x"})]
+    rendered = parse('calculator(expression=2+3), lookup(key=say "hi")')
+    assert not rendered.calls and rendered.errors
+    for answer in ("f(x) = 2x, so the answer is 4.", "The answer is max(a=1).", "print(1)"):
+        plain = parse(answer)
+        assert plain.content == answer and not plain.calls and not plain.errors
