@@ -51,6 +51,7 @@ NOT_APPEND_ONLY = {
     "hermes-2-pro-llama-3-8b-tool_use.jinja": "next assistant turn",
     "hermes-3-llama-3.1-8b-tool_use.jinja": "next assistant turn",
     "vllm_tool_chat_template_hermes.jinja": "next assistant turn",
+    "vllm_tool_chat_template_hermes.f73e0891897f.jinja": "next assistant turn",
     # the generation prompt after a tool result ("\n<|header_start|>") is not how the answer renders
     "vllm_tool_chat_template_llama4_json.jinja": "next assistant turn",
     # the same for an earlier revision of vLLM's DeepSeek R1 template (whitespace before <｜tool▁outputs▁end｜>)
@@ -74,6 +75,7 @@ NOT_APPEND_ONLY = {
     # tool results are rendered inside the assistant turn; the generation prompt after them opens a new
     # <|assistant_start|> that the continued turn does not render
     "vllm_tool_chat_template_apertus.jinja": "not how the next assistant turn renders",
+    "vllm_tool_chat_template_apertus.0ef539915149.jinja": "not how the next assistant turn renders",
     # ChatGLM "[Round N]\n问：...\n答：..." turns: plain text only, no special token to stop on
     "vllm_tool_chat_template_glm4.jinja": "no special token ends an assistant turn.*'\\\\n\\[Round 1\\]",
     # RWKV World "User: ...\n\nAssistant: ..." turns: plain text only
@@ -91,6 +93,8 @@ NOT_APPEND_ONLY = {
     "lfm2.5-instruct.jinja": "not how the next assistant turn renders",
     "minimax-m2.jinja": "not how the next assistant turn renders",
     "nemotron-3-nano-30b-a3b.jinja": "not how the next assistant turn renders",
+    # not renderable outside vLLM (it uses vLLM's own Jinja filter for tool results): refused when the formatter is made
+    "vllm_tool_chat_template_gemma4.95ed3d757011.jinja": "No filter named 'tool_response_json_normalize'",
 }
 # Conversation-global state (only the first tool-output group opens <｜tool▁outputs▁begin｜>): exact, since
 # observations are derived from the episode's own messages; a fixed synthetic prefix gets it wrong.

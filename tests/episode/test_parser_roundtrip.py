@@ -32,6 +32,7 @@ LOSSY = {
     # argument values are written unquoted or as Python reprs inside strings: not recoverable
     "vllm_tool_chat_template_llama3.2_pythonic.jinja": "not valid Python",
     "vllm_tool_chat_template_toolace.jinja": "not valid Python",
+    "vllm_tool_chat_template_toolace.d8aae5150bea.jinja": "not valid Python",  # "%sr": an r after every value
     "vllm_tool_chat_template_gemma3_pythonic.jinja": "not valid Python",
     "vllm_tool_chat_template_llama4_pythonic.jinja": "not valid Python",
     # an earlier revision: the same values, and the calls without the list brackets (read, and reported malformed)
@@ -42,6 +43,10 @@ LOSSY = {
     "bytedance-seed-oss.jinja": "Python repr",
     # a turn with calls gets no end-of-turn token: the template's next system turn follows the calls directly
     "command-r-plus-tool_use.jinja": "no end of turn",
+    # an earlier revision of vLLM's Hermes template closes the object after the name: {"name": "f"}, "arguments": {...}
+    "vllm_tool_chat_template_hermes.f73e0891897f.jinja": "invalid JSON",
+    # vLLM's own Jinja filter (tool_response_json_normalize): no render outside vLLM, so no call to read back
+    "vllm_tool_chat_template_gemma4.95ed3d757011.jinja": "does not render",
     "vllm_command_r_tool_chat_template.jinja": "no end of turn",
 }
 # Templates whose call format no parser reads: parser_for_template refuses them (ValueError) instead of choosing a
@@ -119,6 +124,9 @@ def test_template_tool_calls_round_trip(tokenizer, name):  # noqa: F811
             break
     silent = [t for t in texts if "calculator" in t and not (parser(t).calls or parser(t).errors)]
     assert not silent, f"{name}: a rendered call read as no call and no error: {silent[:1]}"
+    if name in LOSSY and LOSSY[name] == "does not render":
+        assert got is None and not texts, f"{name} renders now: remove it from LOSSY"
+        return
     if name in LOSSY:
         assert got != pairs and texts, f"{name} round-trips now: remove it from LOSSY"
         reason = LOSSY[name]
@@ -126,6 +134,9 @@ def test_template_tool_calls_round_trip(tokenizer, name):  # noqa: F811
             assert all("calculator" not in t for t in texts)
         elif reason == "no end of turn":
             assert all("```\n<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>" in t for t in texts) and not got
+            assert parser(texts[0]).errors  # read as a malformed call, never as no call
+        elif reason == "invalid JSON":
+            assert all('"}, "arguments": ' in t for t in texts) and not got
             assert parser(texts[0]).errors  # read as a malformed call, never as no call
         elif reason == "Python repr":
             assert any("{'precision'" in t for t in texts) and got and isinstance(got[0][1]["options"], str)
