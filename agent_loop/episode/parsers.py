@@ -193,9 +193,26 @@ def reading_markers(parse: Callable[..., ParsedTurn], markers: tuple[str, ...]) 
 
 
 def parse_hermes(text: str) -> ParsedTurn:
-    """Hermes/Qwen: each call is ``<tool_call>{json}</tool_call>``; an unclosed last call is parsed to the end."""
-    bodies, content = _blocks(text, "<tool_call>", "</tool_call>")
-    return _turn(content, [_call_from_json(b.strip()) for b in bodies])
+    """Hermes/Qwen: each call is ``<tool_call>{json}</tool_call>``; an unclosed last call is parsed to the end. vLLM's
+    Hermes 2 Pro template opens one ``<tool_call>`` for parallel calls and closes each, ``<tool_call>\n{..}\n</tool_call>
+    {..}\n</tool_call>``: a JSON object closed by ``</tool_call>`` without an opener is a call too."""
+    items: list[Item] = []
+    content, pos = [], 0
+    while pos < len(text):
+        opened, closed = text.find("<tool_call>", pos), text.find("</tool_call>", pos)
+        if opened >= 0 and (closed < 0 or opened < closed):
+            content.append(text[pos:opened])
+            start = opened + len("<tool_call>")
+            end = text.find("</tool_call>", start)
+            items.append(_call_from_json(text[start: end if end >= 0 else len(text)].strip()))
+            pos = end + len("</tool_call>") if end >= 0 else len(text)
+        elif closed >= 0 and text[pos:closed].strip().startswith("{"):  # closed but not opened
+            items.append(_call_from_json(text[pos:closed].strip()))
+            pos = closed + len("</tool_call>")
+        else:
+            content.append(text[pos: closed + len("</tool_call>") if closed >= 0 else len(text)])
+            pos = closed + len("</tool_call>") if closed >= 0 else len(text)
+    return _turn("".join(content), items)
 
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)

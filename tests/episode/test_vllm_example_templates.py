@@ -156,3 +156,17 @@ def test_pythonic_calls_without_brackets_are_read_or_reported():
     for answer in ("f(x) = 2x, so the answer is 4.", "The answer is max(a=1).", "print(1)"):
         plain = parse(answer)
         assert plain.content == answer and not plain.calls and not plain.errors
+
+
+def test_hermes_2_pro_parallel_calls_under_one_opener_are_all_read():
+    """vLLM's Hermes 2 Pro template opens one ``<tool_call>`` for parallel calls and closes each: the Hermes parser
+    read the first call and left the second in the content (one of two calls dropped, no error). A JSON object
+    closed by ``</tool_call>`` without an opener is a call now; a broken one is a malformed call."""
+    parse = parser_for_template(read_template("vllm_tool_chat_template_hermes_2_pro.jinja"))
+    turn = parse('<tool_call>\n{ "arguments": {"expression": "2+3"}, "name": "calculator"}\n</tool_call> '
+                 '{ "arguments": {"key": "x"}, "name": "lookup"}\n</tool_call> ')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2+3"}), ("lookup", {"key": "x"})]
+    assert turn.content == "" and not turn.errors
+    broken = parse('<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call> {"name": lookup}\n</tool_call>')
+    assert [c.name for c in broken.calls] == ["calculator"] and len(broken.errors) == 1
+    assert parse("It is 5.").content == "It is 5."
