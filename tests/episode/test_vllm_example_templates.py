@@ -2,7 +2,9 @@
 ``tests/data/chat_templates`` (see SOURCES.md): OLMo 3 ``<function_calls>`` (one pythonic call per line), MiniCPM3
 (a ```python block inside ``<|tool_call_start|>``: it was read by the LFM2 parser, which expects a list, so every
 call it rendered came back as a malformed call), Muse Glimmer's ATEM blocks (one call per message), HyperCLOVA X
-SEED Think (calls as a message of their own), and vLLM's Qwen2.5-Coder ``<tools>`` blocks."""
+SEED Think (calls as a message of their own), and vLLM's Qwen2.5-Coder ``<tools>`` blocks; and the calls of vLLM
+templates that were read as no call: Llama 4 JSON's python block before the calls, pythonic calls without brackets,
+and Hermes 2 Pro's parallel calls under one ``<tool_call>``."""
 
 import pytest
 from test_chat_templates import CALCULATOR, tokenizer  # noqa: F401 (fixture)
