@@ -6,10 +6,17 @@ context policy's sessions).
     # whole of it), then both settings over 3 seeds; rerun the second command to go on where a stop left it
     agent-loop warmstart --model smollm2-135m --task arithmetic --steps 2 --lr 1e-4 --warmup-steps 0 \\
         --episodes 64 --batch-size 8 --check-episodes 0 --output-dir runs/warm-smollm2-arith
-    python examples/learning_comparison.py --out runs/cmp-filter-groups --variant none= \\
+    python examples/learning_comparison.py --out runs/cmp-filter-groups --start --variant none= \\
         --variant filter=--filter-groups --seeds 0 1 2 --eval-episodes 100 -- --model runs/warm-smollm2-arith/model \\
         --task arithmetic --estimator grpo --group-size 4 --prompts-per-step 8 --steps 20 --save-every 2 \\
         --no-tensorboard --threads 2
+
+    # issue 57's bf16 table: the calculator ablation's set-up (12 steps x 8 questions x 2), the sampler in bf16 with
+    # the correction it turns on (token-level truncated importance sampling at 2) against fp32
+    python examples/learning_comparison.py --out runs/cmp-bf16 --start --variant fp32= \
+        --variant "bf16=--rollout-dtype bf16" --seeds 0 1 2 --eval-episodes 100 -- \
+        --model runs/warm-smollm2-arith/model --task arithmetic --prompts-per-step 8 --group-size 2 --gamma 0.98 \
+        --steps 12 --save-every 2 --no-tensorboard --threads 2
 
     # issue 54's sessions table (started 2026-12-07): a keydoor warm start (full history), then train under a
     # 600-token context with a 2-turn window, session credit against the row-per-segment ablation
