@@ -1,8 +1,18 @@
-"""Our rollout against the engine's own speed on exactly the same token work (issue 48), per backend and concurrency.
+"""Our rollout against the engine's own speed on exactly the same token work (issues 48, 56), per backend and
+concurrency.
 
     .venv/bin/python benchmarks/engine_limit.py --model smollm2-135m
     .venv/bin/python benchmarks/engine_limit.py --model tiny --backends vllm http hf --concurrency 1 8 32 64
     .venv/bin/python benchmarks/engine_limit.py --quick          # smoke test: tiny agent, small sizes
+
+Multi-turn work (issue 56 item 4: SmolLM2 warm-started on arithmetic plays 2 turns per episode, a tool call and the
+answer; 32 episodes at concurrency 32, against both replays). The warm start is made once (minutes of CPU), then:
+
+    agent-loop warmstart --model smollm2-135m --task arithmetic --output-dir /tmp/warm-arithmetic
+    .venv/bin/python benchmarks/engine_limit.py --model /tmp/warm-arithmetic/model --task arithmetic \
+        --backends vllm http --concurrency 32 --episodes 32 --replay turns episodes
+
+(``--max-turns N`` caps the turns per episode; the table's ``turns / episode`` says what the episodes played.)
 
 Per backend (vLLM in process, vLLM over HTTP through ``agent-loop serve``, transformers) and per concurrency c, one run:
 
@@ -11,22 +21,44 @@ Per backend (vLLM in process, vLLM over HTTP through ``agent-loop serve``, trans
    tokens generated, and when it was in flight.
 2. **engine**: the recorded requests replayed on the same engine with no loop: the same prompt ids, exactly the same
    number of generated tokens (``max_tokens = n``, EOS and stop tokens ignored; each count checked), same sampling
-   (temperature, logprobs of the sampled token), c episodes in flight, each episode's turns in their recorded order.
-   vLLM in process: ``AsyncLLM.generate`` on the engine's own event loop; HTTP: the server's ``/v1/completions``
-   with token-id prompts; transformers: the backend's own batched decode.
-3. **ratio** = ours / engine (tokens/s of generated tokens).
+   (temperature, logprobs of the sampled token, seed). ``--replay`` picks how (one or both, in one run, on the same
+   recorded requests; the table has tok/s and ratio for each):
+
+   - ``episodes`` (the default): c episodes in flight, each episode's turns one after the other in their recorded
+     order (an episode's next turn starts the moment its last ended: the loop with zero time between turns).
+   - ``turns``: turn by turn with barriers: every episode's first request (up to c in flight at once), wait until
+     all have ended, then every second request, and so on (an episode with fewer turns drops out).
+
+   Each turn's prompt extends the one before's, so in both the engine's own prefix cache skips the earlier context
+   as it does for the loop (vLLM's ``enable_prefix_caching``, on by default; transformers: its kept caches, the
+   replay passes each episode's session id). vLLM in process: ``AsyncLLM.generate`` on the engine's own event loop;
+   HTTP: the server's ``/v1/completions`` with token-id prompts; transformers: the backend's own batched decode.
+   With ``--reset-cache`` (the default) the engine's prefix cache is emptied before the loop run, before each
+   replay and before the profiled run (vLLM: ``reset_prefix_cache``, ``/reset_prefix_cache`` for ``agent-loop
+   serve``; transformers: its kept caches), so no run reuses blocks an earlier run of the same prompts computed
+   (before issue 56 none was emptied: a replay found the loop run's prompts cached).
+3. **ratio** = ours / engine (tokens/s of generated tokens), per replay.
 4. **where the rest goes** (the loop run): ``busy`` = share of the wall time with at least one request in flight
    (the rest: the engine had nothing to do, the loop's Python was on the critical path); ``in flight`` = mean
-   requests in flight / c (below 1: episodes between turns, in our Python or the tools); CPU seconds per
-   wall second of the main thread (our loop), the other threads of our process (vLLM's client thread in process,
-   the transformers decode thread), and the engine's processes; ``idle cores`` = cores - all of those. With
-   ``--profile`` a second loop run under cProfile (main thread only) splits the main thread's time into
+   requests in flight / c (below 1: episodes between turns, in our Python or the tools); ``below c`` = share of the
+   wall time with fewer than c requests in flight (the engine's batch was not full: episodes between turns, or the
+   level's last episodes running with fewer beside them); CPU seconds per wall second of the main thread (our loop),
+   the other threads of our process (vLLM's client thread in process, the transformers decode thread), and the
+   engine's processes; ``idle cores`` = cores - all of those.
+   **Between turns** (a second table): per episode, each gap from a request's end to the same episode's next
+   request's start (the time in our loop between its turns: parsing the reply, the tools, rendering the
+   observation, tokenising it, and waiting for the event loop's main thread when other episodes hold it), their
+   count, mean and p90 (nearest rank) in ms; ``tools ms / gap`` = the episodes' ``tools_s`` (time in tool calls) summed,
+   over the number of gaps (the rest of a gap is our Python and the event loop); and ``in flight`` / ``below c`` of each replay beside the
+   loop's, so a gap between the loop's and a replay's batch fill shows directly.
+   With ``--profile`` a second loop run under cProfile (main thread only) splits the main thread's time into
    rendering, parsing, tools, sink, engine client, waiting (event-loop poll) and the rest (shares of that run;
    cProfile slows Python, so the shares overstate our Python's cost a little).
 
-Backends run one after the other (never two engines at once), each with a short warm-up. ``--threads`` (default:
-all the cores this process may use) is bound for every backend: torch's threads for transformers, vLLM's OpenMP
-threads for the engine in process and for ``agent-loop serve``.
+Backends run one after the other (never two engines at once), each with a short warm-up (the engine's start and
+first requests are outside every timing). ``--threads`` (default: all the cores this process may use) is bound for
+every backend: torch's threads for transformers, vLLM's OpenMP threads for the engine in process and for
+``agent-loop serve``.
 """
 
 from __future__ import annotations
@@ -35,13 +67,16 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import math
 import os
 import pstats
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +89,22 @@ from agent_loop.backends.base import Backend  # noqa: E402
 BACKENDS = ("vllm", "http", "hf", "vllm-autobind")
 LABELS = {"vllm": "vLLM in process", "http": "vLLM over HTTP (agent-loop serve)", "hf": "transformers",
           "vllm-autobind": "vLLM in process, vLLM's own binding"}
-COLUMNS = ("backend", "concurrency", "episodes", "tokens", "engine tok/s", "ours tok/s", "ratio", "busy", "in flight",
-           "main thread cpu", "our other threads cpu", "engine procs cpu", "idle cores")
+REPLAYS = ("episodes", "turns")  # how the recorded requests are replayed on the engine (the module's docstring)
+
+
+def columns(replays=("episodes",)) -> tuple[str, ...]:
+    """The main table's columns for ``replays`` (each: its tok/s and ours / its tok/s)."""
+    return ("backend", "concurrency", "episodes", "turns / episode", "tokens",
+            *[c for mode in replays for c in (f"{mode} replay tok/s", f"ours / {mode} replay")], "ours tok/s",
+            "busy", "in flight", "below c", "main thread cpu", "our other threads cpu", "engine procs cpu",
+            "idle cores")
+
+
+def gap_columns(replays=("episodes",)) -> tuple[str, ...]:
+    """The between-turns table's columns for ``replays``."""
+    return ("backend", "concurrency", "turns / episode", "gaps", "gap mean ms", "gap p90 ms", "tools ms / gap",
+            "in flight: ours", *[f"in flight: {m} replay" for m in replays], "below c: ours",
+            *[f"below c: {m} replay" for m in replays])
 
 
 class RecordingBackend(Backend):
@@ -83,16 +132,29 @@ class RecordingBackend(Backend):
         return result
 
 
-def interval_stats(calls: list[tuple], started: float, wall: float) -> tuple[float, float]:
-    """(share of ``wall`` with >= 1 request in flight, mean requests in flight) of the recorded calls."""
-    events = sorted([(c[3], 1) for c in calls] + [(c[4], -1) for c in calls])
-    busy = area = 0.0
+def in_flight_stats(spans, started: float, wall: float, concurrency: int) -> tuple[float, float, float]:
+    """Of the requests in flight over [started, started + wall] (``spans``: (start, end) pairs): (share of the time
+    with >= 1 in flight, mean number in flight, share of the time with fewer than ``concurrency`` in flight)."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    busy = area = full = 0.0
     level, last = 0, started
     for at, step in events:
         busy += (at - last) if level > 0 else 0.0
         area += (at - last) * level
+        full += (at - last) if level >= concurrency else 0.0
         level, last = level + step, at
-    return busy / wall, area / wall
+    return busy / wall, area / wall, 1.0 - full / wall
+
+
+def turn_gaps(calls: list[tuple]) -> list[float]:
+    """Seconds from each recorded request's end to the same episode's next request's start (the loop between turns)."""
+    return [turn[3] - before[4] for episode in episodes_of(calls) for before, turn in zip(episode, episode[1:])]
+
+
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile of ``values`` (nearest rank), None for none."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)] if ordered else None
 
 
 def reusable_prefix(calls: list[tuple]) -> float:
@@ -115,19 +177,37 @@ def episodes_of(calls: list[tuple]) -> list[list[tuple]]:
     return list(by_session.values())
 
 
-async def replay(episodes: list[list[tuple]], concurrency: int, generate_exact) -> float:
-    """Wall seconds to replay ``episodes`` with ``concurrency`` in flight; ``generate_exact(prompt, n, seed)``."""
-    todo = iter(episodes)
+async def replay(episodes: list[list[tuple]], concurrency: int, generate_exact, mode: str = "episodes",
+                 spans: list | None = None) -> float:
+    """Wall seconds to replay the recorded ``episodes`` (:func:`episodes_of`) with up to ``concurrency`` requests in
+    flight, by ``mode`` (:data:`REPLAYS`): ``episodes``, c episodes at once, each one's turns in order; ``turns``,
+    every episode's k-th request (c at once), all ended before any k+1-th starts. ``generate_exact(prompt, n, seed,
+    session)`` returns the generated count (checked against n); each request's (start, end), in seconds from the
+    replay's start, is appended to ``spans``."""
+    spans = [] if spans is None else spans
 
-    async def worker():
-        for episode in todo:
-            for _, prompt, n, _, _, seed in episode:
-                got = await generate_exact(prompt, n, seed)
-                if got != n:
-                    raise RuntimeError(f"replay generated {got} tokens, asked for exactly {n}")
+    async def pool(groups: list[list[tuple]]) -> None:  # up to `concurrency` groups at once, each one's calls in order
+        todo = iter(groups)
 
+        async def worker():
+            for group in todo:
+                for session, prompt, n, _, _, seed in group:
+                    at = time.perf_counter()
+                    got = await generate_exact(prompt, n, seed, session)
+                    spans.append((at - started, time.perf_counter() - started))
+                    if got != n:
+                        raise RuntimeError(f"replay generated {got} tokens, asked for exactly {n}")
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(groups)))))
+
+    if mode not in REPLAYS:
+        raise ValueError(f"replay mode {mode!r}: one of {', '.join(REPLAYS)}")
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(episodes)))))
+    if mode == "episodes":
+        await pool(episodes)
+    else:
+        for k in range(max(map(len, episodes), default=0)):  # the barrier: pool returns when turn k's all ended
+            await pool([[episode[k]] for episode in episodes if len(episode) > k])
     return time.perf_counter() - started
 
 
@@ -196,12 +276,26 @@ async def play(task, backend, tokenizer, config, episodes: int, concurrency: int
     return trajectories
 
 
-def measure_level(name, backend, generate_exact, run_on_engine, task, tokenizer, config, args, c: int,
-                  first: int, clock: CpuClock, cores: int) -> dict:
-    """One concurrency level: the loop run (recorded, timed, CPU split), its replay, optionally a profiled run."""
+@dataclass
+class Engine:
+    """One backend opened for a level's runs: the loop's ``backend``; ``exact``, the engine's exact replay call
+    (async ``(prompt, n, seed, session) -> generated count``); ``run``, how a replay coroutine is run (on the engine's
+    own event loop where it has one); ``reset``, empties the engine's prefix cache (kept caches) for the next run."""
+
+    backend: Backend
+    exact: object
+    run: object
+    reset: object = lambda: None
+
+
+def measure_level(name, engine: Engine, task, tokenizer, config, args, c: int, first: int, clock: CpuClock,
+                  cores: int) -> dict:
+    """One concurrency level: the loop run (recorded, timed, CPU split), its replays, optionally a profiled run."""
     episodes = max(args.episodes, c)
-    recorder = RecordingBackend(backend)
+    recorder = RecordingBackend(engine.backend)
+    reset = engine.reset if args.reset_cache else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="engine-limit-") as folder:
+        reset()
         before = clock.read()
         started = time.perf_counter()
         trajectories = asyncio.run(play(task, recorder, tokenizer, config, episodes, c, first=first,
@@ -211,34 +305,57 @@ def measure_level(name, backend, generate_exact, run_on_engine, task, tokenizer,
     tokens = sum(call[2] for call in recorder.calls)
     if tokens != sum(t.metrics["assistant_tokens"] for t in trajectories):
         raise RuntimeError("the recorder missed generated tokens")
-    busy, in_flight = interval_stats(recorder.calls, started, wall)
+    busy, in_flight, below = in_flight_stats([call[3:5] for call in recorder.calls], started, wall, c)
     cpu = [(b - a) / wall for a, b in zip(before, after)]
-    engine_wall = run_on_engine(replay(episodes_of(recorder.calls), c, generate_exact))
+    gaps = turn_gaps(recorder.calls)
+    tools_s = sum(t.metrics.get("tools_s", 0.0) for t in trajectories)
+    replays = {}
+    for mode in args.replay:
+        reset()
+        spans: list = []
+        replay_wall = engine.run(replay(episodes_of(recorder.calls), c, engine.exact, mode, spans))
+        _, replay_in_flight, replay_below = in_flight_stats(spans, 0.0, replay_wall, c)
+        replays[mode] = {"tok_s": tokens / replay_wall, "ratio": replay_wall / wall, "wall": replay_wall,
+                         "in_flight": replay_in_flight / c, "below": replay_below}
+    first_replay = replays[args.replay[0]]
     row = {"backend": LABELS[name], "concurrency": c, "episodes": episodes, "tokens": tokens,
-           "engine": tokens / engine_wall, "ours": tokens / wall, "ratio": engine_wall / wall, "busy": busy,
-           "in_flight": in_flight / c, "cpu": cpu, "idle_cores": cores - sum(cpu),
-           "turns": len(recorder.calls), "prompt_tokens": sum(len(call[1]) for call in recorder.calls),
+           "engine": first_replay["tok_s"], "ours": tokens / wall, "ratio": first_replay["ratio"], "replays": replays,
+           "wall": wall, "busy": busy, "in_flight": in_flight / c, "below": below, "cpu": cpu,
+           "idle_cores": cores - sum(cpu), "turns": len(recorder.calls),
+           "turns_per_episode": len(recorder.calls) / len(episodes_of(recorder.calls)),
+           "gaps": len(gaps), "gap_mean_ms": 1000 * sum(gaps) / len(gaps) if gaps else None,
+           "gap_p90_ms": 1000 * p90(gaps) if gaps else None,
+           "tools_ms_per_gap": 1000 * tools_s / len(gaps) if gaps else None,
+           "prompt_tokens": sum(len(call[1]) for call in recorder.calls),
            "reusable": reusable_prefix(recorder.calls)}
     if args.profile:
+        reset()
         profile = cProfile.Profile()
         profile.enable()
         try:
-            asyncio.run(play(task, backend, tokenizer, config, episodes, c, first=first,
+            asyncio.run(play(task, engine.backend, tokenizer, config, episodes, c, first=first,
                              out=Path(tempfile.mkdtemp(prefix="engine-limit-")) / "rollouts.jsonl"))
         finally:
             profile.disable()
         row["profile"] = profile_split(profile)
-    print(f"  {LABELS[name]}, concurrency {c}: engine {row['engine']:.0f} tok/s, ours {row['ours']:.0f} tok/s, "
-          f"ratio {row['ratio']:.2f} ({tokens} tokens in {len(recorder.calls)} turns, {episodes} episodes, "
+    against = ", ".join(f"{mode} replay {r['tok_s']:.0f} tok/s (ratio {r['ratio']:.2f})" for mode, r in replays.items())
+    gap = (f"gap between turns {row['gap_mean_ms']:.0f} ms mean, {row['gap_p90_ms']:.0f} ms p90; " if gaps else "")
+    print(f"  {LABELS[name]}, concurrency {c}: ours {row['ours']:.0f} tok/s, {against} ({tokens} tokens in "
+          f"{len(recorder.calls)} turns, {episodes} episodes, {row['turns_per_episode']:.2f} turns / episode; {gap}"
           f"{row['prompt_tokens']} prompt tokens of which {row['reusable']:.0%} a prefix cache can skip; "
           f"load {os.getloadavg()[0]:.1f})", flush=True)
     return row
 
 
+def post(url: str, timeout_s: float = 60.0) -> None:
+    """An empty POST to ``url``; an HTTP error raises."""
+    with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=timeout_s):
+        pass
+
+
 @contextlib.contextmanager
 def open_backend(name: str, model: str, args):
-    """(backend, generate_exact, run_on_engine) for ``name``: the loop's backend, the engine's exact replay call
-    (async ``(prompt, n, seed) -> generated count``) and how a replay coroutine is run."""
+    """The :class:`Engine` of backend ``name``, opened (and closed after)."""
     temperature = args.temperature
     if name == "hf":
         from agent_loop.backends.base import SamplingParams
@@ -246,11 +363,11 @@ def open_backend(name: str, model: str, args):
 
         backend = TransformersBackend(model, max_batch_size=max(args.concurrency))
 
-        async def exact(prompt, n, seed):
+        async def exact(prompt, n, seed, session):  # the session: the episode's kept cache, as the loop's turns use it
             sampling = SamplingParams(max_tokens=n, temperature=temperature, stop_token_ids=[], seed=seed)
-            return len((await backend.generate(prompt, sampling)).token_ids)
+            return len((await backend.generate(prompt, sampling, session)).token_ids)
 
-        yield backend, exact, asyncio.run
+        yield Engine(backend, exact, asyncio.run, lambda: asyncio.run(backend.end_run()))
     elif name.startswith("vllm"):
         from agent_loop.backends.vllm_engine import VLLMEngineBackend
 
@@ -268,7 +385,7 @@ def open_backend(name: str, model: str, args):
 
             engine, ids = backend._engine, iter(range(10**9))
 
-            async def exact(prompt, n, seed):  # on the engine's own loop: vLLM's AsyncLLM, no hop, no loop
+            async def exact(prompt, n, seed, session):  # on the engine's own loop: vLLM's AsyncLLM, no hop, no loop
                 params = VLLMSamplingParams(max_tokens=n, min_tokens=n if args.min_tokens else 0, temperature=temperature, seed=seed,
                                             ignore_eos=True, logprobs=0, detokenize=False,
                                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -278,7 +395,14 @@ def open_backend(name: str, model: str, args):
                     pass
                 return len(final.outputs[0].token_ids)
 
-            yield backend, exact, lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, backend._loop).result()
+            def on_engine(coroutine):
+                return asyncio.run_coroutine_threadsafe(coroutine, backend._loop).result()
+
+            def reset():
+                if not on_engine(engine.reset_prefix_cache()):
+                    raise RuntimeError("the engine did not reset its prefix cache")
+
+            yield Engine(backend, exact, on_engine, reset)
     else:
         import aiohttp
 
@@ -289,7 +413,7 @@ def open_backend(name: str, model: str, args):
 
             pooled = {}
 
-            async def exact(prompt, n, seed):
+            async def exact(prompt, n, seed, session):
                 payload = {"model": "policy", "prompt": prompt, "max_tokens": n, "min_tokens": n if args.min_tokens else 0,
                            "ignore_eos": True,
                            "temperature": temperature, "seed": seed, "logprobs": 0, "return_token_ids": True}
@@ -303,21 +427,33 @@ def open_backend(name: str, model: str, args):
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as pooled["http"]:
                     return await coroutine
 
-            yield backend, exact, lambda coroutine: asyncio.run(with_session(coroutine))
+            # agent-loop serve runs vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1), /reset_prefix_cache among them
+            yield Engine(backend, exact, lambda coroutine: asyncio.run(with_session(coroutine)),
+                         lambda: post(f"{url}/reset_prefix_cache"))
 
 
 def cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def print_table(rows: list[dict]) -> None:
-    print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
+def print_table(rows: list[dict], replays=("episodes",)) -> None:
+    print("| " + " | ".join(columns(replays)) + " |")
+    print("|" + "---|" * len(columns(replays)))
     for r in rows:
         main, others, engine = r["cpu"]
-        print(f"| {r['backend']} | {r['concurrency']} | {r['episodes']} | {r['tokens']} | {r['engine']:.0f} | "
-              f"{r['ours']:.0f} | {r['ratio']:.2f} | {r['busy']:.2f} | {r['in_flight']:.2f} | {main:.2f} | "
+        against = "".join(f"{r['replays'][m]['tok_s']:.0f} | {r['replays'][m]['ratio']:.2f} | " for m in replays)
+        print(f"| {r['backend']} | {r['concurrency']} | {r['episodes']} | {r['turns_per_episode']:.2f} | {r['tokens']} | "
+              f"{against}{r['ours']:.0f} | {r['busy']:.2f} | {r['in_flight']:.2f} | {r['below']:.2f} | {main:.2f} | "
               f"{others:.2f} | {engine:.2f} | {r['idle_cores']:.2f} |")
+    print("\nBetween turns in the loop run (gap: a request's end to its episode's next request's start), and how full "
+          "the engine's batch was, ours against each replay:\n")
+    print("| " + " | ".join(gap_columns(replays)) + " |")
+    print("|" + "---|" * len(gap_columns(replays)))
+    for r in rows:
+        print(f"| {r['backend']} | {r['concurrency']} | {r['turns_per_episode']:.2f} | {r['gaps']} | "
+              f"{cell(r['gap_mean_ms'], '.1f')} | {cell(r['gap_p90_ms'], '.1f')} | {cell(r['tools_ms_per_gap'], '.1f')} | "
+              f"{r['in_flight']:.2f} | " + "".join(f"{r['replays'][m]['in_flight']:.2f} | " for m in replays)
+              + f"{r['below']:.2f} | " + "".join(f"{r['replays'][m]['below']:.2f} | " for m in replays).rstrip())
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         groups = list(profiled[0]["profile"])
@@ -339,6 +475,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="cores bound for every backend (default: all the cores this process may use)")
     parser.add_argument("--max-tokens", type=int, default=None, help="per assistant turn (default: LoopConfig's)")
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="assistant turns per episode at most (default: LoopConfig's); the table's turns / episode "
+                             "says how many the episodes played")
+    parser.add_argument("--replay", nargs="+", choices=REPLAYS, default=["episodes"],
+                        help="how the engine replays the recorded requests, one or more on the same recording: "
+                             "episodes (c episodes in flight, each one's turns in order) or turns (every episode's "
+                             "turn k, c at once, all ended before any turn k+1); the first is the row's engine/ratio")
+    parser.add_argument("--reset-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="empty the engine's prefix cache (transformers: kept caches) before the loop run and "
+                             "before each replay, so none reuses what an earlier run of the same prompts computed")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="a second, cProfiled loop run per level for the main thread's split")
@@ -349,6 +495,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "exactly max_tokens anyway; the count is checked)")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny agent, concurrency 1 and 4, 4 episodes")
     args = parser.parse_args(argv)
+    args.replay = list(dict.fromkeys(args.replay))  # each replay once, in the order asked
     if args.quick:
         args.concurrency, args.episodes, args.max_tokens = [1, 4], 4, args.max_tokens or 32
     return args
@@ -370,25 +517,26 @@ def main(argv=None) -> list[dict]:
     model = str(model_path(None if args.model == "tiny" else args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
     task = get_task(args.task)
-    config = LoopConfig(temperature=args.temperature, **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
+    config = LoopConfig(temperature=args.temperature, **({"max_tokens": args.max_tokens} if args.max_tokens else {}),
+                        **({"max_turns": args.max_turns} if args.max_turns else {}))
     clock, rows, failed = CpuClock(), [], []
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     for name in args.backends:
         print(f"{LABELS[name]}:", flush=True)
         try:
-            with open_backend(name, model, args) as (backend, exact, run_on_engine):
-                asyncio.run(play(task, backend, tokenizer, config, 4, 4, first=10**6,
+            with open_backend(name, model, args) as engine:
+                asyncio.run(play(task, engine.backend, tokenizer, config, 4, 4, first=10**6,
                                  out=Path(tempfile.mkdtemp(prefix="engine-limit-")) / "warm.jsonl"))  # warm-up
                 for c in args.concurrency:
-                    rows.append(measure_level(name, backend, exact, run_on_engine, task, tokenizer, config, args, c,
-                                              0, clock, cores))
+                    rows.append(measure_level(name, engine, task, tokenizer, config, args, c, 0, clock, cores))
         except Exception as error:  # one backend that cannot run here must not lose the others' numbers
             failed.append(f"{LABELS[name]}: failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}")
             print(failed[-1], flush=True)
     print(f"\nmodel {model}, task {args.task}, temperature {args.temperature}, max_tokens {config.max_tokens}, "
-          f"{args.threads} bound core(s) of {cores}, load average at end "
+          f"max_turns {config.max_turns}, replays {' '.join(args.replay)}, prefix cache reset before each run: "
+          f"{'yes' if args.reset_cache else 'no'}, {args.threads} bound core(s) of {cores}, load average at end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
-    print_table(rows)
+    print_table(rows, args.replay)
     if failed:
         print("\n" + "\n".join(failed))
     return rows
