@@ -126,8 +126,14 @@ def held_out_success(model: Path, folder: Path, seed: int, args, flags: list[str
     subprocess.run([*AGENT_LOOP, "rollout", *played_with, "--model", str(model), "--episodes", str(args.eval_episodes),
                     "--seed", str(seed + EVAL_SEED_OFFSET), "--temperature", str(args.temperature),
                     "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-    trajectories = read_trajectories(out)
-    return sum(t.success for t in trajectories) / len(trajectories)
+    return session_success(out)
+
+
+def session_success(path: Path) -> float:
+    """The share of a rollout file's sessions that succeeded: a session whose history was rewritten is several
+    records (segments), each carrying the session's success, and counts once."""
+    sessions = {t.session_id: t.success for t in read_trajectories(path)}
+    return sum(sessions.values()) / len(sessions)
 
 
 def table(results: dict[str, dict[str, dict]]) -> str:
@@ -183,6 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
+    for name, cells in results.items():  # from the held-out files, counted as they are counted now
+        for seed, cell in cells.items():
+            if (held_out := out / name / f"seed-{seed}" / "held_out.jsonl").is_file():
+                cell["held_out_success"] = session_success(held_out)
     out.mkdir(parents=True, exist_ok=True)
     variants = {START: "", **args.variants} if args.start else args.variants
     for seed in args.seeds:  # seed by seed: a comparison cut midway holds whole pairs

@@ -77,3 +77,15 @@ def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
     again = main([*argv, *COMMON, "--steps", "2"])
     assert again["none"]["0"]["steps"] == 2 and again["filter"] == results["filter"]
     assert (out / "none" / "seed-0" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_held_out_success_counts_a_session_of_several_segments_once(tmp_path):
+    """A session rewritten into segments is several records, each with the session's success: counted once."""
+    session_success = load_example().session_success
+    record = {"prompt_ids": [1], "response_ids": [2], "spans": [1], "turn_ids": [0], "logprobs": [0.0],
+              "messages": [], "reward": 1.0}
+    rows = [{**record, "info": {"session_id": "a", "segment": k, "success": True}} for k in range(3)]
+    rows.append({**record, "reward": 0.0, "info": {"session_id": "b", "segment": 0, "success": False}})
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert len(read_trajectories(path)) == 4 and session_success(path) == 0.5  # per record it would read 0.75
