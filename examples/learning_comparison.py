@@ -102,15 +102,18 @@ def train_cell(folder: Path, flags: list[str]) -> None:
     subprocess.run([*AGENT_LOOP, "train", *flags, "--output-dir", str(folder), *again, "--no-progress"], check=True)
 
 
+def step_metrics(folder: Path) -> list[dict]:
+    """A cell's metrics of each step, in order (``metrics.jsonl`` without the evaluations' lines)."""
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "assistant_tokens" in m]
+
+
 def rollout_tokens(folder: Path) -> float:
     """The tokens a cell's steps played: per step, assistant and observation tokens per episode times its
     episodes (``--filter-groups``: the groups it examined, each ``group_size`` of them)."""
     config = yaml.safe_load((folder / "config.yaml").read_text())
     total = 0.0
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        step = json.loads(line)
-        if "assistant_tokens" not in step:  # an evaluation's line (step 0)
-            continue
+    for step in step_metrics(folder):
         groups = step.get("filter_groups/examined", config["prompts_per_step"])
         total += (step["assistant_tokens"] + step["observation_tokens"]) * groups * config["group_size"]
     return total
@@ -153,8 +156,7 @@ def training_success(out: Path, results: dict[str, dict[str, dict]]) -> dict[str
     curves: dict[str, dict[str, dict[int, float]]] = {}
     for name, cells in results.items():
         for seed in cells if name != START else ():  # the starting model has no steps
-            lines = (out / name / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
-            steps = [m for m in map(json.loads, lines) if "assistant_tokens" in m]  # not the evaluations' lines
+            steps = step_metrics(out / name / f"seed-{seed}")
             curves.setdefault(name, {})[seed] = {m["step"]: m["success"] for m in steps}
     return curves
 
@@ -208,11 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                                     "rollout_tokens": 0.0, "steps": 0}
             else:
                 train_cell(folder, flags)
-                lines = (folder / "metrics.jsonl").read_text().splitlines()
-                steps = sum("assistant_tokens" in line for line in lines)  # not the evaluations' lines
                 model = resolve_checkpoint(folder) / "model"  # its last checkpoint
                 cells[str(seed)] = {"held_out_success": held_out_success(model, folder, seed, args, flags),
-                                    "rollout_tokens": rollout_tokens(folder), "steps": steps}
+                                    "rollout_tokens": rollout_tokens(folder), "steps": len(step_metrics(folder))}
             path.write_text(json.dumps(results, indent=1))  # after each cell: a stop loses no finished cell
     report = table(results) + "\n" + curves(out, results)
     (out / "results.md").write_text(report)
