@@ -388,9 +388,10 @@ class OpenAIHTTPBackend(Backend):
     async def _attempt_within(self, server: _Server, payload: dict, deadline: float, started: float,
                               attempt: int) -> GenerationResult:
         """One attempt, given up at the request's deadline (HTTPBackendError naming the server: no retry is left)."""
-        server.in_flight += 1  # counted now, before the next request is routed (wait_for starts a task)
+        server.in_flight += 1  # counted now, before the next request is routed
         try:
-            return await asyncio.wait_for(self._attempt(server, payload), max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await self._attempt(server, payload)
         except asyncio.TimeoutError:
             if time.monotonic() < deadline:
                 raise  # the attempt's own timeout (timeout_s): retried like any other

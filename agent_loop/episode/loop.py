@@ -176,7 +176,8 @@ async def call_bounded(fn, timeout_s: float | None, name: str, *, notice=None):
         if not done:
             notice(SLOW_NOTICE_S)
             timeout_s = None if timeout_s is None else timeout_s - SLOW_NOTICE_S
-    return await asyncio.wait_for(future, timeout_s)
+    async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it swallows a cancel that meets the answer
+        return await future
 
 
 def slow_reward_notice(where: str, timeout_s: float):
@@ -446,7 +447,8 @@ async def _step(ctx: _Context, state: _EpisodeState, turn: AssistantTurn) -> Ste
     try:
         if inspect.iscoroutinefunction(env.step):
             pending = env.step(turn, limits)
-            result = await (pending if env.bounds_its_steps else asyncio.wait_for(pending, limits.timeout_s))
+            async with asyncio.timeout(None if env.bounds_its_steps else limits.timeout_s):
+                result = await pending
         else:
             result = await call_bounded(lambda: env.step(turn, limits), limits.timeout_s, f"step-{name}")
         return checked_step(result, limits, cut_text)
@@ -618,7 +620,8 @@ async def _close(env: TurnEnvironment, timeout_s: float) -> str | None:
     """Close the episode's environment (sync or async, bounded by ``timeout_s``); why it failed, or None."""
     try:
         if inspect.iscoroutinefunction(env.close):
-            await asyncio.wait_for(env.close(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await env.close()
         else:
             await call_bounded(env.close, timeout_s, f"close-{type(env).__name__}")
     except TimeoutError:

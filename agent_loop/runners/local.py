@@ -176,12 +176,15 @@ async def play_pool(spec: RunSpec, backend: Backend, sink: TrajectorySink, next_
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
     try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)  # a cancel here stays ours
+        for task in done:
+            task.result()  # a worker's error
+    finally:
+        while not all(task.done() for task in tasks):
+            for task in tasks:  # again each second: a plug-in's own except may swallow one cancel
+                task.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
+        await asyncio.gather(*tasks, return_exceptions=True)  # all done: their errors are collected, not logged
 
 
 async def run_rollouts(

@@ -224,7 +224,8 @@ class McpEpisode:
             with contextlib.suppress(McpServerError):
                 waits.append(asyncio.shield(self._connection(server)._ready))
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*waits, return_exceptions=True)
 
     async def call(self, name: str, arguments: dict) -> str:
         if self.closed:

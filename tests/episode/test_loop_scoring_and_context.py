@@ -9,6 +9,7 @@ backend over a random Qwen2 model (the context check).
 import asyncio
 import json
 import resource
+import threading
 import time
 
 import pytest
@@ -269,3 +270,19 @@ def test_prompt_check_sees_the_rendered_prompt_and_can_refuse_it(qwen_tokenizer)
     with pytest.raises(ValueError, match=f"prompt of {len(trajectory.prompt_ids)} tokens"):
         asyncio.run(run_episode(task, 0, backend, qwen_tokenizer, LoopConfig(max_turns=1), prompt_check=refuse))
     assert calls == []
+
+
+def test_call_bounded_keeps_a_cancel_that_arrives_with_the_answer():
+    """A cancel and the answer in the same loop iteration: the caller is cancelled (Python 3.11's
+    ``asyncio.wait_for`` returned the answer instead, and a cancelled run's worker went on)."""
+    async def main():
+        release = threading.Event()
+        caller = asyncio.ensure_future(call_bounded(release.wait, 30.0, "racy"))
+        await asyncio.sleep(0.05)  # the call is on its thread
+        release.set()
+        time.sleep(0.2)  # its answer is queued on the loop before the cancel below
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    asyncio.run(main())

@@ -154,3 +154,35 @@ def test_the_summary_counts_turns_and_tokens_from_the_records_themselves(qwen_to
     assert stats.per_turn == per_turn
     assert stats.turns == sum(t.metrics["turns"] for t in got)
     assert (stats.first_index, stats.last_index) == (0, 5)
+
+
+class SwallowsOneCancel(Backend):
+    """A careless plug-in: its request catches the first cancel and goes on waiting."""
+
+    def __init__(self):
+        self.waiting = 0
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        self.waiting += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(3600)
+
+
+def test_a_cancelled_run_ends_even_when_an_episode_swallows_one_cancel(qwen_tokenizer):
+    """Cancelling a run cancels its episodes until they end (the producer's close once hung on one that
+    Python 3.11's wait_for let go on)."""
+    backend = SwallowsOneCancel()
+
+    async def main():
+        run = asyncio.ensure_future(stream_rollouts(
+            RunSpec(get_task("arithmetic"), qwen_tokenizer, range(4), progress=False), backend, concurrency=2))
+        while backend.waiting < 2:
+            await asyncio.sleep(0.01)
+        run.cancel()
+        await asyncio.wait({run}, timeout=60)  # a wait that does not cancel again on its timeout
+        assert run.cancelled()
+
+    asyncio.run(main())
