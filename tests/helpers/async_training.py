@@ -1,14 +1,17 @@
-"""A small asynchronous training run, a slowed arithmetic task, and a model's response logprobs
-(tests/training/test_async_training.py, tests/training/test_async_vllm.py)."""
+"""A small asynchronous training run, an arithmetic task whose calls wait for the first push, and a model's
+response logprobs (tests/training/test_async_training.py, tests/training/test_async_vllm.py)."""
 
 import functools
-import time
+import threading
 
 import torch
 
 from agent_loop import TrainConfig
 from agent_loop.episode.contracts import Task
 from agent_loop.tasks.registry import get_task
+
+WAIT_S = 300.0  # the longest wait for the first push, or for a call before it (a training step on a slow CPU)
+TRAIN_SEED = 0  # small_config's
 
 
 def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:
@@ -20,25 +23,44 @@ def small_config(tiny_mid: str, out, **overrides) -> TrainConfig:
     return TrainConfig.from_flat(**settings)
 
 
-class SlowTools(Task):
-    """The arithmetic task with every tool call taking ``delay_s`` more (episodes long enough to span a push)."""
+class ToolsAfterTheFirstPush(Task):
+    """The arithmetic task whose tool calls, in questions ``first_questions`` and later, set ``calling`` and wait
+    until ``pushed`` is set; the test pushes the first new weights only once such a call waits, then sets
+    ``pushed``. That episode has sampled with version 0 before its call and samples with version 1 after it,
+    whatever the machine's speed. The first step's questions never wait (the first push follows their training),
+    and the staleness bound admits no question beyond the second step's before that push; nor do train's
+    held-out questions (their own stream, seed + 1,000,003), so an evaluation before the push goes on."""
 
     name = "arithmetic"
 
-    def __init__(self, delay_s: float):
-        self.task, self.delay_s = get_task("arithmetic"), delay_s
+    def __init__(self, first_questions: int):
+        self.task = get_task("arithmetic")
+        self.first_questions, self.calling, self.pushed = first_questions, threading.Event(), threading.Event()
 
     def make_episode(self, index, seed=0):
-        episode = self.task.make_episode(index, seed)
-        episode.tools = [self.slowed(tool) for tool in episode.tools]
+        episode = self.task.make_episode(index, seed)  # index: the question (the trainer's groups)
+        if index >= self.first_questions and seed == TRAIN_SEED:
+            episode.tools = [self.after_push(tool) for tool in episode.tools]
         return episode
 
-    def slowed(self, tool):
+    def held(self, push):
+        """The producer's ``push``, holding the first new weights until a call waits, then letting the call go on
+        (its next turn samples with the new weights)."""
+        def holding(load, version):
+            if version >= 1 and not self.pushed.is_set():
+                self.calling.wait(WAIT_S)
+            push(load, version)
+            if version >= 1:
+                self.pushed.set()
+        return holding
+
+    def after_push(self, tool):
         @functools.wraps(tool)
-        def slow(*args, **kwargs):
-            time.sleep(self.delay_s)
+        def waiting(*args, **kwargs):
+            self.calling.set()
+            self.pushed.wait(WAIT_S)
             return tool(*args, **kwargs)
-        return slow
+        return waiting
 
     def reward(self, episode, messages, tool_calls):
         return self.task.reward(episode, messages, tool_calls)

@@ -42,7 +42,7 @@ from agent_loop.runners.producer import RolloutProducer, VersionedBackend, oldes
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.types import Episode
 from masking import SpanKind
-from tests.helpers.async_training import SlowTools, small_config, token_logprobs
+from tests.helpers.async_training import WAIT_S, ToolsAfterTheFirstPush, small_config, token_logprobs
 
 A, O = SpanKind.ASSISTANT, SpanKind.OBSERVATION
 
@@ -431,10 +431,11 @@ def test_k1_trains_on_partial_rollouts_sampled_by_the_versions_they_record(tiny_
     from transformers import AutoModelForCausalLM
 
     config = small_config(tiny_mid, tmp_path / "run", steps=4, max_staleness=1, lr=1e-3, warmup_steps=0, mini_batches=1,
-                          tensorboard=True, eval_every=2, eval_episodes=8)
-    trainer = Trainer(config, task=SlowTools(0.3))
+                          tensorboard=True, eval_every=2, eval_episodes=8, tool_timeout_s=2 * WAIT_S)
+    task = ToolsAfterTheFirstPush(config.rollout.prompts_per_step)
+    trainer = Trainer(config, task=task)
     states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}
-    push = trainer.producer.push
+    push = task.held(trainer.producer.push)  # the first push waits for a second-step episode's tool call
 
     def recording(load, version):
         states[version] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
@@ -478,7 +479,7 @@ def test_k1_trains_on_partial_rollouts_sampled_by_the_versions_they_record(tiny_
                 mine = versions == version
                 own.append((by_version[version][mine] - sampled[mine]).abs())
                 others += [(by_version[other][mine] - sampled[mine]).abs() for other in present if other != version]
-    assert partial > 0, "no episode ran across a weight update: the tool delay is too short to test it"
+    assert partial > 0, "no episode ran across a weight update: no second-step episode called a tool"
     own, others = torch.cat(own), torch.cat(others)
     assert own.numel() > 100 and own.max() < 2e-3  # every token: the logprob of the weights its version names
     assert others.mean() > 10 * own.mean()  # and not the other version's (one update moved them)

@@ -11,9 +11,6 @@ speed: the second step's tool calls wait for that push (:class:`ToolsAfterTheFir
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import pytest
 import torch
 
@@ -21,39 +18,12 @@ from agent_loop import Trainer
 from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import oldest_version
 from masking import SpanKind
-from tests.helpers.async_training import SlowTools, small_config, token_logprobs
+from tests.helpers.async_training import WAIT_S, ToolsAfterTheFirstPush, small_config, token_logprobs
 
 pytest.importorskip("vllm")
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (needs vllm)
 
 LOGPROB_ATOL = 2e-3  # vLLM's float32 kernels against a transformers forward (tests/backends/test_vllm_backend.py)
-WAIT_S = 300.0  # the longest wait for the first push, or for a call before it (a training step on a slow CPU)
-
-
-class ToolsAfterTheFirstPush(SlowTools):
-    """The arithmetic task whose tool calls, in questions ``first_questions`` and later, set ``calling`` and wait
-    until ``pushed`` is set; the test pushes the first new weights only once such a call waits, then sets
-    ``pushed``. That episode has sampled with version 0 before its call and samples with version 1 after it,
-    whatever the machine's speed. The first step's questions never wait (the first push follows their training),
-    and the staleness bound admits no question beyond the second step's before that push."""
-
-    def __init__(self, first_questions: int):
-        super().__init__(0.0)
-        self.first_questions, self.calling, self.pushed = first_questions, threading.Event(), threading.Event()
-
-    def make_episode(self, index, seed=0):
-        episode = self.task.make_episode(index, seed)  # index: the question (the trainer's groups)
-        if index >= self.first_questions:
-            episode.tools = [self.after_push(tool) for tool in episode.tools]
-        return episode
-
-    def after_push(self, tool):
-        @functools.wraps(tool)
-        def waiting(*args, **kwargs):
-            self.calling.set()
-            self.pushed.wait(WAIT_S)
-            return tool(*args, **kwargs)
-        return waiting
 
 
 @pytest.mark.slow
@@ -68,15 +38,11 @@ def test_k1_on_the_vllm_engine_records_versions_and_the_engine_samples_with_the_
     with VLLMEngineBackend(tiny_mid, seed=0) as engine:
         trainer = Trainer(config, backend=engine, task=task)
         states = {0: {k: v.clone() for k, v in trainer.policy.state_dict().items()}}
-        push = trainer.producer.push
+        push = task.held(trainer.producer.push)  # the first push waits for a second-step episode's tool call
 
         def recording(load, version):
             states[version] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-            if version >= 1 and not task.pushed.is_set():
-                task.calling.wait(WAIT_S)  # a second-step episode has sampled with version 0 and calls a tool
             push(load, version)
-            if version >= 1:
-                task.pushed.set()  # its call goes on, and its next turn samples with the new weights
 
         trainer.producer.push = recording
         history = trainer.train()
