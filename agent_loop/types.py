@@ -233,6 +233,11 @@ class Trajectory:
         return cls.from_dict(json.loads(line))
 
 
+def count_sessions(trajectories) -> int:
+    """How many episodes (sessions) the records ``trajectories`` hold: a session's segments count once."""
+    return len({t.session_id for t in trajectories})
+
+
 @dataclass
 class Episode:
     """One instance of a task: the opening chat, the tools it may use, and what is needed to score it."""

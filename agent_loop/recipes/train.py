@@ -45,6 +45,7 @@ from agent_loop.training.rollout_backend import make_rollout_backend
 from agent_loop.training.run_options import DTYPES
 from agent_loop.training.step_rollouts import StepRollouts, first_group, training_batch, usable_episodes
 from agent_loop.training.transports import make_destination, make_transport
+from agent_loop.types import count_sessions
 from masking.kinds import SpanKind
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out questions come from a different question stream
@@ -171,8 +172,7 @@ class Trainer:
         done = time.perf_counter()
         metrics["time/train_s"], metrics["time/step_s"] = done - rolled, done - started
         if not self.rollouts.asynchronous:  # a per-session mean times the sessions
-            sessions = len({t.session_id for t in played})
-            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * sessions / (rolled - started)
+            metrics["assistant_tokens_per_s"] = metrics["assistant_tokens"] * count_sessions(played) / (rolled - started)
         return metrics
 
     def push_weights(self, version: int | None = None, *, changed: bool = True) -> None:

@@ -106,6 +106,11 @@ class TrajectorySink:
             self.bar.set_postfix_str(f"success={rate(self.stats.success_rate)}", refresh=False)
         self.bar.update()
 
+    def add_episode(self, segments: list[Trajectory]) -> None:
+        """A finished episode: its records, one per segment (one unless its history was rewritten), in order."""
+        for trajectory in segments:
+            self.add(trajectory)
+
     def in_order(self, indices: list[int]) -> list[Trajectory]:
         if self.results is None:
             raise RuntimeError("TrajectorySink(keep=False) keeps no trajectories; pass keep=True to get them back")
@@ -171,8 +176,7 @@ async def play_pool(spec: RunSpec, backend: Backend, sink: TrajectorySink, next_
     cancellation) stops the other workers, then is raised."""
     async def worker() -> None:
         while (index := await next_index()) is not None:
-            for trajectory in await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed):
-                sink.add(trajectory)
+            sink.add_episode(await play_episode(spec.task, index, backend, spec.tokenizer, spec.config, spec.seed))
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
     try:

@@ -7,8 +7,9 @@ Who owns what (docs/design.md section 8a):
   wrapped in a :class:`VersionedBackend`, and ``concurrency`` worker tasks: the local runner's pool
   (``agent_loop.runners.local.play_pool``: the same episode playing, errors and cancellation). Each worker
   takes the next episode index (whole groups: a group's first member is admitted only under the staleness
-  budget, its other members follow it), plays it and hands the Trajectory to the producer's sink, which
-  stamps the run's ``info`` as every runner's sink does and files it under its group.
+  budget, its other members follow it), plays it and hands its Trajectories (one per segment: a context policy
+  may rewrite the history) to the producer's sink, which stamps the run's ``info`` as every runner's sink does
+  and files the session under its group, as one member.
 - **The hand-over** is the producer's table of finished groups, under one ``threading.Condition``: the
   producer adds, the trainer takes (:meth:`RolloutProducer.take`). A group is released only when every
   member has finished, so group estimators always see whole groups.
@@ -28,9 +29,8 @@ so its oldest is the version of its first ASSISTANT token.
 
 The staleness rule: trainer step ``s`` (weights version ``s``) trains on a group only if the oldest token
 of every member was sampled by version ``s - K`` or later; a complete group older than that is dropped
-(``episodes/dropped_stale``, counted per episode; written to the step's rollouts file, ``info["stale"]``,
-never trained on). The producer admits a new group
-only while ``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1``
+(``episodes/dropped_stale``, counted per episode, a session's segments once; written to the step's rollouts
+file, ``info["stale"]``, never trained on). The producer admits a new group only while ``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1``
 steps of groups are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with
 version ``s``, the synchronous step (tested equal). A step takes the ``prompts_per_step`` complete groups
 with the lowest group ids (the oldest first, so the fewest expire).
@@ -67,11 +67,16 @@ from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec
-from agent_loop.types import Trajectory
+from agent_loop.types import Trajectory, count_sessions
 
 
 class RolloutProducerError(RuntimeError):
     """The rollout producer stopped (its cause chained): the run cannot go on."""
+
+
+def in_episode_order(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """Records by episode index, a session's segments in order."""
+    return sorted(trajectories, key=lambda t: (t.info["index"], t.segment))
 
 
 def oldest_version(trajectory: Trajectory, default: int) -> int:
@@ -80,11 +85,21 @@ def oldest_version(trajectory: Trajectory, default: int) -> int:
     return next((v for v in trajectory.policy_versions or () if v >= 0), default)
 
 
+def session_oldest(trajectories: Sequence[Trajectory], default: int) -> dict[str, int]:
+    """Each session's oldest version (``Trajectory.session_id``: a session of several segments, a rewritten
+    history, is one episode): the oldest over its segments (:func:`oldest_version`, ``default`` for none)."""
+    oldest: dict[str, int] = {}
+    for trajectory in trajectories:
+        version = oldest_version(trajectory, default)
+        oldest[trajectory.session_id] = min(oldest.get(trajectory.session_id, version), version)
+    return oldest
+
+
 def staleness_metrics(trajectories: Sequence[Trajectory], version: int, max_staleness: int) -> dict[str, float]:
-    """Per step: ``staleness/kJ`` (how many of the trained episodes have their oldest token ``J`` versions behind
-    ``version``, J = 0..K, every key every step), ``staleness/mean`` and ``staleness/max``; an episode without
-    versions counts as ``J = 0``."""
-    lags = [version - oldest_version(t, version) for t in trajectories]
+    """Per step: ``staleness/kJ`` (how many of the trained episodes, sessions counted once, have their oldest token
+    ``J`` versions behind ``version``, J = 0..K, every key every step), ``staleness/mean`` and ``staleness/max``; an
+    episode without versions counts as ``J = 0``."""
+    lags = [version - oldest for oldest in session_oldest(trajectories, version).values()]
     counts = Counter(lags)
     metrics = {f"staleness/k{j}": float(counts.get(j, 0)) for j in range(max(max_staleness, max(lags, default=0)) + 1)}
     metrics["staleness/mean"] = sum(lags) / len(lags) if lags else 0.0
@@ -179,7 +194,8 @@ class GroupTable:
     version is noted; finished episodes wait under their group until it is complete. The admission budget counts
     groups started less groups dropped as stale or set aside; ``freed`` is called whenever one of its places frees,
     so that admission is checked again. ``counts``: episodes started, finished, taken, dropped as stale and filtered
-    (started = finished + in flight; finished = taken + dropped + filtered + waiting). It has no lock of its own:
+    (started = finished + in flight; finished = taken + dropped + filtered + waiting), a session of several
+    segments counted once. It has no lock of its own:
     the producer calls it under its hand-over lock (:meth:`may_start` aside, a read that admission repeats)."""
 
     def __init__(self, *, group_size: int, groups_per_step: int, max_staleness: int, first_step: int,
@@ -194,7 +210,7 @@ class GroupTable:
         self.group, self.members = -1, group_size  # the group being started, how many of its members started
         self.budget_used = first_step * groups_per_step  # groups started - groups dropped (the admission rule)
         self.admitted: dict[int, int] = {}  # episode in flight -> the version it was admitted under
-        self.finished: dict[int, list[Trajectory]] = {}  # group -> its finished members (waiting to complete)
+        self.finished: dict[int, list[Trajectory]] = {}  # group -> its finished members' records (waiting)
         self.oldest: dict[int, int] = {}  # group -> the oldest version among its finished members
         self.complete: set[int] = set()  # groups whose every member finished: ready to take
         self.counts = Counter(started=0, finished=0, taken=0, dropped_stale=0, filtered=0)
@@ -226,18 +242,19 @@ class GroupTable:
         self.admitted[index] = version
         return index
 
-    def file(self, trajectory: Trajectory) -> bool:
-        """A finished episode (its ``info`` stamped) into its group; True when it was the group's last member."""
-        index = trajectory.info["index"]
+    def file(self, segments: list[Trajectory]) -> bool:
+        """A finished episode (its segments in order, ``info`` stamped) into its group as one member; True when
+        it was the group's last member."""
+        index = segments[0].info["index"]
         group = index // self.group_size
         started = self.admitted.pop(index)
         self.counts["finished"] += 1
-        self.finished.setdefault(group, []).append(trajectory)
+        self.finished.setdefault(group, []).extend(segments)
         # its oldest token's version (an episode admitted under one version may sample its first token under a
         # later one: it waited at the gate during a push); ``started`` only for an episode without tokens
-        oldest = oldest_version(trajectory, started)
+        oldest = min(oldest_version(t, started) for t in segments)
         self.oldest[group] = min(self.oldest.get(group, oldest), oldest)
-        if len(self.finished[group]) < self.group_size:
+        if count_sessions(self.finished[group]) < self.group_size:
             return False
         self.complete.add(group)
         return True
@@ -249,14 +266,15 @@ class GroupTable:
         dropped = []
         for group in sorted(g for g in self.complete if self.oldest[g] < version - self.max_staleness):
             self.complete.discard(group)
-            members = sorted(self.finished.pop(group), key=lambda t: t.info["index"])
+            members = in_episode_order(self.finished.pop(group))
+            oldest = session_oldest(members, self.oldest[group])
             for trajectory in members:
-                trajectory.info["stale"] = version - oldest_version(trajectory, self.oldest[group])
+                trajectory.info["stale"] = version - oldest[trajectory.session_id]
             del self.oldest[group]
             dropped += members
             self.open.discard(group)
             self.budget_used -= 1
-        self.counts["dropped_stale"] += len(dropped)
+        self.counts["dropped_stale"] += count_sessions(dropped)
         if dropped:
             self.freed()
         return dropped
@@ -273,7 +291,7 @@ class GroupTable:
             members = self._remove(group)
             if not selection.offer(members):
                 self.budget_used -= 1
-                self.counts["filtered"] += len(members)
+                self.counts["filtered"] += count_sessions(members)
                 self.freed()
         return selection.done
 
@@ -285,7 +303,7 @@ class GroupTable:
         else:
             taken = selection.trajectories()
             self.budget_used += self.groups_per_step - len(selection.kept)
-        self.counts["taken"] += len(taken)
+        self.counts["taken"] += count_sessions(taken)
         return taken
 
     def _remove(self, group: int) -> list[Trajectory]:
@@ -293,7 +311,7 @@ class GroupTable:
         self.complete.discard(group)
         self.open.discard(group)
         del self.oldest[group]
-        return sorted(self.finished.pop(group), key=lambda t: t.info["index"])
+        return in_episode_order(self.finished.pop(group))
 
     def position(self) -> dict[str, int | list[int]]:
         """``next_group`` and ``pending`` (:meth:`RolloutProducer.position`)."""
@@ -306,22 +324,22 @@ class GroupTable:
         self.last_take = (now, self.counts["finished"])
         return {"producer/episodes_per_s": (self.counts["finished"] - finished) / max(now - when, 1e-9),
                 "producer/in_flight": float(self.counts["started"] - self.counts["finished"]),
-                "producer/waiting": float(sum(len(members) for members in self.finished.values()))}
+                "producer/waiting": float(sum(count_sessions(members) for members in self.finished.values()))}
 
 
 class _Handover(TrajectorySink):
     """The producer's sink: every runner's ``TrajectorySink`` (the run's ``info`` stamped, running statistics;
-    no file, no progress bar), then the episode is filed under its group in ``groups`` for the trainer to take,
-    under the hand-over lock ``lock``, whose waiters are woken when a group completes."""
+    no file, no progress bar), then the episode (its segments) is filed under its group in ``groups`` for the
+    trainer to take, under the hand-over lock ``lock``, whose waiters are woken when a group completes."""
 
     def __init__(self, groups: GroupTable, lock: threading.Condition, *, info: dict):
         super().__init__(0, "rollout producer", progress=False, info=info)
         self.groups, self.lock = groups, lock
 
-    def add(self, trajectory: Trajectory) -> None:
-        super().add(trajectory)
+    def add_episode(self, segments: list[Trajectory]) -> None:
+        super().add_episode(segments)
         with self.lock:
-            if self.groups.file(trajectory):
+            if self.groups.file(segments):
                 self.lock.notify_all()
 
 
@@ -342,10 +360,6 @@ class RolloutProducer:
     def __init__(self, task, backend: VersionedBackend, tokenizer, config: LoopConfig, *, seed: int,
                  concurrency: int, group_size: int, groups_per_step: int, max_staleness: int, first_step: int = 0,
                  last_step: int | None = None, position: dict | None = None, filter_rounds: int | None = None):
-        if config.context != "keep":
-            raise ValueError(f"--context {config.context}: the asynchronous producer files one record per episode into "
-                             "its group and does not carry sessions of several segments yet; use --context keep or "
-                             "synchronous rollouts (--max-staleness 0)")
         self.task, self.backend, self.tokenizer, self.config, self.seed = task, backend, tokenizer, config, seed
         backend.persistent = True  # the producer's loop is one long run: evaluate's runs leave the backend open
         self.spec = RunSpec(task, tokenizer, (), config, seed, progress=False)
@@ -428,7 +442,7 @@ class RolloutProducer:
             taken = self.groups.take(selection)
             metrics = {} if selection is None else selection.metrics()
             now = time.perf_counter()
-            metrics.update({"time/idle_s": now - started, "episodes/dropped_stale": float(len(dropped))})
+            metrics.update({"time/idle_s": now - started, "episodes/dropped_stale": float(count_sessions(dropped))})
             metrics.update(self.groups.throughput(now))
         return taken, dropped + (selection.set_aside if selection else []), metrics
 

@@ -12,7 +12,7 @@ import agent_loop.files as files
 from agent_loop.options import plural
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.training.distributed import NullLogger
-from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, strict_json
+from agent_loop.types import FINISH_REASONS, TOOL_ERROR_KINDS, Trajectory, count_sessions, strict_json
 
 # the policy loss's statistics (advantages.losses, verl's names) as metrics.jsonl names them, once
 LOSS_STAT_NAMES = {"clipfrac": "clip_frac", "approx_kl": "ppo_kl"}
@@ -206,7 +206,7 @@ def no_signal_warning(kept: Sequence[Trajectory], metrics: dict[str, float], ste
     rewards = {t.reward for t in kept}
     reasons = []
     if len(rewards) == 1:
-        reasons.append(f"all {len(kept)} rewards equal ({next(iter(rewards)):g})")
+        reasons.append(f"all {count_sessions(kept)} sessions' rewards equal ({next(iter(rewards)):g})")
     if all(t.truncated for t in kept):
         reasons.append("every episode was truncated (hit --max-tokens / --max-response-tokens / --max-turns)")
     return (f"step {step} has no learning signal: every advantage is 0"
@@ -217,8 +217,8 @@ def skipped_step_warning(played: Sequence[Trajectory], metrics: dict[str, float]
     """The warning of a step with nothing to train on: how many of its episodes failed, were left alone in their
     group or set aside by --filter-groups, and the first error."""
     first = next((t.metrics.get("error", "") for t in played if t.finish_reason == "error"), "")
-    filtered = sum("filtered" in t.info for t in played)
-    return (f"step {step} skipped: none of its {len(played)} episodes can be trained on "
+    filtered = count_sessions([t for t in played if "filtered" in t.info])
+    return (f"step {step} skipped: none of its {count_sessions(played)} episodes can be trained on "
             f"({metrics['episodes/dropped_failed']:.0f} failed, {metrics['episodes/dropped_lone']:.0f} "
             f"left alone in their group, " + (f"{filtered} set aside by --filter-groups, " if filtered else "")
             + "the rest without an ASSISTANT token)" + (f"; the first error: {first[:300]}" if first else ""))

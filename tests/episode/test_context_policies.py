@@ -24,7 +24,6 @@ from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.episode.tools import ToolExecutor
 from agent_loop.options import OptionError
 from agent_loop.runners.local import run_rollouts
-from agent_loop.runners.producer import RolloutProducer
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.plugins import PluginError
 from agent_loop.types import Episode, Trajectory
@@ -309,12 +308,6 @@ def test_drop_reasoning_starts_a_segment_where_a_thinking_template_drops_earlier
         assert "I think." not in tok.decode(s.prompt_ids)
         assert tok.decode(s.response_ids).count("I think.") == (s.segment < 2)
     assert [len(s.messages) for s in segments] == [2, 4, 6]  # the whole chat, each context one turn longer
-
-
-def test_the_asynchronous_producer_refuses_a_context_policy_in_one_line():
-    with pytest.raises(ValueError, match="--context window: the asynchronous producer .* does not carry sessions"):
-        RolloutProducer(None, None, None, LoopConfig(context="window"), seed=0, concurrency=1, group_size=2,
-                        groups_per_step=1, max_staleness=1)
 
 
 class Guessing(TurnEnvironment):

@@ -13,6 +13,8 @@ import pytest
 
 from advantages.estimators import GRPO_EPS
 from agent_loop import Trainer
+from agent_loop.episode.contracts import TaskWrapper
+from agent_loop.tasks.registry import get_task
 from tests.helpers.summarising_agent import session_reward
 from tests.helpers.trainer_config import small_config
 
@@ -84,3 +86,51 @@ def test_segment_credit_is_the_row_per_segment_ablation(tiny_mid, tmp_path):
         for row in split:
             value = next(a for a, span in zip(row["advantages"], row["spans"]) if span == ASSISTANT)
             assert value == pytest.approx((own - other) / 2, abs=1e-6)
+
+
+class LookupPaidByIndex(TaskWrapper):
+    """``lookup``, each episode paid ``session_reward(index)`` whatever it does: RLOO's values known in advance."""
+
+    def __init__(self):
+        super().__init__(get_task("lookup"))
+
+    def reward(self, episode, messages, tool_calls):
+        return session_reward(episode.info["index"])
+
+
+def test_asynchronous_steps_take_a_windowed_session_whole_and_count_sessions(tiny_agent_dir, tmp_path):
+    """``--max-staleness 1`` with ``--context window``: the producer files a session of several segments as one
+    member of its group, a step takes whole sessions (every segment gets its session's RLOO value, serially), and
+    the staleness and episode counts count sessions."""
+    config = small_config(str(tiny_agent_dir), tmp_path, steps=3, max_staleness=1, task="lookup", context="window",
+                          context_window=1, estimator="rloo", kl_coef=0.0, group_size=2, prompts_per_step=4)
+    trainer = Trainer(config, task=LookupPaidByIndex())
+    history = trainer.train()
+    several = 0
+    for step, metrics in enumerate(history, 1):
+        rows = [json.loads(line) for line in
+                (tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        sessions = {}
+        for row in rows:
+            if "stale" not in row["info"]:  # a dropped group is written to the file, never trained on
+                sessions.setdefault(row["info"]["session_id"], []).append(row)
+        assert len(sessions) == 8 and metrics["staleness/k0"] + metrics["staleness/k1"] == 8
+        assert metrics["segments"] == pytest.approx(sum(map(len, sessions.values())) / 8)
+        groups = {}
+        for segments in sessions.values():
+            assert sorted(s["info"]["segment"] for s in segments) == list(range(len(segments)))
+            index = segments[0]["info"]["index"]
+            assert {(s["info"]["index"], s["reward"]) for s in segments} == {(index, session_reward(index))}
+            groups.setdefault(segments[0]["info"]["index"] // 2, []).append(segments)
+            several += len(segments) > 1
+        assert len(groups) == 4 and all(len(members) == 2 for members in groups.values())  # whole groups
+        for own, other in (pair for members in groups.values() for pair in (members, members[::-1])):
+            expected = own[0]["reward"] - other[0]["reward"]
+            for segment in own:
+                values = [a for a, span in zip(segment["advantages"], segment["spans"]) if span == ASSISTANT]
+                assert values and all(v == pytest.approx(expected, abs=1e-6) for v in values)
+    assert several > 0, "no session was rewritten: the window never started a second segment"
+    counts = trainer.producer.counts
+    waiting = sum(len({t.session_id for t in members}) for members in trainer.producer.groups.finished.values())
+    assert counts["taken"] == 3 * 8
+    assert counts["finished"] == counts["taken"] + counts["dropped_stale"] + counts["filtered"] + waiting
