@@ -30,8 +30,8 @@ so its oldest is the version of its first ASSISTANT token.
 The staleness rule: trainer step ``s`` (weights version ``s``) trains on a group only if the oldest token
 of every member was sampled by version ``s - K`` or later; a complete group older than that is dropped
 (``episodes/dropped_stale``, counted per episode, a session's segments once; written to the step's rollouts
-file, ``info["stale"]``, never trained on). The producer admits a new group only while ``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1``
-steps of groups are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with
+file, ``info["stale"]``, never trained on). The producer admits a new group only while
+``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1`` steps of groups are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with
 version ``s``, the synchronous step (tested equal). A step takes the ``prompts_per_step`` complete groups
 with the lowest group ids (the oldest first, so the fewest expire).
 
@@ -195,8 +195,8 @@ class GroupTable:
     groups started less groups dropped as stale or set aside; ``freed`` is called whenever one of its places frees,
     so that admission is checked again. ``counts``: episodes started, finished, taken, dropped as stale and filtered
     (started = finished + in flight; finished = taken + dropped + filtered + waiting), a session of several
-    segments counted once. It has no lock of its own:
-    the producer calls it under its hand-over lock (:meth:`may_start` aside, a read that admission repeats)."""
+    segments counted once. It has no lock of its own: the producer calls it under its hand-over lock
+    (:meth:`may_start` aside, a read that admission repeats)."""
 
     def __init__(self, *, group_size: int, groups_per_step: int, max_staleness: int, first_step: int,
                  last_step: int | None, position: dict | None, freed: Callable[[], None]):
