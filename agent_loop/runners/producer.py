@@ -31,8 +31,9 @@ The staleness rule: trainer step ``s`` (weights version ``s``) trains on a group
 of every member was sampled by version ``s - K`` or later; a complete group older than that is dropped
 (``episodes/dropped_stale``, counted per episode, a session's segments once; written to the step's rollouts
 file, ``info["stale"]``, never trained on). The producer admits a new group only while
-``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1`` steps of groups are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with
-version ``s``, the synchronous step (tested equal). A step takes the ``prompts_per_step`` complete groups
+``groups started - groups dropped < (version + K + 1) x prompts_per_step``: at most ``K + 1`` steps of groups
+are in flight or waiting, and with ``K = 0`` it plays exactly step ``s``'s groups with version ``s``, the
+synchronous step (tested equal). A step takes the ``prompts_per_step`` complete groups
 with the lowest group ids (the oldest first, so the fewest expire).
 
 The question stream: groups start in id order; :meth:`RolloutProducer.position` (saved in each checkpoint)
