@@ -238,6 +238,11 @@ def count_sessions(trajectories) -> int:
     return len({t.session_id for t in trajectories})
 
 
+def in_episode_order(trajectories) -> list[Trajectory]:
+    """The records by episode index (``info["index"]``), a session's segments in order."""
+    return sorted(trajectories, key=lambda t: (t.info["index"], t.segment))
+
+
 @dataclass
 class Episode:
     """One instance of a task: the opening chat, the tools it may use, and what is needed to score it."""

@@ -159,18 +159,27 @@ def _start_engine(model_path: str, engine_kwargs: dict, bind: str | None):
 WARM_UP_REQUESTS = 4  # short requests through a new engine, at once
 
 
+def _vllm_sampling(sampling: SamplingParams):
+    """``sampling`` as vLLM's: stop only on its stop tokens or ``max_tokens`` (the model's EOS ignored), the
+    sampled token's logprob only, token ids only, the final output only."""
+    from vllm import SamplingParams as VLLMSamplingParams  # vllm: optional (the vllm extras)
+    from vllm.sampling_params import RequestOutputKind  # vllm: optional (the vllm extras)
+
+    return VLLMSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
+                              ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
 async def _warm_up(engine) -> None:
     """A few short requests through a new engine, then its prefix cache emptied: the engine's first requests carry
     a one-off cost (SmolLM2 on 2 CPU cores: the first 32 episodes generated at 0.73 of the speed of the next
     ones, docs/results/engine_limit.md), which this puts in the start-up instead of the first episodes."""
-    from vllm import SamplingParams as VLLMSamplingParams  # vllm: optional (the vllm extras)
     from vllm import TokensPrompt  # vllm: optional (the vllm extras)
 
     async def request(i: int) -> None:
         prompt = TokensPrompt(prompt_token_ids=list(range(100 + i, 164 + i)))  # ids every vocabulary has
         (engine_input,) = engine.renderer.render_cmpl([prompt])
-        params = VLLMSamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
-                                    detokenize=False)  # as a request's (VLLMEngineBackend._generate)
+        params = _vllm_sampling(SamplingParams(max_tokens=16, temperature=1.0, seed=i))  # a request's settings
         async for _ in engine.generate(engine_input, params, request_id=f"agent-loop-warm-up-{i}"):
             pass
 
@@ -345,22 +354,9 @@ class VLLMEngineBackend(Backend):
         return await asyncio.wrap_future(future)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        from vllm import SamplingParams as VLLMSamplingParams  # vllm: optional (the vllm extras)
         from vllm import TokensPrompt  # vllm: optional (the vllm extras)
-        from vllm.sampling_params import RequestOutputKind  # vllm: optional (the vllm extras)
 
-        params = VLLMSamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=True,
-            logprobs=0,  # the sampled token's logprob only
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = _vllm_sampling(sampling)
         adapter, version = self._adapter or (None, None)  # the adapter as the request starts: pushes swap it whole
         if self.lora_rank and adapter is None:
             raise FatalBackendError("the LoRA engine has no adapter loaded: the request would sample the base model")

@@ -65,6 +65,7 @@ from agent_loop.runners.spec import (
 from agent_loop.tasks.grouping import GroupedTask
 from agent_loop.tasks.registry import TaskOptions
 from agent_loop.threads import ThreadOptions, apply_threads
+from agent_loop.types import in_episode_order
 
 DEFAULT_OUT = "runs/rollouts.jsonl"
 RETURNS_SAMPLE = 256  # episodes (the lowest indices) the rollout's returns table is computed on
@@ -326,8 +327,7 @@ def report(opts: RolloutOptions, stats, tokenizer, timing: Timing, path: str, ou
     console.print(speed_line(stats, timing, opts, path), highlight=False)
     problem = failure_summary(stats)
     if problem is None:
-        sample = sorted(stats.sample, key=lambda t: (t.info["index"], t.segment))  # a session's segments in order
-        console.print(returns_table(sample, tokenizer.pad_token_id or 0, opts))
+        console.print(returns_table(in_episode_order(stats.sample), tokenizer.pad_token_id or 0, opts))
     segments = f" ({plural(stats.episodes, 'episode')})" if stats.segments != stats.episodes else ""
     console.print(f"wrote {plural(stats.segments, 'trajectory', 'trajectories')}{segments} to {out}  (look inside: "
                   f"agent-loop inspect {out})")

@@ -37,7 +37,7 @@ from agent_loop.runners.local import TrajectorySink, error_trajectory
 from agent_loop.runners.spec import RunSpec
 from agent_loop.runners.stats import RolloutStats
 from agent_loop.tasks.rewards import as_reward
-from agent_loop.types import Trajectory, episode_session_id
+from agent_loop.types import Trajectory, episode_session_id, in_episode_order
 
 AGENT_ARGUMENTS = ("client", "base_url", "model", "session_id", "row")
 
@@ -206,4 +206,4 @@ async def agent_rollouts(task, backend: Backend, tokenizer, episodes, config, *,
     agent = load_agent(agent) if isinstance(agent, str) else agent
     spec = RunSpec(task, tokenizer, list(episodes), config, seed, None, progress=False)
     _, kept = await stream_agent_rollouts(spec, backend, agent, concurrency=concurrency, keep=True, timeout_s=timeout_s)
-    return sorted(kept, key=lambda t: (t.info["index"], t.info.get("segment", 0)))
+    return in_episode_order(kept)

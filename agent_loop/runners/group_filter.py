@@ -23,7 +23,7 @@ import math
 from collections import Counter
 from typing import Sequence
 
-from agent_loop.types import Trajectory
+from agent_loop.types import Trajectory, in_episode_order
 
 # why a group was set aside (info["filtered"]): all its sessions succeeded, all failed, fewer than 2 had an
 # outcome, or it was mixed but the batch was already full (a synchronous round's surplus)
@@ -97,8 +97,7 @@ class GroupSelection:
 
     def trajectories(self) -> list[Trajectory]:
         """The kept groups' episodes, in episode order (segments of a session in order)."""
-        rows = [t for members in self.kept for t in members]
-        return sorted(rows, key=lambda t: (t.info["index"], t.segment))
+        return in_episode_order(t for members in self.kept for t in members)
 
     def metrics(self) -> dict[str, float]:
         """The step's ``filter_groups/*``: ``kept`` groups; ``filtered`` (zero outcome variance: all succeeded, all

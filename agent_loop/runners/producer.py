@@ -68,16 +68,11 @@ from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec
-from agent_loop.types import Trajectory, count_sessions
+from agent_loop.types import Trajectory, count_sessions, in_episode_order
 
 
 class RolloutProducerError(RuntimeError):
     """The rollout producer stopped (its cause chained): the run cannot go on."""
-
-
-def in_episode_order(trajectories: list[Trajectory]) -> list[Trajectory]:
-    """Records by episode index, a session's segments in order."""
-    return sorted(trajectories, key=lambda t: (t.info["index"], t.segment))
 
 
 def oldest_version(trajectory: Trajectory, default: int) -> int:
