@@ -51,15 +51,19 @@ step); the HTTP backend moves a dead server's sessions to a live one; an error t
 (a fatal backend error: every server down past the deadline) is raised by the trainer's next
 :meth:`~RolloutProducer.take`, :meth:`~RolloutProducer.push` or :meth:`~RolloutProducer.run` as
 :class:`RolloutProducerError` naming the cause, and :meth:`~RolloutProducer.close` stops the producer's
-thread (in-flight episodes cancelled, the backend's run ended); the last complete checkpoint resumes.
+thread (in-flight episodes cancelled, the backend's run ended; a thread stuck past a bound is left behind with
+a warning that shows where it waits); the last complete checkpoint resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
+import traceback
+import warnings
 from collections import Counter, deque
 from typing import Callable, Sequence
 
@@ -69,6 +73,8 @@ from agent_loop.runners.group_filter import GroupSelection
 from agent_loop.runners.local import TrajectorySink, play_pool
 from agent_loop.runners.spec import RunSpec
 from agent_loop.types import Trajectory, count_sessions, in_episode_order
+
+CLOSE_TIMEOUT_S = 60.0  # a producer whose thread runs this long after close() cancelled it is stuck
 
 
 class RolloutProducerError(RuntimeError):
@@ -478,11 +484,45 @@ class RolloutProducer:
         self.run(self.backend.swap(load, version))
         self._wake()
 
-    def close(self) -> None:
-        """Stop for good: cancel the episodes in flight, end the backend's run, join the thread. Idempotent."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop for good: cancel the episodes in flight, end the backend's run, join the thread. Idempotent.
+
+        A thread still running ``timeout_s`` after the cancel is stuck (a plug-in or a client library that never
+        yields): it is left behind (a daemon thread, it ends with the process) and a RuntimeWarning shows where it
+        and each of its tasks wait, so that the end of a run never hangs on it."""
         if not self.loop.is_closed():
             try:
                 self.loop.call_soon_threadsafe(self._main.cancel)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            warnings.warn(f"the rollout producer's thread did not end within {timeout_s:g} s of close(); left behind "
+                          f"(a daemon thread: it ends with the process). Where it waits:\n"
+                          f"{where_it_waits(self._thread, self.loop)}", RuntimeWarning, stacklevel=2)
+
+
+def where_it_waits(thread: threading.Thread, loop: asyncio.AbstractEventLoop) -> str:
+    """The stack of ``thread`` (running ``loop``) and of each task pending on ``loop``, innermost call last: what a
+    stuck event-loop thread is waiting on, read from another thread (for a warning; the loop may move meanwhile)."""
+    frame = sys._current_frames().get(thread.ident)
+    parts = [f"thread {thread.name}:\n" + "".join(traceback.format_stack(frame)) if frame else ""]
+    try:
+        tasks = asyncio.all_tasks(loop)
+    except RuntimeError:  # the loop's task set kept changing
+        tasks = set()
+    parts += [f"{task!r}, awaiting:\n" + "".join(_await_chain(task.get_coro())) for task in tasks]
+    return "\n".join(part for part in parts if part)
+
+
+def _await_chain(awaitable) -> list[str]:
+    """Where a suspended coroutine waits: its frame, then the frame of what it awaits, down to a future."""
+    lines = []
+    while awaitable is not None:
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is None:
+            lines.append(f"  {awaitable!r}\n")
+            break
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n')
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return lines

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from agent_loop.runners.local import read_trajectories
 from agent_loop.runners.producer import RolloutProducerError
 from tests.helpers.async_training import small_config
 from tests.helpers.vllm_servers import server_pid  # the vLLM server process behind a URL
+from tests.helpers.watched_run import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -89,9 +91,15 @@ def test_a_producer_that_dies_stops_the_run_cleanly_and_the_run_resumes(tiny_mid
     assert len((out / "metrics.jsonl").read_text().splitlines()) == done + 2
 
 
-def run_cli(argv: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agent_loop.cli", "train", *argv], env=ENV, capture_output=True,
-                          text=True, timeout=timeout_s)
+def run_cli(argv: list[str], timeout_s: float = 900, logs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    """``agent-loop train ARGV``; a hang fails the test with every process's stacks and the tails of ``logs``. A
+    producer left behind at the end (``RolloutProducer.close``'s warning) is repeated here, so the suite's warnings
+    summary shows where it waited."""
+    result = run_watched([sys.executable, "-m", "agent_loop.cli", "train", *argv], env=ENV, timeout_s=timeout_s,
+                         logs=logs)
+    if "rollout producer's thread did not end" in result.stderr:
+        warnings.warn(f"agent-loop train's stderr (tail):\n{result.stderr[-6000:]}", RuntimeWarning)
+    return result
 
 
 def small_argv(model: str, out: Path, *extra: str) -> list[str]:
@@ -136,14 +144,15 @@ def test_two_real_servers_train_asynchronously_and_a_killed_one_fails_over_then_
     from agent_loop.backends.weight_files import WeightSyncError
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the weight-push endpoints
-    servers = [local_vllm_server(tiny_agent_dir, "tiny-agent", log_path=tmp_path / f"server{i}.log") for i in range(2)]
+    logs = tuple(tmp_path / f"server{i}.log" for i in range(2))
+    servers = [local_vllm_server(tiny_agent_dir, "tiny-agent", log_path=log) for log in logs]
     with ThreadPoolExecutor(2) as pool:  # start both at once
         starting = [pool.submit(server.__enter__) for server in servers]
     try:
         urls = [future.result() for future in starting]
         out = tmp_path / "cli"
         result = run_cli(small_argv(str(tiny_agent_dir), out, "--nproc", "2", "--server", urls[0], "--server", urls[1],
-                                    "--served-model-name", "tiny-agent"))
+                                    "--served-model-name", "tiny-agent"), logs=logs)
         assert result.returncode == 0, result.stderr[-3000:]
         assert_async_run(out, 3)
 

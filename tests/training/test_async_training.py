@@ -193,6 +193,31 @@ def test_partial_rollouts_record_each_tokens_version_exactly_at_the_switch(qwen_
     assert not producer._thread.is_alive()
 
 
+def test_a_producer_stuck_in_its_teardown_is_left_behind_with_where_it_waits(qwen_tokenizer):
+    """A backend whose end of run never returns and swallows every cancel: close() returns after its bound, with
+    a warning that names the call the thread waits in (the end of a training run never hangs on it)."""
+    class EndRunNeverReturns(ScriptedBackend):
+        async def end_run(self) -> None:
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass
+
+    backend = VersionedBackend(EndRunNeverReturns(gated_script(qwen_tokenizer)))
+    gates = Gates()
+    producer = RolloutProducer(GroupedTask(GatedTask(gates), 1, question_seed=0), backend, qwen_tokenizer,
+                               LoopConfig(max_turns=2), seed=0, concurrency=2, group_size=1, groups_per_step=2,
+                               max_staleness=0)
+    gates.wait_until_waiting(0, 1)
+    started = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match=r"did not end within 0.5 s of close\(\)(.|\n)*in end_run"):
+        producer.close(timeout_s=0.5)
+    assert time.perf_counter() - started < WAIT_S
+    assert producer._thread.is_alive()  # left behind: a daemon thread
+    assert producer._thread.daemon
+
+
 def test_a_group_older_than_k_is_dropped_counted_marked_and_nothing_is_lost(qwen_tokenizer):
     """K = 1, 2 groups per step, single-episode groups; episode 3 is held back across two pushes."""
     gates = Gates()
