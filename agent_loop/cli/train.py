@@ -13,6 +13,7 @@ file size limit) is one line naming the folder and the ``--resume`` command that
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -143,7 +144,7 @@ def train(config: TrainConfig, task) -> int:
     from agent_loop.training.checkpoint import CheckpointError, step_folder
     from agent_loop.training.distributed import close_data_parallel
 
-    started = time.perf_counter()
+    started, trainer, report = time.perf_counter(), None, []
     try:
         try:
             trainer = Trainer(config, task=task)
@@ -152,15 +153,21 @@ def train(config: TrainConfig, task) -> int:
         if trainer.dp.is_main:
             save_config(config.resolved(), trainer.output_dir / "config.yaml")  # rerun with --config
         history = trainer.train()
+        if trainer.dp.is_main:
+            if history:
+                report.append(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in "
+                              f"{time.perf_counter() - started:.0f} s: {trainer.closing_line}")
+            report += [f"metrics: {trainer.logger.path}", f"checkpoint: {step_folder(trainer.output_dir, trainer.step)}"]
     finally:
+        # The trainer (its DDP reducer holds the process group) goes first, so that the group ends in
+        # destroy_process_group, which releases the GIL. Ended by the reducer's dealloc instead, the group joins
+        # gloo's threads with the GIL held while one of them, ending the last collective's work, waits for the GIL:
+        # a rank that never exits, now and then (pytorch#56297; seen in CI and here as a 900 s hang of --nproc 2).
+        trainer = None
+        gc.collect()
         close_data_parallel()
-    if not trainer.dp.is_main:
-        return 0
-    if history:
-        print(f"trained steps {trainer.step - len(history) + 1}-{trainer.step} in {time.perf_counter() - started:.0f} s: "
-              f"{trainer.closing_line}")
-    print(f"metrics: {trainer.logger.path}")
-    print(f"checkpoint: {step_folder(trainer.output_dir, trainer.step)}")
+    for line in report:
+        print(line)
     return 0
 
 

@@ -24,8 +24,12 @@ def run_watched(argv: list[str], *, env: dict[str, str], timeout_s: float,
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        family = psutil.Process(process.pid).children(recursive=True)
-        for member in [*reversed(family), psutil.Process(process.pid)]:
+        try:
+            launcher = psutil.Process(process.pid)
+            family = [*reversed(launcher.children(recursive=True)), launcher]
+        except psutil.NoSuchProcess:  # it ended meanwhile
+            family = []
+        for member in family:
             try:
                 member.send_signal(signal.SIGABRT)
             except psutil.NoSuchProcess:

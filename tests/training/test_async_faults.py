@@ -91,7 +91,7 @@ def test_a_producer_that_dies_stops_the_run_cleanly_and_the_run_resumes(tiny_mid
     assert len((out / "metrics.jsonl").read_text().splitlines()) == done + 2
 
 
-def run_cli(argv: list[str], timeout_s: float = 900, logs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+def run_cli(argv: list[str], timeout_s: float = 600, logs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
     """``agent-loop train ARGV``; a hang fails the test with every process's stacks and the tails of ``logs``. A
     producer left behind at the end (``RolloutProducer.close``'s warning) is repeated here, so the suite's warnings
     summary shows where it waited."""
