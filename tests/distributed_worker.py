@@ -8,6 +8,7 @@ shards) and the wrapper used.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def main(out: str, config_json: str, *flags: str) -> None:
             "parallel": trainer.dp.mode if trainer.dp.enabled else None,
         }, Path(out) / f"rank{trainer.dp.rank}.pt")
     finally:
+        trainer = None  # its DDP reducer first, then the process group (agent_loop.cli.train.train says why)
+        gc.collect()
         close_data_parallel()
 
 

@@ -338,6 +338,8 @@ def init_data_parallel(device: str = "auto", parallel: str = "auto", lora: bool 
 
 
 def close_data_parallel() -> None:
+    """Destroy the process group. Call it once nothing holds a DDP wrapper (``agent_loop.cli.train.train`` drops
+    its trainer first): a reducer freed after it ends the group with the GIL held, which can deadlock (pytorch#56297)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
