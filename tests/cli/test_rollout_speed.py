@@ -50,7 +50,7 @@ def test_the_printed_speed_leaves_out_the_start_up(tmp_path, monkeypatch, capsys
     per_s, tokens_per_s, playing, start_up, stop = (float(g) for g in match.groups())
     tokens = assistant_tokens(out)
     assert tokens > 0
-    assert start_up >= SLOW_START_S and playing > 0 and start_up + playing + stop <= wall
+    assert start_up >= SLOW_START_S and playing > 0 and start_up + playing + stop <= wall + 0.15  # 3 figures at 0.1 s
     # warm: the file's tokens over the playing time only (the printed values are rounded)
     assert tokens / (playing + 0.05) - 1 <= tokens_per_s <= tokens / max(playing - 0.05, 1e-3) + 1
     assert 6 / (playing + 0.05) - 0.01 <= per_s <= 6 / max(playing - 0.05, 1e-3) + 0.01
