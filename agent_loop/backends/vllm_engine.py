@@ -30,8 +30,11 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
+
+import psutil
 
 from agent_loop.backends.base import Backend, BackendSettings, FatalBackendError, GenerationResult, SamplingParams
 from agent_loop.backends.vllm_server import CPU_KVCACHE_SPACE_GIB, omp_threads_bind, vllm_on_cpu
@@ -47,6 +50,11 @@ from agent_loop.threads import resolve_threads
 CPU_ENGINE_DEFAULTS = {
     "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "enable_chunked_prefill": False,
 }
+# How long the engine's processes get to end after close()'s SIGTERM before they are killed (vLLM's default: 5 s).
+# By then they have stopped their queues and spend the time in gc.collect() over their heaps; the engine core
+# always used the whole 5 s and was killed. close() then waits (up to ENGINE_EXIT_WAIT_S) until they are gone.
+ENGINE_CLOSE_GRACE_S = 1.0
+ENGINE_EXIT_WAIT_S = 30.0
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 
 
@@ -214,10 +222,26 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
     loop.close()
 
 
+def _engine_processes(engine) -> list[psutil.Process]:
+    """``engine``'s processes: its engine core (vLLM's process manager holds it) and the workers it started."""
+    processes = []
+    for core in getattr(engine.engine_core.resources.engine_manager, "processes", ()):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(core.pid)
+            processes += [process, *process.children(recursive=True)]
+    return processes
+
+
 async def _shut_down(engine) -> None:
-    """Shut ``engine`` down, from its own event loop: its output handler is cancelled before it can see the
-    engine process go away (it would log an EngineDeadError), and its helper tasks are finished."""
-    engine.shutdown()
+    """Shut ``engine`` down, from its own event loop, and wait until its processes are gone (a kill lands a moment
+    after it is sent): its output handler is cancelled before it can see the engine process go away (it would
+    log an EngineDeadError), and its helper tasks are finished."""
+    processes = _engine_processes(engine)
+    engine.shutdown(timeout=ENGINE_CLOSE_GRACE_S)
+    _, alive = psutil.wait_procs(processes, timeout=ENGINE_EXIT_WAIT_S)
+    if alive:
+        warnings.warn(f"the vLLM engine's processes {[p.pid for p in alive]} did not end within "
+                      f"{ENGINE_CLOSE_GRACE_S + ENGINE_EXIT_WAIT_S:.0f} s of close()", RuntimeWarning, stacklevel=2)
     # Shut down once: an engine still referenced at interpreter exit (a stop's traceback holds the frames)
     # would run shutdown again from its __del__ with the modules torn down ("Exception ignored ... TypeError").
     engine.shutdown = lambda *args, **kwargs: None

@@ -46,6 +46,15 @@ def question_prompt(formatter, index: int) -> list[int]:
     return formatter.prompt_ids(ArithmeticTask().make_episode(index, seed=5).messages)
 
 
+def alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def teacher_forced_logprobs(model, context: list[int], positions: list[int]) -> torch.Tensor:
     """Serial reference: log p(context[i] | context[:i]) for each i in positions, from one forward pass."""
     with torch.no_grad():
@@ -150,18 +159,26 @@ def test_full_tool_calling_rollouts(engine, hf_model, tiny_tokenizer):
         torch.testing.assert_close(got, reference, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_update_weights_reloads_the_engine_on_the_new_weights(tiny_agent_dir, formatter):
-    """The trainer's weight push: after update_weights the engine generates from the new weights."""
+def test_update_weights_reloads_the_engine_on_the_new_weights_and_close_ends_its_processes(tiny_agent_dir, formatter):
+    """The trainer's weight push: after update_weights the engine generates from the new weights. Then close()
+    returns once the engine's processes have ended (after ENGINE_CLOSE_GRACE_S they are killed)."""
+    import psutil
+
     from agent_loop.tiny import tiny_agent_path
 
     mid = AutoModelForCausalLM.from_pretrained(tiny_agent_path("mid"), dtype=torch.float32).eval()
     final = AutoModelForCausalLM.from_pretrained(tiny_agent_dir, dtype=torch.float32).eval()
     prompt = question_prompt(formatter, 7)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=formatter.end_of_turn_ids)
+    earlier = set(psutil.Process().children(recursive=True))  # the module's engine, when it has started
     with VLLMEngineBackend(tiny_agent_dir, seed=0) as backend:
         before = asyncio.run(backend.generate(prompt, greedy))
         backend.update_weights(mid.state_dict())
         after = asyncio.run(backend.generate(prompt, greedy))
+        engine_processes = {p.name(): p for p in set(psutil.Process().children(recursive=True)) - earlier
+                            if p.name().startswith("VLLM::")}
+    assert sorted(name[:15] for name in engine_processes) == ["VLLM::EngineCor", "VLLM::Worker"]  # comm: 15 bytes
+    assert not [p for p in engine_processes.values() if alive(p)]
     for model, result in ((final, before), (mid, after)):
         reference = teacher_forced_logprobs(model, prompt + result.token_ids,
                                             list(range(len(prompt), len(prompt) + len(result.token_ids))))

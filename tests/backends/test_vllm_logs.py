@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.vllm_servers import crash_tracebacks
+
 pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -27,8 +29,8 @@ READY = re.compile(r"^vLLM engine ready in ([\d.]+) s \((.+)\); its log: (.+)$",
 def play(out: Path, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
     environment.update({"PYTHONPATH": str(REPO), "COLUMNS": "400", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "agent_loop.cli", "rollout", "--backend", "vllm", "--episodes", "2",
-                           "--concurrency", "2", "--out", str(out), "--no-progress", *flags],
+    return subprocess.run([sys.executable, "-m", "agent_loop.cli", "rollout", "--backend", "vllm", "--episodes", "4",
+                           "--concurrency", "4", "--out", str(out), "--no-progress", *flags],
                           capture_output=True, text=True, timeout=900, cwd=REPO, env=environment)
 
 
@@ -53,7 +55,9 @@ def test_a_default_run_prints_our_lines_only_and_the_log_holds_vllm_s(tmp_path):
     assert "Triton" in held and "[shutdown]" in held  # warnings at the start, our process's vLLM lines at the stop
     speed = re.search(r"assistant tokens/s warm \(([\d.]+) s, .*start-up ([\d.]+) s", done.stdout)
     assert speed and float(speed.group(2)) >= float(seconds)  # the engine's start is the start-up's, not the play's
-    assert len(out.read_text().splitlines()) == 2
+    assert len(out.read_text().splitlines()) == 4
+    # and the run ends cleanly: no process of the engine's crashed on the way out (its traces land in the log)
+    assert "Traceback" not in crash_tracebacks(done.stderr + held) and "EngineDeadError" not in done.stderr + held
 
 
 def test_verbose_shows_vllm_s_lines_and_writes_no_log(tmp_path):
