@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import shutil
 import signal
 import sys
 import time
@@ -122,24 +121,14 @@ def start_of(trainer: Trainer, args: argparse.Namespace) -> dict[str, float]:
     return start
 
 
-class LatestCheckpointOnly(Trainer):
-    """Keeps only the latest checkpoint (SmolLM2's is 1.6 GB with its AdamW state; 12 runs would fill the disk)."""
-
-    def save_checkpoint(self) -> Path:
-        path = super().save_checkpoint()
-        for older in path.parent.glob("step_*"):  # ``latest`` names ``path`` by now: a kill leaves a complete one
-            if older.is_dir() and older.name != path.name:
-                shutil.rmtree(older)
-        return path
-
-
 def config_for(variant: str, seed: int, args: argparse.Namespace, resume: str | None) -> TrainConfig:
     return TrainConfig.from_flat(
         model=args.model, task=TASK, estimator=variant, seed=seed, steps=args.steps, gamma=args.gamma,
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, mini_batches=args.mini_batches,
         lr=args.lr, threads=args.threads, backend=args.backend, max_turns=MAX_TURNS, max_tokens=args.max_tokens,
         max_response_tokens=args.max_response_tokens, eval_every=0, eval_episodes=args.eval_episodes,
-        output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.save_every,
+        # only the latest checkpoint kept: SmolLM2's is 1.6 GB with its AdamW state, 12 runs would fill the disk
+        output_dir=str(Path(args.output_dir) / f"{variant}-seed{seed}"), save_every=args.save_every, keep_checkpoints=1,
         save_rollouts_every=args.save_every, progress=False, resume=resume, overwrite=resume is None,
     )
 
@@ -154,7 +143,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict:
     resume = str(output_dir) if any((output_dir / "checkpoints").glob("step_*")) else None
     print(f"\n=== {variant} (seed {seed}){' resumed' if resume else ''} ===", flush=True)
     started = time.perf_counter()
-    trainer = LatestCheckpointOnly(config_for(variant, seed, args, resume))
+    trainer = Trainer(config_for(variant, seed, args, resume))
     try:
         start = start_of(trainer, args)
         trainer.train()

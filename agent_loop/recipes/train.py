@@ -236,7 +236,7 @@ class Trainer:
         """The step's checkpoint (``agent_loop.training.resume.save_checkpoint``): every rank calls it."""
         return save_checkpoint(checkpoint.step_folder(self.output_dir, self.step), step=self.step, dp=self.dp,
                                state=self.state_dict(), policy=self.policy, tokenizer=self.tokenizer,
-                               trained_parameters=self.trained_parameters)
+                               trained_parameters=self.trained_parameters, keep=self.config.output.keep_checkpoints)
 
     def state_dict(self) -> dict:
         """What a resume needs besides the weights (``agent_loop.training.resume.trainer_state``)."""

@@ -166,6 +166,9 @@ class TrainOutput(OutputOptions, ResumeOptions):
                                                "an account)")] = None
     save_rollouts_every: integer("steps between saved training rollouts (OUTPUT_DIR/rollouts/step_NNNNNN.jsonl, "
                                  "with the returns and advantages each step used); 0 = none", 0) = 1
+    keep_checkpoints: integer("checkpoints kept in OUTPUT_DIR/checkpoints, the newest; an older one is removed "
+                              "once a newer one is complete (as verl's max_actor_ckpt_to_keep, transformers' "
+                              "save_total_limit: SmolLM2's is 1.6 GB with its optimizer state); 0 = all", 0) = 0
 
     def default_output_dir(self) -> str:
         """The run folder of ``resume`` (a run folder, or the one a checkpoint folder is in), else a fresh one.

@@ -27,6 +27,7 @@ import importlib
 import json
 import pickle
 import random
+import shutil
 import warnings
 from pathlib import Path
 
@@ -46,7 +47,7 @@ _OLD_STATE_GLOBALS = frozenset({"numpy.dtype", "numpy.ndarray", "numpy._core.mul
                                 "numpy.core.multiarray._reconstruct"})
 _HASH_CHUNK = 1 << 22
 # settings that may differ on resume: how long, where, how verbosely and in how many processes the run goes on
-RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "verbose", "threads", "save_every", "eval_every",
+RESUMABLE_SETTINGS = frozenset({"steps", "resume", "output_dir", "progress", "verbose", "threads", "save_every", "keep_checkpoints", "eval_every",
                                 "eval_episodes", "check_episodes", "save_rollouts_every", "allow_config_change", "nproc", "parallel", "overwrite",
                                 # where the episodes are played, not what they are (ServerOptions): servers move
                                 "server", "served_model_name", "retry_deadline_s", "request_timeout_s"})
@@ -107,16 +108,20 @@ def write_folder(path: Path, *, fill, manifest: dict | None = None) -> Path:
     return path
 
 
-def write_checkpoint(path: Path, *, step: int, state: dict, save_model) -> Path:
+def write_checkpoint(path: Path, *, step: int, state: dict, save_model, keep: int = 0) -> Path:
     """Write a checkpoint folder atomically (:func:`write_folder`): ``save_model(folder)`` fills ``model/``,
     ``state`` (plain values and tensors) goes to ``trainer_state.pt``, then the manifest, and ``latest`` is
-    pointed at it. ``train`` and ``warmstart`` both save this way."""
+    pointed at it; then, with ``keep`` > 0, the step folders beside it but the ``keep`` newest are removed (never
+    before the new one is complete). ``train`` and ``warmstart`` both save this way."""
     def fill(tmp: Path) -> None:
         save_model(tmp / "model")
         torch.save(state, tmp / STATE_FILE)
 
     path = write_folder(path, fill=fill, manifest={"format": FORMAT, "step": step})
     files.write_text(path.parent / LATEST, path.name + "\n")
+    if keep:
+        for older in [p for p in _step_folders(path.parent) if p != path][keep - 1:]:
+            shutil.rmtree(older, ignore_errors=True)
     return path
 
 

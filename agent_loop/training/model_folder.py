@@ -4,7 +4,6 @@ a manifest. The model folder (:func:`save_model`: one that ``--model`` loads) an
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import agent_loop.training.checkpoint as checkpoint
@@ -30,9 +29,5 @@ def save_model(model, tokenizer, folder: Path, *, step: int) -> Path:
 def save_latest_checkpoint(root: Path, step: int, state: dict, model, tokenizer) -> Path:
     """The checkpoint of step ``step`` at ``root/step_NNNNNN`` (``agent_loop.training.checkpoint.write_checkpoint``:
     the model, its tokenizer and ``state``); the earlier ones under ``root`` are removed once it is complete."""
-    path = checkpoint.write_checkpoint(root / f"step_{step:06d}", step=step, save_model=model_filler(model, tokenizer),
-                                       state=state)
-    for older in root.glob("step_*"):
-        if older != path:
-            shutil.rmtree(older, ignore_errors=True)
-    return path
+    return checkpoint.write_checkpoint(root / f"step_{step:06d}", step=step, save_model=model_filler(model, tokenizer),
+                                       state=state, keep=1)

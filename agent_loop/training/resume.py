@@ -89,11 +89,13 @@ def load_trainer_state(state: dict, *, optimizer, value_head, estimator_name: st
     return state["step"]
 
 
-def save_checkpoint(path: Path, *, step: int, dp, state: dict, policy, tokenizer, trained_parameters) -> Path:
+def save_checkpoint(path: Path, *, step: int, dp, state: dict, policy, tokenizer, trained_parameters,
+                    keep: int = 0) -> Path:
     """Checkpoint ``path``: ``model/`` (a plain transformers model folder with its tokenizer; LoRA: the merged
     weights, the adapter alone in ``adapter/``) and the trainer ``state`` (:func:`trainer_state`), written
-    atomically (``agent_loop.training.checkpoint.write_checkpoint``). With several ranks, rank 0 writes it (the
-    replicas of ``trained_parameters`` checked equal first) and every rank returns once it is written."""
+    atomically (``agent_loop.training.checkpoint.write_checkpoint``, which keeps the ``keep`` newest; 0: all). With
+    several ranks, rank 0 writes it (the replicas of ``trained_parameters`` checked equal first) and every rank
+    returns once it is written."""
     dp.check_replicas_equal(trained_parameters)
     weights = merged_state_dict(policy)  # every rank: FSDP shards are gathered
 
@@ -102,6 +104,6 @@ def save_checkpoint(path: Path, *, step: int, dp, state: dict, policy, tokenizer
         tokenizer.save_pretrained(folder)
 
     if dp.is_main:
-        checkpoint.write_checkpoint(path, step=step, state=state, save_model=save_model)
+        checkpoint.write_checkpoint(path, step=step, state=state, save_model=save_model, keep=keep)
     dp.barrier()
     return path

@@ -161,6 +161,27 @@ def saved(random_model, tmp_path_factory) -> tuple[TrainConfig, Path]:
     return config, step_folder(trainer.output_dir, 1)
 
 
+@pytest.mark.slow
+def test_keep_checkpoints_keeps_the_newest_and_the_run_resumes_from_them(random_model, tmp_path):
+    """--keep-checkpoints 2 over 4 steps saved every step: steps 3 and 4 remain (an older one is removed once a
+    newer one is complete), ``latest`` names step 4, and the run goes on from it; 0 keeps them all."""
+    out = tmp_path / "run"
+    config = config_for(random_model, out, steps=4, save_every=1, keep_checkpoints=2, max_tokens=8, max_turns=2,
+                        tensorboard=False)
+    Trainer(config).train()
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000003", "step_000004"]
+    assert (checkpoints / "latest").read_text() == "step_000004\n"
+    resumed = Trainer(config.replace(resume=str(out), steps=5))
+    assert resumed.step == 4
+    resumed.train()
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000004", "step_000005"]
+    every = tmp_path / "every"
+    Trainer(config.replace(output_dir=str(every), steps=3, keep_checkpoints=0)).train()
+    assert sorted(p.name for p in (every / "checkpoints").glob("step_*")) == ["step_000001", "step_000002",
+                                                                             "step_000003"]
+
+
 def copy_of(saved, tmp_path) -> tuple[TrainConfig, Path]:
     config, checkpoint = saved
     target = tmp_path / "copy" / "checkpoints" / checkpoint.name
