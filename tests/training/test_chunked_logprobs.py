@@ -55,31 +55,45 @@ def loss_of(logprobs, entropies, weights):
     return (weights[0] * logprobs).sum() + (weights[1] * entropies).sum()
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 100_000])
-def test_chunked_values_and_gradients_equal_the_whole_logits_and_a_serial_loop(model, batch, chunk):
+def head_outputs(head: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, compute) -> tuple:
+    """``compute(head, leaf)``'s logprobs and entropies for a fresh leaf copy of ``hidden``, and the gradients of
+    the weighted loss with respect to the hidden states and the head's weight."""
+    head.zero_grad(set_to_none=True)
+    leaf = hidden.clone().requires_grad_(True)
+    logprobs, entropies = compute(head, leaf)
+    loss_of(logprobs, entropies, weights).backward()
+    return logprobs.detach(), entropies.detach(), leaf.grad, head.weight.grad.clone()
+
+
+@pytest.fixture(scope="module")
+def references(model, batch):
+    """Random hidden states and loss weights over the batch's tokens, and what the plain whole-logits computation
+    and the serial loop give for them (computed once: the serial loop is the slow part)."""
     head = model.get_output_embeddings()
-    generator = torch.Generator().manual_seed(chunk)
+    generator = torch.Generator().manual_seed(0)
     b, t = batch.responses.shape
     hidden = torch.randn(b, t, head.in_features, generator=generator)
     weights = torch.randn(2, b, t, generator=generator)
-    results = {}
-    for name in ("chunked", "whole", "serial"):
-        head.zero_grad(set_to_none=True)
-        leaf = hidden.clone().requires_grad_(True)
-        if name == "chunked":
-            logprobs, entropies = chunked_head(head, leaf, batch.responses, chunk=chunk)
-        elif name == "whole":
-            logits = head(leaf).float()
-            logprobs = torch.log_softmax(logits, -1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
-            entropies = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-        else:
-            logprobs, entropies = serial(head, leaf, batch.responses)
-        loss_of(logprobs, entropies, weights).backward()
-        results[name] = (logprobs.detach(), entropies.detach(), leaf.grad, head.weight.grad.clone())
+
+    def whole(head, leaf):
+        logits = head(leaf).float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+        return logprobs, torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+    return hidden, weights, {"whole": head_outputs(head, hidden, weights, whole),
+                             "serial": head_outputs(head, hidden, weights,
+                                                    lambda head, leaf: serial(head, leaf, batch.responses))}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100_000])
+def test_chunked_values_and_gradients_equal_the_whole_logits_and_a_serial_loop(model, batch, references, chunk):
+    head = model.get_output_embeddings()
+    hidden, weights, expected = references
+    got = head_outputs(head, hidden, weights, lambda head, leaf: chunked_head(head, leaf, batch.responses, chunk=chunk))
     for reference in ("whole", "serial"):
-        for got, want, tolerance in zip(results["chunked"], results[reference], (TOL, TOL, TOL, GRAD_TOL)):
-            torch.testing.assert_close(got, want, **tolerance)
-    assert results["chunked"][0].shape == (b, t) and (results["chunked"][0] < 0).all()
+        for value, want, tolerance in zip(got, expected[reference], (TOL, TOL, TOL, GRAD_TOL)):
+            torch.testing.assert_close(value, want, **tolerance)
+    assert got[0].shape == batch.responses.shape and (got[0] < 0).all()
 
 
 def test_the_policy_forward_equals_the_plain_forward_values_and_gradients(model, batch):
