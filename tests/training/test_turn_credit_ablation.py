@@ -1,11 +1,12 @@
 """examples/turn_credit_ablation.py at tiny sizes on the tiny agent (issue 47 item 5): a warm start on keydoor's
-demonstrations, two estimators one after the other on the in-process vLLM engine (as SmolLM2's runs play: a
-finished run must close the engine's process, or the process slot's exit waits on it and the next run never
-starts), the held-out start measured once per seed, the table, the curves and the histories written, only the
-latest checkpoint kept; then a run cut off after its step-2 checkpoint (what a kill before the step-3 checkpoint
-leaves: step 3's metrics logged, no step_000003, no result.json) goes on from that checkpoint, and a finished run
-trains on from its last checkpoint when --steps grows (to 3: one step more shows both); the warm start and the
-start's held-out rates are reused."""
+demonstrations, two estimators one after the other, the held-out start measured once per seed, the table, the
+curves and the histories written, only the latest checkpoint kept; then a run cut off after its step-2 checkpoint
+(what a kill before the step-3 checkpoint leaves: step 3's metrics logged, no step_000003, no result.json) goes on
+from that checkpoint, and a finished run trains on from its last checkpoint when --steps grows (to 3: one step more
+shows both); the warm start and the start's held-out rates are reused. Those semantics are the script's, whatever
+plays the episodes, so they are tested on the transformers backend; the in-process vLLM engine (as SmolLM2's runs
+play) gets a run of its own, where a finished run must close the engine's process or the process slot's exit waits
+on it and the next run never starts."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("reinforce_plus_plus", "gigpo")
 
 
-def ablation(out: Path, steps: int) -> str:
+def ablation(out: Path, steps: int, backend: str = "hf") -> str:
     command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--warm-start-steps", "2",
                "--warm-start-episodes", "8", "--warm-start-batch", "4", "--steps", str(steps), "--prompts-per-step", "2",
                "--group-size", "2", "--eval-episodes", "2", "--save-every", "1", "--max-response-tokens", "384",
-               "--greedy", "--variants", *VARIANTS, "--backend", "vllm", "--parallel", "1", "--threads", "1",
+               "--greedy", "--variants", *VARIANTS, "--backend", backend, "--parallel", "1", "--threads", "1",
                "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -86,6 +87,17 @@ def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
         assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_000003"]
         assert resumed["held_out"]["start"] == start
     assert len(json.loads((out / "histories.json").read_text())) == 2
+
+
+@pytest.mark.slow
+def test_runs_on_the_vllm_engine_follow_one_another(tmp_path):
+    """Each run closes its engine, so the pool's next run starts (an open engine would hold the slot forever)."""
+    out = tmp_path / "ablation"
+    ablation(out, 1, backend="vllm")
+    results = json.loads((out / "histories.json").read_text())
+    assert [r["variant"] for r in results] == list(VARIANTS)
+    assert all([m["step"] for m in r["history"]] == [1] for r in results)
+    assert all((out / f"{variant}-seed0" / "vllm.log").stat().st_size for variant in VARIANTS)  # the engine's log
 
 
 def test_an_unregistered_estimator_is_refused_before_any_work(tmp_path):
