@@ -5,8 +5,8 @@ curves and the histories written, only the latest checkpoint kept; then a run cu
 from that checkpoint, and a finished run trains on from its last checkpoint when --steps grows (to 3: one step more
 shows both); the warm start and the start's held-out rates are reused. Those semantics are the script's, whatever
 plays the episodes, so they are tested on the transformers backend; the in-process vLLM engine (as SmolLM2's runs
-play) gets a run of its own, where a finished run must close the engine's process or the process slot's exit waits
-on it and the next run never starts."""
+play) gets a run of its own, which must close the engine's process, or the process slot's exit waits on it and no
+run after it starts."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("reinforce_plus_plus", "gigpo")
 
 
-def ablation(out: Path, steps: int, backend: str = "hf") -> str:
+def ablation(out: Path, steps: int, backend: str = "hf", variants: tuple[str, ...] = VARIANTS) -> str:
     command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--warm-start-steps", "2",
                "--warm-start-episodes", "8", "--warm-start-batch", "4", "--steps", str(steps), "--prompts-per-step", "2",
                "--group-size", "2", "--eval-episodes", "2", "--save-every", "1", "--max-response-tokens", "384",
-               "--greedy", "--variants", *VARIANTS, "--backend", backend, "--parallel", "1", "--threads", "1",
+               "--greedy", "--variants", *variants, "--backend", backend, "--parallel", "1", "--threads", "1",
                "--output-dir", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -90,14 +90,14 @@ def test_the_ablation_writes_its_outputs_and_resumes_a_cut_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_runs_on_the_vllm_engine_follow_one_another(tmp_path):
-    """Each run closes its engine, so the pool's next run starts (an open engine would hold the slot forever)."""
+def test_a_run_on_the_vllm_engine_closes_it(tmp_path):
+    """A run's process (a pool worker) exits only once its engine is closed: an open engine would hold it, and the
+    command (and every run after it) would wait forever."""
     out = tmp_path / "ablation"
-    ablation(out, 1, backend="vllm")
-    results = json.loads((out / "histories.json").read_text())
-    assert [r["variant"] for r in results] == list(VARIANTS)
-    assert all([m["step"] for m in r["history"]] == [1] for r in results)
-    assert all((out / f"{variant}-seed0" / "vllm.log").stat().st_size for variant in VARIANTS)  # the engine's log
+    ablation(out, 1, backend="vllm", variants=VARIANTS[:1])  # returns: the pool's worker exited
+    [result] = json.loads((out / "histories.json").read_text())
+    assert result["variant"] == VARIANTS[0] and [m["step"] for m in result["history"]] == [1]
+    assert (out / f"{VARIANTS[0]}-seed0" / "vllm.log").stat().st_size  # played on the engine: its log
 
 
 def test_an_unregistered_estimator_is_refused_before_any_work(tmp_path):
