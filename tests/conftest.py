@@ -42,6 +42,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -recorded.get(item.nodeid.split("::")[0], 0.0))  # stable: a file stays together
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Back to one torch thread after each test: a command run in this process sets its own (agent_loop.threads),
+    and the worker's later tests would keep them. Two threads per worker beside the other worker (or any load)
+    stall at every operation: a tiny-agent warm start took 44 s with 2 threads under load, 4 s with 1."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 _seconds: dict[str, float] = defaultdict(float)
 
 

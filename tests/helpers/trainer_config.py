@@ -12,7 +12,7 @@ ASSISTANT = SpanKind.ASSISTANT
 def small_config(tiny_mid: str, tmp_path, **overrides) -> TrainConfig:
     """8 episodes per step (4 questions x 2 samples), 2 mini-batches of 4, micro-batches of 2."""
     settings = dict(model=tiny_mid, steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
-                    micro_batch_size=2, ppo_epochs=1, threads=2, output_dir=str(tmp_path / "run"), progress=False)
+                    micro_batch_size=2, ppo_epochs=1, threads=1, output_dir=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
     return TrainConfig.from_flat(**settings)
 

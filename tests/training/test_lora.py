@@ -25,7 +25,7 @@ RANK, ALPHA = 4, 8.0
 def lora_config(tiny_mid, tmp_path, **overrides) -> TrainConfig:
     settings = dict(model=tiny_mid, steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
                     micro_batch_size=4, lr=1e-2, entropy_coef=0.01, kl_coef=0.05, lora_rank=RANK,
-                    lora_alpha=ALPHA, threads=2, save_every=1, output_dir=str(tmp_path / "run"), progress=False)
+                    lora_alpha=ALPHA, threads=1, save_every=1, output_dir=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
     return TrainConfig.from_flat(**settings)
 

@@ -138,7 +138,7 @@ def test_requests_run_on_the_adapter_pushed_last_never_the_base_or_a_stale_one(e
 
 def lora_train_config(model, output_dir, **overrides) -> TrainConfig:
     settings = dict(model=str(model), steps=2, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=1,
-                    micro_batch_size=8, lr=5e-2, entropy_coef=0.01, lora_rank=RANK, threads=2,
+                    micro_batch_size=8, lr=5e-2, entropy_coef=0.01, lora_rank=RANK, threads=1,
                     output_dir=str(output_dir), progress=False)
     return TrainConfig.from_flat(**{**settings, **overrides})
 

@@ -32,7 +32,7 @@ def test_train_gigpo_records_the_anchor_groups_and_inspect_shows_the_turns(tiny_
     run = tmp_path / "run"
     assert main(["train", "--model", tiny_mid, "--estimator", "gigpo", "--step-advantage-w", "0.5", "--steps", "1",
                  "--prompts-per-step", "3", "--group-size", "2", "--mini-batches", "1", "--output-dir", str(run),
-                 "--no-progress", "--no-tensorboard", "--threads", "2"]) == 0, capsys.readouterr().err
+                 "--no-progress", "--no-tensorboard", "--threads", "1"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     path = run / "rollouts" / "step_000001.jsonl"
     trained = [t for t in read_trajectories(path) if t.info["trained"]]
@@ -66,7 +66,7 @@ def test_train_gigpo_records_the_anchor_groups_and_inspect_shows_the_turns(tiny_
 def test_rollout_shows_a_group_estimator_on_its_own_groups(tiny_mid, tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     assert main(["rollout", "--model", tiny_mid, "--episodes", "6", "--group-size", "3", "--estimator", "gigpo",
-                 "--gamma", "0.9", "--out", str(out), "--threads", "2"]) == 0, capsys.readouterr().err
+                 "--gamma", "0.9", "--out", str(out), "--threads", "1"]) == 0, capsys.readouterr().err
     printed = " ".join(capsys.readouterr().out.split())
     assert "batch tensors and gigpo (gamma=0.9)" in printed
     episodes = sorted(read_trajectories(out), key=lambda t: t.info["index"])

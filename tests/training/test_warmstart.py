@@ -298,7 +298,7 @@ def _from_chats(chats):
 
 def test_a_short_warm_start_lowers_the_loss_and_saves_a_model_the_loop_loads(tmp_path, tiny_agent_dir):
     config = WarmstartConfig(model=str(tiny_agent_dir), episodes=8, steps=4, batch_size=4, micro_batch_size=2, lr=1e-3,
-                             warmup_steps=0, output_dir=str(tmp_path / "run"), progress=False, threads=2,
+                             warmup_steps=0, output_dir=str(tmp_path / "run"), progress=False, threads=1,
                              check_episodes=0)
     result = warm_start(config, Quadruple())
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -457,7 +457,7 @@ def test_the_warm_start_ends_with_a_sampled_check_on_held_out_questions(tmp_path
     from agent_loop.training.held_out import check_line
 
     config = WarmstartConfig(model=str(tiny_agent_dir), episodes=4, steps=1, batch_size=2, warmup_steps=0, seed=5,
-                             output_dir=str(tmp_path / "run"), progress=False, threads=2, check_episodes=3)
+                             output_dir=str(tmp_path / "run"), progress=False, threads=1, check_episodes=3)
     result = warm_start(config, Quadruple())
     check = result.check
     assert [(t.info["index"], t.info["seed"]) for t in check] == [(i, 5 + EVAL_SEED_OFFSET) for i in range(3)]

@@ -65,7 +65,7 @@ def test_server_generates_with_the_synced_weights_and_a_failed_sync_raises(tiny_
         # the trainer with rollouts on the server: rank 0 pushes after each step, the server follows
         config = TrainConfig.from_flat(
             model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
-            micro_batch_size=4, lr=1e-3, entropy_coef=0.01, threads=2, server=[url], served_model_name="tiny-agent",
+            micro_batch_size=4, lr=1e-3, entropy_coef=0.01, threads=1, server=[url], served_model_name="tiny-agent",
             output_dir=str(tmp_path / "run"), progress=False)
         trainer = Trainer(config)
         metrics = trainer.train_step()
@@ -152,7 +152,7 @@ def test_server_generates_with_the_pushed_lora_adapter_and_a_failed_load_raises(
         # rollouts of every rank ask for it
         config = TrainConfig.from_flat(
             model=str(tiny_agent_dir), steps=1, prompts_per_step=4, group_size=2, concurrency=8, mini_batches=2,
-            micro_batch_size=4, lr=1e-2, entropy_coef=0.01, threads=2, lora_rank=4, server=[url],
+            micro_batch_size=4, lr=1e-2, entropy_coef=0.01, threads=1, lora_rank=4, server=[url],
             served_model_name="tiny-agent", output_dir=str(tmp_path / "run"), progress=False)
         trainer = Trainer(config)
         trainer.train_step()
