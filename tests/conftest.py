@@ -13,6 +13,13 @@ import torch
 # follow the machine's load, and two runs a test compares bit for bit could differ in their numerics.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# Each pytest-xdist worker's vLLM engines and servers on a core of their own: by default an engine binds the first
+# core this process may use (agent_loop.backends.vllm_server.omp_threads_bind), so both workers' engines would
+# share core 0 while the other core ran neither.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_getaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[int(_WORKER[2:]) % len(_cores)]))
 
 # The tiny agent's full recipe reproduction (tests/tiny/test_shipped.py, over 11 minutes on one core) is opt-in:
 # its first steps and the shipped agent's play are checked by cheaper tests on every run.

@@ -33,6 +33,7 @@ def served(capsys) -> tuple[list[str], dict[str, str]]:
 
 @pytest.mark.parametrize("cpu", [True, False])
 def test_serve_runs_the_one_command_with_the_flags_it_always_had(cpu, tiny_agent_dir, capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the rule, not the test worker's core
     monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: cpu)  # the model check
     monkeypatch.setattr(agent_loop.cli.serve, "vllm_on_cpu", lambda: cpu)  # the command line
     model = str(tiny_agent_dir.resolve())

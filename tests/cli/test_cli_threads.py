@@ -66,6 +66,7 @@ def test_apply_threads_sets_torch_intra_and_interop_threads():
 def test_serve_binds_vllm_to_the_threads_it_is_given(capsys, tiny_agent_dir, monkeypatch):
     import agent_loop.model_folders
 
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the rule, not the test worker's core
     monkeypatch.setattr(agent_loop.model_folders, "vllm_on_cpu", lambda: True)
     assert main(["serve", "--model", str(tiny_agent_dir), "--dry-run", "--threads", "1"]) == 0
     env_line = capsys.readouterr().out.splitlines()[0]
