@@ -17,6 +17,7 @@ from agent_loop.episode.loop_config import LoopConfig
 from agent_loop.runners.local import run_rollouts
 from agent_loop.tasks.builtin import ArithmeticTask, calculator
 from masking.spans import SpanKind
+from tests.helpers.processes import alive
 
 pytest.importorskip("vllm")
 from agent_loop.backends.vllm_engine import VLLMEngineBackend  # noqa: E402  (needs vllm)
@@ -44,15 +45,6 @@ def formatter(tiny_tokenizer):
 
 def question_prompt(formatter, index: int) -> list[int]:
     return formatter.prompt_ids(ArithmeticTask().make_episode(index, seed=5).messages)
-
-
-def alive(process) -> bool:
-    import psutil
-
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def teacher_forced_logprobs(model, context: list[int], positions: list[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import alive
 from tests.helpers.vllm_servers import crash_tracebacks
 
 psutil = pytest.importorskip("psutil")
@@ -40,13 +41,12 @@ def descendants(process) -> set:
         return set()
 
 
-def alive(processes) -> list:
+def alive_ones(processes) -> list:
     out = []
-    for p in processes:
+    for p in filter(alive, processes):
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {p.name()} {' '.join(p.cmdline())[:80]}")
-        except psutil.Error:
+            out.append(f"{p.pid} {p.name()} {' '.join(p.cmdline())[:80]}")
+        except psutil.Error:  # gone since
             continue
     return out
 
@@ -81,15 +81,15 @@ def stop_and_check(popen, output: Output, seen: set, when: str) -> str:
         seen |= descendants(main)  # and those started after the signal (an engine core spawned meanwhile)
         time.sleep(0.05)
     if popen.poll() is None:
-        left = alive(seen | {main})
+        left = alive_ones(seen | {main})
         for p in seen | {main}:  # do not leave them to the next test
             p.kill()
         pytest.fail(f"{when}: still running {STOP_BOUND_S:.0f} s after SIGTERM: {left}")
     waited = time.monotonic() - started
     deadline = time.monotonic() + 5.0  # processes reparented to init get a few seconds to finish exiting
-    while alive(seen) and time.monotonic() < deadline:
+    while alive_ones(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = alive(seen)
+    left = alive_ones(seen)
     for p in seen:
         try:
             p.kill()
@@ -175,9 +175,9 @@ def test_a_program_that_never_closes_the_engine_leaves_no_process(tiny_agent_dir
     stdout, stderr = popen.communicate()
     assert popen.returncode == 0 and "generated 2" in stdout, stderr[-3000:]
     deadline = time.monotonic() + 5.0
-    while alive(seen) and time.monotonic() < deadline:
+    while alive_ones(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert seen and not alive(seen), alive(seen)
+    assert seen and not alive_ones(seen), alive_ones(seen)
 
 
 def test_only_a_worker_exit_inside_a_finalizer_is_discounted():

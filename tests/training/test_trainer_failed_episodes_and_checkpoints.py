@@ -33,6 +33,7 @@ from agent_loop.tasks.registry import get_task
 from agent_loop.training.checkpoint import MANIFEST, STATE_FILE, CheckpointError, step_folder
 from agent_loop.types import Trajectory
 from masking import SpanKind
+from tests.helpers.processes import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -291,11 +292,11 @@ def test_a_worker_in_its_own_session_dies_when_its_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], env=ENV, stdout=subprocess.PIPE, text=True)
     child = psutil.Process(int(parent.stdout.readline()))
     assert parent.stdout.readline().strip() == "armed"  # the child's own line (its stdout is the parent's)
-    assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+    assert alive(child)
     parent.send_signal(signal.SIGKILL)
     parent.wait(10)
-    gone, alive = psutil.wait_procs([child], timeout=3)  # the parent-death signal, not the 60 s watch
-    assert not alive, "the worker outlived its parent"
+    gone, running = psutil.wait_procs([child], timeout=3)  # the parent-death signal, not the 60 s watch
+    assert not running, "the worker outlived its parent"
 
 
 def checkpoint_names(run: Path) -> set[str]:
@@ -332,8 +333,8 @@ def test_nproc_2_workers_exit_when_the_launcher_is_sigkilled(tmp_path):
     killed = time.time()
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(10)
-    gone, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive, f"workers {[p.pid for p in alive]} still running 10 s after the launcher was killed"
+    gone, running = psutil.wait_procs(workers, timeout=10)
+    assert not running, f"workers {[p.pid for p in running]} still running 10 s after the launcher was killed"
     assert time.time() - killed < 5, "the workers took more than a few seconds to go"
     # a write already in its last system call when the signal came may finish: a quarter of a second
     assert written_after(run, killed + 0.25) == [], "written after the launcher was killed"
@@ -389,10 +390,10 @@ def test_a_worker_whose_launcher_died_writes_nothing_even_without_the_parent_dea
     assert (tmp_path / "before.txt").read_text() == "the launcher is alive"
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(10)
-    assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE  # no parent-death signal came
+    assert alive(worker)  # no parent-death signal came
     (tmp_path / "go").write_text("")
-    gone, alive = psutil.wait_procs([worker], timeout=60)
-    assert not alive and "wrote" not in launcher.stdout.read()  # stopped at the write, not after it
+    gone, running = psutil.wait_procs([worker], timeout=60)
+    assert not running and "wrote" not in launcher.stdout.read()  # stopped at the write, not after it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["before.txt", "go"]  # nothing, not even a temporary file
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("reinforce_plus_plus", "gigpo")
 
@@ -138,13 +140,6 @@ def test_sigterm_stops_the_runs_processes_too(tmp_path):
     popen.send_signal(signal.SIGTERM)
     stderr = popen.communicate(timeout=120)[1]
     deadline = time.monotonic() + 10.0  # a run that is exiting gets a few seconds
-
-    def alive(process) -> bool:
-        try:
-            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
     while time.monotonic() < deadline and any(alive(p) for p in seen):
         time.sleep(0.2)
     left = [p for p in seen if alive(p)]
