@@ -36,8 +36,10 @@ after ``--``, then the variant's own, then ``--seed N``. A cell that stopped goe
 ``--eval-episodes`` of them); with ``--start`` the model every cell starts from plays them too (the row
 ``start``). ``OUT/results.json`` holds per cell the held-out success, the steps and the rollout
 tokens played (every step's assistant and observation tokens per episode times the episodes it played, those
-``--filter-groups`` set aside too), and ``OUT/results.md`` the table (mean and standard deviation over seeds) and the
-learning curves (training success by step, mean over seeds; ``OUT/curves.png`` draws them).
+``--filter-groups`` set aside too), and ``OUT/results.md`` the table (mean and standard deviation over seeds), the
+steps and rollout tokens each variant took to reach a training success (``--levels``: the first step whose sampled
+success reached it) and the learning curves (training success by step, mean over seeds; ``OUT/curves.png`` draws
+them).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-episodes", type=int, default=100, help="held-out questions per cell")
     parser.add_argument("--temperature", type=float, default=1.0, help="the held-out questions' sampling")
+    parser.add_argument("--levels", type=float, nargs="+", default=[0.5, 0.8, 0.9],
+                        help="training-success levels: the steps and rollout tokens each variant took to reach them")
     parser.add_argument("--start", action="store_true",
                         help=f"also play each seed's held-out questions with the --model every cell starts from "
                              f"(the row {START!r}: 0 steps)")
@@ -108,15 +112,28 @@ def step_metrics(folder: Path) -> list[dict]:
     return [m for m in map(json.loads, lines) if "assistant_tokens" in m]
 
 
-def rollout_tokens(folder: Path) -> float:
-    """The tokens a cell's steps played: per step, assistant and observation tokens per episode times its
+def step_tokens(folder: Path) -> list[float]:
+    """The rollout tokens each of a cell's steps played: assistant and observation tokens per episode times its
     episodes (``--filter-groups``: the groups it examined, each ``group_size`` of them)."""
     config = yaml.safe_load((folder / "config.yaml").read_text())
-    total = 0.0
-    for step in step_metrics(folder):
-        groups = step.get("filter_groups/examined", config["prompts_per_step"])
-        total += (step["assistant_tokens"] + step["observation_tokens"]) * groups * config["group_size"]
-    return total
+    return [(step["assistant_tokens"] + step["observation_tokens"]) * step.get("filter_groups/examined",
+            config["prompts_per_step"]) * config["group_size"] for step in step_metrics(folder)]
+
+
+def rollout_tokens(folder: Path) -> float:
+    """The tokens a cell's steps played (:func:`step_tokens`), all of them."""
+    return sum(step_tokens(folder))
+
+
+def reached(folder: Path, level: float) -> tuple[int, float] | None:
+    """The first step whose training success reaches ``level`` and the rollout tokens played up to it and with
+    it, or None when no step did."""
+    spent = 0.0
+    for step, tokens in zip(step_metrics(folder), step_tokens(folder)):
+        spent += tokens
+        if step["success"] >= level:
+            return step["step"], spent
+    return None
 
 
 def held_out_success(model: Path, folder: Path, seed: int, args, flags: list[str]) -> float:
@@ -149,6 +166,22 @@ def table(results: dict[str, dict[str, dict]]) -> str:
         lines.append(f"| {name} | {len(cells)} | {statistics.mean(success):.3f}{spread} | "
                      f"{statistics.mean(tokens):,.0f} | {max(c['steps'] for c in cells.values())} |")
     return "\n".join(lines) + "\n"
+
+
+def to_levels(out: Path, results: dict[str, dict[str, dict]], levels: list[float]) -> str:
+    """Markdown: per variant and training-success level, how many seeds reached it, and their mean steps and rollout
+    tokens to it (:func:`reached`): what reaching a level costs when one variant's steps play more episodes."""
+    lines = ["| variant | training success | seeds reaching it | steps to it | rollout tokens to it |",
+             "|---|---:|---:|---:|---:|"]
+    for name, cells in results.items():
+        if name == START:
+            continue
+        for level in levels:
+            hits = [hit for seed in cells if (hit := reached(out / name / f"seed-{seed}", level))]
+            steps = f"{statistics.mean(h[0] for h in hits):.1f}" if hits else "-"
+            tokens = f"{statistics.mean(h[1] for h in hits):,.0f}" if hits else "-"
+            lines.append(f"| {name} | {level:g} | {len(hits)} of {len(cells)} | {steps} | {tokens} |")
+    return "Steps and rollout tokens to a training success (sampled, one step's episodes):\n\n" + "\n".join(lines) + "\n"
 
 
 def training_success(out: Path, results: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict[int, float]]]:
@@ -214,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cells[str(seed)] = {"held_out_success": held_out_success(model, folder, seed, args, flags),
                                     "rollout_tokens": rollout_tokens(folder), "steps": len(step_metrics(folder))}
             path.write_text(json.dumps(results, indent=1))  # after each cell: a stop loses no finished cell
-    report = table(results) + "\n" + curves(out, results)
+    report = table(results) + "\n" + to_levels(out, results, args.levels) + "\n" + curves(out, results)
     (out / "results.md").write_text(report)
     print(report)
     return results

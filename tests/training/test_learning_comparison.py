@@ -89,3 +89,26 @@ def test_held_out_success_counts_a_session_of_several_segments_once(tmp_path):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert len(read_trajectories(path)) == 4 and session_success(path) == 0.5  # per record it would read 0.75
+
+
+def test_steps_and_tokens_to_a_level_are_the_first_step_reaching_it_and_the_tokens_up_to_it(tmp_path):
+    """Per step: (assistant + observation tokens) x groups examined x group size, summed up to the first step whose
+    training success reaches the level; a level no step reached is '-'."""
+    example = load_example()
+    steps = [{"step": 1, "success": 0.25, "assistant_tokens": 10.0, "observation_tokens": 2.0},
+             {"step": 2, "success": 0.75, "assistant_tokens": 8.0, "observation_tokens": 1.0,
+              "filter_groups/examined": 5},
+             {"step": 3, "success": 0.5, "assistant_tokens": 6.0, "observation_tokens": 0.0}]
+    for name in ("a", "b"):
+        folder = tmp_path / name / "seed-0"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"prompts_per_step": 2, "group_size": 4}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps + [{"eval/success": 1.0}]))
+    folder = tmp_path / "a" / "seed-0"
+    assert example.reached(folder, 0.5) == (2, 12.0 * 2 * 4 + 9.0 * 5 * 4)
+    assert example.reached(folder, 0.25) == (1, 96.0) and example.reached(folder, 0.9) is None
+    assert example.rollout_tokens(folder) == serial_tokens(folder)
+    results = {"start": {"0": {}}, "a": {"0": {}}, "b": {"0": {}}}
+    report = example.to_levels(tmp_path, results, [0.5, 0.9])
+    assert "| a | 0.5 | 1 of 1 | 2.0 | 276 |" in report and "| b | 0.9 | 0 of 1 | - | - |" in report
+    assert "| start |" not in report
