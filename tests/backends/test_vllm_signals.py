@@ -18,12 +18,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers.processes import alive
 from tests.helpers.vllm_servers import crash_tracebacks
 
-psutil = pytest.importorskip("psutil")
 pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

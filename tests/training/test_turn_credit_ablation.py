@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers.processes import alive
@@ -119,7 +120,6 @@ def test_an_unregistered_estimator_is_refused_before_any_work(tmp_path):
 @pytest.mark.timeout(420)
 def test_sigterm_stops_the_runs_processes_too(tmp_path):
     """A kill of the command (a scheduler's stop) reaches its runs: none goes on training, orphaned."""
-    psutil = pytest.importorskip("psutil")
     out = tmp_path / "ablation"
     command = [sys.executable, str(ROOT / "examples" / "turn_credit_ablation.py"), "--steps", "500",
                "--prompts-per-step", "2", "--group-size", "2", "--eval-episodes", "2", "--save-every", "1",
