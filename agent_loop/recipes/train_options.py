@@ -284,6 +284,8 @@ class TrainConfig:
         if self.sampler.rollout_dtype in (AUTO, self.run.dtype) or self.update.corrects_rollouts:
             return
         self.update.rollout_is = "token"
+        risk = (". Not the default: bf16 sampling collapsed SmolLM2 runs that fp32's did not "
+                "(docs/results/bf16_smollm2.md)" if self.sampler.rollout_dtype == "bf16" else "")
         print(f"note: rollouts sampled in {self.sampler.rollout_dtype}, trained in {self.run.dtype}: their mismatch "
               f"is corrected with --rollout-is token (threshold {self.update.rollout_is_threshold:g}); metrics "
-              "mismatch/*", file=sys.stderr)
+              f"mismatch/*{risk}", file=sys.stderr)

@@ -62,6 +62,7 @@ def test_two_settings_are_compared_and_a_cut_cell_goes_on(tmp_path):
         folder = out / name / "seed-0"
         held_out = read_trajectories(folder / "held_out.jsonl")
         assert len(held_out) == 4 and {t.info["seed"] for t in held_out} == {1_000_003}  # train's eval stream
+        assert yaml.safe_load((folder / "held_out.config.yaml").read_text())["rollout_dtype"] == "fp32"  # every cell alike
         assert cells["0"] == {"held_out_success": sum(t.success for t in held_out) / 4,
                               "rollout_tokens": serial_tokens(folder), "steps": 1}
         assert cells["0"]["rollout_tokens"] > 0

@@ -15,7 +15,8 @@ def test_another_precision_turns_the_correction_on_unless_one_is_chosen(tiny_mid
     assert same.rollout_is == "off" and not same.corrects_rollouts
     other = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16")).update
     assert (other.rollout_is, other.rollout_is_threshold) == ("token", 2.0)
-    assert "sampled in bf16, trained in fp32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sampled in bf16, trained in fp32" in err and "docs/results/bf16_smollm2.md" in err  # the risk, with the data
     chosen = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", rollout_rs="token")).update
     assert (chosen.rollout_is, chosen.rollout_rs) == ("off", "token")  # the user's choice stands
     both_bf16 = checked(small_config(tiny_mid, tmp_path, rollout_dtype="bf16", dtype="bf16")).update
